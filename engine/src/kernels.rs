@@ -1,0 +1,490 @@
+//! Matrix kernels: weight rows (any supported type) times activation rows.
+//!
+//! One entry point, [`matmul_rows`], computes `out[t * ldo + r] = W[r] · a[t]` for a range of
+//! weight rows and every activation row. It walks the rows in tiles of several weight rows by
+//! several tokens so that each weight block is unpacked once and reused across tokens (prefill
+//! is a real GEMM) and each activation block is reused across rows. The AVX2 tiles are chosen
+//! at run time; every one has a scalar reference in `quant` and a test comparing the two.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
+use std::sync::LazyLock;
+
+use half::f16;
+
+use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
+
+static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+});
+
+/// Whether the AVX2+FMA+F16C kernels are in use (reported by `llms bench`).
+pub fn simd_name() -> &'static str {
+    if *HAS_AVX2 {
+        "avx2"
+    } else {
+        "scalar"
+    }
+}
+
+/// A weight matrix: `rows` rows of `cols` elements in `ty`, row-major.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightView<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl WeightView<'_> {
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+    pub fn act_kind(&self) -> ActKind {
+        act_kind(self.ty)
+    }
+}
+
+/// Which activation format a weight type multiplies with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActKind {
+    Q8,
+    Q8K,
+    F32,
+}
+
+pub fn act_kind(ty: GgmlType) -> ActKind {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => ActKind::Q8,
+        GgmlType::Q4K | GgmlType::Q6K => ActKind::Q8K,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActKind::F32,
+    }
+}
+
+/// Activations prepared once per matmul input and shared by every weight that reads it.
+#[derive(Debug, Default)]
+pub struct Acts {
+    pub q8: Q8Acts,
+    pub q8k: Q8KActs,
+    pub f32: Vec<f32>,
+    pub cols: usize,
+    pub rows: usize,
+}
+
+impl Acts {
+    /// Prepares `rows` rows of `cols` values in the formats the given kinds need.
+    pub fn prepare(&mut self, x: &[f32], rows: usize, cols: usize, kinds: &[ActKind]) {
+        self.rows = rows;
+        self.cols = cols;
+        if kinds.contains(&ActKind::Q8) {
+            self.q8.quantize(x, rows, cols);
+        }
+        if kinds.contains(&ActKind::Q8K) {
+            self.q8k.quantize(x, rows, cols);
+        }
+        if kinds.contains(&ActKind::F32) {
+            self.f32.clear();
+            self.f32.extend_from_slice(&x[..rows * cols]);
+        }
+    }
+}
+
+/// Raw output pointer shared by the threads of one matmul; each thread writes a disjoint set
+/// of `(token, row)` cells.
+#[derive(Debug, Clone, Copy)]
+pub struct OutPtr {
+    pub ptr: *mut f32,
+    pub len: usize,
+}
+// SAFETY: an OutPtr is only used by matmul_rows, whose callers give each thread a disjoint row
+// range, so no two threads write the same element.
+unsafe impl Send for OutPtr {}
+// SAFETY: see Send.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    pub fn new(out: &mut [f32]) -> Self {
+        Self {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
+    }
+    /// The same buffer seen from element `by` on.
+    pub fn offset(self, by: usize) -> Self {
+        Self { ptr: self.ptr.wrapping_add(by), len: self.len.saturating_sub(by) }
+    }
+    #[inline]
+    pub fn write(&self, idx: usize, v: f32) {
+        assert!(idx < self.len, "matmul output index {idx} out of {}", self.len);
+        // SAFETY: idx is in bounds (checked above); the buffer outlives the matmul; threads
+        // write disjoint indices (contract of matmul_rows).
+        unsafe { *self.ptr.add(idx) = v };
+    }
+}
+
+/// Computes `out[t * ldo + r] = W[r] · a[t]` for `r` in `r0..r1` and every activation row `t`.
+///
+/// Threads may call this concurrently on the same `out` with disjoint row ranges.
+pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
+    debug_assert_eq!(a.cols, w.cols);
+    debug_assert!(r1 <= w.rows);
+    let n_tok = a.rows;
+    match w.ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if *HAS_AVX2 => {
+            #[cfg(target_arch = "x86_64")]
+            {
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time above).
+                unsafe { avx2::matmul_q8_family(w, &a.q8, out, ldo, r0, r1) };
+                return;
+            }
+        }
+        _ => {}
+    }
+    matmul_rows_ref(w, a, out, ldo, r0, r1, n_tok);
+}
+
+/// The scalar reference for every weight type.
+pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize, n_tok: usize) {
+    let mut tmp = Vec::new();
+    for r in r0..r1 {
+        let row = w.row(r);
+        for t in 0..n_tok {
+            let v = match w.ty {
+                GgmlType::Q4_0 => quant::dot_q4_0_ref(quant::blocks::<BlockQ4_0>(row), &a.q8, t),
+                GgmlType::Q4_1 => quant::dot_q4_1_ref(quant::blocks::<BlockQ4_1>(row), &a.q8, t),
+                GgmlType::Q8_0 => quant::dot_q8_0_ref(quant::blocks::<BlockQ8_0>(row), &a.q8, t),
+                GgmlType::Q4K => quant::dot_q4k_ref(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
+                GgmlType::Q6K => quant::dot_q6k_ref(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                    tmp.resize(w.cols, 0.0);
+                    quant::dequantize_row(w.ty, row, &mut tmp);
+                    let x = &a.f32[t * w.cols..(t + 1) * w.cols];
+                    tmp.iter().zip(x).map(|(p, q)| p * q).sum()
+                }
+            };
+            out.write(t * ldo + r, v);
+        }
+    }
+}
+
+/// `sum(k[i] * q[i])` with `k` in f16.
+#[inline]
+pub fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && k.len() % 8 == 0 {
+        // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
+        return unsafe { avx2::dot_f16(k, q) };
+    }
+    k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
+}
+
+/// `out[i] += a * v[i]` with `v` in f16.
+#[inline]
+pub fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && v.len() % 8 == 0 {
+        // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
+        unsafe { avx2::axpy_f16(a, v, out) };
+        return;
+    }
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += a * x.to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    // Every function here is an AVX2/FMA/F16C kernel whose one precondition is that the CPU
+    // has those features; the dispatchers above check that once (HAS_AVX2) before calling in.
+    // Marking each intrinsic call `unsafe` again would hide the few real memory contracts,
+    // which are commented where they are (pointer loads).
+    #![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{OutPtr, WeightView};
+    use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType, Q8Acts, QK};
+
+    /// Weight blocks of 32 that multiply Q8 activations: 4-bit with scale and offset, or 8-bit.
+    trait Q8Family: bytemuck::Pod {
+        /// Returns the 32 weights as bytes ready for `maddubs` (unsigned for 4-bit formats,
+        /// `|w|` for 8-bit), the scale, the offset applied per activation sum, and whether the
+        /// weights were signed (then the activation takes the weight's sign).
+        /// # Safety
+        /// Needs AVX2 and F16C.
+        #[allow(clippy::missing_safety_doc)]
+        unsafe fn load(&self) -> (__m256i, f32, f32);
+        const SIGNED: bool;
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn h2f(h: f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
+        // SAFETY (for callers): reads 16 bytes from a 16-byte array.
+        let q = _mm_loadu_si128(qs.as_ptr().cast());
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(q, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    impl Q8Family for BlockQ4_1 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load(&self) -> (__m256i, f32, f32) {
+            (unpack_nibbles(&self.qs), h2f(self.d), h2f(self.m))
+        }
+        const SIGNED: bool = false;
+    }
+    impl Q8Family for BlockQ4_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load(&self) -> (__m256i, f32, f32) {
+            let d = h2f(self.d);
+            // (q - 8) · x = q · x - 8 · sum(x): the offset rides on the activation sum.
+            (unpack_nibbles(&self.qs), d, -8.0 * d)
+        }
+        const SIGNED: bool = false;
+    }
+    impl Q8Family for BlockQ8_0 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load(&self) -> (__m256i, f32, f32) {
+            (_mm256_loadu_si256(self.qs.as_ptr().cast()), h2f(self.d), 0.0)
+        }
+        const SIGNED: bool = true;
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn matmul_q8_family(w: &WeightView, a: &Q8Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
+        match w.ty {
+            GgmlType::Q4_1 => run::<BlockQ4_1>(w, a, out, ldo, r0, r1),
+            GgmlType::Q4_0 => run::<BlockQ4_0>(w, a, out, ldo, r0, r1),
+            GgmlType::Q8_0 => run::<BlockQ8_0>(w, a, out, ldo, r0, r1),
+            _ => unreachable!("not a Q8-family weight"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run<B: Q8Family>(w: &WeightView, a: &Q8Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
+        let nb = w.cols / QK;
+        assert_eq!(nb, a.nb, "activation width does not match the weight");
+        let wb: &[B] = blocks(&w.data[..w.rows * nb * std::mem::size_of::<B>()]);
+        let n_tok = a.rows;
+        let mut t = 0;
+        // Prefill: 4 rows x 3 tokens per tile (12 accumulators fit the 16 ymm registers).
+        while t + 3 <= n_tok {
+            let mut r = r0;
+            while r + 4 <= r1 {
+                tile::<B, 4, 3>(wb, nb, r, a, t, out, ldo);
+                r += 4;
+            }
+            while r < r1 {
+                tile::<B, 1, 3>(wb, nb, r, a, t, out, ldo);
+                r += 1;
+            }
+            t += 3;
+        }
+        while t < n_tok {
+            let mut r = r0;
+            while r + 4 <= r1 {
+                tile::<B, 4, 1>(wb, nb, r, a, t, out, ldo);
+                r += 4;
+            }
+            while r < r1 {
+                tile::<B, 1, 1>(wb, nb, r, a, t, out, ldo);
+                r += 1;
+            }
+            t += 1;
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<B: Q8Family, const R: usize, const T: usize>(
+        wb: &[B],
+        nb: usize,
+        row0: usize,
+        a: &Q8Acts,
+        t0: usize,
+        out: OutPtr,
+        ldo: usize,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut offs = [[0.0f32; T]; R];
+        let wrows: [&[B]; R] = std::array::from_fn(|r| &wb[(row0 + r) * nb..(row0 + r + 1) * nb]);
+        let arows: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+        for i in 0..nb {
+            let xq: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(a.qs[arows[t] + i].as_ptr().cast()));
+            let xd: [f32; T] = std::array::from_fn(|t| a.d[arows[t] + i]);
+            for r in 0..R {
+                let (wq, d, m) = wrows[r][i].load();
+                for t in 0..T {
+                    let p16 = if B::SIGNED {
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq[t], wq))
+                    } else {
+                        _mm256_maddubs_epi16(wq, xq[t])
+                    };
+                    let pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[t]), pf, acc[r][t]);
+                    if !B::SIGNED {
+                        offs[r][t] += m * a.s[arows[t] + i];
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                out.write((t0 + t) * ldo + row0 + r, hsum(acc[r][t]) + offs[r][t]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
+        let n = k.len().min(q.len()) / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 8 <= n <= both lengths.
+            let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
+            let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+            acc = _mm256_fmadd_ps(kv, qv, acc);
+            i += 8;
+        }
+        hsum(acc)
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
+        let n = v.len().min(out.len()) / 8 * 8;
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 8 <= n <= both lengths.
+            let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i).cast()));
+            let o = out.as_mut_ptr().add(i);
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(o)));
+            i += 8;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut impl Rng) -> Vec<u8> {
+        let n = rows * ty.row_bytes(cols);
+        let mut data: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+        // Keep the f16 scales finite and small so sums stay comparable.
+        let bs = ty.type_size();
+        for blk in data.chunks_exact_mut(bs) {
+            let put = |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            match ty {
+                GgmlType::Q4_0 | GgmlType::Q8_0 => put(blk, 0, rng.gen_range(0.001..0.05)),
+                GgmlType::Q4_1 => {
+                    put(blk, 0, rng.gen_range(0.001..0.05));
+                    put(blk, 2, rng.gen_range(-0.2..0.2));
+                }
+                GgmlType::Q4K => {
+                    put(blk, 0, rng.gen_range(0.001..0.05));
+                    put(blk, 2, rng.gen_range(0.001..0.05));
+                }
+                GgmlType::Q6K => put(blk, 208, rng.gen_range(0.001..0.05)),
+                _ => {}
+            }
+        }
+        data
+    }
+
+    #[test]
+    fn simd_matches_scalar_reference_on_random_inputs() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for &(rows, cols, toks) in &[(13, 64, 1), (9, 96, 5), (32, 576, 7), (4, 32, 3)] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = WeightView { ty, rows, cols, data: &data };
+                let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let mut a = Acts::default();
+                a.prepare(&x, toks, cols, &[ActKind::Q8]);
+                let mut fast = vec![f32::NAN; toks * rows];
+                let mut slow = vec![f32::NAN; toks * rows];
+                matmul_rows(&w, &a, OutPtr::new(&mut fast), rows, 0, rows);
+                matmul_rows_ref(&w, &a, OutPtr::new(&mut slow), rows, 0, rows, toks);
+                for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
+                    assert!((f - s).abs() <= 1e-4 * (1.0 + s.abs()), "{ty:?} {rows}x{cols}x{toks} at {i}: simd {f} vs ref {s}");
+                }
+            }
+        }
+    }
+
+    /// The quantized dot products agree with a plain f32 dot of the dequantized weights, within
+    /// the error of quantizing the activations.
+    #[test]
+    fn quantized_dots_match_dequantized_f32() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let (rows, cols) = (6, 512);
+            let data = random_weights(ty, rows, cols, &mut rng);
+            let w = WeightView { ty, rows, cols, data: &data };
+            let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut a = Acts::default();
+            a.prepare(&x, 1, cols, &[w.act_kind()]);
+            let mut got = vec![0.0; rows];
+            matmul_rows(&w, &a, OutPtr::new(&mut got), rows, 0, rows);
+            for r in 0..rows {
+                let mut deq = vec![0.0; cols];
+                quant::dequantize_row(ty, w.row(r), &mut deq);
+                let exact: f32 = deq.iter().zip(&x).map(|(p, q)| p * q).sum();
+                let scale: f32 = deq.iter().zip(&x).map(|(p, q)| (p * q).abs()).sum();
+                assert!((got[r] - exact).abs() <= 0.02 * scale + 1e-4, "{ty:?} row {r}: {} vs {exact} (scale {scale})", got[r]);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_helpers_match_scalar() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let k: Vec<f16> = (0..64).map(|_| f16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+        let q: Vec<f32> = (0..64).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let want: f32 = k.iter().zip(&q).map(|(a, b)| a.to_f32() * b).sum();
+        assert!((dot_f16(&k, &q) - want).abs() < 1e-4);
+        let mut out = q.clone();
+        axpy_f16(0.5, &k, &mut out);
+        for i in 0..64 {
+            assert!((out[i] - (q[i] + 0.5 * k[i].to_f32())).abs() < 1e-6);
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Llama-family CPU inference over GGUF models.
+//!
+//! What it is for: reading GGUF files (hostile input is an error, never a panic), byte-level
+//! BPE tokenization that matches llama.cpp, and a fast forward pass (quantized AVX2 kernels, a
+//! batched prefill GEMM, a spinning thread pool) whose results track llama.cpp's.
+//!
+//! What it is not for: the engine knows nothing about paging, swapping or memory pressure. It
+//! reads its KV cache and weights as plain memory; where that memory lives is `mm`'s business.
+
+pub mod chat;
+pub mod gguf;
+pub mod kernels;
+pub mod model;
+pub mod pool;
+pub mod quant;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use gguf::{GgufError, GgufFile, GgufHeader, TensorInfo, Value};
+pub use model::{Config, Logits, Model, ModelError, Session};
+pub use pool::ThreadPool;
+pub use quant::GgmlType;
+pub use sampler::{Sampler, SamplerConfig};
+pub use tokenizer::{Tokenizer, Utf8Stream};

@@ -1,0 +1,520 @@
+//! The Llama-architecture forward pass (also Qwen2's Q/K/V biases when present).
+//!
+//! `Model` holds the weights (borrowed from the mapped GGUF file) and the hyper-parameters;
+//! `Session` holds one context's KV cache and scratch memory and runs batches of tokens through
+//! the model. Prefill runs the whole batch through each matmul at once (a GEMM); logits are
+//! computed only for the positions that ask for them.
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use half::f16;
+
+use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
+use crate::kernels::{self, ActKind, Acts, OutPtr, WeightView};
+use crate::pool::ThreadPool;
+use crate::quant::{self, GgmlType};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("architecture {0:?} is not supported (llama, qwen2)")]
+    Arch(String),
+    #[error("model metadata {key}: {what}")]
+    Metadata { key: String, what: String },
+    #[error("tensor {name}: {what}")]
+    Tensor { name: String, what: String },
+    #[error("context full: {needed} positions needed, the session holds {capacity}")]
+    ContextFull { needed: usize, capacity: usize },
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Hyper-parameters read from the GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub arch: String,
+    pub n_layers: usize,
+    pub dim: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub ctx_len: usize,
+    pub rope_base: f32,
+    pub rope_dims: usize,
+    pub norm_eps: f32,
+}
+
+impl Config {
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct W {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    offset: usize,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    wq: W,
+    wk: W,
+    wv: W,
+    wo: W,
+    w_gate: W,
+    w_up: W,
+    w_down: W,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+}
+
+/// A loaded model: the mapped file, its hyper-parameters, tokenizer and weights.
+#[derive(Debug)]
+pub struct Model {
+    pub config: Config,
+    pub tokenizer: Tokenizer,
+    pub file: GgufFile,
+    layers: Vec<Layer>,
+    tok_embd: W,
+    output: W,
+    output_norm: Vec<f32>,
+    /// RoPE: `base^(-2/rope_dims)`, the ratio between successive pair frequencies.
+    theta_scale: f32,
+}
+
+fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
+    f.get(key)
+        .and_then(Value::as_u64)
+        .and_then(|v| usize::try_from(v).ok())
+        .filter(|&v| v > 0 && v < 1 << 24)
+        .ok_or_else(|| ModelError::Metadata { key: key.into(), what: "missing or not a sane positive integer".into() })
+}
+
+impl Model {
+    pub fn load(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let arch = file.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
+        if arch != "llama" && arch != "qwen2" {
+            return Err(ModelError::Arch(arch));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let dim = meta_u(&file, &k("embedding_length"))?;
+        let n_heads = meta_u(&file, &k("attention.head_count"))?;
+        let n_kv_heads = file.get(&k("attention.head_count_kv")).map_or(Ok(n_heads), |_| meta_u(&file, &k("attention.head_count_kv")))?;
+        if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
+            return Err(ModelError::Metadata { key: k("attention.head_count"), what: format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads do not divide") });
+        }
+        let head_dim = dim / n_heads;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let config = Config {
+            n_layers: meta_u(&file, &k("block_count"))?,
+            ffn_dim: meta_u(&file, &k("feed_forward_length"))?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: tokenizer.vocab_size(),
+            ctx_len: meta_u(&file, &k("context_length"))?,
+            rope_base: file.get(&k("rope.freq_base")).and_then(Value::as_f32).unwrap_or(10000.0),
+            rope_dims: file.get(&k("rope.dimension_count")).map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?.min(head_dim),
+            norm_eps: file.get(&k("attention.layer_norm_rms_epsilon")).and_then(Value::as_f32).unwrap_or(1e-5),
+            dim,
+            arch,
+        };
+        let c = &config;
+        let get = |name: &str, cols: usize, rows: usize| -> Result<W> {
+            let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
+            check_shape(t, cols, rows)?;
+            Ok(W { ty: t.ty, rows, cols, offset: (file.header.data_offset + t.offset) as usize, len: t.size as usize })
+        };
+        let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
+            check_shape(t, n, 1)?;
+            let mut v = vec![0.0; n];
+            quant::dequantize_row(t.ty, file.tensor_data(t), &mut v);
+            Ok(v)
+        };
+        let opt_vec = |name: &str, n: usize| -> Result<Option<Vec<f32>>> { file.tensor(name).map(|_| vec(name, n)).transpose() };
+        let kv = c.kv_dim();
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            layers.push(Layer {
+                attn_norm: vec(&p("attn_norm.weight"), c.dim)?,
+                ffn_norm: vec(&p("ffn_norm.weight"), c.dim)?,
+                wq: get(&p("attn_q.weight"), c.dim, c.dim)?,
+                wk: get(&p("attn_k.weight"), c.dim, kv)?,
+                wv: get(&p("attn_v.weight"), c.dim, kv)?,
+                wo: get(&p("attn_output.weight"), c.dim, c.dim)?,
+                w_gate: get(&p("ffn_gate.weight"), c.dim, c.ffn_dim)?,
+                w_up: get(&p("ffn_up.weight"), c.dim, c.ffn_dim)?,
+                w_down: get(&p("ffn_down.weight"), c.ffn_dim, c.dim)?,
+                bq: opt_vec(&p("attn_q.bias"), c.dim)?,
+                bk: opt_vec(&p("attn_k.bias"), kv)?,
+                bv: opt_vec(&p("attn_v.bias"), kv)?,
+            });
+        }
+        let tok_embd = get("token_embd.weight", c.dim, c.vocab)?;
+        let output = if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd };
+        let output_norm = vec("output_norm.weight", c.dim)?;
+        for w in layers.iter().flat_map(|l| [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down]).chain([output]) {
+            if w.cols % w.ty.block_size() != 0 || (kernels::act_kind(w.ty) != ActKind::F32 && w.cols % 32 != 0) {
+                return Err(ModelError::Tensor { name: format!("{:?} weight", w.ty), what: format!("row length {} does not fit its blocks", w.cols) });
+            }
+        }
+        if config.rope_dims > 512 || config.rope_dims % 2 != 0 {
+            return Err(ModelError::Metadata { key: "rope.dimension_count".into(), what: format!("{} is not an even number up to 512", config.rope_dims) });
+        }
+        let theta_scale = config.rope_base.powf(-2.0 / config.rope_dims as f32);
+        Ok(Self { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale })
+    }
+
+    fn view(&self, w: &W) -> WeightView<'_> {
+        WeightView { ty: w.ty, rows: w.rows, cols: w.cols, data: &self.file.bytes()[w.offset..w.offset + w.len] }
+    }
+
+    /// Bytes of the model file (weights dominate).
+    pub fn file_bytes(&self) -> usize {
+        self.file.bytes().len()
+    }
+
+    /// Renders a chat with the model's template (see `chat`).
+    pub fn chat_template(&self) -> Option<&str> {
+        self.file.get("tokenizer.chat_template").and_then(Value::as_str)
+    }
+}
+
+fn check_shape(t: &TensorInfo, cols: usize, rows: usize) -> Result<()> {
+    let (r, c) = t.rows_cols();
+    if c as usize != cols || r as usize != rows {
+        return Err(ModelError::Tensor { name: t.name.clone(), what: format!("shape {:?}, expected [{cols}, {rows}]", t.dims) });
+    }
+    Ok(())
+}
+
+/// The KV cache of one context in plain memory: per layer, K and V as `[pos][kv_dim]` f16.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<f16>,
+    v: Vec<f16>,
+    capacity: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    pub fn new(cfg: &Config, capacity: usize) -> Self {
+        let n = cfg.n_layers * capacity * cfg.kv_dim();
+        Self { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], capacity, kv_dim: cfg.kv_dim() }
+    }
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 2
+    }
+    fn layer_off(&self, layer: usize) -> usize {
+        layer * self.capacity * self.kv_dim
+    }
+}
+
+/// Which positions of a batch need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
+}
+
+#[derive(Debug, Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xb: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    ffn: Vec<f32>,
+    logits: Vec<f32>,
+    acts: Acts,
+}
+
+/// One context: its tokens, KV cache and scratch memory.
+#[derive(Debug)]
+pub struct Session {
+    pub model: Arc<Model>,
+    pub pool: Arc<ThreadPool>,
+    pub kv: KvCache,
+    /// Tokens whose K/V are in the cache, in position order.
+    pub tokens: Vec<u32>,
+    scratch: Scratch,
+}
+
+impl Session {
+    pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, capacity: usize) -> Self {
+        let capacity = capacity.clamp(1, model.config.ctx_len);
+        let kv = KvCache::new(&model.config, capacity);
+        Self { model, pool, kv, tokens: Vec::new(), scratch: Scratch::default() }
+    }
+
+    pub fn n_past(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.kv.capacity
+    }
+
+    /// Forgets every position from `n` on (the cache keeps its memory).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+    }
+
+    /// Runs `tokens` at the next positions and returns the logits asked for, row-major
+    /// (`[n][vocab]` for `All`, `[vocab]` for `Last`). Batches longer than `max_batch` are split.
+    pub fn eval(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
+        const MAX_BATCH: usize = 512;
+        let needed = self.n_past() + tokens.len();
+        if needed > self.kv.capacity {
+            return Err(ModelError::ContextFull { needed, capacity: self.kv.capacity });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
+            return Err(ModelError::BadToken(bad));
+        }
+        let vocab = self.model.config.vocab;
+        let mut all = Vec::new();
+        let n_chunks = tokens.len().div_ceil(MAX_BATCH);
+        for (i, chunk) in tokens.chunks(MAX_BATCH).enumerate() {
+            let want = match logits {
+                Logits::All => Logits::All,
+                Logits::Last if i + 1 == n_chunks => Logits::Last,
+                _ => Logits::None,
+            };
+            self.forward(chunk, want);
+            if logits == Logits::All {
+                all.extend_from_slice(&self.scratch.logits[..chunk.len() * vocab]);
+            }
+        }
+        if logits == Logits::All {
+            self.scratch.logits = all;
+        }
+        Ok(match logits {
+            Logits::None => &[],
+            Logits::Last => &self.scratch.logits[..vocab],
+            Logits::All => &self.scratch.logits[..tokens.len() * vocab],
+        })
+    }
+
+    fn forward(&mut self, tokens: &[u32], want: Logits) {
+        let model = Arc::clone(&self.model);
+        let pool = Arc::clone(&self.pool);
+        let c = &model.config;
+        let n = tokens.len();
+        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
+        let pos0 = self.n_past();
+        let s = &mut self.scratch;
+        s.x.resize(n * dim, 0.0);
+        s.xb.resize(n * dim, 0.0);
+        s.qkv.resize(n * (dim + 2 * kvd), 0.0);
+        s.att.resize(n * dim, 0.0);
+        s.ffn.resize(n * 2 * c.ffn_dim, 0.0);
+
+        let emb = model.view(&model.tok_embd);
+        for (t, &tok) in tokens.iter().enumerate() {
+            quant::dequantize_row(emb.ty, emb.row(tok as usize), &mut s.x[t * dim..(t + 1) * dim]);
+        }
+
+        for (li, l) in model.layers.iter().enumerate() {
+            // Attention block.
+            rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
+            let qkv_w = [model.view(&l.wq), model.view(&l.wk), model.view(&l.wv)];
+            matmul_multi(&pool, &qkv_w, &s.xb, n, &mut s.acts, &mut s.qkv);
+            let ld = dim + 2 * kvd;
+            for t in 0..n {
+                let row = &mut s.qkv[t * ld..(t + 1) * ld];
+                for (b, off) in [(&l.bq, 0), (&l.bk, dim), (&l.bv, dim + kvd)] {
+                    if let Some(b) = b {
+                        row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
+                    }
+                }
+                let pos = pos0 + t;
+                let (q, rest) = row.split_at_mut(dim);
+                rope(q, hd, c.rope_dims, pos, model.theta_scale);
+                rope(&mut rest[..kvd], hd, c.rope_dims, pos, model.theta_scale);
+                let off = self.kv.layer_off(li) + pos * kvd;
+                for (d, &x) in self.kv.k[off..off + kvd].iter_mut().zip(&rest[..kvd]) {
+                    *d = f16::from_f32(x);
+                }
+                for (d, &x) in self.kv.v[off..off + kvd].iter_mut().zip(&rest[kvd..2 * kvd]) {
+                    *d = f16::from_f32(x);
+                }
+            }
+            attention(&pool, c, &self.kv, li, &s.qkv, ld, pos0, n, &mut s.att);
+            let wo = model.view(&l.wo);
+            matmul_multi(&pool, &[wo], &s.att, n, &mut s.acts, &mut s.xb);
+            s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+
+            // Feed-forward block.
+            rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
+            let gu = [model.view(&l.w_gate), model.view(&l.w_up)];
+            matmul_multi(&pool, &gu, &s.xb, n, &mut s.acts, &mut s.ffn);
+            let f = c.ffn_dim;
+            for t in 0..n {
+                let row = &mut s.ffn[t * 2 * f..(t + 1) * 2 * f];
+                let (g, u) = row.split_at_mut(f);
+                for (gv, uv) in g.iter_mut().zip(u.iter()) {
+                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+                }
+            }
+            // Compact the gated halves into [n][f] for the down projection.
+            for t in 0..n {
+                s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
+            }
+            let wd = model.view(&l.w_down);
+            matmul_multi(&pool, &[wd], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
+            s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+        }
+        self.tokens.extend_from_slice(tokens);
+
+        let rows: Vec<usize> = match want {
+            Logits::None => return,
+            Logits::Last => vec![n - 1],
+            Logits::All => (0..n).collect(),
+        };
+        let m = rows.len();
+        let mut xn = vec![0.0; m * dim];
+        for (i, &r) in rows.iter().enumerate() {
+            rmsnorm(&s.x[r * dim..(r + 1) * dim], &model.output_norm, c.norm_eps, &mut xn[i * dim..(i + 1) * dim]);
+        }
+        s.logits.resize(m * c.vocab, 0.0);
+        let out = model.view(&model.output);
+        matmul_multi(&pool, &[out], &xn, m, &mut s.acts, &mut s.logits);
+    }
+}
+
+/// Multiplies the same input rows by several weights at once (Q, K and V; gate and up), writing
+/// each token's outputs side by side: `out[t] = [W0 x_t, W1 x_t, ...]`. One quantization of the
+/// input, one parallel dispatch.
+fn matmul_multi(pool: &ThreadPool, ws: &[WeightView], x: &[f32], n: usize, acts: &mut Acts, out: &mut [f32]) {
+    let cols = ws[0].cols;
+    let kinds: Vec<ActKind> = ws.iter().map(WeightView::act_kind).collect();
+    acts.prepare(x, n, cols, &kinds);
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let ldo = total;
+    let out_len = n * ldo;
+    let outp = OutPtr::new(&mut out[..out_len]);
+    let acts = &*acts;
+    // Chunks of rows handed out dynamically; a multiple of the 4-row tile. Decode has little
+    // work per row, so larger chunks keep the counter traffic low.
+    let chunk = if n == 1 { 64 } else { 16 };
+    let mut starts = Vec::with_capacity(ws.len());
+    let mut acc = 0;
+    for w in ws {
+        starts.push(acc);
+        acc += w.rows;
+    }
+    pool.for_chunks(total, chunk, &|a, b| {
+        for (w, &st) in ws.iter().zip(&starts) {
+            let (lo, hi) = (a.max(st), b.min(st + w.rows));
+            if lo < hi {
+                // Column offset `st` inside each token row: shift the base pointer.
+                let shifted = outp.offset(st);
+                kernels::matmul_rows(w, acts, shifted, ldo, lo - st, hi - st);
+            }
+        }
+    });
+}
+
+fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    // Sum of squares in f64, as llama.cpp does.
+    let ss = x.iter().map(|&v| f64::from(v * v)).sum::<f64>() / x.len() as f64;
+    let scale = 1.0 / ((ss as f32) + eps).sqrt();
+    for ((o, &xv), &wv) in out.iter_mut().zip(x).zip(w) {
+        *o = xv * scale * wv;
+    }
+}
+
+fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        rmsnorm(xr, w, eps, or);
+    }
+}
+
+/// RoPE as llama.cpp applies it for the llama architecture ("normal" mode): adjacent pairs
+/// `(x[2i], x[2i+1])` of each head rotate by `pos * base^(-2i/d)`. (The GGUF converter permuted
+/// Q and K so this matches the original model's rotate-half form.)
+fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scale: f32) {
+    // theta_i = pos * theta_scale^i, built by repeated multiplication in f32 exactly as
+    // llama.cpp's rope cache does, so the rotations agree bit for bit.
+    let mut cs = [(0.0f32, 0.0f32); 256];
+    let mut theta = pos as f32;
+    for c in cs.iter_mut().take(rope_dims / 2) {
+        *c = (theta.cos(), theta.sin());
+        theta *= theta_scale;
+    }
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, &(cos, sin)) in cs.iter().enumerate().take(rope_dims / 2) {
+            let (a, b) = (head[2 * i], head[2 * i + 1]);
+            head[2 * i] = a * cos - b * sin;
+            head[2 * i + 1] = a * sin + b * cos;
+        }
+    }
+}
+
+/// Causal grouped-query attention of `n` new tokens (at positions `pos0..pos0+n`) over the
+/// cache, parallel over (token, head) pairs.
+#[allow(clippy::too_many_arguments)]
+fn attention(pool: &ThreadPool, c: &Config, kv: &KvCache, layer: usize, qkv: &[f32], ld: usize, pos0: usize, n: usize, out: &mut [f32]) {
+    let (hd, kvd, nh) = (c.head_dim, c.kv_dim(), c.n_heads);
+    let group = c.n_heads / c.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let base = kv.layer_off(layer);
+    let outp = OutPtr::new(out);
+    pool.for_chunks(n * nh, 1.max(16 / n.max(1)), &|a, b| {
+        let mut scores = Vec::with_capacity(pos0 + n);
+        let mut acc = vec![0.0f32; hd];
+        let mut qh = vec![0.0f32; hd];
+        for job in a..b {
+            let (t, h) = (job / nh, job % nh);
+            let kvh = h / group;
+            // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
+            for (d, &v) in qh.iter_mut().zip(&qkv[t * ld + h * hd..t * ld + (h + 1) * hd]) {
+                *d = f16::from_f32(v).to_f32();
+            }
+            let upto = pos0 + t + 1;
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for p in 0..upto {
+                let o = base + p * kvd + kvh * hd;
+                let sc = kernels::dot_f16(&kv.k[o..o + hd], &qh) * scale;
+                max = max.max(sc);
+                scores.push(sc);
+            }
+            let mut sum = 0.0f64;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - max).exp();
+                sum += f64::from(*sc);
+            }
+            let inv = (1.0 / sum) as f32;
+            acc.fill(0.0);
+            for (p, &sc) in scores.iter().enumerate() {
+                let o = base + p * kvd + kvh * hd;
+                // Probabilities rounded to f16, as llama.cpp's f16 V·P product does.
+                kernels::axpy_f16(f16::from_f32(sc * inv).to_f32(), &kv.v[o..o + hd], &mut acc);
+            }
+            for (i, &v) in acc.iter().enumerate() {
+                outp.write(t * nh * hd + h * hd + i, v);
+            }
+        }
+    });
+}

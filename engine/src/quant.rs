@@ -1,0 +1,411 @@
+//! ggml tensor types, their block layouts, and the scalar reference code for each: dequantize,
+//! quantize activations, and block dot products. The SIMD kernels in `kernels` are checked
+//! against these.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // quantization narrows on purpose
+
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+/// A tensor element type as numbered in ggml.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+impl GgmlType {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            8 => Self::Q8_0,
+            12 => Self::Q4K,
+            14 => Self::Q6K,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+            Self::Q4K | Self::Q6K => QK_K,
+        }
+    }
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+            Self::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            Self::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+            Self::Q4K => std::mem::size_of::<BlockQ4K>(),
+            Self::Q6K => std::mem::size_of::<BlockQ6K>(),
+        }
+    }
+    /// Bytes of one row of `cols` elements (`cols` a multiple of the block size).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        cols / self.block_size() * self.type_size()
+    }
+}
+
+pub const QK: usize = 32;
+pub const QK_K: usize = 256;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ6K {
+    pub ql: [u8; QK_K / 2],
+    pub qh: [u8; QK_K / 4],
+    pub scales: [i8; QK_K / 16],
+    pub d: f16,
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+
+/// Reinterprets tensor bytes as blocks. GGUF aligns tensor data to at least 32 bytes, so the
+/// 2-byte alignment of the block types always holds for real files; a misaligned slice is a
+/// caller bug and panics with a message.
+pub fn blocks<T: Pod>(bytes: &[u8]) -> &[T] {
+    bytemuck::try_cast_slice(bytes).unwrap_or_else(|e| panic!("tensor bytes are not {}-blocks: {e:?}", std::any::type_name::<T>()))
+}
+
+/// Activations quantized to 8 bits in blocks of 32 (llama.cpp's Q8_0/Q8_1), one row per token.
+/// `d` is the block scale and `s = d * sum(qs)` (used by formats with an offset). Both are
+/// rounded through f16 as llama.cpp stores them, so results track llama.cpp's closely.
+#[derive(Debug, Default, Clone)]
+pub struct Q8Acts {
+    pub qs: Vec<[i8; QK]>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+    /// Blocks per row.
+    pub nb: usize,
+    pub rows: usize,
+}
+
+impl Q8Acts {
+    /// Quantizes `rows` rows of `cols` values each (`cols` a multiple of 32).
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        debug_assert_eq!(cols % QK, 0);
+        debug_assert!(x.len() >= rows * cols);
+        let nb = cols / QK;
+        self.nb = nb;
+        self.rows = rows;
+        let n = rows * nb;
+        self.qs.resize(n, [0; QK]);
+        self.d.resize(n, 0.0);
+        self.s.resize(n, 0.0);
+        for (i, xb) in x[..rows * cols].chunks_exact(QK).enumerate() {
+            let (d, s) = quantize_block_q8(xb, &mut self.qs[i]);
+            self.d[i] = d;
+            self.s[i] = s;
+        }
+    }
+}
+
+/// Quantizes 32 values to i8 with scale `amax/127`, rounding half to even (as llama.cpp's AVX2
+/// path does); returns the f16-rounded scale and `d * sum(q)`.
+pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in out.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even() as i32;
+        *q = r.clamp(-127, 127) as i8;
+        sum += i32::from(*q);
+    }
+    let d16 = f16::from_f32(d).to_f32();
+    (d16, f16::from_f32(d * sum as f32).to_f32())
+}
+
+/// Activations quantized for K-quant dot products (llama.cpp's Q8_K): blocks of 256 with an f32
+/// scale and sums of each 16 values.
+#[derive(Debug, Default, Clone)]
+pub struct Q8KActs {
+    pub qs: Vec<[i8; QK_K]>,
+    pub d: Vec<f32>,
+    pub bsums: Vec<[i16; QK_K / 16]>,
+    pub nb: usize,
+    pub rows: usize,
+}
+
+impl Q8KActs {
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        debug_assert_eq!(cols % QK_K, 0);
+        let nb = cols / QK_K;
+        self.nb = nb;
+        self.rows = rows;
+        let n = rows * nb;
+        self.qs.resize(n, [0; QK_K]);
+        self.d.resize(n, 0.0);
+        self.bsums.resize(n, [0; QK_K / 16]);
+        for (i, xb) in x[..rows * cols].chunks_exact(QK_K).enumerate() {
+            let mut amax = 0.0f32;
+            let mut max = 0.0f32;
+            for &v in xb {
+                if v.abs() > amax {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let qs = &mut self.qs[i];
+            if amax == 0.0 {
+                self.d[i] = 0.0;
+                qs.fill(0);
+                self.bsums[i].fill(0);
+                continue;
+            }
+            let iscale = -128.0 / max;
+            for (q, &v) in qs.iter_mut().zip(xb) {
+                *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+            }
+            for (j, s) in self.bsums[i].iter_mut().enumerate() {
+                *s = qs[j * 16..(j + 1) * 16].iter().map(|&q| i16::from(q)).sum();
+            }
+            self.d[i] = 1.0 / iscale;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization (reference; also used for embedding rows).
+
+pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+            }
+        }
+        GgmlType::F16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, o) in blocks::<BlockQ4_0>(src).iter().zip(out.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                for j in 0..QK / 2 {
+                    o[j] = (f32::from(b.qs[j] & 0xF) - 8.0) * d;
+                    o[j + QK / 2] = (f32::from(b.qs[j] >> 4) - 8.0) * d;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (b, o) in blocks::<BlockQ4_1>(src).iter().zip(out.chunks_exact_mut(QK)) {
+                let (d, m) = (b.d.to_f32(), b.m.to_f32());
+                for j in 0..QK / 2 {
+                    o[j] = f32::from(b.qs[j] & 0xF) * d + m;
+                    o[j + QK / 2] = f32::from(b.qs[j] >> 4) * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (b, o) in blocks::<BlockQ8_0>(src).iter().zip(out.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                for (o, &q) in o.iter_mut().zip(&b.qs) {
+                    *o = f32::from(q) * d;
+                }
+            }
+        }
+        GgmlType::Q4K => {
+            for (b, o) in blocks::<BlockQ4K>(src).iter().zip(out.chunks_exact_mut(QK_K)) {
+                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+                for j in 0..QK_K / 64 {
+                    let (sc1, m1) = scale_min_k4(2 * j, &b.scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, &b.scales);
+                    let q = &b.qs[j * 32..j * 32 + 32];
+                    for l in 0..32 {
+                        o[j * 64 + l] = d * f32::from(sc1) * f32::from(q[l] & 0xF) - dmin * f32::from(m1);
+                        o[j * 64 + 32 + l] = d * f32::from(sc2) * f32::from(q[l] >> 4) - dmin * f32::from(m2);
+                    }
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            for (b, o) in blocks::<BlockQ6K>(src).iter().zip(out.chunks_exact_mut(QK_K)) {
+                let d = b.d.to_f32();
+                for n in 0..2 {
+                    let ql = &b.ql[n * 64..];
+                    let qh = &b.qh[n * 32..];
+                    let sc = &b.scales[n * 8..];
+                    let y = &mut o[n * 128..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q = q6_values(ql, qh, l);
+                        y[l] = d * f32::from(sc[is]) * f32::from(q[0]);
+                        y[l + 32] = d * f32::from(sc[is + 2]) * f32::from(q[1]);
+                        y[l + 64] = d * f32::from(sc[is + 4]) * f32::from(q[2]);
+                        y[l + 96] = d * f32::from(sc[is + 6]) * f32::from(q[3]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The four 6-bit values (minus 32) at position `l` of a 128-value half of a Q6_K block.
+#[inline]
+fn q6_values(ql: &[u8], qh: &[u8], l: usize) -> [i8; 4] {
+    let h = qh[l];
+    [
+        ((ql[l] & 0xF) | ((h & 3) << 4)) as i8 - 32,
+        ((ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) as i8 - 32,
+        ((ql[l] >> 4) | (((h >> 4) & 3) << 4)) as i8 - 32,
+        ((ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) as i8 - 32,
+    ]
+}
+
+/// Scale and min of sub-block `j` of a Q4_K block (6 bits each, packed in 12 bytes).
+#[inline]
+pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference dot products: one weight row against one activation row.
+
+pub fn dot_q4_0_ref(w: &[BlockQ4_0], a: &Q8Acts, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let q = &a.qs[k];
+        let mut s = 0i32;
+        for j in 0..QK / 2 {
+            s += i32::from(b.qs[j] & 0xF) * i32::from(q[j]) + i32::from(b.qs[j] >> 4) * i32::from(q[j + 16]);
+        }
+        // (q - 8) * x = q * x - 8 * x; s_x carries d_x * sum(x_q).
+        let d = b.d.to_f32();
+        sum += d * a.d[k] * s as f32 - 8.0 * d * a.s[k];
+    }
+    sum
+}
+
+pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &Q8Acts, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let q = &a.qs[k];
+        let mut s = 0i32;
+        for j in 0..QK / 2 {
+            s += i32::from(b.qs[j] & 0xF) * i32::from(q[j]) + i32::from(b.qs[j] >> 4) * i32::from(q[j + 16]);
+        }
+        sum += b.d.to_f32() * a.d[k] * s as f32 + b.m.to_f32() * a.s[k];
+    }
+    sum
+}
+
+pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &Q8Acts, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let s: i32 = b.qs.iter().zip(&a.qs[k]).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
+        sum += b.d.to_f32() * a.d[k] * s as f32;
+    }
+    sum
+}
+
+pub fn dot_q4k_ref(w: &[BlockQ4K], a: &Q8KActs, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let q8 = &a.qs[k];
+        let mut sumi = 0i32;
+        let mut sumi_mins = 0i32;
+        for j in 0..QK_K / 64 {
+            for h in 0..2 {
+                let sub = 2 * j + h;
+                let (sc, m) = scale_min_k4(sub, &b.scales);
+                let mut s = 0i32;
+                for l in 0..32 {
+                    let q4 = if h == 0 { b.qs[j * 32 + l] & 0xF } else { b.qs[j * 32 + l] >> 4 };
+                    s += i32::from(q4) * i32::from(q8[sub * 32 + l]);
+                }
+                sumi += i32::from(sc) * s;
+                sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * sub]) + i32::from(a.bsums[k][2 * sub + 1]));
+            }
+        }
+        sum += a.d[k] * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * sumi_mins as f32);
+    }
+    sum
+}
+
+pub fn dot_q6k_ref(w: &[BlockQ6K], a: &Q8KActs, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let q8 = &a.qs[k];
+        let mut sumi = 0i32;
+        for n in 0..2 {
+            let ql = &b.ql[n * 64..];
+            let qh = &b.qh[n * 32..];
+            let mut sub = [0i32; 8];
+            for l in 0..32 {
+                let q = q6_values(ql, qh, l);
+                let is = l / 16;
+                for (g, &qv) in q.iter().enumerate() {
+                    sub[is + 2 * g] += i32::from(qv) * i32::from(q8[n * 128 + g * 32 + l]);
+                }
+            }
+            for (g, s) in sub.iter().enumerate() {
+                sumi += i32::from(b.scales[n * 8 + g]) * s;
+            }
+        }
+        sum += b.d.to_f32() * a.d[k] * sumi as f32;
+    }
+    sum
+}

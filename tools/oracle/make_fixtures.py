@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Generates tests/fixtures/llama_cpp.json with llama.cpp (through llama-cpp-python) as the oracle.
+
+How the fixtures were made (run `make fixtures`, which calls this through make_fixtures.sh):
+  - tokenization: llama.cpp's tokenizer (`Llama.tokenize(text, add_bos=False, special=True)`)
+    on a set of varied texts (code, unicode, emoji, digits, whitespace runs, chat markup);
+  - logits: the last-position logits of several prompts, top 10 (id, logit);
+  - greedy: 32 tokens of greedy continuation per prompt (temperature 0);
+  - perplexity: llama.cpp's method (windows of N tokens, score the second half of each) on
+    the public text given (the GPL-3 text shipped by Debian in /usr/share/common-licenses),
+    computed from llama.cpp's logits for every position.
+The model file's SHA-256 is recorded so a test never compares against another model's values.
+"""
+import hashlib, json, math, sys
+
+import numpy as np
+from llama_cpp import Llama
+
+model_path, text_path, out_path = sys.argv[1:4]
+PPL_CTX, PPL_CHUNKS = 256, 6
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces and   runs of    spaces\t\ttabs\n\nnewlines\n",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Numbers: 0 12 345 6789 3.14159 1,000,000 and 2024-11-22T10:30:00Z",
+    "Unicode: naïve café résumé Ünïcödé — “quotes” ‘single’ … ½ ¾ ∑ ∫ √",
+    "中文字符测试，日本語のテキスト、한국어 텍스트",
+    "Emoji: 🦀🚀 👩‍💻 👍🏽 ❤️ 🇫🇷",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    "It's, we're, they'll, I'd, you've, she's — contractions'n'quotes'",
+    "   ",
+    "\n",
+    "a\n\n\nb \n c  \n  d",
+    "x=1;y=2;print(x+y)  # comment with <|endoftext|> inside",
+    "Ελληνικά και русский текст, עברית, العربية",
+    "",
+]
+
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWrite a haiku about memory.<|im_end|>\n<|im_start|>assistant\n",
+    "def add(a, b):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+]
+
+sha = hashlib.sha256(open(model_path, "rb").read()).hexdigest()
+llm = Llama(model_path=model_path, n_ctx=1024, n_threads=2, logits_all=True, verbose=False, seed=0)
+
+def tok(text, special=True):
+    return llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+
+out = {"model_sha256": sha, "llama_cpp_python": __import__("llama_cpp").__version__}
+out["tokenize"] = [{"text": t, "ids": tok(t)} for t in TEXTS]
+
+logits_cases, greedy_cases = [], []
+for p in PROMPTS:
+    ids = tok(p)
+    llm.reset()
+    llm.eval(ids)
+    last = np.array(llm.scores[len(ids) - 1], dtype=np.float64)
+    top = np.argsort(-last, kind="stable")[:10]
+    logits_cases.append({"prompt": p, "tokens": ids, "top": [{"id": int(i), "logit": float(last[i])} for i in top]})
+    gen = []
+    cur = int(top[0])
+    for _ in range(32):
+        if cur == llm.token_eos() or cur == 2:
+            break
+        gen.append(cur)
+        llm.eval([cur])
+        cur = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    greedy_cases.append({"prompt": p, "tokens": gen})
+out["logits"] = logits_cases
+out["greedy"] = greedy_cases
+
+text = open(text_path, encoding="utf-8").read()
+ids = tok(text, special=False)
+nll, count = 0.0, 0
+for c in range(min(PPL_CHUNKS, len(ids) // PPL_CTX)):
+    win = ids[c * PPL_CTX:(c + 1) * PPL_CTX]
+    llm.reset()
+    llm.eval(win)
+    for i in range(PPL_CTX // 2, PPL_CTX - 1):
+        row = np.array(llm.scores[i], dtype=np.float64)
+        m = row.max()
+        lse = math.log(np.exp(row - m).sum()) + m
+        nll += lse - row[win[i + 1]]
+        count += 1
+out["perplexity"] = {"text": "GPL-3 (/usr/share/common-licenses/GPL-3)", "ctx": PPL_CTX, "chunks": PPL_CHUNKS, "ppl": math.exp(nll / count), "scored": count}
+
+with open(out_path, "w", encoding="utf-8") as f:
+    json.dump(out, f, ensure_ascii=False, indent=1)
+print(f"wrote {out_path}: {len(TEXTS)} texts, {len(PROMPTS)} prompts, ppl {out['perplexity']['ppl']:.4f}")

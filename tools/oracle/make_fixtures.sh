@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Regenerates tests/fixtures/llama_cpp.json with llama.cpp as the oracle. llama-cpp-python
+# compiles llama.cpp (minutes), so it lives in a venv outside the repository, made once.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV="${LLMS_LLAMA_VENV:-$HOME/.cache/llms/llama-venv}"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install --quiet "llama-cpp-python==0.3.36"
+fi
+mkdir -p tests/fixtures
+cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
+"$VENV/bin/python" tools/oracle/make_fixtures.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/gpl-3.txt tests/fixtures/llama_cpp.json

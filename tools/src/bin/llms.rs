@@ -1,0 +1,425 @@
+//! `llms`: the LLMS command line. Subcommands print stable JSON where documented in
+//! docs/CLI.md, so other tools can script them.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use engine::chat::{self, Message};
+use engine::{Logits, Model, Sampler, SamplerConfig, Session, ThreadPool, Utf8Stream};
+use serde_json::json;
+
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser, Debug)]
+#[command(name = "llms", version, about = "LLMS: an LLM as a system service — command line")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// GGUF model file [default: $LLMS_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long, global = true)]
+    model: Option<PathBuf>,
+    /// Worker threads [default: number of cores]
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Print the token ids of a text as a JSON array.
+    Tokenize {
+        #[arg(long)]
+        text_file: PathBuf,
+        /// Do not parse special tokens such as <|im_start|> written in the text.
+        #[arg(long)]
+        no_special: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Print the highest logits at the last position of a prompt as JSON.
+    Logits {
+        #[arg(long)]
+        prompt_file: PathBuf,
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Generate text from a prompt, streaming it.
+    Generate {
+        #[arg(long, conflicts_with = "prompt")]
+        prompt_file: Option<PathBuf>,
+        #[arg(long)]
+        prompt: Option<String>,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Wrap the prompt in the model's chat template as one user message.
+        #[arg(long)]
+        chat: bool,
+        /// Print {"tokens":[...],"text":"..."} at the end instead of streaming.
+        #[arg(long)]
+        json: bool,
+        /// Print prefill and decode speed to stderr.
+        #[arg(long)]
+        stats: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Interactive chat with the model's template; tokens are streamed as they come.
+    Chat {
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Perplexity by llama.cpp's method: windows of N tokens, score the second half of each.
+    Perplexity {
+        #[arg(long)]
+        text_file: PathBuf,
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Score at most this many windows (0 = all).
+        #[arg(long, default_value_t = 0)]
+        chunks: usize,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
+    Bench {
+        #[arg(long, default_value_t = 512)]
+        pp: usize,
+        #[arg(long, default_value_t = 128)]
+        tg: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+}
+
+fn model_path(m: &ModelArgs) -> PathBuf {
+    if let Some(p) = &m.model {
+        return p.clone();
+    }
+    if let Some(p) = std::env::var_os("LLMS_MODEL") {
+        return PathBuf::from(p);
+    }
+    let local = PathBuf::from(DEFAULT_MODEL);
+    if local.exists() {
+        return local;
+    }
+    // Next to the repository the binary was built in (target/<profile>/llms).
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(root) = exe.ancestors().nth(3) {
+            let p = root.join(DEFAULT_MODEL);
+            if p.exists() {
+                return p;
+            }
+        }
+    }
+    local
+}
+
+fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
+    let path = model_path(m);
+    if !path.exists() {
+        bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
+    }
+    let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 || threads > 256 {
+        bail!("--threads must be between 1 and 256");
+    }
+    Ok((Arc::new(model), Arc::new(ThreadPool::new(threads))))
+}
+
+fn read_text(p: &Path) -> Result<String> {
+    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+}
+
+fn encode(model: &Model, text: &str, special: bool) -> Result<Vec<u32>> {
+    let tk = &model.tokenizer;
+    Ok(tk.encode(text, tk.add_bos, special)?)
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("llms: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Tokenize { text_file, no_special, m } => {
+            let (model, _) = load(&m)?;
+            let ids = encode(&model, &read_text(&text_file)?, !no_special)?;
+            println!("{}", serde_json::to_string(&ids)?);
+        }
+        Cmd::Logits { prompt_file, top, m } => {
+            let (model, pool) = load(&m)?;
+            let ids = encode(&model, &read_text(&prompt_file)?, true)?;
+            if ids.is_empty() {
+                bail!("the prompt has no tokens");
+            }
+            let mut s = Session::new(Arc::clone(&model), pool, ids.len());
+            let logits = s.eval(&ids, Logits::Last)?;
+            let mut idx: Vec<usize> = (0..logits.len()).collect();
+            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            let top: Vec<_> = idx.iter().take(top).map(|&i| json!({"id": i, "logit": logits[i]})).collect();
+            println!("{}", json!({"tokens": ids, "top": top}));
+        }
+        Cmd::Generate { prompt_file, prompt, max_tokens, temperature, top_k, top_p, seed, chat, json, stats, m } => {
+            let text = match (prompt_file, prompt) {
+                (Some(f), None) => read_text(&f)?,
+                (None, Some(p)) => p,
+                _ => bail!("give exactly one of --prompt-file and --prompt"),
+            };
+            let (model, pool) = load(&m)?;
+            let text = if chat { render_chat(&model, &[Message::new("user", &text)])? } else { text };
+            let ids = encode(&model, &text, true)?;
+            let cfg = SamplerConfig { temperature, top_k, top_p, seed };
+            let mut out = std::io::stdout().lock();
+            let mut sink = |piece: &str| -> Result<()> {
+                if !json {
+                    out.write_all(piece.as_bytes())?;
+                    out.flush()?;
+                }
+                Ok(())
+            };
+            let r = generate(&model, pool, &ids, max_tokens, cfg, &mut sink)?;
+            if json {
+                println!("{}", json!({"tokens": r.tokens, "text": r.text}));
+            } else {
+                println!();
+            }
+            if stats {
+                eprintln!("{}", r.speed_line());
+            }
+        }
+        Cmd::Chat { max_tokens, temperature, seed, system, m } => chat_loop(&m, max_tokens, temperature, seed, system)?,
+        Cmd::Perplexity { text_file, ctx, chunks, json, m } => {
+            let (model, pool) = load(&m)?;
+            let r = perplexity(&model, pool, &read_text(&text_file)?, ctx, chunks)?;
+            if json {
+                println!("{}", json!({"ppl": r.0, "scored": r.1}));
+            } else {
+                println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.0, r.1);
+            }
+        }
+        Cmd::Bench { pp, tg, reps, json, m } => bench(&m, pp, tg, reps, json)?,
+    }
+    Ok(())
+}
+
+fn render_chat(model: &Model, msgs: &[Message]) -> Result<String> {
+    let tk = &model.tokenizer;
+    let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
+    Ok(chat::render(model.chat_template(), msgs, &name(tk.bos), &name(tk.eos))?)
+}
+
+struct GenResult {
+    tokens: Vec<u32>,
+    text: String,
+    prompt_tokens: usize,
+    prefill_s: f64,
+    decode_s: f64,
+}
+
+impl GenResult {
+    #[allow(clippy::cast_precision_loss)]
+    fn speed_line(&self) -> String {
+        let n_dec = self.tokens.len().saturating_sub(1);
+        format!(
+            "prefill: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.1} tok/s)",
+            self.prompt_tokens,
+            self.prefill_s,
+            self.prompt_tokens as f64 / self.prefill_s.max(1e-9),
+            n_dec,
+            self.decode_s,
+            n_dec as f64 / self.decode_s.max(1e-9)
+        )
+    }
+}
+
+/// Prefills `ids`, then samples up to `max_tokens`, handing each decoded piece to `sink`.
+/// Stops at end-of-generation tokens (not included in the result).
+fn generate(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], max_tokens: usize, cfg: SamplerConfig, sink: &mut dyn FnMut(&str) -> Result<()>) -> Result<GenResult> {
+    if ids.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let cap = (ids.len() + max_tokens).min(model.config.ctx_len);
+    if ids.len() >= cap {
+        bail!("the prompt ({} tokens) does not fit the model's context of {}", ids.len(), model.config.ctx_len);
+    }
+    let mut s = Session::new(Arc::clone(model), pool, cap);
+    let mut sampler = Sampler::new(cfg);
+    let mut utf8 = Utf8Stream::default();
+    let t0 = Instant::now();
+    let mut next = sampler.sample(s.eval(ids, Logits::Last)?);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    while tokens.len() < max_tokens && !model.tokenizer.is_eog(next) {
+        tokens.push(next);
+        let mut bytes = Vec::new();
+        model.tokenizer.token_bytes(next, false, &mut bytes);
+        let piece = utf8.push(&bytes);
+        text.push_str(&piece);
+        sink(&piece)?;
+        if tokens.len() == max_tokens || s.n_past() >= s.capacity() {
+            break;
+        }
+        next = sampler.sample(s.eval(&[next], Logits::Last)?);
+    }
+    let tail = utf8.finish();
+    text.push_str(&tail);
+    sink(&tail)?;
+    Ok(GenResult { tokens, text, prompt_tokens: ids.len(), prefill_s, decode_s: t1.elapsed().as_secs_f64() })
+}
+
+fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, system: Option<String>) -> Result<()> {
+    let (model, pool) = load(m)?;
+    let mut msgs = Vec::new();
+    if let Some(s) = system {
+        msgs.push(Message::new("system", &s));
+    }
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    eprintln!("llms chat: type a message, empty line or Ctrl-D to quit");
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        msgs.push(Message::new("user", line.trim_end()));
+        let ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        let mut out = std::io::stdout().lock();
+        let cfg = SamplerConfig { temperature, seed, ..SamplerConfig::default() };
+        let r = generate(&model, Arc::clone(&pool), &ids, max_tokens, cfg, &mut |p| {
+            out.write_all(p.as_bytes())?;
+            out.flush()?;
+            Ok(())
+        })?;
+        println!();
+        eprintln!("[{}]", r.speed_line());
+        msgs.push(Message::new("assistant", &r.text));
+    }
+    Ok(())
+}
+
+/// llama.cpp's perplexity: consecutive windows of `ctx` tokens; in each, the logits of the
+/// positions after the first half predict the next token. Returns (ppl, scored tokens).
+#[allow(clippy::cast_precision_loss)]
+fn perplexity(model: &Arc<Model>, pool: Arc<ThreadPool>, text: &str, ctx: usize, max_chunks: usize) -> Result<(f64, usize)> {
+    if ctx < 8 || ctx > model.config.ctx_len {
+        bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
+    }
+    let tk = &model.tokenizer;
+    let ids = tk.encode(text, false, false)?;
+    let mut n_chunks = ids.len() / ctx;
+    if max_chunks > 0 {
+        n_chunks = n_chunks.min(max_chunks);
+    }
+    if n_chunks == 0 {
+        bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
+    }
+    let vocab = model.config.vocab;
+    let first = ctx / 2;
+    let mut s = Session::new(Arc::clone(model), pool, ctx);
+    let mut nll = 0.0f64;
+    let mut count = 0usize;
+    for c in 0..n_chunks {
+        let mut win = ids[c * ctx..(c + 1) * ctx].to_vec();
+        if tk.add_bos {
+            if let Some(b) = tk.bos {
+                win[0] = b;
+            }
+        }
+        s.truncate(0);
+        let logits = s.eval(&win, Logits::All)?;
+        for i in first..ctx - 1 {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let lse: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
+            nll += lse - f64::from(row[ids[c * ctx + i + 1] as usize]);
+            count += 1;
+        }
+    }
+    Ok(((nll / count as f64).exp(), count))
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn bench(m: &ModelArgs, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
+    let (model, pool) = load(m)?;
+    if pp == 0 || tg == 0 || reps == 0 || pp + tg > model.config.ctx_len {
+        bail!("--pp, --tg and --reps must be positive and pp + tg within the context");
+    }
+    // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
+    let vocab = u32::try_from(model.config.vocab).context("vocab")?;
+    let prompt: Vec<u32> = (0..pp as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let mut s = Session::new(Arc::clone(&model), Arc::clone(&pool), pp + tg);
+    let mut pp_rates = Vec::new();
+    let mut tg_rates = Vec::new();
+    for rep in 0..=reps {
+        s.truncate(0);
+        let t = Instant::now();
+        s.eval(&prompt, Logits::Last)?;
+        let pp_s = t.elapsed().as_secs_f64();
+        // tg: decode from an empty context, as llama-bench's tg128 does.
+        s.truncate(0);
+        let mut tok = prompt[0];
+        let t = Instant::now();
+        for _ in 0..tg {
+            tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
+        }
+        let tg_s = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            // rep 0 is the warm-up.
+            pp_rates.push(pp as f64 / pp_s);
+            tg_rates.push(tg as f64 / tg_s);
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
+    if json {
+        println!("{}", json!({"pp": pp, "tg": tg, "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr}));
+    } else {
+        println!("model {} | threads {} | kernels {}", model.file.path.display(), pool.threads(), engine::kernels::simd_name());
+        println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
+        println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
+    }
+    Ok(())
+}
