@@ -483,6 +483,21 @@ impl GgufFile {
         &self.map[start..start + len]
     }
 
+    /// Tells the kernel we will not need the mapped pages soon: they leave this process's
+    /// resident set (the page cache keeps them) and fault back in when read again.
+    pub fn release_pages(&self, offset: usize, len: usize) {
+        // Only whole pages inside the range: a page shared with a neighbour would merely fault
+        // back in, but there is no point dropping it.
+        let page = 4096;
+        let start = offset.div_ceil(page) * page;
+        let end = (offset + len) / page * page;
+        if end > start {
+            // SAFETY: DONTNEED on a private read-only file mapping only drops our page-table
+            // entries; the next read faults the unchanged file contents back in.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
+    }
+
     /// Whole file, for fingerprinting.
     pub fn bytes(&self) -> &[u8] {
         &self.map

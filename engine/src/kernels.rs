@@ -11,6 +11,7 @@ use std::sync::LazyLock;
 
 use half::f16;
 
+use crate::repack::{Packed, PackedWeight, ROWS};
 use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 
 static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
@@ -150,6 +151,63 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
     matmul_rows_ref(w, a, out, ldo, r0, r1, n_tok);
 }
 
+/// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed groups `g0..g1` (rows past
+/// the matrix in the last group are not written). Threads may run disjoint group ranges at once.
+pub fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
+        unsafe { avx2::matmul_packed(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    matmul_packed_ref(w, a, out, ldo, g0, g1);
+}
+
+/// Scalar reference for [`matmul_packed`], reading the packed layout directly.
+pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let nb = w.blocks_per_row();
+    for g in g0..g1 {
+        for lane in 0..ROWS {
+            let r = g * ROWS + lane;
+            if r >= w.rows {
+                break;
+            }
+            for t in 0..a.rows {
+                let mut sum = 0.0f32;
+                for b in 0..nb {
+                    let k8 = t * nb + b;
+                    let xq = &a.qs[k8];
+                    match &w.data {
+                        Packed::Q4(v) => {
+                            let blk = &v[g * nb + b];
+                            let mut s = 0i32;
+                            for k in 0..4 {
+                                for j in 0..4 {
+                                    let q = blk.qs[32 * k + 4 * lane + j];
+                                    s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
+                                }
+                            }
+                            sum += blk.d[lane].to_f32() * a.d[k8] * s as f32 + blk.m[lane].to_f32() * a.s[k8];
+                        }
+                        Packed::Q8(v) => {
+                            let blk = &v[g * nb + b];
+                            let mut s = 0i32;
+                            for k in 0..8 {
+                                for j in 0..4 {
+                                    s += i32::from(blk.qs[32 * k + 4 * lane + j]) * i32::from(xq[4 * k + j]);
+                                }
+                            }
+                            sum += blk.d[lane].to_f32() * a.d[k8] * s as f32;
+                        }
+                    }
+                }
+                out.write(t * ldo + r, sum);
+            }
+        }
+    }
+}
+
 /// The scalar reference for every weight type.
 pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize, n_tok: usize) {
     let mut tmp = Vec::new();
@@ -211,6 +269,7 @@ mod avx2 {
     use half::f16;
 
     use super::{OutPtr, WeightView};
+    use crate::repack::{Packed, PackedWeight, ROWS};
     use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType, Q8Acts, QK};
 
     /// Weight blocks of 32 that multiply Q8 activations: 4-bit with scale and offset, or 8-bit.
@@ -369,6 +428,107 @@ mod avx2 {
     /// # Safety
     /// Needs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+        let n_tok = a.rows;
+        for g in g0..g1 {
+            let mut t = 0;
+            while t + 4 <= n_tok {
+                packed_tile::<4>(w, a, g, t, out, ldo);
+                t += 4;
+            }
+            while t < n_tok {
+                packed_tile::<1>(w, a, g, t, out, ldo);
+                t += 1;
+            }
+        }
+    }
+
+    /// Four activation bytes starting at `p`, broadcast to every 32-bit lane.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bcast4(p: *const i8) -> __m256i {
+        // SAFETY (callers): p points at 4 readable bytes inside an activation block.
+        _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()))
+    }
+
+    /// One group of 8 rows against `T` tokens starting at `t0`, over every block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn packed_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+        let nb = w.blocks_per_row();
+        let ones = _mm256_set1_epi16(1);
+        let mask = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+        match &w.data {
+            Packed::Q4(v) => {
+                let blks = &v[g * nb..(g + 1) * nb];
+                for (b, blk) in blks.iter().enumerate() {
+                    let mut p = [_mm256_setzero_si256(); T];
+                    for k in 0..4 {
+                        let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                        let lo = _mm256_and_si256(wv, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+                        for t in 0..T {
+                            let xq = a.qs[xrow[t] + b].as_ptr();
+                            // |sum| <= 8 * 2 * 15 * 127 < 2^15: the i16 adds cannot overflow.
+                            let pl = _mm256_maddubs_epi16(lo, bcast4(xq.add(4 * k)));
+                            let ph = _mm256_maddubs_epi16(hi, bcast4(xq.add(16 + 4 * k)));
+                            p[t] = _mm256_add_epi16(p[t], _mm256_add_epi16(pl, ph));
+                        }
+                    }
+                    let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                    let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
+                    for t in 0..T {
+                        let k8 = xrow[t] + b;
+                        let pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t], ones));
+                        acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                    }
+                }
+            }
+            Packed::Q8(v) => {
+                let blks = &v[g * nb..(g + 1) * nb];
+                for (b, blk) in blks.iter().enumerate() {
+                    let mut p = [_mm256_setzero_si256(); T];
+                    for k in 0..8 {
+                        let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                        let aw = _mm256_sign_epi8(wv, wv);
+                        for t in 0..T {
+                            let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+                            let pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, wv));
+                            p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pr, ones));
+                        }
+                    }
+                    let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                    for t in 0..T {
+                        let pf = _mm256_cvtepi32_ps(p[t]);
+                        acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                    }
+                }
+            }
+        }
+        let r0 = g * ROWS;
+        let valid = (w.rows - r0).min(ROWS);
+        for t in 0..T {
+            let idx = (t0 + t) * ldo + r0;
+            if valid == ROWS {
+                assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+                // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+                _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
+            } else {
+                let mut tmp = [0.0f32; ROWS];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
+                for (r, &v) in tmp.iter().enumerate().take(valid) {
+                    out.write(idx + r, v);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
         let n = k.len().min(q.len()) / 8 * 8;
         let mut acc = _mm256_setzero_ps();
@@ -403,6 +563,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::repack::PackedWeight;
     use rand::{Rng, SeedableRng};
 
     fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut impl Rng) -> Vec<u8> {
@@ -445,6 +606,34 @@ mod tests {
                 matmul_rows_ref(&w, &a, OutPtr::new(&mut slow), rows, 0, rows, toks);
                 for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
                     assert!((f - s).abs() <= 1e-4 * (1.0 + s.abs()), "{ty:?} {rows}x{cols}x{toks} at {i}: simd {f} vs ref {s}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_kernels_match_row_major_reference() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for &(rows, cols, toks) in &[(8, 32, 1), (13, 64, 6), (40, 576, 9), (3, 96, 4)] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = WeightView { ty, rows, cols, data: &data };
+                let p = PackedWeight::pack(ty, rows, cols, &data).expect("packable type");
+                let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let mut a = Acts::default();
+                a.prepare(&x, toks, cols, &[ActKind::Q8]);
+                let mut want = vec![f32::NAN; toks * rows];
+                matmul_rows_ref(&w, &a, OutPtr::new(&mut want), rows, 0, rows, toks);
+                for scalar in [false, true] {
+                    let mut got = vec![f32::NAN; toks * rows];
+                    if scalar {
+                        matmul_packed_ref(&p, &a.q8, OutPtr::new(&mut got), rows, 0, p.groups());
+                    } else {
+                        matmul_packed(&p, &a.q8, OutPtr::new(&mut got), rows, 0, p.groups());
+                    }
+                    for (i, (g, s)) in got.iter().zip(&want).enumerate() {
+                        assert!((g - s).abs() <= 1e-4 * (1.0 + s.abs()), "{ty:?} {rows}x{cols}x{toks} scalar={scalar} at {i}: {g} vs {s}");
+                    }
                 }
             }
         }

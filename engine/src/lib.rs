@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod model;
 pub mod pool;
 pub mod quant;
+pub mod repack;
 pub mod sampler;
 pub mod tokenizer;
 

@@ -14,6 +14,7 @@ use half::f16;
 use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
 use crate::kernels::{self, ActKind, Acts, OutPtr, WeightView};
 use crate::pool::ThreadPool;
+use crate::repack::{self, PackedWeight};
 use crate::quant::{self, GgmlType};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -69,17 +70,45 @@ struct W {
     len: usize,
 }
 
+/// A matrix the forward pass multiplies by: where its GGUF bytes are, and its repacked copy
+/// when the type has fast packed kernels.
+#[derive(Debug)]
+struct Mat {
+    raw: W,
+    packed: Option<PackedWeight>,
+}
+
+impl Mat {
+    fn new(raw: W, file: &GgufFile) -> Self {
+        let packed = PackedWeight::pack(raw.ty, raw.rows, raw.cols, &file.bytes()[raw.offset..raw.offset + raw.len]);
+        if packed.is_some() {
+            // The packed copy replaces the file's bytes: let the kernel drop the mapped pages
+            // we just read (they stay in the page cache), so resident memory holds one copy of
+            // the weights, not two, even while loading.
+            file.release_pages(raw.offset, raw.len);
+        }
+        Self { raw, packed }
+    }
+    fn act_kind(&self) -> ActKind {
+        if self.packed.is_some() {
+            ActKind::Q8
+        } else {
+            kernels::act_kind(self.raw.ty)
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    wq: W,
-    wk: W,
-    wv: W,
-    wo: W,
-    w_gate: W,
-    w_up: W,
-    w_down: W,
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    w_gate: Mat,
+    w_up: Mat,
+    w_down: Mat,
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
@@ -93,7 +122,7 @@ pub struct Model {
     pub file: GgufFile,
     layers: Vec<Layer>,
     tok_embd: W,
-    output: W,
+    output: Mat,
     output_norm: Vec<f32>,
     /// RoPE: `base^(-2/rope_dims)`, the ratio between successive pair frequencies.
     theta_scale: f32,
@@ -109,7 +138,7 @@ fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
 
 impl Model {
     pub fn load(path: &Path) -> Result<Self> {
-        let file = GgufFile::open(path)?;
+        let mut file = GgufFile::open(path)?;
         let arch = file.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
         if arch != "llama" && arch != "qwen2" {
             return Err(ModelError::Arch(arch));
@@ -123,6 +152,10 @@ impl Model {
         }
         let head_dim = dim / n_heads;
         let tokenizer = Tokenizer::from_gguf(&file)?;
+        // The vocabulary now lives in the tokenizer; the parsed arrays are ~10 MiB of copies.
+        for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"] {
+            file.header.metadata.remove(key);
+        }
         let config = Config {
             n_layers: meta_u(&file, &k("block_count"))?,
             ffn_dim: meta_u(&file, &k("feed_forward_length"))?,
@@ -158,22 +191,22 @@ impl Model {
             layers.push(Layer {
                 attn_norm: vec(&p("attn_norm.weight"), c.dim)?,
                 ffn_norm: vec(&p("ffn_norm.weight"), c.dim)?,
-                wq: get(&p("attn_q.weight"), c.dim, c.dim)?,
-                wk: get(&p("attn_k.weight"), c.dim, kv)?,
-                wv: get(&p("attn_v.weight"), c.dim, kv)?,
-                wo: get(&p("attn_output.weight"), c.dim, c.dim)?,
-                w_gate: get(&p("ffn_gate.weight"), c.dim, c.ffn_dim)?,
-                w_up: get(&p("ffn_up.weight"), c.dim, c.ffn_dim)?,
-                w_down: get(&p("ffn_down.weight"), c.ffn_dim, c.dim)?,
+                wq: Mat::new(get(&p("attn_q.weight"), c.dim, c.dim)?, &file),
+                wk: Mat::new(get(&p("attn_k.weight"), c.dim, kv)?, &file),
+                wv: Mat::new(get(&p("attn_v.weight"), c.dim, kv)?, &file),
+                wo: Mat::new(get(&p("attn_output.weight"), c.dim, c.dim)?, &file),
+                w_gate: Mat::new(get(&p("ffn_gate.weight"), c.dim, c.ffn_dim)?, &file),
+                w_up: Mat::new(get(&p("ffn_up.weight"), c.dim, c.ffn_dim)?, &file),
+                w_down: Mat::new(get(&p("ffn_down.weight"), c.ffn_dim, c.dim)?, &file),
                 bq: opt_vec(&p("attn_q.bias"), c.dim)?,
                 bk: opt_vec(&p("attn_k.bias"), kv)?,
                 bv: opt_vec(&p("attn_v.bias"), kv)?,
             });
         }
         let tok_embd = get("token_embd.weight", c.dim, c.vocab)?;
-        let output = if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd };
+        let output = Mat::new(if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd }, &file);
         let output_norm = vec("output_norm.weight", c.dim)?;
-        for w in layers.iter().flat_map(|l| [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down]).chain([output]) {
+        for w in layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]).chain([&output]).map(|m| m.raw) {
             if w.cols % w.ty.block_size() != 0 || (kernels::act_kind(w.ty) != ActKind::F32 && w.cols % 32 != 0) {
                 return Err(ModelError::Tensor { name: format!("{:?} weight", w.ty), what: format!("row length {} does not fit its blocks", w.cols) });
             }
@@ -337,8 +370,7 @@ impl Session {
         for (li, l) in model.layers.iter().enumerate() {
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
-            let qkv_w = [model.view(&l.wq), model.view(&l.wk), model.view(&l.wv)];
-            matmul_multi(&pool, &qkv_w, &s.xb, n, &mut s.acts, &mut s.qkv);
+            matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
             let ld = dim + 2 * kvd;
             for t in 0..n {
                 let row = &mut s.qkv[t * ld..(t + 1) * ld];
@@ -360,14 +392,12 @@ impl Session {
                 }
             }
             attention(&pool, c, &self.kv, li, &s.qkv, ld, pos0, n, &mut s.att);
-            let wo = model.view(&l.wo);
-            matmul_multi(&pool, &[wo], &s.att, n, &mut s.acts, &mut s.xb);
+            matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
             // Feed-forward block.
             rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
-            let gu = [model.view(&l.w_gate), model.view(&l.w_up)];
-            matmul_multi(&pool, &gu, &s.xb, n, &mut s.acts, &mut s.ffn);
+            matmul_multi(&pool, &model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
             let f = c.ffn_dim;
             for t in 0..n {
                 let row = &mut s.ffn[t * 2 * f..(t + 1) * 2 * f];
@@ -380,8 +410,7 @@ impl Session {
             for t in 0..n {
                 s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
             }
-            let wd = model.view(&l.w_down);
-            matmul_multi(&pool, &[wd], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
+            matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
         self.tokens.extend_from_slice(tokens);
@@ -397,39 +426,44 @@ impl Session {
             rmsnorm(&s.x[r * dim..(r + 1) * dim], &model.output_norm, c.norm_eps, &mut xn[i * dim..(i + 1) * dim]);
         }
         s.logits.resize(m * c.vocab, 0.0);
-        let out = model.view(&model.output);
-        matmul_multi(&pool, &[out], &xn, m, &mut s.acts, &mut s.logits);
+        matmul_multi(&pool, &model, &[&model.output], &xn, m, &mut s.acts, &mut s.logits);
     }
 }
 
 /// Multiplies the same input rows by several weights at once (Q, K and V; gate and up), writing
 /// each token's outputs side by side: `out[t] = [W0 x_t, W1 x_t, ...]`. One quantization of the
-/// input, one parallel dispatch.
-fn matmul_multi(pool: &ThreadPool, ws: &[WeightView], x: &[f32], n: usize, acts: &mut Acts, out: &mut [f32]) {
-    let cols = ws[0].cols;
-    let kinds: Vec<ActKind> = ws.iter().map(WeightView::act_kind).collect();
+/// input, one parallel dispatch; work is handed out in units of 8 rows (a packed group).
+#[allow(clippy::too_many_arguments)]
+fn matmul_multi(pool: &ThreadPool, model: &Model, ms: &[&Mat], x: &[f32], n: usize, acts: &mut Acts, out: &mut [f32]) {
+    let cols = ms[0].raw.cols;
+    let kinds: Vec<ActKind> = ms.iter().map(|m| m.act_kind()).collect();
     acts.prepare(x, n, cols, &kinds);
-    let total: usize = ws.iter().map(|w| w.rows).sum();
-    let ldo = total;
-    let out_len = n * ldo;
-    let outp = OutPtr::new(&mut out[..out_len]);
+    let ldo: usize = ms.iter().map(|m| m.raw.rows).sum();
+    let outp = OutPtr::new(&mut out[..n * ldo]);
     let acts = &*acts;
-    // Chunks of rows handed out dynamically; a multiple of the 4-row tile. Decode has little
-    // work per row, so larger chunks keep the counter traffic low.
-    let chunk = if n == 1 { 64 } else { 16 };
-    let mut starts = Vec::with_capacity(ws.len());
-    let mut acc = 0;
-    for w in ws {
-        starts.push(acc);
-        acc += w.rows;
+    let mut starts = Vec::with_capacity(ms.len());
+    let (mut units, mut rows) = (0, 0);
+    for m in ms {
+        starts.push((units, rows));
+        units += m.raw.rows.div_ceil(repack::ROWS);
+        rows += m.raw.rows;
     }
-    pool.for_chunks(total, chunk, &|a, b| {
-        for (w, &st) in ws.iter().zip(&starts) {
-            let (lo, hi) = (a.max(st), b.min(st + w.rows));
-            if lo < hi {
-                // Column offset `st` inside each token row: shift the base pointer.
-                let shifted = outp.offset(st);
-                kernels::matmul_rows(w, acts, shifted, ldo, lo - st, hi - st);
+    // Decode has little work per row, so larger chunks keep the shared counter quiet.
+    let chunk = if n == 1 { 8 } else { 2 };
+    pool.for_chunks(units, chunk, &|a, b| {
+        for (m, &(u0, r0)) in ms.iter().zip(&starts) {
+            let groups = m.raw.rows.div_ceil(repack::ROWS);
+            let (lo, hi) = (a.max(u0), b.min(u0 + groups));
+            if lo >= hi {
+                continue;
+            }
+            let o = outp.offset(r0);
+            match &m.packed {
+                Some(p) => kernels::matmul_packed(p, &acts.q8, o, ldo, lo - u0, hi - u0),
+                None => {
+                    let rows = ((lo - u0) * repack::ROWS, ((hi - u0) * repack::ROWS).min(m.raw.rows));
+                    kernels::matmul_rows(&model.view(&m.raw), acts, o, ldo, rows.0, rows.1);
+                }
             }
         }
     });

@@ -222,6 +222,13 @@ fn run(cli: Cli) -> Result<()> {
             }
             if stats {
                 eprintln!("{}", r.speed_line());
+                eprintln!(
+                    "memory: model file {:.1} MiB, KV cache {:.1} MiB, resident now {} (peak {})",
+                    mib(model.file_bytes()),
+                    mib(r.kv_bytes),
+                    proc_status_kib("VmRSS").map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0)),
+                    proc_status_kib("VmHWM").map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0)),
+                );
             }
         }
         Cmd::Chat { max_tokens, temperature, seed, system, m } => chat_loop(&m, max_tokens, temperature, seed, system)?,
@@ -245,7 +252,21 @@ fn render_chat(model: &Model, msgs: &[Message]) -> Result<String> {
     Ok(chat::render(model.chat_template(), msgs, &name(tk.bos), &name(tk.eos))?)
 }
 
+#[allow(clippy::cast_precision_loss)]
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// A `kB` field of /proc/self/status (VmRSS, VmHWM).
+#[allow(clippy::cast_precision_loss)]
+fn proc_status_kib(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?;
+    line[field.len() + 1..].trim().trim_end_matches("kB").trim().parse().ok()
+}
+
 struct GenResult {
+    kv_bytes: usize,
     tokens: Vec<u32>,
     text: String,
     prompt_tokens: usize,
@@ -303,7 +324,7 @@ fn generate(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], max_tokens: 
     let tail = utf8.finish();
     text.push_str(&tail);
     sink(&tail)?;
-    Ok(GenResult { tokens, text, prompt_tokens: ids.len(), prefill_s, decode_s: t1.elapsed().as_secs_f64() })
+    Ok(GenResult { kv_bytes: s.kv.bytes(), tokens, text, prompt_tokens: ids.len(), prefill_s, decode_s: t1.elapsed().as_secs_f64() })
 }
 
 fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, system: Option<String>) -> Result<()> {
