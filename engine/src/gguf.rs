@@ -25,32 +25,17 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot open {path}: {source}")]
-    Open {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Open { path: PathBuf, source: std::io::Error },
     #[error("cannot map {path}: {source}")]
-    Map {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Map { path: PathBuf, source: std::io::Error },
     #[error("not a GGUF file: bad magic {found:02x?} at offset 0")]
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {version} at offset 4 (supported: 2, 3; big-endian files are not supported)")]
     Version { version: u32 },
     #[error("truncated file: need {need} bytes for {field} at offset {offset}, file has {len}")]
-    Truncated {
-        field: String,
-        offset: u64,
-        need: u64,
-        len: u64,
-    },
+    Truncated { field: String, offset: u64, need: u64, len: u64 },
     #[error("{field} at offset {offset}: {what}")]
-    Invalid {
-        field: String,
-        offset: u64,
-        what: String,
-    },
+    Invalid { field: String, offset: u64, what: String },
     #[error("metadata key {key:?}: {what}")]
     Metadata { key: String, what: String },
     #[error("tensor {name:?}: {what}")]
@@ -178,12 +163,7 @@ impl<'a> Cursor<'a> {
     }
     fn take(&mut self, n: u64, field: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            return Err(GgufError::Truncated {
-                field: field.to_string(),
-                offset: self.offset(),
-                need: n,
-                len: self.buf.len() as u64,
-            });
+            return Err(GgufError::Truncated { field: field.to_string(), offset: self.offset(), need: n, len: self.buf.len() as u64 });
         }
         // n <= remaining, which fits in usize.
         let n = usize::try_from(n).expect("bounded by buffer length");
@@ -225,11 +205,7 @@ impl<'a> Cursor<'a> {
         })
     }
     fn invalid(&self, field: &str, at: u64, what: impl Into<String>) -> GgufError {
-        GgufError::Invalid {
-            field: field.to_string(),
-            offset: at,
-            what: what.into(),
-        }
+        GgufError::Invalid { field: field.to_string(), offset: at, what: what.into() }
     }
 
     /// Smallest encoded size of a value of `ty`, used to bound array counts before allocating.
@@ -328,10 +304,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
         }
         let value = c.value(ty, &key, 0)?;
         if metadata.insert(key.clone(), value).is_some() {
-            return Err(GgufError::Metadata {
-                key,
-                what: "appears twice".into(),
-            });
+            return Err(GgufError::Metadata { key, what: "appears twice".into() });
         }
     }
 
@@ -367,18 +340,9 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
         let offset = c.u64(&format!("offset of {name}"))?;
         let size = tensor_size(&name, &dims, ty)?;
         if offset % alignment != 0 {
-            return Err(GgufError::Tensor {
-                name,
-                what: format!("offset {offset} is not a multiple of the alignment {alignment}"),
-            });
+            return Err(GgufError::Tensor { name, what: format!("offset {offset} is not a multiple of the alignment {alignment}") });
         }
-        tensors.push(TensorInfo {
-            name,
-            dims,
-            ty,
-            offset,
-            size,
-        });
+        tensors.push(TensorInfo { name, dims, ty, offset, size });
     }
 
     let data_offset = c.offset().div_ceil(alignment) * alignment;
@@ -388,10 +352,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
     let mut seen = std::collections::HashSet::new();
     for (i, t) in by_offset.iter().enumerate() {
         if !seen.insert(t.name.as_str()) {
-            return Err(GgufError::Tensor {
-                name: t.name.clone(),
-                what: "appears twice".into(),
-            });
+            return Err(GgufError::Tensor { name: t.name.clone(), what: "appears twice".into() });
         }
         let end = t.offset.checked_add(t.size).filter(|&e| e <= data_len).ok_or_else(|| GgufError::Tensor {
             name: t.name.clone(),
@@ -410,21 +371,12 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
         }
     }
 
-    Ok(GgufHeader {
-        version,
-        metadata,
-        tensors,
-        alignment,
-        data_offset,
-    })
+    Ok(GgufHeader { version, metadata, tensors, alignment, data_offset })
 }
 
 fn tensor_size(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64> {
-    let err = |what: String| GgufError::Tensor {
-        name: name.to_string(),
-        what,
-    };
-    if dims.iter().any(|&d| d == 0) {
+    let err = |what: String| GgufError::Tensor { name: name.to_string(), what };
+    if dims.contains(&0) {
         return Err(err(format!("zero dimension in {dims:?}")));
     }
     let n = dims
@@ -433,7 +385,7 @@ fn tensor_size(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64> {
         .filter(|&n| n < 1 << 48)
         .ok_or_else(|| err(format!("dimensions {dims:?} are absurd")))?;
     let blk = ty.block_size() as u64;
-    if dims[0] % blk != 0 {
+    if !dims[0].is_multiple_of(blk) {
         return Err(err(format!("row length {} is not a multiple of the {ty:?} block size {blk}", dims[0])));
     }
     Ok(n / blk * ty.type_size() as u64)
@@ -449,23 +401,13 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|source| GgufError::Open {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let file = File::open(path).map_err(|source| GgufError::Open { path: path.to_path_buf(), source })?;
         // SAFETY: the map is read-only and private to this process. A model file truncated or
         // rewritten by someone else while it is mapped would fault (SIGBUS) or change under us;
         // like llama.cpp we accept that risk for read-only model files.
-        let map = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Map {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| GgufError::Map { path: path.to_path_buf(), source })?;
         let header = parse(&map)?;
-        Ok(Self {
-            header,
-            path: path.to_path_buf(),
-            map,
-        })
+        Ok(Self { header, path: path.to_path_buf(), map })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {

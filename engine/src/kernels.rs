@@ -11,8 +11,8 @@ use std::sync::LazyLock;
 
 use half::f16;
 
-use crate::repack::{Packed, PackedWeight, ROWS};
 use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
+use crate::repack::{Packed, PackedWeight, ROWS};
 
 static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
     #[cfg(target_arch = "x86_64")]
@@ -112,10 +112,7 @@ unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     pub fn new(out: &mut [f32]) -> Self {
-        Self {
-            ptr: out.as_mut_ptr(),
-            len: out.len(),
-        }
+        Self { ptr: out.as_mut_ptr(), len: out.len() }
     }
     /// The same buffer seen from element `by` on.
     pub fn offset(self, by: usize) -> Self {
@@ -136,19 +133,9 @@ impl OutPtr {
 pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
     debug_assert_eq!(a.cols, w.cols);
     debug_assert!(r1 <= w.rows);
-    let n_tok = a.rows;
-    match w.ty {
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if *HAS_AVX2 => {
-            #[cfg(target_arch = "x86_64")]
-            {
-                // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time above).
-                unsafe { avx2::matmul_q8_family(w, &a.q8, out, ldo, r0, r1) };
-                return;
-            }
-        }
-        _ => {}
-    }
-    matmul_rows_ref(w, a, out, ldo, r0, r1, n_tok);
+    // Types with fast kernels are repacked at load and go through `matmul_packed`; the rest
+    // (K-quants, float weights) take the reference path.
+    matmul_rows_ref(w, a, out, ldo, r0, r1, a.rows);
 }
 
 /// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed groups `g0..g1` (rows past
@@ -236,7 +223,7 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
 #[inline]
 pub fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && k.len() % 8 == 0 {
+    if *HAS_AVX2 && k.len().is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
         return unsafe { avx2::dot_f16(k, q) };
     }
@@ -247,7 +234,7 @@ pub fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
 #[inline]
 pub fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && v.len() % 8 == 0 {
+    if *HAS_AVX2 && v.len().is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
         unsafe { avx2::axpy_f16(a, v, out) };
         return;
@@ -268,65 +255,9 @@ mod avx2 {
 
     use half::f16;
 
-    use super::{OutPtr, WeightView};
+    use super::OutPtr;
+    use crate::quant::Q8Acts;
     use crate::repack::{Packed, PackedWeight, ROWS};
-    use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType, Q8Acts, QK};
-
-    /// Weight blocks of 32 that multiply Q8 activations: 4-bit with scale and offset, or 8-bit.
-    trait Q8Family: bytemuck::Pod {
-        /// Returns the 32 weights as bytes ready for `maddubs` (unsigned for 4-bit formats,
-        /// `|w|` for 8-bit), the scale, the offset applied per activation sum, and whether the
-        /// weights were signed (then the activation takes the weight's sign).
-        /// # Safety
-        /// Needs AVX2 and F16C.
-        #[allow(clippy::missing_safety_doc)]
-        unsafe fn load(&self) -> (__m256i, f32, f32);
-        const SIGNED: bool;
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn h2f(h: f16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
-        // SAFETY (for callers): reads 16 bytes from a 16-byte array.
-        let q = _mm_loadu_si128(qs.as_ptr().cast());
-        let m = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(q, m);
-        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
-        _mm256_set_m128i(hi, lo)
-    }
-
-    impl Q8Family for BlockQ4_1 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(&self) -> (__m256i, f32, f32) {
-            (unpack_nibbles(&self.qs), h2f(self.d), h2f(self.m))
-        }
-        const SIGNED: bool = false;
-    }
-    impl Q8Family for BlockQ4_0 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(&self) -> (__m256i, f32, f32) {
-            let d = h2f(self.d);
-            // (q - 8) · x = q · x - 8 · sum(x): the offset rides on the activation sum.
-            (unpack_nibbles(&self.qs), d, -8.0 * d)
-        }
-        const SIGNED: bool = false;
-    }
-    impl Q8Family for BlockQ8_0 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(&self) -> (__m256i, f32, f32) {
-            (_mm256_loadu_si256(self.qs.as_ptr().cast()), h2f(self.d), 0.0)
-        }
-        const SIGNED: bool = true;
-    }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -335,94 +266,6 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
-    }
-
-    /// # Safety
-    /// Needs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn matmul_q8_family(w: &WeightView, a: &Q8Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
-        match w.ty {
-            GgmlType::Q4_1 => run::<BlockQ4_1>(w, a, out, ldo, r0, r1),
-            GgmlType::Q4_0 => run::<BlockQ4_0>(w, a, out, ldo, r0, r1),
-            GgmlType::Q8_0 => run::<BlockQ8_0>(w, a, out, ldo, r0, r1),
-            _ => unreachable!("not a Q8-family weight"),
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run<B: Q8Family>(w: &WeightView, a: &Q8Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
-        let nb = w.cols / QK;
-        assert_eq!(nb, a.nb, "activation width does not match the weight");
-        let wb: &[B] = blocks(&w.data[..w.rows * nb * std::mem::size_of::<B>()]);
-        let n_tok = a.rows;
-        let mut t = 0;
-        // Prefill: 4 rows x 3 tokens per tile (12 accumulators fit the 16 ymm registers).
-        while t + 3 <= n_tok {
-            let mut r = r0;
-            while r + 4 <= r1 {
-                tile::<B, 4, 3>(wb, nb, r, a, t, out, ldo);
-                r += 4;
-            }
-            while r < r1 {
-                tile::<B, 1, 3>(wb, nb, r, a, t, out, ldo);
-                r += 1;
-            }
-            t += 3;
-        }
-        while t < n_tok {
-            let mut r = r0;
-            while r + 4 <= r1 {
-                tile::<B, 4, 1>(wb, nb, r, a, t, out, ldo);
-                r += 4;
-            }
-            while r < r1 {
-                tile::<B, 1, 1>(wb, nb, r, a, t, out, ldo);
-                r += 1;
-            }
-            t += 1;
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<B: Q8Family, const R: usize, const T: usize>(
-        wb: &[B],
-        nb: usize,
-        row0: usize,
-        a: &Q8Acts,
-        t0: usize,
-        out: OutPtr,
-        ldo: usize,
-    ) {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut offs = [[0.0f32; T]; R];
-        let wrows: [&[B]; R] = std::array::from_fn(|r| &wb[(row0 + r) * nb..(row0 + r + 1) * nb]);
-        let arows: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
-        for i in 0..nb {
-            let xq: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(a.qs[arows[t] + i].as_ptr().cast()));
-            let xd: [f32; T] = std::array::from_fn(|t| a.d[arows[t] + i]);
-            for r in 0..R {
-                let (wq, d, m) = wrows[r][i].load();
-                for t in 0..T {
-                    let p16 = if B::SIGNED {
-                        _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq[t], wq))
-                    } else {
-                        _mm256_maddubs_epi16(wq, xq[t])
-                    };
-                    let pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[t]), pf, acc[r][t]);
-                    if !B::SIGNED {
-                        offs[r][t] += m * a.s[arows[t] + i];
-                    }
-                }
-            }
-        }
-        for r in 0..R {
-            for t in 0..T {
-                out.write((t0 + t) * ldo + row0 + r, hsum(acc[r][t]) + offs[r][t]);
-            }
-        }
     }
 
     /// # Safety
@@ -452,6 +295,7 @@ mod avx2 {
     }
 
     /// One group of 8 rows against `T` tokens starting at `t0`, over every block.
+    #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn packed_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
@@ -591,27 +435,6 @@ mod tests {
     }
 
     #[test]
-    fn simd_matches_scalar_reference_on_random_inputs() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            for &(rows, cols, toks) in &[(13, 64, 1), (9, 96, 5), (32, 576, 7), (4, 32, 3)] {
-                let data = random_weights(ty, rows, cols, &mut rng);
-                let w = WeightView { ty, rows, cols, data: &data };
-                let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
-                let mut a = Acts::default();
-                a.prepare(&x, toks, cols, &[ActKind::Q8]);
-                let mut fast = vec![f32::NAN; toks * rows];
-                let mut slow = vec![f32::NAN; toks * rows];
-                matmul_rows(&w, &a, OutPtr::new(&mut fast), rows, 0, rows);
-                matmul_rows_ref(&w, &a, OutPtr::new(&mut slow), rows, 0, rows, toks);
-                for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
-                    assert!((f - s).abs() <= 1e-4 * (1.0 + s.abs()), "{ty:?} {rows}x{cols}x{toks} at {i}: simd {f} vs ref {s}");
-                }
-            }
-        }
-    }
-
-    #[test]
     fn packed_kernels_match_row_major_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
@@ -653,12 +476,12 @@ mod tests {
             a.prepare(&x, 1, cols, &[w.act_kind()]);
             let mut got = vec![0.0; rows];
             matmul_rows(&w, &a, OutPtr::new(&mut got), rows, 0, rows);
-            for r in 0..rows {
+            for (r, &got) in got.iter().enumerate() {
                 let mut deq = vec![0.0; cols];
                 quant::dequantize_row(ty, w.row(r), &mut deq);
                 let exact: f32 = deq.iter().zip(&x).map(|(p, q)| p * q).sum();
                 let scale: f32 = deq.iter().zip(&x).map(|(p, q)| (p * q).abs()).sum();
-                assert!((got[r] - exact).abs() <= 0.02 * scale + 1e-4, "{ty:?} row {r}: {} vs {exact} (scale {scale})", got[r]);
+                assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{ty:?} row {r}: {got} vs {exact} (scale {scale})");
             }
         }
     }

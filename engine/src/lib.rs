@@ -8,6 +8,7 @@
 //! reads its KV cache and weights as plain memory; where that memory lives is `mm`'s business.
 
 pub mod chat;
+pub mod eval;
 pub mod gguf;
 pub mod kernels;
 pub mod model;

@@ -14,8 +14,8 @@ use half::f16;
 use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
 use crate::kernels::{self, ActKind, Acts, OutPtr, WeightView};
 use crate::pool::ThreadPool;
-use crate::repack::{self, PackedWeight};
 use crate::quant::{self, GgmlType};
+use crate::repack::{self, PackedWeight};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 #[derive(Debug, thiserror::Error)]
@@ -148,7 +148,10 @@ impl Model {
         let n_heads = meta_u(&file, &k("attention.head_count"))?;
         let n_kv_heads = file.get(&k("attention.head_count_kv")).map_or(Ok(n_heads), |_| meta_u(&file, &k("attention.head_count_kv")))?;
         if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
-            return Err(ModelError::Metadata { key: k("attention.head_count"), what: format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads do not divide") });
+            return Err(ModelError::Metadata {
+                key: k("attention.head_count"),
+                what: format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads do not divide"),
+            });
         }
         let head_dim = dim / n_heads;
         let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -165,7 +168,10 @@ impl Model {
             vocab: tokenizer.vocab_size(),
             ctx_len: meta_u(&file, &k("context_length"))?,
             rope_base: file.get(&k("rope.freq_base")).and_then(Value::as_f32).unwrap_or(10000.0),
-            rope_dims: file.get(&k("rope.dimension_count")).map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?.min(head_dim),
+            rope_dims: file
+                .get(&k("rope.dimension_count"))
+                .map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?
+                .min(head_dim),
             norm_eps: file.get(&k("attention.layer_norm_rms_epsilon")).and_then(Value::as_f32).unwrap_or(1e-5),
             dim,
             arch,
@@ -208,11 +214,17 @@ impl Model {
         let output_norm = vec("output_norm.weight", c.dim)?;
         for w in layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]).chain([&output]).map(|m| m.raw) {
             if w.cols % w.ty.block_size() != 0 || (kernels::act_kind(w.ty) != ActKind::F32 && w.cols % 32 != 0) {
-                return Err(ModelError::Tensor { name: format!("{:?} weight", w.ty), what: format!("row length {} does not fit its blocks", w.cols) });
+                return Err(ModelError::Tensor {
+                    name: format!("{:?} weight", w.ty),
+                    what: format!("row length {} does not fit its blocks", w.cols),
+                });
             }
         }
-        if config.rope_dims > 512 || config.rope_dims % 2 != 0 {
-            return Err(ModelError::Metadata { key: "rope.dimension_count".into(), what: format!("{} is not an even number up to 512", config.rope_dims) });
+        if config.rope_dims > 512 || !config.rope_dims.is_multiple_of(2) {
+            return Err(ModelError::Metadata {
+                key: "rope.dimension_count".into(),
+                what: format!("{} is not an even number up to 512", config.rope_dims),
+            });
         }
         let theta_scale = config.rope_base.powf(-2.0 / config.rope_dims as f32);
         Ok(Self { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale })

@@ -63,10 +63,7 @@ impl ThreadPool {
         let workers = (1..n)
             .map(|idx| {
                 let s = Arc::clone(&shared);
-                std::thread::Builder::new()
-                    .name(format!("llms-worker-{idx}"))
-                    .spawn(move || worker(&s, idx))
-                    .expect("spawn worker thread")
+                std::thread::Builder::new().name(format!("llms-worker-{idx}")).spawn(move || worker(&s, idx)).expect("spawn worker thread")
             })
             .collect();
         Self { n, shared, workers }
@@ -149,7 +146,7 @@ fn worker(s: &Shared, idx: usize) {
             }
             std::hint::spin_loop();
             spins += 1;
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
                 while s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Acquire) {

@@ -95,8 +95,14 @@ mod tests {
         let logits = [0.1, 3.0, 2.9, -1.0];
         assert_eq!(Sampler::new(SamplerConfig::default()).sample(&logits), 1);
         let cfg = SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 42 };
-        let a: Vec<u32> = { let mut s = Sampler::new(cfg.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(cfg); (0..50).map(|_| s.sample(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         assert!(a.contains(&1) && a.contains(&2), "temperature 1 should visit both likely tokens: {a:?}");
     }

@@ -132,8 +132,12 @@ impl Tokenizer {
                 let s = m.as_str().ok_or(TokenizerError::Metadata { key: "tokenizer.ggml.merges", what: "not strings".into() })?;
                 // The separator is the first space after the first character (a merge side may
                 // itself be a space-like byte character, never a plain space).
-                let Some((l, r)) = s.char_indices().nth(1).and_then(|(i, _)| s[i..].find(' ').map(|j| (&s[..i + j], &s[i + j + 1..]))) else {
-                    return Err(TokenizerError::Metadata { key: "tokenizer.ggml.merges", what: format!("merge {rank} {s:?} has no separator") });
+                let Some((l, r)) = s.char_indices().nth(1).and_then(|(i, _)| s[i..].find(' ').map(|j| (&s[..i + j], &s[i + j + 1..])))
+                else {
+                    return Err(TokenizerError::Metadata {
+                        key: "tokenizer.ggml.merges",
+                        what: format!("merge {rank} {s:?} has no separator"),
+                    });
                 };
                 let merged = format!("{l}{r}");
                 if let (Some(&a), Some(&b), Some(&c)) = (token_to_id.get(l), token_to_id.get(r), token_to_id.get(&merged)) {
@@ -149,21 +153,14 @@ impl Tokenizer {
             char_to_byte.insert(c, b8);
             byte_to_token[b] = token_to_id.get(c.to_string().as_str()).copied();
         }
-        let regexes = pre_regexes(pre)?
-            .into_iter()
-            .map(|r| Regex::new(r).expect("built-in pre-tokenizer regex compiles"))
-            .collect();
+        let regexes = pre_regexes(pre)?.into_iter().map(|r| Regex::new(r).expect("built-in pre-tokenizer regex compiles")).collect();
         let mut specials: Vec<u32> = (0..tokens.len())
             .filter(|&i| matches!(types[i], TokenType::Control | TokenType::UserDefined | TokenType::Unknown) && !tokens[i].is_empty())
             .map(|i| u32::try_from(i).expect("bounded"))
             .collect();
         specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
-        let id = |key: &str| {
-            f.get(key)
-                .and_then(Value::as_u64)
-                .and_then(|v| u32::try_from(v).ok())
-                .filter(|&v| (v as usize) < tokens.len())
-        };
+        let id =
+            |key: &str| f.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok()).filter(|&v| (v as usize) < tokens.len());
         let eot = token_to_id.get("<|im_end|>").or_else(|| token_to_id.get("<|eot_id|>")).copied();
         Ok(Self {
             bos: id("tokenizer.ggml.bos_token_id"),

@@ -1,1 +1,46 @@
-//! Helpers for the end-to-end tests: where the model, the fixtures and the binaries are.
+//! Helpers shared by the tests that run the real model: where the repository, the model and
+//! the fixtures are, and the llama.cpp oracle values.
+//!
+//! The model is required: `make test` fetches it first. A test run without it fails with a
+//! message saying how to get it, rather than skipping silently.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the repository").to_path_buf()
+}
+
+/// The model the tests run: `$LLMS_MODEL`, else the set-up's default model.
+pub fn model_path() -> PathBuf {
+    let p = std::env::var_os("LLMS_MODEL").map(PathBuf::from).unwrap_or_else(|| repo_root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.exists(), "model {} not found: run `make test` (it fetches the default model) or set LLMS_MODEL", p.display());
+    p
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    repo_root().join("tests/fixtures").join(name)
+}
+
+/// llama.cpp's values for the default model (tests/fixtures/llama_cpp.json, made by
+/// tools/oracle/make_fixtures.py). Panics if the model under test is not the one the fixtures
+/// were made with: comparing against another model's values would prove nothing.
+pub fn oracle() -> &'static Value {
+    static ORACLE: OnceLock<Value> = OnceLock::new();
+    ORACLE.get_or_init(|| {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture("llama_cpp.json")).expect("read oracle fixture"))
+            .expect("oracle fixture is JSON");
+        let want = v["model_sha256"].as_str().expect("fixture names its model");
+        let got = format!("{:x}", Sha256::digest(std::fs::read(model_path()).expect("read model")));
+        assert_eq!(got, want, "the model under test is not the one the llama.cpp fixtures were made with");
+        v
+    })
+}
+
+/// Token ids from a JSON array.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("array of ids").iter().map(|x| u32::try_from(x.as_u64().expect("id")).expect("id fits u32")).collect()
+}

@@ -234,11 +234,18 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Chat { max_tokens, temperature, seed, system, m } => chat_loop(&m, max_tokens, temperature, seed, system)?,
         Cmd::Perplexity { text_file, ctx, chunks, json, m } => {
             let (model, pool) = load(&m)?;
-            let r = perplexity(&model, pool, &read_text(&text_file)?, ctx, chunks)?;
+            if ctx < 8 || ctx > model.config.ctx_len {
+                bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
+            }
+            let ids = model.tokenizer.encode(&read_text(&text_file)?, false, false)?;
+            if ids.len() < ctx {
+                bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
+            }
+            let r = engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?;
             if json {
-                println!("{}", json!({"ppl": r.0, "scored": r.1}));
+                println!("{}", json!({"ppl": r.ppl, "scored": r.scored}));
             } else {
-                println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.0, r.1);
+                println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.ppl, r.scored);
             }
         }
         Cmd::Bench { pp, tg, reps, json, m } => bench(&m, pp, tg, reps, json)?,
@@ -292,7 +299,14 @@ impl GenResult {
 
 /// Prefills `ids`, then samples up to `max_tokens`, handing each decoded piece to `sink`.
 /// Stops at end-of-generation tokens (not included in the result).
-fn generate(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], max_tokens: usize, cfg: SamplerConfig, sink: &mut dyn FnMut(&str) -> Result<()>) -> Result<GenResult> {
+fn generate(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    max_tokens: usize,
+    cfg: SamplerConfig,
+    sink: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<GenResult> {
     if ids.is_empty() {
         bail!("the prompt has no tokens");
     }
@@ -358,47 +372,6 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
     Ok(())
 }
 
-/// llama.cpp's perplexity: consecutive windows of `ctx` tokens; in each, the logits of the
-/// positions after the first half predict the next token. Returns (ppl, scored tokens).
-#[allow(clippy::cast_precision_loss)]
-fn perplexity(model: &Arc<Model>, pool: Arc<ThreadPool>, text: &str, ctx: usize, max_chunks: usize) -> Result<(f64, usize)> {
-    if ctx < 8 || ctx > model.config.ctx_len {
-        bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
-    }
-    let tk = &model.tokenizer;
-    let ids = tk.encode(text, false, false)?;
-    let mut n_chunks = ids.len() / ctx;
-    if max_chunks > 0 {
-        n_chunks = n_chunks.min(max_chunks);
-    }
-    if n_chunks == 0 {
-        bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
-    }
-    let vocab = model.config.vocab;
-    let first = ctx / 2;
-    let mut s = Session::new(Arc::clone(model), pool, ctx);
-    let mut nll = 0.0f64;
-    let mut count = 0usize;
-    for c in 0..n_chunks {
-        let mut win = ids[c * ctx..(c + 1) * ctx].to_vec();
-        if tk.add_bos {
-            if let Some(b) = tk.bos {
-                win[0] = b;
-            }
-        }
-        s.truncate(0);
-        let logits = s.eval(&win, Logits::All)?;
-        for i in first..ctx - 1 {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let lse: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
-            nll += lse - f64::from(row[ids[c * ctx + i + 1] as usize]);
-            count += 1;
-        }
-    }
-    Ok(((nll / count as f64).exp(), count))
-}
-
 #[allow(clippy::cast_precision_loss)]
 fn bench(m: &ModelArgs, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
     let (model, pool) = load(m)?;
@@ -407,7 +380,7 @@ fn bench(m: &ModelArgs, pp: usize, tg: usize, reps: usize, json: bool) -> Result
     }
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
-    let prompt: Vec<u32> = (0..pp as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let prompt: Vec<u32> = (0..u32::try_from(pp)?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
     let mut s = Session::new(Arc::clone(&model), Arc::clone(&pool), pp + tg);
     let mut pp_rates = Vec::new();
     let mut tg_rates = Vec::new();
@@ -436,7 +409,10 @@ fn bench(m: &ModelArgs, pp: usize, tg: usize, reps: usize, json: bool) -> Result
     };
     let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
     if json {
-        println!("{}", json!({"pp": pp, "tg": tg, "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr}));
+        println!(
+            "{}",
+            json!({"pp": pp, "tg": tg, "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+        );
     } else {
         println!("model {} | threads {} | kernels {}", model.file.path.display(), pool.threads(), engine::kernels::simd_name());
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");

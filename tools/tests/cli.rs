@@ -1,0 +1,108 @@
+//! The `llms` command-line contract (docs/CLI.md): JSON shapes, determinism, and clear errors.
+#![allow(clippy::cast_possible_truncation)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use llms_tests::{fixture, model_path};
+use serde_json::Value;
+
+fn llms(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llms")).args(args).env("LLMS_MODEL", model_path()).output().expect("run llms")
+}
+
+fn json_ok(args: &[&str]) -> Value {
+    let out = llms(args);
+    assert!(out.status.success(), "llms {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("llms {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("llms-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn tokenize_prints_the_ids_and_parses_special_tokens() {
+    let f = temp_file("tok.txt", "<|im_start|>user\nHello world<|im_end|>");
+    let ids = json_ok(&["tokenize", "--text-file", s(&f)]);
+    let ids: Vec<u64> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(ids.first(), Some(&1), "<|im_start|> is token 1");
+    assert_eq!(ids.last(), Some(&2), "<|im_end|> is token 2");
+    let plain = json_ok(&["tokenize", "--text-file", s(&f), "--no-special"]);
+    assert!(plain.as_array().unwrap().len() > ids.len(), "without special parsing the markup is plain text");
+}
+
+#[test]
+fn logits_lists_the_top_n_highest_first() {
+    let f = temp_file("p.txt", "The capital of France is");
+    let v = json_ok(&["logits", "--prompt-file", s(&f), "--top", "7"]);
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
+    let top = v["top"].as_array().unwrap();
+    assert_eq!(top.len(), 7);
+    let l: Vec<f64> = top.iter().map(|e| e["logit"].as_f64().unwrap()).collect();
+    assert!(l.windows(2).all(|w| w[0] >= w[1]), "sorted highest first: {l:?}");
+    assert_eq!(top[0]["id"], 7042, "' Paris'");
+}
+
+#[test]
+fn generate_json_is_deterministic_for_a_seed_and_stops_at_max_tokens() {
+    let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--json"];
+    let a = json_ok(&args);
+    let b = json_ok(&args);
+    assert_eq!(a, b);
+    let toks = a["tokens"].as_array().unwrap();
+    assert!(!toks.is_empty() && toks.len() <= 12);
+    assert!(!a["text"].as_str().unwrap().is_empty());
+    let greedy = json_ok(&["generate", "--prompt", "The capital of France is", "--max-tokens", "3", "--json"]);
+    assert_eq!(greedy["text"].as_str().unwrap().split_whitespace().next(), Some("Paris."));
+}
+
+#[test]
+fn generate_streams_text_without_json() {
+    let out = llms(&["generate", "--prompt", "1, 2, 3, 4,", "--max-tokens", "8"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains('5'), "{text:?}");
+}
+
+#[test]
+fn perplexity_json_scores_half_of_each_window() {
+    let v = json_ok(&["perplexity", "--text-file", s(&fixture("gpl-3.txt")), "--ctx", "64", "--chunks", "2", "--json"]);
+    assert_eq!(v["scored"], 2 * 31);
+    let ppl = v["ppl"].as_f64().unwrap();
+    assert!(ppl > 1.0 && ppl < 200.0, "{ppl}");
+}
+
+#[test]
+fn bench_json_reports_both_rates() {
+    let v = json_ok(&["bench", "--pp", "16", "--tg", "4", "--reps", "1", "--json"]);
+    assert!(v["pp16_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(v["tg4_tok_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["threads"].as_u64().unwrap() as usize, std::thread::available_parallelism().unwrap().get());
+}
+
+#[test]
+fn errors_are_clear_and_exit_nonzero() {
+    let out = Command::new(env!("CARGO_BIN_EXE_llms"))
+        .args(["tokenize", "--text-file", "/nonexistent", "--model", "/nonexistent.gguf"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
+    let junk = temp_file("junk.gguf", "this is not a model");
+    let out = Command::new(env!("CARGO_BIN_EXE_llms")).args(["generate", "--prompt", "x", "--model", s(&junk)]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad magic"), "{err}");
+    let out = llms(&["generate"]);
+    assert!(!out.status.success());
+}
