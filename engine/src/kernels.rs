@@ -11,6 +11,7 @@ use std::sync::LazyLock;
 
 use half::f16;
 
+use crate::pool::ThreadPool;
 use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
@@ -24,6 +25,12 @@ static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
         false
     }
 });
+
+/// Whether the CPU has AVX2, FMA and F16C (checked once).
+#[inline]
+pub fn has_avx2() -> bool {
+    *HAS_AVX2
+}
 
 /// Whether the AVX2+FMA+F16C kernels are in use (reported by `llms bench`).
 pub fn simd_name() -> &'static str {
@@ -81,11 +88,11 @@ pub struct Acts {
 
 impl Acts {
     /// Prepares `rows` rows of `cols` values in the formats the given kinds need.
-    pub fn prepare(&mut self, x: &[f32], rows: usize, cols: usize, kinds: &[ActKind]) {
+    pub fn prepare(&mut self, x: &[f32], rows: usize, cols: usize, kinds: &[ActKind], pool: &ThreadPool) {
         self.rows = rows;
         self.cols = cols;
         if kinds.contains(&ActKind::Q8) {
-            self.q8.quantize(x, rows, cols);
+            self.q8.quantize(x, rows, cols, pool);
         }
         if kinds.contains(&ActKind::Q8K) {
             self.q8k.quantize(x, rows, cols);
@@ -215,6 +222,76 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
                 }
             };
             out.write(t * ldo + r, v);
+        }
+    }
+}
+
+/// A tile of attention queries against one KV head of a layer's cache.
+#[derive(Debug)]
+pub struct AttnTile<'a> {
+    /// `limits.len()` queries of `hd` values each, already rounded to f16 precision.
+    pub q: &'a [f32],
+    /// Positions each query attends to (`0..limits[i]`), ascending (causal order).
+    pub limits: &'a [usize],
+    /// The layer's K and V caches from this head's first element; position `p` starts at
+    /// `p * stride`.
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub stride: usize,
+    pub hd: usize,
+    pub scale: f32,
+}
+
+/// Softmax attention of each query of the tile, written to `out` (`[query][hd]`). Scores are
+/// summed in f64 and the probabilities rounded to f16 before they weight V, as llama.cpp does.
+pub fn attention_tile(t: &AttnTile, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let p_max = t.limits.iter().copied().max().unwrap_or(0);
+    let nq = t.limits.len();
+    scores.clear();
+    scores.resize(nq * p_max, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && t.hd.is_multiple_of(8) && t.hd <= 256 {
+        // SAFETY: the CPU has AVX2/FMA/F16C; slice bounds are checked inside.
+        unsafe { avx2::attention_scores(t, scores, p_max) };
+    } else {
+        attention_scores_ref(t, scores, p_max);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    attention_scores_ref(t, scores, p_max);
+    for (i, &lim) in t.limits.iter().enumerate() {
+        let row = &mut scores[i * p_max..i * p_max + lim];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0.0f64;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += f64::from(*x);
+        }
+        #[allow(clippy::cast_possible_truncation)]
+        let inv = (1.0 / sum) as f32;
+        for x in row.iter_mut() {
+            *x = f16::from_f32(*x * inv).to_f32();
+        }
+    }
+    out[..nq * t.hd].fill(0.0);
+    for p in 0..p_max {
+        let v = &t.v[p * t.stride..p * t.stride + t.hd];
+        for (i, &lim) in t.limits.iter().enumerate() {
+            if p < lim {
+                axpy_f16(scores[i * p_max + p], v, &mut out[i * t.hd..(i + 1) * t.hd]);
+            }
+        }
+    }
+}
+
+/// Scaled scores `q_i · k_p` for `p < limits[i]` (reference for the AVX2 version).
+pub fn attention_scores_ref(t: &AttnTile, scores: &mut [f32], p_max: usize) {
+    for p in 0..p_max {
+        let k = &t.k[p * t.stride..p * t.stride + t.hd];
+        for (i, &lim) in t.limits.iter().enumerate() {
+            if p < lim {
+                let q = &t.q[i * t.hd..(i + 1) * t.hd];
+                scores[i * p_max + p] = k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * t.scale;
+            }
         }
     }
 }
@@ -370,6 +447,34 @@ mod avx2 {
         }
     }
 
+    /// Scores of every query of the tile: each K row is converted once and reused by all the
+    /// queries that see it.
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `t.hd` a multiple of 8 up to 256.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attention_scores(t: &super::AttnTile, scores: &mut [f32], p_max: usize) {
+        let hd = t.hd;
+        let lanes = hd / 8;
+        let mut kv = [_mm256_setzero_ps(); 32];
+        for p in 0..p_max {
+            let k = &t.k[p * t.stride..p * t.stride + hd];
+            for (c, slot) in kv.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(8 * c).cast()));
+            }
+            for (i, &lim) in t.limits.iter().enumerate() {
+                if p >= lim {
+                    continue;
+                }
+                let q = &t.q[i * hd..(i + 1) * hd];
+                let mut acc = _mm256_setzero_ps();
+                for (c, kc) in kv.iter().enumerate().take(lanes) {
+                    acc = _mm256_fmadd_ps(*kc, _mm256_loadu_ps(q.as_ptr().add(8 * c)), acc);
+                }
+                scores[i * p_max + p] = hsum(acc) * t.scale;
+            }
+        }
+    }
+
     /// # Safety
     /// Needs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -444,7 +549,7 @@ mod tests {
                 let p = PackedWeight::pack(ty, rows, cols, &data).expect("packable type");
                 let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
                 let mut a = Acts::default();
-                a.prepare(&x, toks, cols, &[ActKind::Q8]);
+                a.prepare(&x, toks, cols, &[ActKind::Q8], &ThreadPool::new(2));
                 let mut want = vec![f32::NAN; toks * rows];
                 matmul_rows_ref(&w, &a, OutPtr::new(&mut want), rows, 0, rows, toks);
                 for scalar in [false, true] {
@@ -473,7 +578,7 @@ mod tests {
             let w = WeightView { ty, rows, cols, data: &data };
             let x: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut a = Acts::default();
-            a.prepare(&x, 1, cols, &[w.act_kind()]);
+            a.prepare(&x, 1, cols, &[w.act_kind()], &ThreadPool::new(1));
             let mut got = vec![0.0; rows];
             matmul_rows(&w, &a, OutPtr::new(&mut got), rows, 0, rows);
             for (r, &got) in got.iter().enumerate() {
@@ -483,6 +588,35 @@ mod tests {
                 let scale: f32 = deq.iter().zip(&x).map(|(p, q)| (p * q).abs()).sum();
                 assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{ty:?} row {r}: {got} vs {exact} (scale {scale})");
             }
+        }
+    }
+
+    #[test]
+    fn attention_scores_match_reference() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let (hd, stride, n) = (64, 192, 37);
+        let k: Vec<f16> = (0..n * stride).map(|_| f16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+        let q: Vec<f32> = (0..5 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let limits = [3, 10, 11, 30, 37];
+        let t = AttnTile { q: &q, limits: &limits, k: &k[64..], v: &k[64..], stride, hd, scale: 0.125 };
+        let p_max = n - 1;
+        let (mut a, mut b) = (vec![0.0; 5 * p_max], vec![0.0; 5 * p_max]);
+        attention_scores_ref(&t, &mut a, p_max);
+        if has_avx2() {
+            // SAFETY: features checked.
+            unsafe { avx2::attention_scores(&t, &mut b, p_max) };
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+            }
+        }
+        let mut out = vec![0.0; 5 * hd];
+        let mut scores = Vec::new();
+        let limits = [1, 4];
+        let t = AttnTile { q: &q[..2 * hd], limits: &limits, k: &k, v: &k, stride, hd, scale: 0.125 };
+        attention_tile(&t, &mut scores, &mut out);
+        // A query that sees one position returns that position's V exactly.
+        for d in 0..hd {
+            assert_eq!(out[d], k[d].to_f32());
         }
     }
 

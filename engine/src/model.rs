@@ -449,7 +449,7 @@ impl Session {
 fn matmul_multi(pool: &ThreadPool, model: &Model, ms: &[&Mat], x: &[f32], n: usize, acts: &mut Acts, out: &mut [f32]) {
     let cols = ms[0].raw.cols;
     let kinds: Vec<ActKind> = ms.iter().map(|m| m.act_kind()).collect();
-    acts.prepare(x, n, cols, &kinds);
+    acts.prepare(x, n, cols, &kinds, pool);
     let ldo: usize = ms.iter().map(|m| m.raw.rows).sum();
     let outp = OutPtr::new(&mut out[..n * ldo]);
     let acts = &*acts;
@@ -518,48 +518,48 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scal
 }
 
 /// Causal grouped-query attention of `n` new tokens (at positions `pos0..pos0+n`) over the
-/// cache, parallel over (token, head) pairs.
+/// cache, parallel over (head, tile of up to 8 tokens) jobs.
 #[allow(clippy::too_many_arguments)]
 fn attention(pool: &ThreadPool, c: &Config, kv: &KvCache, layer: usize, qkv: &[f32], ld: usize, pos0: usize, n: usize, out: &mut [f32]) {
+    const TILE: usize = 8;
     let (hd, kvd, nh) = (c.head_dim, c.kv_dim(), c.n_heads);
     let group = c.n_heads / c.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let base = kv.layer_off(layer);
+    let tiles = n.div_ceil(TILE);
     let outp = OutPtr::new(out);
-    pool.for_chunks(n * nh, 1.max(16 / n.max(1)), &|a, b| {
-        let mut scores = Vec::with_capacity(pos0 + n);
-        let mut acc = vec![0.0f32; hd];
-        let mut qh = vec![0.0f32; hd];
+    pool.for_chunks(nh * tiles, 1, &|a, b| {
+        let mut scores = Vec::new();
+        let mut q = vec![0.0f32; TILE * hd];
+        let mut o = vec![0.0f32; TILE * hd];
+        let mut limits = [0usize; TILE];
         for job in a..b {
-            let (t, h) = (job / nh, job % nh);
+            let (h, tile) = (job % nh, job / nh);
+            let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
             let kvh = h / group;
-            // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
-            for (d, &v) in qh.iter_mut().zip(&qkv[t * ld + h * hd..t * ld + (h + 1) * hd]) {
-                *d = f16::from_f32(v).to_f32();
+            for t in t0..t1 {
+                // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
+                let src = &qkv[t * ld + h * hd..t * ld + (h + 1) * hd];
+                for (d, &v) in q[(t - t0) * hd..(t - t0 + 1) * hd].iter_mut().zip(src) {
+                    *d = f16::from_f32(v).to_f32();
+                }
+                limits[t - t0] = pos0 + t + 1;
             }
-            let upto = pos0 + t + 1;
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for p in 0..upto {
-                let o = base + p * kvd + kvh * hd;
-                let sc = kernels::dot_f16(&kv.k[o..o + hd], &qh) * scale;
-                max = max.max(sc);
-                scores.push(sc);
-            }
-            let mut sum = 0.0f64;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += f64::from(*sc);
-            }
-            let inv = (1.0 / sum) as f32;
-            acc.fill(0.0);
-            for (p, &sc) in scores.iter().enumerate() {
-                let o = base + p * kvd + kvh * hd;
-                // Probabilities rounded to f16, as llama.cpp's f16 V·P product does.
-                kernels::axpy_f16(f16::from_f32(sc * inv).to_f32(), &kv.v[o..o + hd], &mut acc);
-            }
-            for (i, &v) in acc.iter().enumerate() {
-                outp.write(t * nh * hd + h * hd + i, v);
+            let nq = t1 - t0;
+            let tile = kernels::AttnTile {
+                q: &q[..nq * hd],
+                limits: &limits[..nq],
+                k: &kv.k[base + kvh * hd..],
+                v: &kv.v[base + kvh * hd..],
+                stride: kvd,
+                hd,
+                scale,
+            };
+            kernels::attention_tile(&tile, &mut scores, &mut o);
+            for t in t0..t1 {
+                for (i, &v) in o[(t - t0) * hd..(t - t0 + 1) * hd].iter().enumerate() {
+                    outp.write(t * nh * hd + h * hd + i, v);
+                }
             }
         }
     });

@@ -129,6 +129,19 @@ impl ThreadPool {
             f(start, (start + chunk).min(n));
         });
     }
+
+    /// Hands each of `items` (typically disjoint `&mut` pieces of buffers) to one call of `f`,
+    /// spread over the threads.
+    pub fn scatter<T: Send>(&self, items: Vec<T>, f: &(dyn Fn(T) + Sync)) {
+        let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
+        self.for_chunks(slots.len(), 1, &|a, b| {
+            for slot in &slots[a..b] {
+                if let Some(item) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    f(item);
+                }
+            }
+        });
+    }
 }
 
 fn worker(s: &Shared, idx: usize) {

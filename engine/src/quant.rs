@@ -6,6 +6,8 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
+use crate::pool::ThreadPool;
+
 /// A tensor element type as numbered in ggml.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
@@ -128,8 +130,9 @@ pub struct Q8Acts {
 }
 
 impl Q8Acts {
-    /// Quantizes `rows` rows of `cols` values each (`cols` a multiple of 32).
-    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+    /// Quantizes `rows` rows of `cols` values each (`cols` a multiple of 32), spreading many
+    /// rows over the pool.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize, pool: &ThreadPool) {
         debug_assert_eq!(cols % QK, 0);
         debug_assert!(x.len() >= rows * cols);
         let nb = cols / QK;
@@ -139,16 +142,48 @@ impl Q8Acts {
         self.qs.resize(n, [0; QK]);
         self.d.resize(n, 0.0);
         self.s.resize(n, 0.0);
-        for (i, xb) in x[..rows * cols].chunks_exact(QK).enumerate() {
-            let (d, s) = quantize_block_q8(xb, &mut self.qs[i]);
-            self.d[i] = d;
-            self.s[i] = s;
+        const ROWS_PER_JOB: usize = 16;
+        if rows < 2 * ROWS_PER_JOB {
+            quantize_blocks_q8(&x[..n * QK], &mut self.qs, &mut self.d, &mut self.s);
+            return;
         }
+        let step = ROWS_PER_JOB * nb;
+        let jobs: Vec<_> = x[..n * QK]
+            .chunks(step * QK)
+            .zip(self.qs.chunks_mut(step))
+            .zip(self.d.chunks_mut(step).zip(self.s.chunks_mut(step)))
+            .map(|((x, q), (d, s))| (x, q, d, s))
+            .collect();
+        pool.scatter(jobs, &|(x, q, d, s)| quantize_blocks_q8(x, q, d, s));
+    }
+}
+
+/// Quantizes consecutive blocks of 32 values (see [`quantize_block_q8`]), with AVX2 where
+/// present: the rounding then compiles to `vroundps` instead of a libm call per value.
+pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::has_avx2() {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn run(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
+            quantize_blocks_body(x, qs, d, s);
+        }
+        // SAFETY: the CPU has the features (checked just above).
+        unsafe { run(x, qs, d, s) };
+        return;
+    }
+    quantize_blocks_body(x, qs, d, s);
+}
+
+#[inline(always)]
+fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
+    for (((xb, q), d), s) in x.chunks_exact(QK).zip(qs.iter_mut()).zip(d.iter_mut()).zip(s.iter_mut()) {
+        (*d, *s) = quantize_block_q8(xb, q);
     }
 }
 
 /// Quantizes 32 values to i8 with scale `amax/127`, rounding half to even (as llama.cpp's AVX2
 /// path does); returns the f16-rounded scale and `d * sum(q)`.
+#[inline(always)]
 pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
@@ -177,6 +212,7 @@ pub struct Q8KActs {
 impl Q8KActs {
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
         debug_assert_eq!(cols % QK_K, 0);
+        debug_assert!(x.len() >= rows * cols);
         let nb = cols / QK_K;
         self.nb = nb;
         self.rows = rows;
