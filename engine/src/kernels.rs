@@ -259,20 +259,15 @@ pub fn attention_tile(t: &AttnTile, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(not(target_arch = "x86_64"))]
     attention_scores_ref(t, scores, p_max);
     for (i, &lim) in t.limits.iter().enumerate() {
-        let row = &mut scores[i * p_max..i * p_max + lim];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0.0f64;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += f64::from(*x);
-        }
-        #[allow(clippy::cast_possible_truncation)]
-        let inv = (1.0 / sum) as f32;
-        for x in row.iter_mut() {
-            *x = f16::from_f32(*x * inv).to_f32();
-        }
+        softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
     }
     out[..nq * t.hd].fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && t.hd.is_multiple_of(8) && t.hd <= 256 {
+        // SAFETY: the CPU has AVX2/FMA/F16C; slice bounds are checked inside.
+        unsafe { avx2::attention_values(t, scores, p_max, out) };
+        return;
+    }
     for p in 0..p_max {
         let v = &t.v[p * t.stride..p * t.stride + t.hd];
         for (i, &lim) in t.limits.iter().enumerate() {
@@ -280,6 +275,28 @@ pub fn attention_tile(t: &AttnTile, scores: &mut Vec<f32>, out: &mut [f32]) {
                 axpy_f16(scores[i * p_max + p], v, &mut out[i * t.hd..(i + 1) * t.hd]);
             }
         }
+    }
+}
+
+/// In-place softmax whose results are rounded to f16 precision (llama.cpp's f16 V·P product);
+/// the sum is taken in f64 as llama.cpp does.
+pub fn softmax_f16(row: &mut [f32]) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 {
+        // SAFETY: the CPU has AVX2/FMA/F16C.
+        unsafe { avx2::softmax_f16(row, max) };
+        return;
+    }
+    let mut sum = 0.0f64;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += f64::from(*x);
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = (1.0 / sum) as f32;
+    for x in row.iter_mut() {
+        *x = f16::from_f32(*x * inv).to_f32();
     }
 }
 
@@ -475,6 +492,97 @@ mod avx2 {
         }
     }
 
+    /// `out[i] += sum_p probs[i][p] * v[p]`: each V row is converted once for all queries.
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `t.hd` a multiple of 8 up to 256.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attention_values(t: &super::AttnTile, probs: &[f32], p_max: usize, out: &mut [f32]) {
+        let hd = t.hd;
+        let lanes = hd / 8;
+        let mut vv = [_mm256_setzero_ps(); 32];
+        assert!(out.len() >= t.limits.len() * hd && probs.len() >= t.limits.len() * p_max);
+        for p in 0..p_max {
+            let v = &t.v[p * t.stride..p * t.stride + hd];
+            for (c, slot) in vv.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(8 * c).cast()));
+            }
+            for (i, &lim) in t.limits.iter().enumerate() {
+                if p >= lim {
+                    continue;
+                }
+                let w = _mm256_set1_ps(probs[i * p_max + p]);
+                // SAFETY: i * hd + hd <= out.len() (asserted above).
+                let o = out.as_mut_ptr().add(i * hd);
+                for (c, vc) in vv.iter().enumerate().take(lanes) {
+                    let d = o.add(8 * c);
+                    _mm256_storeu_ps(d, _mm256_fmadd_ps(w, *vc, _mm256_loadu_ps(d)));
+                }
+            }
+        }
+    }
+
+    /// `e^x` for 8 lanes (x <= 0 after max subtraction; large negatives flush to 0): Cody-Waite
+    /// range reduction and a degree-6 polynomial, within 2 ulp of libm.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_451_9e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.000_000_1e-1));
+        p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+        let y = _mm256_mul_ps(p, pow2n);
+        // Below -87 the true value is under f32's normal range: return 0.
+        _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_GT_OQ))
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
+        let n = row.len();
+        let m = _mm256_set1_ps(max);
+        let mut sum = 0.0f64;
+        let mut i = 0;
+        let ptr = row.as_mut_ptr();
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n.
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(i)), m));
+            _mm256_storeu_ps(ptr.add(i), e);
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+            let s2 = _mm256_add_pd(lo, hi);
+            let s1 = _mm_add_pd(_mm256_castpd256_pd128(s2), _mm256_extractf128_pd(s2, 1));
+            sum += _mm_cvtsd_f64(_mm_add_sd(s1, _mm_unpackhi_pd(s1, s1)));
+            i += 8;
+        }
+        for x in &mut row[i..] {
+            *x = (*x - max).exp();
+            sum += f64::from(*x);
+        }
+        #[allow(clippy::cast_possible_truncation)]
+        let inv = _mm256_set1_ps((1.0 / sum) as f32);
+        let mut i = 0;
+        while i + 8 <= n {
+            // Round through f16 and back, 8 at a time.
+            let y = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), inv);
+            _mm256_storeu_ps(ptr.add(i), _mm256_cvtph_ps(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT)));
+            i += 8;
+        }
+        #[allow(clippy::cast_possible_truncation)]
+        let inv = (1.0 / sum) as f32;
+        for x in &mut row[i..] {
+            *x = f16::from_f32(*x * inv).to_f32();
+        }
+    }
+
     /// # Safety
     /// Needs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -617,6 +725,23 @@ mod tests {
         // A query that sees one position returns that position's V exactly.
         for d in 0..hd {
             assert_eq!(out[d], k[d].to_f32());
+        }
+    }
+
+    #[test]
+    fn vector_softmax_matches_scalar() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        for n in [1, 7, 8, 33, 300] {
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-30.0..10.0)).collect();
+            let mut fast = x.clone();
+            softmax_f16(&mut fast);
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let sum: f64 = x.iter().map(|&v| f64::from((v - max).exp())).sum();
+            for (i, (&f, &v)) in fast.iter().zip(&x).enumerate() {
+                let want = (f64::from((v - max).exp()) / sum) as f32;
+                assert!((f - want).abs() <= 1e-3 * want + 1e-7, "n={n} i={i}: {f} vs {want}");
+            }
+            assert!((fast.iter().sum::<f32>() - 1.0).abs() < 1e-2);
         }
     }
 
