@@ -1,10 +1,14 @@
-//! A small thread pool for the forward pass: one job at a time, broadcast to every thread, the
-//! caller taking part as thread 0.
+//! A small thread pool for the forward pass: one job at a time, the caller taking part.
 //!
 //! A decode step runs a few hundred short parallel operations, each a few microseconds long,
 //! so waking sleeping threads through the kernel for each one would cost as much as the work.
-//! Workers therefore spin on a generation counter for a while after each job and only park
-//! (on a condvar) when no job has come for ~a millisecond.
+//! Workers therefore spin on the job word for a while after each job and only park (on a
+//! condvar) when no job has come for ~a millisecond.
+//!
+//! These machines are shared: a worker may be descheduled at any moment. So a job is a loop
+//! that claims work from a shared counter, and workers *join* a job rather than being waited
+//! for: once the caller has run out of work it closes the job, and only workers that joined
+//! before that are waited for. A worker that was not running never holds the caller up.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -19,11 +23,14 @@ struct JobRef {
     job: *const Job<'static>,
 }
 
+/// The job word: generation in the high 32 bits, a "closed" flag, and the number of workers
+/// that joined the job and have not left it.
+const CLOSED: u64 = 1 << 31;
+const ACTIVE: u64 = CLOSED - 1;
+
 struct Shared {
-    generation: AtomicU64,
+    state: AtomicU64,
     job: AtomicPtr<JobRef>,
-    /// Workers that have not finished the current job.
-    pending: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     sleepers: AtomicUsize,
@@ -39,6 +46,8 @@ pub struct ThreadPool {
     n: usize,
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
+    /// Serialises callers: one job at a time.
+    busy: Mutex<()>,
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -51,9 +60,8 @@ impl ThreadPool {
     pub fn new(n: usize) -> Self {
         let n = n.max(1);
         let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
+            state: AtomicU64::new(CLOSED),
             job: AtomicPtr::new(std::ptr::null_mut()),
-            pending: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -66,45 +74,58 @@ impl ThreadPool {
                 std::thread::Builder::new().name(format!("llms-worker-{idx}")).spawn(move || worker(&s, idx)).expect("spawn worker thread")
             })
             .collect();
-        Self { n, shared, workers }
+        Self { n, shared, workers, busy: Mutex::new(()) }
     }
 
     pub fn threads(&self) -> usize {
         self.n
     }
 
-    /// Runs `job(i)` for every thread index `i` in `0..threads()`, the caller running index 0,
-    /// and returns when all have finished. A panic in any of them is re-raised here.
-    pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
+    /// Runs `job(i)` on the caller (`i = 0`) and on every worker that joins in time (distinct
+    /// `i` in `1..threads()`); returns when all of them have finished. The job must therefore
+    /// claim its work from shared state (as `for_chunks` does): it cannot count on every index
+    /// running. A panic in any participant is re-raised here.
+    fn run(&self, job: &(dyn Fn(usize) + Sync)) {
         if self.n == 1 {
             job(0);
             return;
         }
-        // SAFETY: we erase the job's lifetime to hand it to the workers; it stays valid because
-        // this function does not return (or unwind: see WaitGuard) before every worker has
-        // finished with it (pending == 0).
+        let _busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: we erase the job's lifetime to hand it to the workers. It stays valid: a
+        // worker reads it only after joining the job, and this function does not return (or
+        // unwind: see CloseGuard) before the job is closed and every joined worker has left.
         let job_static: *const Job<'static> = unsafe { std::mem::transmute::<*const Job<'_>, *const Job<'static>>(job) };
         let mut jref = JobRef { job: job_static };
         let s = &*self.shared;
-        s.pending.store(self.n - 1, Ordering::Relaxed);
         s.job.store(&mut jref, Ordering::Relaxed);
-        // SeqCst pairs with the parking worker's SeqCst sleepers/generation accesses: either it
-        // sees the new generation or we see it counted as a sleeper and notify it.
-        s.generation.fetch_add(1, Ordering::SeqCst);
+        let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
+        // Open the job (SeqCst pairs with parking workers: either they see the new word or we
+        // see them counted as sleepers).
+        s.state.store(gen << 32, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        struct WaitGuard<'a>(&'a Shared);
-        impl Drop for WaitGuard<'_> {
+        struct CloseGuard<'a>(&'a Shared);
+        impl Drop for CloseGuard<'_> {
             fn drop(&mut self) {
-                while self.0.pending.load(Ordering::Acquire) != 0 {
-                    std::hint::spin_loop();
+                let w = self.0.state.fetch_or(CLOSED, Ordering::AcqRel) | CLOSED;
+                let mut active = w & ACTIVE;
+                let mut spins = 0u32;
+                while active != 0 {
+                    spins += 1;
+                    if spins > 256 {
+                        // The joined worker may share our core with something else.
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                    active = self.0.state.load(Ordering::Acquire) & ACTIVE;
                 }
             }
         }
         {
-            let _wait = WaitGuard(s);
+            let _close = CloseGuard(s);
             job(0);
         }
         if s.panicked.swap(false, Ordering::Relaxed) {
@@ -145,38 +166,54 @@ impl ThreadPool {
 }
 
 fn worker(s: &Shared, idx: usize) {
-    let mut seen = 0u64;
+    let mut seen_gen = 0u64;
     loop {
-        // Spin, then park, until a new generation (job) or shutdown.
+        // Spin, then park, until a job word with a new generation (or shutdown).
         let start = Instant::now();
         let mut spins = 0u32;
-        loop {
+        let word = loop {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
             }
-            if s.generation.load(Ordering::Acquire) != seen {
-                break;
+            let w = s.state.load(Ordering::Acquire);
+            if w >> 32 != seen_gen {
+                break w;
             }
             std::hint::spin_loop();
             spins += 1;
             if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
-                while s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::Acquire) {
+                while s.state.load(Ordering::SeqCst) >> 32 == seen_gen && !s.shutdown.load(Ordering::Acquire) {
                     g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
                 s.sleepers.fetch_sub(1, Ordering::SeqCst);
             }
+        };
+        seen_gen = word >> 32;
+        // Join unless the job has been closed (or replaced) meanwhile.
+        let mut w = word;
+        let joined = loop {
+            if w >> 32 != seen_gen || w & CLOSED != 0 {
+                break false;
+            }
+            match s.state.compare_exchange_weak(w, w + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break true,
+                Err(cur) => w = cur,
+            }
+        };
+        if !joined {
+            continue;
         }
-        seen = s.generation.load(Ordering::Acquire);
         let jref = s.job.load(Ordering::Relaxed);
-        // SAFETY: the dispatcher published jref before bumping the generation (Release/Acquire)
-        // and keeps it alive until pending reaches 0, which happens only after this use.
+        // SAFETY: the caller published jref before opening the job (the state word's
+        // SeqCst store, which our successful AcqRel CAS read), and keeps it alive until the
+        // job is closed and we have left it below.
         let job = unsafe { &*(*jref).job };
         if catch_unwind(AssertUnwindSafe(|| job(idx))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.pending.fetch_sub(1, Ordering::AcqRel);
+        s.state.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -198,44 +235,59 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_index_runs_once_per_job_and_chunks_cover_the_range() {
+    fn chunks_cover_the_range_exactly_once() {
         let pool = ThreadPool::new(3);
-        for _ in 0..200 {
-            let hits: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
-            pool.run(&|i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
+        for round in 0..300 {
+            let n = 1 + round * 7 % 1000;
+            let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.for_chunks(n, 1 + round % 9, &|a, b| {
+                for c in &covered[a..b] {
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
             });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "round {round}");
         }
-        let covered: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
-        pool.for_chunks(1000, 7, &|a, b| {
-            for c in &covered[a..b] {
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-        });
-        assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1));
     }
 
     #[test]
-    fn jobs_after_parking_still_run() {
+    fn workers_take_part_and_jobs_after_parking_still_run() {
         let pool = ThreadPool::new(2);
         std::thread::sleep(SPIN * 3);
-        let n = AtomicUsize::new(0);
-        pool.run(&|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        });
-        assert_eq!(n.load(Ordering::Relaxed), 2);
+        let by: Vec<AtomicUsize> = (0..2).map(|_| AtomicUsize::new(0)).collect();
+        for _ in 0..50 {
+            pool.run(&|i| {
+                by[i].fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            });
+        }
+        assert_eq!(by[0].load(Ordering::Relaxed), 50, "the caller runs every job");
+        assert!(by[1].load(Ordering::Relaxed) > 0, "the worker joined some jobs");
+    }
+
+    #[test]
+    fn scatter_hands_out_every_item_once() {
+        let pool = ThreadPool::new(2);
+        let mut data = vec![0u32; 1000];
+        let items: Vec<(usize, &mut [u32])> = data.chunks_mut(7).enumerate().collect();
+        pool.scatter(items, &|(i, c)| c.iter_mut().for_each(|x| *x += 1 + i as u32));
+        for (i, c) in data.chunks(7).enumerate() {
+            assert!(c.iter().all(|&x| x == 1 + i as u32));
+        }
     }
 
     #[test]
     fn a_worker_panic_is_reraised_in_the_caller() {
         let pool = ThreadPool::new(2);
-        let r = catch_unwind(AssertUnwindSafe(|| pool.run(&|i| assert!(i == 0, "boom"))));
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            for _ in 0..1000 {
+                pool.for_chunks(64, 1, &|a, _| assert!(a != 63, "boom"));
+            }
+        }));
         assert!(r.is_err());
         let n = AtomicUsize::new(0);
-        pool.run(&|_| {
+        pool.for_chunks(100, 1, &|_, _| {
             n.fetch_add(1, Ordering::Relaxed);
         });
-        assert_eq!(n.load(Ordering::Relaxed), 2);
+        assert_eq!(n.load(Ordering::Relaxed), 100);
     }
 }
