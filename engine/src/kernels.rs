@@ -532,10 +532,10 @@ mod avx2 {
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
         let mut p = _mm256_set1_ps(1.987_569_1e-4);
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_451_9e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.000_000_1e-1));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
         p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
         let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
         let y = _mm256_mul_ps(p, pow2n);

@@ -269,9 +269,9 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut data = vec![0u32; 1000];
         let items: Vec<(usize, &mut [u32])> = data.chunks_mut(7).enumerate().collect();
-        pool.scatter(items, &|(i, c)| c.iter_mut().for_each(|x| *x += 1 + i as u32));
+        pool.scatter(items, &|(i, c)| c.iter_mut().for_each(|x| *x += 1 + u32::try_from(i).unwrap()));
         for (i, c) in data.chunks(7).enumerate() {
-            assert!(c.iter().all(|&x| x == 1 + i as u32));
+            assert!(c.iter().all(|&x| x == 1 + u32::try_from(i).unwrap()));
         }
     }
 
