@@ -44,3 +44,23 @@ pub fn oracle() -> &'static Value {
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("array of ids").iter().map(|x| u32::try_from(x.as_u64().expect("id")).expect("id fits u32")).collect()
 }
+
+/// Kernel-feature tests probe first. When the probe fails, the test is skipped with the reason
+/// printed, unless `LLMS_REQUIRE_KERNEL=1` (set by `make test`), which turns the skip into a
+/// failure.
+pub fn require_kernel<T, E: std::fmt::Display>(feature: &str, probe: Result<T, E>) -> Option<T> {
+    match probe {
+        Ok(v) => Some(v),
+        Err(e) => {
+            let msg = format!("{feature} is not usable here: {e}");
+            assert!(std::env::var("LLMS_REQUIRE_KERNEL").as_deref() != Ok("1"), "{msg} (LLMS_REQUIRE_KERNEL=1 makes this a failure)");
+            eprintln!("skipping: {msg}");
+            None
+        }
+    }
+}
+
+/// Whether `LLMS_REQUIRE_KERNEL=1` is set.
+pub fn kernel_required() -> bool {
+    std::env::var("LLMS_REQUIRE_KERNEL").as_deref() == Ok("1")
+}

@@ -1,0 +1,872 @@
+//! The pager: one userfaultfd, its fault-handler thread, fill workers, and the regions
+//! registered with it.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+
+use crate::sigbus;
+use crate::stats::{RegionStats, StatsSnapshot};
+use crate::sys::{self, UffdOrigin};
+
+pub const PAGE: usize = 4096;
+
+/// Errors of the pager, each naming the operation and where.
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    #[error(
+        "cannot create a userfaultfd: /dev/userfaultfd: {dev}; userfaultfd(2): {syscall}. \
+         Fix: give this user read-write access to /dev/userfaultfd, or CAP_SYS_PTRACE, \
+         or set vm.unprivileged_userfaultfd=1"
+    )]
+    Create { dev: Errno, syscall: Errno },
+    #[error("UFFDIO_API handshake failed: {0}")]
+    Api(Errno),
+    #[error("slot size {slot_size} must be a non-zero multiple of the page size {PAGE}, and {n_slots} slots must fit the address space")]
+    Geometry { slot_size: usize, n_slots: usize },
+    #[error("mmap of a {len}-byte region failed: {source}")]
+    Map { len: usize, source: Errno },
+    #[error("UFFDIO_REGISTER of region {region} failed: {source}")]
+    Register { region: u32, source: Errno },
+    #[error("{op} of region {region} slot {slot} failed: {source}")]
+    Ioctl { op: &'static str, region: u32, slot: usize, source: Errno },
+    #[error("region {region} slot {slot} is out of range ({n_slots} slots)")]
+    NoSlot { region: u32, slot: usize, n_slots: usize },
+    #[error("region {region} slot {slot}: the source failed: {reason}")]
+    Source { region: u32, slot: usize, reason: String },
+    #[error("region {region} slot {slot} is pinned; it cannot be evicted")]
+    Pinned { region: u32, slot: usize },
+    #[error("region {region} slot {slot} has {pages} written page(s) that were not written out; clean it first")]
+    Dirty { region: u32, slot: usize, pages: usize },
+    #[error("region {region} slot {slot} is being loaded")]
+    Busy { region: u32, slot: usize },
+    #[error("{len} bytes do not fit slot {slot} of region {region} ({slot_size} bytes)")]
+    TooLong { region: u32, slot: usize, len: usize, slot_size: usize },
+    #[error("dirty tracking on region {region}: PAGEMAP_SCAN failed: {source}")]
+    Scan { region: u32, source: Errno },
+    #[error("the pager is shutting down")]
+    ShuttingDown,
+}
+
+pub type Result<T> = std::result::Result<T, UffdError>;
+
+/// Why a source could not produce a slot.
+pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where the bytes of a slot come from when it is filled.
+pub trait SlotSource: Send + Sync {
+    /// Writes the contents of `slot` of `region` into `buf` (one slot long, page-aligned,
+    /// zeroed) and returns how many bytes are valid; only those pages are installed, so a
+    /// short slot (a compressed chunk) costs fewer pages. An error poisons the slot: readers
+    /// get SIGBUS, never zeros.
+    fn fill(&self, region: RegionId, slot: usize, buf: &mut [u8]) -> std::result::Result<usize, SourceError>;
+}
+
+/// Identifies a region of a pager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RegionId(pub u32);
+
+/// What the running kernel offers, found when the pager starts.
+#[derive(Debug, Clone, Copy)]
+pub struct Capabilities {
+    pub origin: UffdOrigin,
+    /// Dirty tracking with UFFD_FEATURE_WP_ASYNC + PAGEMAP_SCAN.
+    pub wp_async: bool,
+    /// UFFDIO_MOVE (cheap population from a staging buffer).
+    pub r#move: bool,
+    /// UFFDIO_POISON (a failed slot raises SIGBUS instead of blocking or reading zeros).
+    pub poison: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Evicted,
+    Loading,
+    Resident,
+    Poisoned,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: SlotState,
+    pins: u32,
+    filled_pages: usize,
+    /// Set by `mark_dirty` where the kernel cannot track writes.
+    marked_dirty: bool,
+    /// Fault addresses that arrived while loading, checked against the filled length.
+    pending: Vec<u64>,
+}
+
+pub(crate) struct RegionInner {
+    pub(crate) id: u32,
+    base: NonNull<u8>,
+    len: usize,
+    slot_size: usize,
+    n_slots: usize,
+    source: Arc<dyn SlotSource>,
+    slots: Mutex<Vec<Slot>>,
+    changed: Condvar,
+    pub(crate) stats: RegionStats,
+    wp: bool,
+}
+
+// SAFETY: the raw base pointer is only an address of a mapping owned by the region; all
+// mutable state is behind the Mutex or atomics.
+unsafe impl Send for RegionInner {}
+// SAFETY: see Send.
+unsafe impl Sync for RegionInner {}
+
+impl RegionInner {
+    fn slot_addr(&self, slot: usize) -> u64 {
+        self.base.as_ptr() as u64 + (slot * self.slot_size) as u64
+    }
+    fn check(&self, slot: usize) -> Result<()> {
+        if slot >= self.n_slots {
+            return Err(UffdError::NoSlot { region: self.id, slot, n_slots: self.n_slots });
+        }
+        Ok(())
+    }
+}
+
+struct FillJob {
+    region: Arc<RegionInner>,
+    slot: usize,
+}
+
+pub(crate) struct PagerInner {
+    uffd: OwnedFd,
+    caps: Capabilities,
+    regions: RwLock<HashMap<u32, Arc<RegionInner>>>,
+    next_id: AtomicU64,
+    stop: AtomicBool,
+    wake_fd: OwnedFd,
+    jobs: Mutex<Option<Sender<FillJob>>>,
+}
+
+/// A userfaultfd with its handler thread and fill workers. Regions created from it are served
+/// until they are dropped; the pager's threads live as long as any region does, so a thread
+/// touching a region is never left blocked on a dead handler.
+pub struct Pager {
+    inner: Arc<PagerInner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pager").field("caps", &self.inner.caps).finish()
+    }
+}
+
+/// A registered region of `n_slots` slots of `slot_size` bytes each. Reads and writes through
+/// [`Region::slot_ptr`] are served by the pager: a non-resident slot is filled from the source
+/// on first touch.
+pub struct Region {
+    inner: Arc<RegionInner>,
+    pager: Arc<PagerInner>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("id", &self.inner.id).field("slots", &self.inner.n_slots).finish()
+    }
+}
+
+const FILL_WORKERS: usize = 2;
+
+impl Pager {
+    /// Creates the userfaultfd (not user-mode-only, so kernel accesses are served too),
+    /// negotiates the features this kernel offers, and starts the handler and fill workers.
+    pub fn new() -> Result<Self> {
+        let (uffd, origin) = sys::open_uffd().map_err(|(dev, syscall)| UffdError::Create { dev, syscall })?;
+        // Ask for everything useful; fall back to the plain API if the kernel refuses some.
+        let wanted = sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_PAGEFAULT_FLAG_WP | sys::UFFD_FEATURE_MOVE | sys::UFFD_FEATURE_POISON;
+        let mut api = sys::UffdioApi { api: sys::UFFD_API, features: wanted, ioctls: 0 };
+        // SAFETY: UFFDIO_API on our fresh uffd with a valid struct.
+        let features = match unsafe { sys::uffdio_api(uffd.as_raw_fd(), &mut api) } {
+            Ok(_) => api.features,
+            Err(_) => {
+                // UFFDIO_API may only be called once per fd: start over without features.
+                let (uffd2, _) = sys::open_uffd().map_err(|(dev, syscall)| UffdError::Create { dev, syscall })?;
+                let mut api = sys::UffdioApi { api: sys::UFFD_API, features: 0, ioctls: 0 };
+                // SAFETY: as above.
+                unsafe { sys::uffdio_api(uffd2.as_raw_fd(), &mut api) }.map_err(UffdError::Api)?;
+                return Self::start(uffd2, Capabilities { origin, wp_async: false, r#move: false, poison: false });
+            }
+        };
+        let caps = Capabilities {
+            origin,
+            wp_async: features & sys::UFFD_FEATURE_WP_ASYNC != 0,
+            r#move: features & sys::UFFD_FEATURE_MOVE != 0,
+            poison: features & sys::UFFD_FEATURE_POISON != 0,
+        };
+        Self::start(uffd, caps)
+    }
+
+    fn start(uffd: OwnedFd, caps: Capabilities) -> Result<Self> {
+        // SAFETY: eventfd with valid flags; the fd is owned below.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(UffdError::Api(Errno::last()));
+        }
+        // SAFETY: the kernel just returned this fd.
+        let wake_fd = unsafe { OwnedFd::from_raw_fd(efd) };
+        let (tx, rx) = channel::<FillJob>();
+        let inner = Arc::new(PagerInner {
+            uffd,
+            caps,
+            regions: RwLock::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            stop: AtomicBool::new(false),
+            wake_fd,
+            jobs: Mutex::new(Some(tx)),
+        });
+        sigbus::install();
+        let mut threads = Vec::new();
+        let h = Arc::clone(&inner);
+        threads.push(
+            std::thread::Builder::new()
+                .name("uffd-handler".into())
+                .spawn(move || abort_on_panic("uffd handler", || handler(&h)))
+                .expect("spawn uffd handler"),
+        );
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..FILL_WORKERS {
+            let (p, rx) = (Arc::clone(&inner), Arc::clone(&rx));
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("uffd-fill-{i}"))
+                    .spawn(move || abort_on_panic("uffd fill worker", || fill_worker(&p, &rx)))
+                    .expect("spawn fill worker"),
+            );
+        }
+        Ok(Self { inner, threads })
+    }
+
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.caps
+    }
+
+    /// Reserves and registers a region of `n_slots` slots of `slot_size` bytes (a multiple of
+    /// the page size). Nothing is resident until a slot is touched or populated.
+    pub fn region(&self, slot_size: usize, n_slots: usize, source: Arc<dyn SlotSource>) -> Result<Region> {
+        let len = slot_size.checked_mul(n_slots).filter(|&l| l > 0 && l < 1 << 46 && slot_size.is_multiple_of(PAGE));
+        let Some(len) = len else { return Err(UffdError::Geometry { slot_size, n_slots }) };
+        // SAFETY: a fresh private anonymous reservation; owned by the Region from here on.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(UffdError::Map { len, source: Errno::last() });
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap returned a non-null address");
+        let id = u32::try_from(self.inner.next_id.fetch_add(1, Ordering::Relaxed)).unwrap_or(u32::MAX);
+        let wp = self.inner.caps.wp_async;
+        let mut reg = sys::UffdioRegister {
+            range: sys::UffdioRange { start: ptr as u64, len: len as u64 },
+            mode: sys::UFFDIO_REGISTER_MODE_MISSING | if wp { sys::UFFDIO_REGISTER_MODE_WP } else { 0 },
+            ioctls: 0,
+        };
+        // Registered before anything can touch it: no page of the region is ever populated
+        // by the kernel's own zero-fill.
+        // SAFETY: UFFDIO_REGISTER over the mapping we just created.
+        if let Err(source) = unsafe { sys::uffdio_register(self.inner.uffd.as_raw_fd(), &mut reg) } {
+            // SAFETY: unmapping the mapping we just created.
+            unsafe { libc::munmap(ptr, len) };
+            return Err(UffdError::Register { region: id, source });
+        }
+        let slots = (0..n_slots)
+            .map(|_| Slot { state: SlotState::Evicted, pins: 0, filled_pages: 0, marked_dirty: false, pending: Vec::new() })
+            .collect();
+        let inner = Arc::new(RegionInner {
+            id,
+            base,
+            len,
+            slot_size,
+            n_slots,
+            source,
+            slots: Mutex::new(slots),
+            changed: Condvar::new(),
+            stats: RegionStats::default(),
+            wp,
+        });
+        sigbus::register(id, ptr as usize, len, slot_size);
+        self.inner.regions.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::clone(&inner));
+        Ok(Region { inner, pager: Arc::clone(&self.inner) })
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        // The threads keep serving until every region is gone (see `handler`), so regions may
+        // outlive this handle; they exit on their own then. Not joined here: a region still
+        // in use would make that wait unbounded.
+        self.inner.stop.store(true, Ordering::Release);
+        wake_handler(&self.inner);
+        self.threads.clear();
+    }
+}
+
+fn wake_handler(p: &PagerInner) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes to our eventfd.
+    unsafe { libc::write(p.wake_fd.as_raw_fd(), std::ptr::from_ref(&one).cast(), 8) };
+}
+
+fn abort_on_panic(what: &str, f: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        // A dead handler would leave faulting threads blocked forever: fail loudly instead.
+        eprintln!("llms: fatal: the {what} thread panicked; aborting rather than leaving faulting threads blocked");
+        std::process::abort();
+    }
+}
+
+/// The fault-handler loop: polls the uffd and the wake eventfd, reads faults in batches.
+fn handler(p: &Arc<PagerInner>) {
+    let mut msgs = [sys::UffdMsg::default(); 64];
+    loop {
+        if p.stop.load(Ordering::Acquire) && p.regions.read().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            // No region left to serve: let the fill workers go too.
+            p.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+            return;
+        }
+        let mut fds = [
+            libc::pollfd { fd: p.uffd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: p.wake_fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: polling two fds we own; the timeout bounds how late a stop is noticed.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        if r < 0 {
+            let e = Errno::last();
+            assert!(e == Errno::EINTR, "poll on the userfaultfd failed: {e}");
+            continue;
+        }
+        if fds[1].revents & libc::POLLIN != 0 {
+            let mut v = 0u64;
+            // SAFETY: reading 8 bytes from our eventfd into a u64.
+            unsafe { libc::read(p.wake_fd.as_raw_fd(), std::ptr::from_mut(&mut v).cast(), 8) };
+        }
+        if fds[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+            panic!("the userfaultfd reported an error condition");
+        }
+        if fds[0].revents & libc::POLLIN == 0 {
+            continue;
+        }
+        loop {
+            // SAFETY: reading whole uffd_msg records into a buffer of them.
+            let n = unsafe { libc::read(p.uffd.as_raw_fd(), msgs.as_mut_ptr().cast(), std::mem::size_of_val(&msgs)) };
+            if n < 0 {
+                let e = Errno::last();
+                if e == Errno::EAGAIN {
+                    break;
+                }
+                assert!(e == Errno::EINTR, "read from the userfaultfd failed: {e}");
+                continue;
+            }
+            let n = usize::try_from(n).unwrap_or(0) / std::mem::size_of::<sys::UffdMsg>();
+            let now = Instant::now();
+            for m in &msgs[..n] {
+                if m.event == sys::UFFD_EVENT_PAGEFAULT {
+                    on_fault(p, m.pf_address, now);
+                }
+            }
+            if n < msgs.len() {
+                break;
+            }
+        }
+    }
+}
+
+fn find_region(p: &PagerInner, addr: u64) -> Option<Arc<RegionInner>> {
+    p.regions
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .find(|r| addr >= r.base.as_ptr() as u64 && addr < r.base.as_ptr() as u64 + r.len as u64)
+        .cloned()
+}
+
+fn on_fault(p: &Arc<PagerInner>, addr: u64, now: Instant) {
+    let Some(r) = find_region(p, addr) else {
+        // A fault in a range being unregistered: the unregister wakes the thread itself.
+        return;
+    };
+    r.stats.faults.fetch_add(1, Ordering::Relaxed);
+    let slot = usize::try_from((addr - r.base.as_ptr() as u64) / r.slot_size as u64).expect("inside the region");
+    let page_addr = addr & !(PAGE as u64 - 1);
+    let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+    let s = &mut slots[slot];
+    match s.state {
+        SlotState::Loading => s.pending.push(page_addr),
+        SlotState::Evicted => {
+            s.state = SlotState::Loading;
+            s.pending.push(page_addr);
+            drop(slots);
+            r.stats.fault_started(slot, now);
+            let job = FillJob { region: Arc::clone(&r), slot };
+            let sent = p.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|tx| tx.send(job));
+            if !matches!(sent, Some(Ok(()))) {
+                // No workers (shutting down): fill here rather than leave the thread blocked.
+                let _ = fill_slot(p, &r, slot, None);
+            }
+        }
+        SlotState::Resident => {
+            let page = usize::try_from(page_addr - r.slot_addr(slot)).expect("in slot") / PAGE;
+            if page < s.filled_pages {
+                // Installed meanwhile; the install woke the thread (a stale message).
+                drop(slots);
+                wake(p, page_addr, PAGE as u64);
+            } else {
+                // A touch past what the source produced: there is no data for it.
+                drop(slots);
+                poison(p, &r, slot, page_addr, PAGE as u64);
+            }
+        }
+        SlotState::Poisoned => {
+            drop(slots);
+            poison(p, &r, slot, page_addr, PAGE as u64);
+        }
+    }
+}
+
+fn fill_worker(p: &Arc<PagerInner>, rx: &Mutex<Receiver<FillJob>>) {
+    loop {
+        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+        let Ok(job) = job else { return };
+        let _ = fill_slot(p, &job.region, job.slot, None);
+    }
+}
+
+/// A page-aligned buffer of whole pages (the source writes into it; MOVE takes pages from it).
+pub struct Staging {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a private anonymous mapping owned by this value.
+unsafe impl Send for Staging {}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging").field("len", &self.len).finish()
+    }
+}
+
+impl Staging {
+    pub fn new(len: usize) -> Result<Self> {
+        let len = len.div_ceil(PAGE).max(1) * PAGE;
+        // SAFETY: fresh private anonymous mapping, owned by the returned value.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(UffdError::Map { len, source: Errno::last() });
+        }
+        Ok(Self { ptr: NonNull::new(p.cast()).expect("non-null"), len })
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: we own len bytes of read-write mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+thread_local! {
+    static STAGING: std::cell::RefCell<Option<Staging>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Fills a slot that the caller has put in `Loading`: from the source (or `given` bytes),
+/// installed whole in one ioctl; on failure the slot is poisoned. Wakes every waiter.
+fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
+    let t0 = Instant::now();
+    let result = match given {
+        Some((staging, len)) => install(p, r, slot, staging, len),
+        None => STAGING.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            if cell.as_ref().is_none_or(|s| s.len() < r.slot_size) {
+                *cell = Some(Staging::new(r.slot_size)?);
+            }
+            let staging = cell.as_mut().expect("just set");
+            let buf = &mut staging.as_mut_slice()[..r.slot_size];
+            buf.fill(0);
+            let got = catch_unwind(AssertUnwindSafe(|| r.source.fill(RegionId(r.id), slot, buf)));
+            match got {
+                Ok(Ok(n)) if n <= r.slot_size => install(p, r, slot, staging, n),
+                Ok(Ok(n)) => Err(UffdError::TooLong { region: r.id, slot, len: n, slot_size: r.slot_size }),
+                Ok(Err(e)) => Err(UffdError::Source { region: r.id, slot, reason: e.to_string() }),
+                Err(_) => Err(UffdError::Source { region: r.id, slot, reason: "the source panicked".into() }),
+            }
+        }),
+    };
+    let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+    let s = &mut slots[slot];
+    let pending = std::mem::take(&mut s.pending);
+    let outcome = match result {
+        Ok(pages) => {
+            s.state = SlotState::Resident;
+            s.filled_pages = pages;
+            s.marked_dirty = false;
+            drop(slots);
+            r.stats.filled(slot, pages * PAGE, t0);
+            wake(p, r.slot_addr(slot), r.slot_size as u64);
+            // Faults that came while loading, past what was filled: no data exists for them.
+            let end = r.slot_addr(slot) + (pages * PAGE) as u64;
+            for a in pending.into_iter().filter(|&a| a >= end) {
+                poison(p, r, slot, a, PAGE as u64);
+            }
+            Ok(())
+        }
+        Err(e) => {
+            s.state = SlotState::Poisoned;
+            drop(slots);
+            eprintln!("llms: uffd region {} slot {slot}: {e}; the slot is poisoned (readers get SIGBUS)", r.id);
+            poison(p, r, slot, r.slot_addr(slot), r.slot_size as u64);
+            Err(e)
+        }
+    };
+    r.changed.notify_all();
+    outcome
+}
+
+/// Installs `len` bytes (rounded up to pages) of `staging` into the slot: UFFDIO_MOVE when the
+/// kernel has it (no copy; the staging pages move), else UFFDIO_COPY. Returns the page count.
+/// Nobody is woken here (DONTWAKE): the caller first records the slot as resident, then
+/// wakes the waiters, so a woken thread never sees a half-installed slot, and never writes a
+/// moved page before it is write-protected (that write would escape dirty tracking).
+fn install(p: &PagerInner, r: &RegionInner, slot: usize, staging: &mut Staging, len: usize) -> Result<usize> {
+    let pages = len.div_ceil(PAGE);
+    if pages == 0 {
+        return Ok(0);
+    }
+    let dst = r.slot_addr(slot);
+    let src = staging.ptr.as_ptr() as u64;
+    let bytes = (pages * PAGE) as u64;
+    let fd = p.uffd.as_raw_fd();
+    if p.caps.r#move {
+        // MOVE needs the source pages present and exclusively ours: touch them (they are, the
+        // source just wrote them; pages it did not write are zero-filled now).
+        let buf = &mut staging.as_mut_slice()[..pages * PAGE];
+        for pg in buf.chunks_mut(PAGE) {
+            // SAFETY: a volatile read-modify-write of our own buffer forces the page in.
+            unsafe { std::ptr::write_volatile(pg.as_mut_ptr(), std::ptr::read_volatile(pg.as_ptr())) };
+        }
+        ioctl_loop(r, slot, "UFFDIO_MOVE", bytes, |done| {
+            let mut m =
+                sys::UffdioMove { dst: dst + done, src: src + done, len: bytes - done, mode: sys::UFFDIO_MOVE_MODE_DONTWAKE, moved: 0 };
+            // SAFETY: both ranges are ours: dst inside the registered region, src inside the
+            // staging mapping; len stays within both.
+            let r = unsafe { sys::uffdio_move(fd, &mut m) };
+            (r.map(|_| ()), m.moved)
+        })?;
+        if r.wp {
+            // Moved pages arrive writable: protect them so the next write is tracked.
+            let mut wp =
+                sys::UffdioWriteprotect { range: sys::UffdioRange { start: dst, len: bytes }, mode: sys::UFFDIO_WRITEPROTECT_MODE_WP };
+            // SAFETY: write-protecting the pages we just installed in our region.
+            unsafe { sys::uffdio_writeprotect(fd, &mut wp) }.map_err(|source| UffdError::Ioctl {
+                op: "UFFDIO_WRITEPROTECT",
+                region: r.id,
+                slot,
+                source,
+            })?;
+        }
+    } else {
+        let mode = sys::UFFDIO_COPY_MODE_DONTWAKE | if r.wp { sys::UFFDIO_COPY_MODE_WP } else { 0 };
+        ioctl_loop(r, slot, "UFFDIO_COPY", bytes, |done| {
+            let mut c = sys::UffdioCopy { dst: dst + done, src: src + done, len: bytes - done, mode, copy: 0 };
+            // SAFETY: as for MOVE; COPY only reads the source range.
+            let r = unsafe { sys::uffdio_copy(fd, &mut c) };
+            (r.map(|_| ()), c.copy)
+        })?;
+    }
+    Ok(pages)
+}
+
+/// Runs an install ioctl until `total` bytes are in, following the kernel's contract:
+/// EAGAIN with progress continues from there; EAGAIN without progress (the mm is changing
+/// under us) retries with a bounded backoff; EEXIST means the page is already there (skip
+/// it); any other errno is an error.
+fn ioctl_loop(
+    r: &RegionInner,
+    slot: usize,
+    op: &'static str,
+    total: u64,
+    mut call: impl FnMut(u64) -> (nix::Result<()>, i64),
+) -> Result<()> {
+    let mut done = 0u64;
+    let mut retries = 0u32;
+    while done < total {
+        let (res, progress) = call(done);
+        let progress = u64::try_from(progress).unwrap_or(0);
+        match res {
+            Ok(()) => return Ok(()),
+            Err(Errno::EAGAIN) if progress > 0 => done += progress,
+            Err(Errno::EAGAIN) => {
+                retries += 1;
+                if retries > 1000 {
+                    return Err(UffdError::Ioctl { op, region: r.id, slot, source: Errno::EAGAIN });
+                }
+                std::thread::sleep(Duration::from_micros(u64::from(retries.min(100))));
+            }
+            Err(Errno::EEXIST) => done += if progress > 0 { progress } else { PAGE as u64 },
+            Err(source) => return Err(UffdError::Ioctl { op, region: r.id, slot, source }),
+        }
+    }
+    Ok(())
+}
+
+fn wake(p: &PagerInner, start: u64, len: u64) {
+    let mut range = sys::UffdioRange { start, len };
+    // SAFETY: UFFDIO_WAKE on a range of our region; failure is harmless (nobody waiting).
+    let _ = unsafe { sys::uffdio_wake(p.uffd.as_raw_fd(), &mut range) };
+}
+
+/// Makes reads of a range raise SIGBUS (UFFDIO_POISON) and wakes its waiters. Without the
+/// feature, the waiters are woken to fault again, which blocks them until the slot is
+/// evicted and refilled: never zeros.
+fn poison(p: &PagerInner, r: &RegionInner, slot: usize, start: u64, len: u64) {
+    r.stats.poisoned.fetch_add(1, Ordering::Relaxed);
+    if p.caps.poison {
+        let mut arg = sys::UffdioPoison { range: sys::UffdioRange { start, len }, mode: 0, updated: 0 };
+        // SAFETY: UFFDIO_POISON over a range of our region. EEXIST (a page is present) is
+        // fine: that page has data.
+        if let Err(e) = unsafe { sys::uffdio_poison(p.uffd.as_raw_fd(), &mut arg) } {
+            if e != Errno::EEXIST {
+                eprintln!("llms: uffd region {} slot {slot}: UFFDIO_POISON failed: {e}", r.id);
+            }
+        }
+    }
+    wake(p, start, len);
+}
+
+impl Region {
+    pub fn id(&self) -> RegionId {
+        RegionId(self.inner.id)
+    }
+    pub fn slot_size(&self) -> usize {
+        self.inner.slot_size
+    }
+    pub fn n_slots(&self) -> usize {
+        self.inner.n_slots
+    }
+    /// Address of a slot. Memory there may block on a fault (served by the pager) and may be
+    /// evicted at any time unless the slot is pinned: hold a pin while reading or writing it
+    /// if its contents must not change under you.
+    pub fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        assert!(slot < self.inner.n_slots, "slot {slot} out of range");
+        // SAFETY: inside the mapping (checked above).
+        unsafe { self.inner.base.as_ptr().add(slot * self.inner.slot_size) }
+    }
+    pub fn state(&self, slot: usize) -> Result<SlotState> {
+        self.inner.check(slot)?;
+        Ok(self.inner.slots.lock().unwrap_or_else(|e| e.into_inner())[slot].state)
+    }
+
+    /// Makes a slot resident before use, from its source; waits if a fault is filling it.
+    pub fn populate(&self, slot: usize) -> Result<()> {
+        self.populate_inner(slot, None)
+    }
+
+    /// Makes a slot resident from `len` bytes the caller staged (for example data written out
+    /// ahead of time); the staging pages are moved, not copied, where the kernel allows.
+    /// Returns Ok without using the bytes if the slot is already resident.
+    pub fn populate_from(&self, slot: usize, staging: &mut Staging, len: usize) -> Result<()> {
+        if len > self.inner.slot_size || len > staging.len() {
+            return Err(UffdError::TooLong { region: self.inner.id, slot, len, slot_size: self.inner.slot_size });
+        }
+        self.populate_inner(slot, Some((staging, len)))
+    }
+
+    fn populate_inner(&self, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
+        self.inner.check(slot)?;
+        let r = &self.inner;
+        let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match slots[slot].state {
+                SlotState::Resident => return Ok(()),
+                SlotState::Poisoned => {
+                    return Err(UffdError::Source { region: r.id, slot, reason: "the slot is poisoned; evict it to retry".into() })
+                }
+                SlotState::Loading => slots = r.changed.wait(slots).unwrap_or_else(|e| e.into_inner()),
+                SlotState::Evicted => {
+                    slots[slot].state = SlotState::Loading;
+                    drop(slots);
+                    r.stats.populates.fetch_add(1, Ordering::Relaxed);
+                    return fill_slot(&self.pager, r, slot, given);
+                }
+            }
+        }
+    }
+
+    /// Pins a slot (populating it first): it will not be evicted until unpinned.
+    pub fn pin(&self, slot: usize) -> Result<()> {
+        self.populate(slot)?;
+        let mut slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if slots[slot].state != SlotState::Resident {
+            drop(slots);
+            // Evicted between populate and the lock: go round again.
+            return self.pin(slot);
+        }
+        slots[slot].pins += 1;
+        Ok(())
+    }
+
+    pub fn unpin(&self, slot: usize) -> Result<()> {
+        self.inner.check(slot)?;
+        let mut slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots[slot].pins = slots[slot].pins.saturating_sub(1);
+        Ok(())
+    }
+
+    /// Records that a slot was written (for kernels without WP_ASYNC dirty tracking).
+    pub fn mark_dirty(&self, slot: usize) -> Result<()> {
+        self.inner.check(slot)?;
+        self.inner.slots.lock().unwrap_or_else(|e| e.into_inner())[slot].marked_dirty = true;
+        Ok(())
+    }
+
+    /// Pages of a resident slot written since it was filled or last cleaned.
+    pub fn dirty_pages(&self, slot: usize) -> Result<Vec<usize>> {
+        self.scan(slot, false)
+    }
+
+    /// Returns the written pages and marks the slot clean again in the same step (the caller
+    /// has written those pages out).
+    pub fn clean(&self, slot: usize) -> Result<Vec<usize>> {
+        let pages = self.scan(slot, true)?;
+        self.inner.slots.lock().unwrap_or_else(|e| e.into_inner())[slot].marked_dirty = false;
+        Ok(pages)
+    }
+
+    fn scan(&self, slot: usize, reprotect: bool) -> Result<Vec<usize>> {
+        self.inner.check(slot)?;
+        let r = &self.inner;
+        let (state, filled, marked) = {
+            let s = &r.slots.lock().unwrap_or_else(|e| e.into_inner())[slot];
+            (s.state, s.filled_pages, s.marked_dirty)
+        };
+        if state != SlotState::Resident {
+            return Ok(Vec::new());
+        }
+        if !r.wp {
+            return Ok(if marked { (0..filled).collect() } else { Vec::new() });
+        }
+        crate::dirty::written_pages(r.id, r.slot_addr(slot), r.slot_size, reprotect)
+    }
+
+    /// Drops a slot's pages so the next touch faults it in again. Refused while the slot is
+    /// pinned, being loaded, or holds writes that were not cleaned (written out): eviction
+    /// never loses data it was not told was saved.
+    pub fn evict(&self, slot: usize) -> Result<()> {
+        self.evict_inner(slot, false)
+    }
+
+    /// Drops a slot's pages even if written (the caller no longer wants its contents).
+    pub fn discard(&self, slot: usize) -> Result<()> {
+        self.evict_inner(slot, true)
+    }
+
+    fn evict_inner(&self, slot: usize, discard: bool) -> Result<()> {
+        self.inner.check(slot)?;
+        let r = &self.inner;
+        let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &slots[slot];
+        match s.state {
+            SlotState::Evicted => return Ok(()),
+            SlotState::Loading => return Err(UffdError::Busy { region: r.id, slot }),
+            SlotState::Resident | SlotState::Poisoned => {}
+        }
+        if s.pins > 0 {
+            return Err(UffdError::Pinned { region: r.id, slot });
+        }
+        if !discard && s.state == SlotState::Resident {
+            let dirty = if r.wp {
+                crate::dirty::written_pages(r.id, r.slot_addr(slot), r.slot_size, false)?.len()
+            } else if s.marked_dirty {
+                s.filled_pages
+            } else {
+                0
+            };
+            if dirty > 0 {
+                return Err(UffdError::Dirty { region: r.id, slot, pages: dirty });
+            }
+        }
+        // DONTNEED under the lock: a fault for this slot waits until it is Evicted, then
+        // refills it; the zap itself takes microseconds.
+        // SAFETY: the range is our slot inside our mapping; without EVENT_REMOVE the kernel
+        // just drops the pages and later touches raise missing faults.
+        let rc = unsafe { libc::madvise(self.slot_ptr(slot).cast(), r.slot_size, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(UffdError::Ioctl { op: "MADV_DONTNEED", region: r.id, slot, source: Errno::last() });
+        }
+        let s = &mut slots[slot];
+        let freed = s.filled_pages * PAGE;
+        s.state = SlotState::Evicted;
+        s.filled_pages = 0;
+        s.marked_dirty = false;
+        drop(slots);
+        r.stats.evicted(freed);
+        r.changed.notify_all();
+        Ok(())
+    }
+
+    /// Bytes of the slots that are resident (their filled pages).
+    pub fn resident_bytes(&self) -> usize {
+        self.inner
+            .slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|s| s.state == SlotState::Resident)
+            .map(|s| s.filled_pages * PAGE)
+            .sum()
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let r = &self.inner;
+        self.pager.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&r.id);
+        sigbus::unregister(r.id);
+        let mut range = sys::UffdioRange { start: r.base.as_ptr() as u64, len: r.len as u64 };
+        // Order matters: unregister first (waking any thread still blocked in the range),
+        // then unmap; the uffd itself stays open in the pager until every region is gone, so a
+        // registered range never silently turns into zero-fill memory.
+        // SAFETY: unregistering and unmapping the range this region owns.
+        unsafe {
+            let _ = sys::uffdio_unregister(self.pager.uffd.as_raw_fd(), &mut range);
+            libc::munmap(r.base.as_ptr().cast(), r.len);
+        }
+        wake_handler(&self.pager);
+    }
+}
