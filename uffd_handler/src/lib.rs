@@ -13,12 +13,15 @@
 //! What it is not for: it knows nothing about LLMs, chunks or policy; which slot to load,
 //! evict or write out is the caller's (`mm`'s) decision.
 
+pub mod bench;
 mod dirty;
 mod pager;
 mod sigbus;
 mod stats;
 mod sys;
 
-pub use pager::{Capabilities, Pager, Region, RegionId, Result, SlotSource, SlotState, SourceError, Staging, UffdError, PAGE};
+pub use pager::{
+    Capabilities, Pager, PagerOptions, Region, RegionId, Result, SlotSource, SlotState, SourceError, Staging, UffdError, PAGE,
+};
 pub use stats::StatsSnapshot;
 pub use sys::UffdOrigin;

@@ -68,6 +68,13 @@ pub trait SlotSource: Send + Sync {
     /// short slot (a compressed chunk) costs fewer pages. An error poisons the slot: readers
     /// get SIGBUS, never zeros.
     fn fill(&self, region: RegionId, slot: usize, buf: &mut [u8]) -> std::result::Result<usize, SourceError>;
+
+    /// Whether `fill` is quick and never blocks (a copy or decode from memory). Fast sources
+    /// are served on the fault-handler thread itself, saving a thread hop; slow ones (flash
+    /// reads, recompute) run on fill workers so they never stall faults on other slots.
+    fn is_fast(&self) -> bool {
+        false
+    }
 }
 
 /// Identifies a region of a pager.
@@ -181,10 +188,27 @@ impl std::fmt::Debug for Region {
 
 const FILL_WORKERS: usize = 2;
 
+/// Pager settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PagerOptions {
+    /// Install slots with UFFDIO_MOVE when the kernel has it (else always UFFDIO_COPY).
+    pub allow_move: bool,
+}
+
+impl Default for PagerOptions {
+    fn default() -> Self {
+        Self { allow_move: true }
+    }
+}
+
 impl Pager {
     /// Creates the userfaultfd (not user-mode-only, so kernel accesses are served too),
     /// negotiates the features this kernel offers, and starts the handler and fill workers.
     pub fn new() -> Result<Self> {
+        Self::with_options(PagerOptions::default())
+    }
+
+    pub fn with_options(opts: PagerOptions) -> Result<Self> {
         let (uffd, origin) = sys::open_uffd().map_err(|(dev, syscall)| UffdError::Create { dev, syscall })?;
         // Ask for everything useful; fall back to the plain API if the kernel refuses some.
         let wanted = sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_PAGEFAULT_FLAG_WP | sys::UFFD_FEATURE_MOVE | sys::UFFD_FEATURE_POISON;
@@ -204,7 +228,7 @@ impl Pager {
         let caps = Capabilities {
             origin,
             wp_async: features & sys::UFFD_FEATURE_WP_ASYNC != 0,
-            r#move: features & sys::UFFD_FEATURE_MOVE != 0,
+            r#move: opts.allow_move && features & sys::UFFD_FEATURE_MOVE != 0,
             poison: features & sys::UFFD_FEATURE_POISON != 0,
         };
         Self::start(uffd, caps)
@@ -255,8 +279,15 @@ impl Pager {
     }
 
     /// Reserves and registers a region of `n_slots` slots of `slot_size` bytes (a multiple of
-    /// the page size). Nothing is resident until a slot is touched or populated.
+    /// the page size), tracking writes where the kernel can. Nothing is resident until a slot
+    /// is touched or populated.
     pub fn region(&self, slot_size: usize, n_slots: usize, source: Arc<dyn SlotSource>) -> Result<Region> {
+        self.region_with(slot_size, n_slots, source, true)
+    }
+
+    /// As [`Pager::region`]; `track_writes = false` skips write-protect registration (for
+    /// read-only contents such as weights: installs are cheaper and nothing is ever dirty).
+    pub fn region_with(&self, slot_size: usize, n_slots: usize, source: Arc<dyn SlotSource>, track_writes: bool) -> Result<Region> {
         let len = slot_size.checked_mul(n_slots).filter(|&l| l > 0 && l < 1 << 46 && slot_size.is_multiple_of(PAGE));
         let Some(len) = len else { return Err(UffdError::Geometry { slot_size, n_slots }) };
         // SAFETY: a fresh private anonymous reservation; owned by the Region from here on.
@@ -275,7 +306,7 @@ impl Pager {
         }
         let base = NonNull::new(ptr.cast::<u8>()).expect("mmap returned a non-null address");
         let id = u32::try_from(self.inner.next_id.fetch_add(1, Ordering::Relaxed)).unwrap_or(u32::MAX);
-        let wp = self.inner.caps.wp_async;
+        let wp = track_writes && self.inner.caps.wp_async;
         let mut reg = sys::UffdioRegister {
             range: sys::UffdioRange { start: ptr as u64, len: len as u64 },
             mode: sys::UFFDIO_REGISTER_MODE_MISSING | if wp { sys::UFFDIO_REGISTER_MODE_WP } else { 0 },
@@ -417,6 +448,10 @@ fn on_fault(p: &Arc<PagerInner>, addr: u64, now: Instant) {
             s.pending.push(page_addr);
             drop(slots);
             r.stats.fault_started(slot, now);
+            if r.source.is_fast() {
+                let _ = fill_slot(p, &r, slot, None);
+                return;
+            }
             let job = FillJob { region: Arc::clone(&r), slot };
             let sent = p.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|tx| tx.send(job));
             if !matches!(sent, Some(Ok(()))) {
@@ -485,6 +520,18 @@ impl Staging {
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Gives the buffer its pages back after a MOVE took them: one MADV_POPULATE_WRITE
+    /// instead of a fault per page (falls back to touching the pages on older kernels).
+    pub fn repopulate(&mut self) {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        // SAFETY: advising our own mapping; POPULATE_WRITE only pre-faults it.
+        if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, MADV_POPULATE_WRITE) } != 0 {
+            for p in self.as_mut_slice().chunks_mut(PAGE) {
+                // SAFETY: a volatile read-modify-write of our own buffer forces the page in.
+                unsafe { std::ptr::write_volatile(p.as_mut_ptr(), std::ptr::read_volatile(p.as_ptr())) };
+            }
+        }
+    }
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -506,7 +553,7 @@ thread_local! {
 fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
     let t0 = Instant::now();
     let result = match given {
-        Some((staging, len)) => install(p, r, slot, staging, len),
+        Some((staging, len)) => install(p, r, slot, staging, len, p.caps.r#move),
         None => STAGING.with(|cell| {
             let mut cell = cell.borrow_mut();
             if cell.as_ref().is_none_or(|s| s.len() < r.slot_size) {
@@ -514,10 +561,18 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
             }
             let staging = cell.as_mut().expect("just set");
             let buf = &mut staging.as_mut_slice()[..r.slot_size];
-            buf.fill(0);
             let got = catch_unwind(AssertUnwindSafe(|| r.source.fill(RegionId(r.id), slot, buf)));
             match got {
-                Ok(Ok(n)) if n <= r.slot_size => install(p, r, slot, staging, n),
+                Ok(Ok(n)) if n <= r.slot_size => {
+                    // The source wrote [0, n); the rest of the last page would be stale bytes
+                    // of an earlier fill: zero it.
+                    let end = n.div_ceil(PAGE) * PAGE;
+                    buf[n..end].fill(0);
+                    // COPY, not MOVE: moving would take the pages out of this reused buffer, and
+                    // getting them back (even with one MADV_POPULATE_WRITE) costs more than
+                    // the copy saves (measured: `llms bench-uffd`).
+                    install(p, r, slot, staging, n, false)
+                }
                 Ok(Ok(n)) => Err(UffdError::TooLong { region: r.id, slot, len: n, slot_size: r.slot_size }),
                 Ok(Err(e)) => Err(UffdError::Source { region: r.id, slot, reason: e.to_string() }),
                 Err(_) => Err(UffdError::Source { region: r.id, slot, reason: "the source panicked".into() }),
@@ -554,12 +609,13 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
     outcome
 }
 
-/// Installs `len` bytes (rounded up to pages) of `staging` into the slot: UFFDIO_MOVE when the
-/// kernel has it (no copy; the staging pages move), else UFFDIO_COPY. Returns the page count.
+/// Installs `len` bytes (rounded up to pages) of `staging` into the slot: UFFDIO_MOVE when
+/// asked (no copy; the staging pages move out of the buffer), else UFFDIO_COPY. Returns the
+/// page count.
 /// Nobody is woken here (DONTWAKE): the caller first records the slot as resident, then
 /// wakes the waiters, so a woken thread never sees a half-installed slot, and never writes a
 /// moved page before it is write-protected (that write would escape dirty tracking).
-fn install(p: &PagerInner, r: &RegionInner, slot: usize, staging: &mut Staging, len: usize) -> Result<usize> {
+fn install(p: &PagerInner, r: &RegionInner, slot: usize, staging: &mut Staging, len: usize, use_move: bool) -> Result<usize> {
     let pages = len.div_ceil(PAGE);
     if pages == 0 {
         return Ok(0);
@@ -568,7 +624,7 @@ fn install(p: &PagerInner, r: &RegionInner, slot: usize, staging: &mut Staging, 
     let src = staging.ptr.as_ptr() as u64;
     let bytes = (pages * PAGE) as u64;
     let fd = p.uffd.as_raw_fd();
-    if p.caps.r#move {
+    if use_move {
         // MOVE needs the source pages present and exclusively ours: touch them (they are, the
         // source just wrote them; pages it did not write are zero-filled now).
         let buf = &mut staging.as_mut_slice()[..pages * PAGE];
@@ -834,6 +890,11 @@ impl Region {
         r.stats.evicted(freed);
         r.changed.notify_all();
         Ok(())
+    }
+
+    /// Whether writes to this region are tracked by the kernel (WP_ASYNC).
+    pub fn tracks_writes(&self) -> bool {
+        self.inner.wp
     }
 
     /// Bytes of the slots that are resident (their filled pages).

@@ -108,6 +108,18 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
+    /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
+    BenchUffd {
+        #[arg(long, default_value_t = 51)]
+        reps: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// What this machine offers LLMS (userfaultfd, ...), and how to fix what is missing.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
     /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
     Bench {
         #[arg(long, default_value_t = 512)]
@@ -249,6 +261,8 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Bench { pp, tg, reps, json, m } => bench(&m, pp, tg, reps, json)?,
+        Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
+        Cmd::Doctor { json } => doctor(json),
     }
     Ok(())
 }
@@ -370,6 +384,43 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
         msgs.push(Message::new("assistant", &r.text));
     }
     Ok(())
+}
+
+fn bench_uffd(reps: usize, json: bool) -> Result<()> {
+    let rows = uffd_handler::bench::run(reps)?;
+    if json {
+        let v: Vec<_> = rows.iter().map(|r| json!({"name": r.name, "bytes": r.bytes, "median_us": r.median_us})).collect();
+        println!("{}", serde_json::to_string(&v)?);
+        return Ok(());
+    }
+    println!("{:<52} {:>12}", "operation (median)", "µs");
+    for r in &rows {
+        println!("{:<52} {:>12.2}", r.name, r.median_us);
+    }
+    Ok(())
+}
+
+/// One line per facility: present/usable, and the fix when not.
+fn doctor(json: bool) {
+    let mut checks = Vec::new();
+    match uffd_handler::Pager::new() {
+        Ok(p) => {
+            let c = p.capabilities();
+            checks.push(json!({"facility": "userfaultfd", "ok": true,
+                "detail": format!("created via {:?}; dirty tracking (WP_ASYNC): {}; UFFDIO_MOVE: {}; UFFDIO_POISON: {}", c.origin, c.wp_async, c.r#move, c.poison)}));
+        }
+        Err(e) => checks.push(json!({"facility": "userfaultfd", "ok": false, "detail": e.to_string()})),
+    }
+    let simd = engine::kernels::simd_name();
+    checks.push(json!({"facility": "cpu kernels", "ok": simd != "scalar", "detail": format!("{simd} (AVX2+FMA+F16C {})", if simd == "scalar" { "missing: slow scalar code" } else { "present" })}));
+    if json {
+        println!("{}", serde_json::to_string(&checks).unwrap_or_default());
+        return;
+    }
+    for c in &checks {
+        let ok = c["ok"].as_bool().unwrap_or(false);
+        println!("[{}] {}: {}", if ok { " ok " } else { "FAIL" }, c["facility"].as_str().unwrap_or(""), c["detail"].as_str().unwrap_or(""));
+    }
 }
 
 #[allow(clippy::cast_precision_loss)]
