@@ -11,6 +11,7 @@ use std::sync::LazyLock;
 
 use half::f16;
 
+use crate::kv::{self, KvFormat};
 use crate::pool::ThreadPool;
 use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
@@ -226,55 +227,72 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
     }
 }
 
-/// A tile of attention queries against one KV head of a layer's cache.
-#[derive(Debug)]
-pub struct AttnTile<'a> {
-    /// `limits.len()` queries of `hd` values each, already rounded to f16 precision.
-    pub q: &'a [f32],
-    /// Positions each query attends to (`0..limits[i]`), ascending (causal order).
-    pub limits: &'a [usize],
-    /// The layer's K and V caches from this head's first element; position `p` starts at
-    /// `p * stride`.
-    pub k: &'a [f16],
-    pub v: &'a [f16],
-    pub stride: usize,
-    pub hd: usize,
-    pub scale: f32,
-}
-
-/// Softmax attention of each query of the tile, written to `out` (`[query][hd]`). Scores are
-/// summed in f64 and the probabilities rounded to f16 before they weight V, as llama.cpp does.
-pub fn attention_tile(t: &AttnTile, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let p_max = t.limits.iter().copied().max().unwrap_or(0);
-    let nq = t.limits.len();
-    scores.clear();
-    scores.resize(nq * p_max, 0.0);
+/// Decodes `n` tokens of a KV head block in format `f` to f32 rows `[token][hd]` (AVX2 for
+/// the base formats, which attention reads on every step).
+pub fn decode_kv_block(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && t.hd.is_multiple_of(8) && t.hd <= 256 {
-        // SAFETY: the CPU has AVX2/FMA/F16C; slice bounds are checked inside.
-        unsafe { avx2::attention_scores(t, scores, p_max) };
-    } else {
-        attention_scores_ref(t, scores, p_max);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    attention_scores_ref(t, scores, p_max);
-    for (i, &lim) in t.limits.iter().enumerate() {
-        softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
-    }
-    out[..nq * t.hd].fill(0.0);
-    #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && t.hd.is_multiple_of(8) && t.hd <= 256 {
-        // SAFETY: the CPU has AVX2/FMA/F16C; slice bounds are checked inside.
-        unsafe { avx2::attention_values(t, scores, p_max, out) };
+    if *HAS_AVX2 && hd.is_multiple_of(8) && matches!(f, KvFormat::F16 | KvFormat::Int8) {
+        assert!(blk.len() >= kv_bytes_needed(f, t_cap, hd, n) && out.len() >= n * hd);
+        // SAFETY: features checked; lengths asserted above.
+        unsafe { avx2::decode_kv_block(f == KvFormat::F16, blk, t_cap, hd, n, out) };
         return;
     }
-    for p in 0..p_max {
-        let v = &t.v[p * t.stride..p * t.stride + t.hd];
-        for (i, &lim) in t.limits.iter().enumerate() {
-            if p < lim {
-                axpy_f16(scores[i * p_max + p], v, &mut out[i * t.hd..(i + 1) * t.hd]);
-            }
+    kv::read_block_f32(f, blk, t_cap, hd, n, out);
+}
+
+fn kv_bytes_needed(f: KvFormat, t_cap: usize, hd: usize, n: usize) -> usize {
+    match f {
+        KvFormat::F16 => n * hd * 2,
+        _ => t_cap * 2 + n * hd,
+    }
+}
+
+/// Attention scores of a tile of queries against one chunk's decoded K rows:
+/// `scores[i * ld + col0 + t] = scale * q_i · k_t` for `t < visible[i]`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_scores(q: &[f32], hd: usize, k: &[f32], visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && hd.is_multiple_of(8) && hd <= 256 {
+        let n = visible.iter().copied().max().unwrap_or(0);
+        assert!(q.len() >= visible.len() * hd && k.len() >= n * hd);
+        assert!(visible.iter().enumerate().all(|(i, &v)| v == 0 || i * ld + col0 + v <= scores.len()));
+        // SAFETY: features checked; every index used is bounded by the asserts above.
+        unsafe { avx2::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
+        return;
+    }
+    for (i, &vis) in visible.iter().enumerate() {
+        let qi = &q[i * hd..(i + 1) * hd];
+        for t in 0..vis {
+            scores[i * ld + col0 + t] = k[t * hd..(t + 1) * hd].iter().zip(qi).map(|(a, b)| a * b).sum::<f32>() * scale;
         }
+    }
+}
+
+/// Attention output of a tile of queries from one chunk's decoded V rows:
+/// `out_i += sum_t probs[i * ld + col0 + t] * v_t` for `t < visible[i]`.
+pub fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: &[f32], visible: &[usize], hd: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && hd.is_multiple_of(8) && hd <= 256 {
+        let n = visible.iter().copied().max().unwrap_or(0);
+        assert!(v.len() >= n * hd && out.len() >= visible.len() * hd);
+        assert!(visible.iter().enumerate().all(|(i, &vis)| vis == 0 || i * ld + col0 + vis <= probs.len()));
+        // SAFETY: features checked; indices bounded by the asserts above.
+        unsafe { avx2::chunk_values(probs, ld, col0, v, visible, hd, out) };
+        return;
+    }
+    for (i, &vis) in visible.iter().enumerate() {
+        let o = &mut out[i * hd..(i + 1) * hd];
+        for t in 0..vis {
+            axpy_f32(probs[i * ld + col0 + t], &v[t * hd..(t + 1) * hd], o);
+        }
+    }
+}
+
+/// `out += a * x`.
+#[inline]
+pub fn axpy_f32(a: f32, x: &[f32], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o += a * v;
     }
 }
 
@@ -297,44 +315,6 @@ pub fn softmax_f16(row: &mut [f32]) {
     let inv = (1.0 / sum) as f32;
     for x in row.iter_mut() {
         *x = f16::from_f32(*x * inv).to_f32();
-    }
-}
-
-/// Scaled scores `q_i · k_p` for `p < limits[i]` (reference for the AVX2 version).
-pub fn attention_scores_ref(t: &AttnTile, scores: &mut [f32], p_max: usize) {
-    for p in 0..p_max {
-        let k = &t.k[p * t.stride..p * t.stride + t.hd];
-        for (i, &lim) in t.limits.iter().enumerate() {
-            if p < lim {
-                let q = &t.q[i * t.hd..(i + 1) * t.hd];
-                scores[i * p_max + p] = k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum::<f32>() * t.scale;
-            }
-        }
-    }
-}
-
-/// `sum(k[i] * q[i])` with `k` in f16.
-#[inline]
-pub fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && k.len().is_multiple_of(8) {
-        // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
-        return unsafe { avx2::dot_f16(k, q) };
-    }
-    k.iter().zip(q).map(|(a, b)| a.to_f32() * b).sum()
-}
-
-/// `out[i] += a * v[i]` with `v` in f16.
-#[inline]
-pub fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && v.len().is_multiple_of(8) {
-        // SAFETY: AVX2/FMA/F16C present; lengths checked inside.
-        unsafe { avx2::axpy_f16(a, v, out) };
-        return;
-    }
-    for (o, x) in out.iter_mut().zip(v) {
-        *o += a * x.to_f32();
     }
 }
 
@@ -464,54 +444,82 @@ mod avx2 {
         }
     }
 
-    /// Scores of every query of the tile: each K row is converted once and reused by all the
-    /// queries that see it.
     /// # Safety
-    /// Needs AVX2, FMA and F16C; `t.hd` a multiple of 8 up to 256.
+    /// Needs AVX2, FMA and F16C; `blk` and `out` long enough for `n` tokens.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attention_scores(t: &super::AttnTile, scores: &mut [f32], p_max: usize) {
-        let hd = t.hd;
-        let lanes = hd / 8;
-        let mut kv = [_mm256_setzero_ps(); 32];
-        for p in 0..p_max {
-            let k = &t.k[p * t.stride..p * t.stride + hd];
-            for (c, slot) in kv.iter_mut().enumerate().take(lanes) {
-                *slot = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(8 * c).cast()));
+    pub(super) unsafe fn decode_kv_block(is_f16: bool, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
+        let o = out.as_mut_ptr();
+        if is_f16 {
+            let src = blk.as_ptr();
+            for i in (0..n * hd).step_by(8) {
+                _mm256_storeu_ps(o.add(i), _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i).cast())));
             }
-            for (i, &lim) in t.limits.iter().enumerate() {
-                if p >= lim {
-                    continue;
-                }
-                let q = &t.q[i * hd..(i + 1) * hd];
-                let mut acc = _mm256_setzero_ps();
-                for (c, kc) in kv.iter().enumerate().take(lanes) {
-                    acc = _mm256_fmadd_ps(*kc, _mm256_loadu_ps(q.as_ptr().add(8 * c)), acc);
-                }
-                scores[i * p_max + p] = hsum(acc) * t.scale;
+            return;
+        }
+        let codes = blk.as_ptr().add(t_cap * 2);
+        for t in 0..n {
+            let s = _mm256_set1_ps(f16::from_le_bytes([blk[2 * t], blk[2 * t + 1]]).to_f32());
+            for c in (0..hd).step_by(8) {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(codes.add(t * hd + c).cast()));
+                _mm256_storeu_ps(o.add(t * hd + c), _mm256_mul_ps(s, _mm256_cvtepi32_ps(q)));
             }
         }
     }
 
-    /// `out[i] += sum_p probs[i][p] * v[p]`: each V row is converted once for all queries.
     /// # Safety
-    /// Needs AVX2, FMA and F16C; `t.hd` a multiple of 8 up to 256.
+    /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attention_values(t: &super::AttnTile, probs: &[f32], p_max: usize, out: &mut [f32]) {
-        let hd = t.hd;
+    pub(super) unsafe fn chunk_scores(
+        q: &[f32],
+        hd: usize,
+        k: &[f32],
+        visible: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
         let lanes = hd / 8;
-        let mut vv = [_mm256_setzero_ps(); 32];
-        assert!(out.len() >= t.limits.len() * hd && probs.len() >= t.limits.len() * p_max);
-        for p in 0..p_max {
-            let v = &t.v[p * t.stride..p * t.stride + hd];
-            for (c, slot) in vv.iter_mut().enumerate().take(lanes) {
-                *slot = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(8 * c).cast()));
+        let n = visible.iter().copied().max().unwrap_or(0);
+        let mut kv = [_mm256_setzero_ps(); 32];
+        for t in 0..n {
+            let kp = k.as_ptr().add(t * hd);
+            for (c, slot) in kv.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_loadu_ps(kp.add(8 * c));
             }
-            for (i, &lim) in t.limits.iter().enumerate() {
-                if p >= lim {
+            for (i, &vis) in visible.iter().enumerate() {
+                if t >= vis {
                     continue;
                 }
-                let w = _mm256_set1_ps(probs[i * p_max + p]);
-                // SAFETY: i * hd + hd <= out.len() (asserted above).
+                let qp = q.as_ptr().add(i * hd);
+                let mut acc = _mm256_setzero_ps();
+                for (c, kc) in kv.iter().enumerate().take(lanes) {
+                    acc = _mm256_fmadd_ps(*kc, _mm256_loadu_ps(qp.add(8 * c)), acc);
+                }
+                *scores.get_unchecked_mut(i * ld + col0 + t) = hsum(acc) * scale;
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: &[f32], visible: &[usize], hd: usize, out: &mut [f32]) {
+        let lanes = hd / 8;
+        let n = visible.iter().copied().max().unwrap_or(0);
+        let mut vv = [_mm256_setzero_ps(); 32];
+        for t in 0..n {
+            let vp = v.as_ptr().add(t * hd);
+            for (c, slot) in vv.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_loadu_ps(vp.add(8 * c));
+            }
+            for (i, &vis) in visible.iter().enumerate() {
+                if t >= vis {
+                    continue;
+                }
+                let w = _mm256_set1_ps(*probs.get_unchecked(i * ld + col0 + t));
                 let o = out.as_mut_ptr().add(i * hd);
                 for (c, vc) in vv.iter().enumerate().take(lanes) {
                     let d = o.add(8 * c);
@@ -580,39 +588,6 @@ mod avx2 {
         let inv = (1.0 / sum) as f32;
         for x in &mut row[i..] {
             *x = f16::from_f32(*x * inv).to_f32();
-        }
-    }
-
-    /// # Safety
-    /// Needs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f16(k: &[f16], q: &[f32]) -> f32 {
-        let n = k.len().min(q.len()) / 8 * 8;
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < n {
-            // SAFETY: i + 8 <= n <= both lengths.
-            let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
-            let qv = _mm256_loadu_ps(q.as_ptr().add(i));
-            acc = _mm256_fmadd_ps(kv, qv, acc);
-            i += 8;
-        }
-        hsum(acc)
-    }
-
-    /// # Safety
-    /// Needs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
-        let n = v.len().min(out.len()) / 8 * 8;
-        let av = _mm256_set1_ps(a);
-        let mut i = 0;
-        while i < n {
-            // SAFETY: i + 8 <= n <= both lengths.
-            let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i).cast()));
-            let o = out.as_mut_ptr().add(i);
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(o)));
-            i += 8;
         }
     }
 }
@@ -700,31 +675,32 @@ mod tests {
     }
 
     #[test]
-    fn attention_scores_match_reference() {
+    fn kv_decoders_and_chunk_scores_match_the_reference() {
+        use crate::kv::{self, KvGeometry};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let (hd, stride, n) = (64, 192, 37);
-        let k: Vec<f16> = (0..n * stride).map(|_| f16::from_f32(rng.gen_range(-1.0..1.0))).collect();
-        let q: Vec<f32> = (0..5 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-        let limits = [3, 10, 11, 30, 37];
-        let t = AttnTile { q: &q, limits: &limits, k: &k[64..], v: &k[64..], stride, hd, scale: 0.125 };
-        let p_max = n - 1;
-        let (mut a, mut b) = (vec![0.0; 5 * p_max], vec![0.0; 5 * p_max]);
-        attention_scores_ref(&t, &mut a, p_max);
-        if has_avx2() {
-            // SAFETY: features checked.
-            unsafe { avx2::attention_scores(&t, &mut b, p_max) };
-            for (x, y) in a.iter().zip(&b) {
-                assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: 64, chunk_tokens: 16 };
+        let vals: Vec<f32> = (0..16 * 64).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        for f in [KvFormat::F16, KvFormat::Int8] {
+            let mut blk = vec![0u8; g.head_block_bytes(f)];
+            for t in 0..16 {
+                kv::write_token(f, &mut blk, t, 16, &vals[t * 64..(t + 1) * 64]);
+            }
+            let (mut fast, mut slow) = (vec![0.0; 16 * 64], vec![0.0; 16 * 64]);
+            decode_kv_block(f, &blk, 16, 64, 13, &mut fast);
+            kv::read_block_f32(f, &blk, 16, 64, 13, &mut slow);
+            assert_eq!(fast[..13 * 64], slow[..13 * 64], "{f:?}");
+        }
+        let q: Vec<f32> = (0..3 * 64).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let visible = [16, 0, 5];
+        let (mut a, mut b) = (vec![-9.0; 3 * 40], vec![-9.0; 3 * 40]);
+        chunk_scores(&q, 64, &vals, &visible, 0.125, &mut a, 40, 16);
+        for (i, &vis) in visible.iter().enumerate() {
+            for t in 0..vis {
+                b[i * 40 + 16 + t] = vals[t * 64..(t + 1) * 64].iter().zip(&q[i * 64..]).map(|(x, y)| x * y).sum::<f32>() * 0.125;
             }
         }
-        let mut out = vec![0.0; 5 * hd];
-        let mut scores = Vec::new();
-        let limits = [1, 4];
-        let t = AttnTile { q: &q[..2 * hd], limits: &limits, k: &k, v: &k, stride, hd, scale: 0.125 };
-        attention_tile(&t, &mut scores, &mut out);
-        // A query that sees one position returns that position's V exactly.
-        for d in 0..hd {
-            assert_eq!(out[d], k[d].to_f32());
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-4, "{x} vs {y}");
         }
     }
 
@@ -742,20 +718,6 @@ mod tests {
                 assert!((f - want).abs() <= 1e-3 * want + 1e-7, "n={n} i={i}: {f} vs {want}");
             }
             assert!((fast.iter().sum::<f32>() - 1.0).abs() < 1e-2);
-        }
-    }
-
-    #[test]
-    fn f16_helpers_match_scalar() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let k: Vec<f16> = (0..64).map(|_| f16::from_f32(rng.gen_range(-1.0..1.0))).collect();
-        let q: Vec<f32> = (0..64).map(|_| rng.gen_range(-1.0..1.0)).collect();
-        let want: f32 = k.iter().zip(&q).map(|(a, b)| a.to_f32() * b).sum();
-        assert!((dot_f16(&k, &q) - want).abs() < 1e-4);
-        let mut out = q.clone();
-        axpy_f16(0.5, &k, &mut out);
-        for i in 0..64 {
-            assert!((out[i] - (q[i] + 0.5 * k[i].to_f32())).abs() < 1e-6);
         }
     }
 }

@@ -11,6 +11,8 @@ pub mod chat;
 pub mod eval;
 pub mod gguf;
 pub mod kernels;
+pub mod kv;
+pub mod kvcache;
 pub mod model;
 pub mod pool;
 pub mod quant;

@@ -13,6 +13,8 @@ use half::f16;
 
 use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
 use crate::kernels::{self, ActKind, Acts, OutPtr, WeightView};
+use crate::kv::{KvFormat, KvGeometry};
+use crate::kvcache::ChunkedKv;
 use crate::pool::ThreadPool;
 use crate::quant::{self, GgmlType};
 use crate::repack::{self, PackedWeight};
@@ -32,6 +34,8 @@ pub enum ModelError {
     Tensor { name: String, what: String },
     #[error("context full: {needed} positions needed, the session holds {capacity}")]
     ContextFull { needed: usize, capacity: usize },
+    #[error(transparent)]
+    Kv(#[from] crate::kvcache::KvError),
     #[error("token id {0} is outside the vocabulary")]
     BadToken(u32),
 }
@@ -253,28 +257,6 @@ fn check_shape(t: &TensorInfo, cols: usize, rows: usize) -> Result<()> {
     Ok(())
 }
 
-/// The KV cache of one context in plain memory: per layer, K and V as `[pos][kv_dim]` f16.
-#[derive(Debug)]
-pub struct KvCache {
-    k: Vec<f16>,
-    v: Vec<f16>,
-    capacity: usize,
-    kv_dim: usize,
-}
-
-impl KvCache {
-    pub fn new(cfg: &Config, capacity: usize) -> Self {
-        let n = cfg.n_layers * capacity * cfg.kv_dim();
-        Self { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n], capacity, kv_dim: cfg.kv_dim() }
-    }
-    pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 2
-    }
-    fn layer_off(&self, layer: usize) -> usize {
-        layer * self.capacity * self.kv_dim
-    }
-}
-
 /// Which positions of a batch need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -294,22 +276,76 @@ struct Scratch {
     acts: Acts,
 }
 
-/// One context: its tokens, KV cache and scratch memory.
+/// Session settings.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionOptions {
+    /// Positions the session can hold.
+    pub capacity: usize,
+    /// Tokens per KV chunk.
+    pub chunk_tokens: usize,
+    /// Format of new chunks (f16 or int8).
+    pub base: KvFormat,
+    /// Accumulate the attention each cached token receives (LLMS eq. 1).
+    pub observe_attention: bool,
+}
+
+impl SessionOptions {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, chunk_tokens: 16, base: KvFormat::F16, observe_attention: false }
+    }
+}
+
+/// Attention received per position: the sum of probabilities over (row, head, layer) and the
+/// number of (row, head, layer) triples that could see the position.
+#[derive(Debug, Default, Clone)]
+pub struct AttentionStats {
+    pub sum: Vec<f64>,
+    pub count: Vec<u64>,
+}
+
+impl AttentionStats {
+    /// Information density of a range of positions (LLMS eq. 1): each token's received
+    /// attention averaged over the rows that see it, the heads and the layers; then averaged
+    /// over the tokens of the range.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn density(&self, range: std::ops::Range<usize>) -> f64 {
+        let toks: Vec<f64> =
+            range.filter(|&p| p < self.count.len() && self.count[p] > 0).map(|p| self.sum[p] / self.count[p] as f64).collect();
+        if toks.is_empty() {
+            0.0
+        } else {
+            toks.iter().sum::<f64>() / toks.len() as f64
+        }
+    }
+}
+
+/// One context: its tokens, chunked KV cache and scratch memory.
 #[derive(Debug)]
 pub struct Session {
     pub model: Arc<Model>,
     pub pool: Arc<ThreadPool>,
-    pub kv: KvCache,
+    pub kv: ChunkedKv,
     /// Tokens whose K/V are in the cache, in position order.
     pub tokens: Vec<u32>,
+    /// Filled when `observe_attention` is on.
+    pub attention: Option<AttentionStats>,
     scratch: Scratch,
 }
 
 impl Session {
+    /// A session holding up to `capacity` positions in f16 chunks of 16 tokens.
     pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, capacity: usize) -> Self {
-        let capacity = capacity.clamp(1, model.config.ctx_len);
-        let kv = KvCache::new(&model.config, capacity);
-        Self { model, pool, kv, tokens: Vec::new(), scratch: Scratch::default() }
+        Self::with_options(model, pool, SessionOptions::new(capacity))
+    }
+
+    pub fn with_options(model: Arc<Model>, pool: Arc<ThreadPool>, opts: SessionOptions) -> Self {
+        let capacity = opts.capacity.clamp(1, model.config.ctx_len);
+        let c = &model.config;
+        let geom =
+            KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens: opts.chunk_tokens.max(1) };
+        let kv = ChunkedKv::new(geom, capacity, opts.base);
+        let attention = opts.observe_attention.then(AttentionStats::default);
+        Self { model, pool, kv, tokens: Vec::new(), attention, scratch: Scratch::default() }
     }
 
     pub fn n_past(&self) -> usize {
@@ -317,21 +353,26 @@ impl Session {
     }
 
     pub fn capacity(&self) -> usize {
-        self.kv.capacity
+        self.kv.capacity()
     }
 
     /// Forgets every position from `n` on (the cache keeps its memory).
     pub fn truncate(&mut self, n: usize) {
         self.tokens.truncate(n);
+        self.kv.truncate(n);
+        if let Some(a) = &mut self.attention {
+            a.sum.truncate(n);
+            a.count.truncate(n);
+        }
     }
 
     /// Runs `tokens` at the next positions and returns the logits asked for, row-major
-    /// (`[n][vocab]` for `All`, `[vocab]` for `Last`). Batches longer than `max_batch` are split.
+    /// (`[n][vocab]` for `All`, `[vocab]` for `Last`). Long batches are split.
     pub fn eval(&mut self, tokens: &[u32], logits: Logits) -> Result<&[f32]> {
         const MAX_BATCH: usize = 512;
         let needed = self.n_past() + tokens.len();
-        if needed > self.kv.capacity {
-            return Err(ModelError::ContextFull { needed, capacity: self.kv.capacity });
+        if needed > self.kv.capacity() {
+            return Err(ModelError::ContextFull { needed, capacity: self.kv.capacity() });
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
             return Err(ModelError::BadToken(bad));
@@ -345,7 +386,11 @@ impl Session {
                 Logits::Last if i + 1 == n_chunks => Logits::Last,
                 _ => Logits::None,
             };
-            self.forward(chunk, want);
+            let pos0 = self.n_past();
+            let positions: Vec<usize> = (pos0..pos0 + chunk.len()).collect();
+            self.kv.ensure(pos0 + chunk.len())?;
+            self.tokens.extend_from_slice(chunk);
+            self.forward(chunk, &positions, want, &mut |_| {});
             if logits == Logits::All {
                 all.extend_from_slice(&self.scratch.logits[..chunk.len() * vocab]);
             }
@@ -360,19 +405,52 @@ impl Session {
         })
     }
 
-    fn forward(&mut self, tokens: &[u32], want: Logits) {
+    /// Recomputes the K/V of the given positions (already in `tokens`, e.g. chunks whose
+    /// memory was dropped) from their tokens: they get their global positions in RoPE, attend
+    /// to every present position before them, and write K/V into their own chunks, layer by
+    /// layer (LLMS §3.3). `before_layer(l)` runs before layer `l` is computed, so a caller can
+    /// overlap reading layer `l` of other chunks with this work. The chunks written must be in
+    /// a base format. Exact: the result equals the original computation bit for bit.
+    pub fn recompute(&mut self, positions: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<()> {
+        if let Some(&p) = positions.iter().find(|&&p| p >= self.n_past()) {
+            return Err(ModelError::ContextFull { needed: p + 1, capacity: self.n_past() });
+        }
+        if positions.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(ModelError::Metadata { key: "recompute".into(), what: "positions must be strictly increasing".into() });
+        }
+        for &p in positions {
+            let c = p / self.kv.geom.chunk_tokens;
+            if !self.kv.format(c).is_base() {
+                return Err(ModelError::Metadata {
+                    key: "recompute".into(),
+                    what: format!("chunk {c} is {}; recompute writes base formats", self.kv.format(c).name()),
+                });
+            }
+        }
+        let toks: Vec<u32> = positions.iter().map(|&p| self.tokens[p]).collect();
+        for (b, pb) in toks.chunks(512).zip(positions.chunks(512)) {
+            self.forward(b, pb, Logits::None, before_layer);
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, tokens: &[u32], positions: &[usize], want: Logits, before_layer: &mut dyn FnMut(usize)) {
         let model = Arc::clone(&self.model);
         let pool = Arc::clone(&self.pool);
         let c = &model.config;
         let n = tokens.len();
         let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
-        let pos0 = self.n_past();
         let s = &mut self.scratch;
         s.x.resize(n * dim, 0.0);
         s.xb.resize(n * dim, 0.0);
         s.qkv.resize(n * (dim + 2 * kvd), 0.0);
         s.att.resize(n * dim, 0.0);
         s.ffn.resize(n * 2 * c.ffn_dim, 0.0);
+        if let Some(a) = &mut self.attention {
+            let end = positions.iter().copied().max().map_or(0, |p| p + 1).max(a.sum.len());
+            a.sum.resize(end, 0.0);
+            a.count.resize(end, 0);
+        }
 
         let emb = model.view(&model.tok_embd);
         for (t, &tok) in tokens.iter().enumerate() {
@@ -380,30 +458,24 @@ impl Session {
         }
 
         for (li, l) in model.layers.iter().enumerate() {
+            before_layer(li);
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
             matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
             let ld = dim + 2 * kvd;
-            for t in 0..n {
+            for (t, &pos) in positions.iter().enumerate() {
                 let row = &mut s.qkv[t * ld..(t + 1) * ld];
                 for (b, off) in [(&l.bq, 0), (&l.bk, dim), (&l.bv, dim + kvd)] {
                     if let Some(b) = b {
                         row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
                     }
                 }
-                let pos = pos0 + t;
                 let (q, rest) = row.split_at_mut(dim);
                 rope(q, hd, c.rope_dims, pos, model.theta_scale);
                 rope(&mut rest[..kvd], hd, c.rope_dims, pos, model.theta_scale);
-                let off = self.kv.layer_off(li) + pos * kvd;
-                for (d, &x) in self.kv.k[off..off + kvd].iter_mut().zip(&rest[..kvd]) {
-                    *d = f16::from_f32(x);
-                }
-                for (d, &x) in self.kv.v[off..off + kvd].iter_mut().zip(&rest[kvd..2 * kvd]) {
-                    *d = f16::from_f32(x);
-                }
+                self.kv.write(li, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
             }
-            attention(&pool, c, &self.kv, li, &s.qkv, ld, pos0, n, &mut s.att);
+            attention(&pool, c, &self.kv, li, &s.qkv, ld, positions, &mut s.att, self.attention.as_mut());
             matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
@@ -425,7 +497,6 @@ impl Session {
             matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
-        self.tokens.extend_from_slice(tokens);
 
         let rows: Vec<usize> = match want {
             Logits::None => return,
@@ -517,25 +588,41 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scal
     }
 }
 
-/// Causal grouped-query attention of `n` new tokens (at positions `pos0..pos0+n`) over the
-/// cache, parallel over (head, tile of up to 8 tokens) jobs.
+/// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
+/// cache, parallel over (head, tile of up to 8 queries) jobs. Each chunk's K (then V) block is
+/// decoded once per job and reused by every query of the tile.
 #[allow(clippy::too_many_arguments)]
-fn attention(pool: &ThreadPool, c: &Config, kv: &KvCache, layer: usize, qkv: &[f32], ld: usize, pos0: usize, n: usize, out: &mut [f32]) {
+fn attention(
+    pool: &ThreadPool,
+    c: &Config,
+    kv: &ChunkedKv,
+    layer: usize,
+    qkv: &[f32],
+    ld: usize,
+    positions: &[usize],
+    out: &mut [f32],
+    observer: Option<&mut AttentionStats>,
+) {
     const TILE: usize = 8;
-    let (hd, kvd, nh) = (c.head_dim, c.kv_dim(), c.n_heads);
+    let n = positions.len();
+    let (hd, nh) = (c.head_dim, c.n_heads);
     let group = c.n_heads / c.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let base = kv.layer_off(layer);
+    let ct = kv.geom.chunk_tokens;
     let tiles = n.div_ceil(TILE);
     let outp = OutPtr::new(out);
+    let obs = observer.map(std::sync::Mutex::new);
     pool.for_chunks(nh * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
         let mut q = vec![0.0f32; TILE * hd];
         let mut o = vec![0.0f32; TILE * hd];
+        let mut blk = vec![0.0f32; ct * hd];
         let mut limits = [0usize; TILE];
+        let mut visible = [0usize; TILE];
         for job in a..b {
             let (h, tile) = (job % nh, job / nh);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
+            let nq = t1 - t0;
             let kvh = h / group;
             for t in t0..t1 {
                 // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
@@ -543,19 +630,44 @@ fn attention(pool: &ThreadPool, c: &Config, kv: &KvCache, layer: usize, qkv: &[f
                 for (d, &v) in q[(t - t0) * hd..(t - t0 + 1) * hd].iter_mut().zip(src) {
                     *d = f16::from_f32(v).to_f32();
                 }
-                limits[t - t0] = pos0 + t + 1;
+                limits[t - t0] = positions[t] + 1;
             }
-            let nq = t1 - t0;
-            let tile = kernels::AttnTile {
-                q: &q[..nq * hd],
-                limits: &limits[..nq],
-                k: &kv.k[base + kvh * hd..],
-                v: &kv.v[base + kvh * hd..],
-                stride: kvd,
-                hd,
-                scale,
-            };
-            kernels::attention_tile(&tile, &mut scores, &mut o);
+            let p_max = limits[..nq].iter().copied().max().unwrap_or(0);
+            scores.clear();
+            scores.resize(nq * p_max, 0.0);
+            let n_chunks = p_max.div_ceil(ct);
+            for (pass, kvsel) in [(0, 0usize), (1, 1)] {
+                if pass == 1 {
+                    for (i, &lim) in limits[..nq].iter().enumerate() {
+                        kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
+                    }
+                    o[..nq * hd].fill(0.0);
+                }
+                for ch in 0..n_chunks {
+                    let col0 = ch * ct;
+                    let n_c = ct.min(p_max - col0);
+                    for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
+                        *v = lim.saturating_sub(col0).min(n_c);
+                    }
+                    let f = kv.format(ch);
+                    let off = kv.geom.block_offset(f, layer, kvsel, kvh);
+                    kernels::decode_kv_block(f, &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)], ct, hd, n_c, &mut blk);
+                    if kvsel == 0 {
+                        kernels::chunk_scores(&q, hd, &blk, &visible[..nq], scale, &mut scores, p_max, col0);
+                    } else {
+                        kernels::chunk_values(&scores, p_max, col0, &blk, &visible[..nq], hd, &mut o);
+                    }
+                }
+            }
+            if let Some(obs) = &obs {
+                let mut g = obs.lock().unwrap_or_else(|e| e.into_inner());
+                for (i, &lim) in limits[..nq].iter().enumerate() {
+                    for p in 0..lim {
+                        g.sum[p] += f64::from(scores[i * p_max + p]);
+                        g.count[p] += 1;
+                    }
+                }
+            }
             for t in t0..t1 {
                 for (i, &v) in o[(t - t0) * hd..(t - t0 + 1) * hd].iter().enumerate() {
                     outp.write(t * nh * hd + h * hd + i, v);

@@ -1,0 +1,352 @@
+//! The chunked KV cache: formats, layout, conversion.
+//!
+//! A context's KV cache is a sequence of chunks of `chunk_tokens` tokens covering all layers.
+//! Inside a chunk the data is layer-major, so one layer of a chunk is one contiguous byte range
+//! (the recompute pipeline reads flash layer by layer):
+//!
+//! ```text
+//! chunk = [layer 0][layer 1]...      layer = [K head 0][K head 1]..[V head 0][V head 1]..
+//! head block (F16)  = values [token][head_dim] f16
+//! head block (Int8) = scales [token] f16, codes [token][head_dim] i8      (x = s_t * q)
+//! head block (Q4/Q2)= scales [token] f16, per-channel (min i8, step u8) [head_dim],
+//!                     codes [token][head_dim] at 4 or 2 bits             (x = s_t * (min_c + code * step_c))
+//! ```
+//!
+//! Int8 is the default base: per-token, per-head symmetric quantization, which can be written
+//! one token at a time. Q4 and Q2 are LLMS's lower levels: channel-wise linear quantization of
+//! the int8 codes over the chunk's tokens (each channel gets its own offset and step, which
+//! tames the outlier channels of K). They exist only for full chunks; converting back to Int8
+//! is exact (the reduced values are int8 codes).
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
+
+use half::f16;
+
+/// How a chunk's K/V are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvFormat {
+    F16,
+    Int8,
+    Q4,
+    Q2,
+}
+
+impl KvFormat {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "f16" => Self::F16,
+            "int8" | "q8" => Self::Int8,
+            "q4" => Self::Q4,
+            "q2" => Self::Q2,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+            Self::Q4 => "q4",
+            Self::Q2 => "q2",
+        }
+    }
+    /// Formats tokens can be appended to one at a time.
+    pub fn is_base(self) -> bool {
+        matches!(self, Self::F16 | Self::Int8)
+    }
+    fn bits(self) -> usize {
+        match self {
+            Self::F16 => 16,
+            Self::Int8 => 8,
+            Self::Q4 => 4,
+            Self::Q2 => 2,
+        }
+    }
+    /// Largest code of a reduced level.
+    fn levels(self) -> i32 {
+        match self {
+            Self::Q4 => 15,
+            Self::Q2 => 3,
+            _ => 0,
+        }
+    }
+}
+
+/// The shape of every chunk of a model's cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub chunk_tokens: usize,
+}
+
+impl KvGeometry {
+    /// Bytes of one (layer, K or V, head) block.
+    pub fn head_block_bytes(&self, f: KvFormat) -> usize {
+        let (t, hd) = (self.chunk_tokens, self.head_dim);
+        match f {
+            KvFormat::F16 => t * hd * 2,
+            KvFormat::Int8 => t * 2 + t * hd,
+            KvFormat::Q4 | KvFormat::Q2 => t * 2 + hd * 2 + (t * hd * f.bits()).div_ceil(8),
+        }
+    }
+    pub fn layer_bytes(&self, f: KvFormat) -> usize {
+        2 * self.n_kv_heads * self.head_block_bytes(f)
+    }
+    /// Bytes of a whole chunk in a format: a lower level takes proportionally fewer pages.
+    pub fn chunk_bytes(&self, f: KvFormat) -> usize {
+        self.n_layers * self.layer_bytes(f)
+    }
+    /// Byte range of one layer inside a chunk.
+    pub fn layer_range(&self, f: KvFormat, layer: usize) -> std::ops::Range<usize> {
+        let b = self.layer_bytes(f);
+        layer * b..(layer + 1) * b
+    }
+    /// Offset of a (layer, K=0/V=1, head) block.
+    pub fn block_offset(&self, f: KvFormat, layer: usize, kv: usize, head: usize) -> usize {
+        layer * self.layer_bytes(f) + (kv * self.n_kv_heads + head) * self.head_block_bytes(f)
+    }
+    /// The largest chunk over every format (what a slot must hold).
+    pub fn max_chunk_bytes(&self) -> usize {
+        self.chunk_bytes(KvFormat::F16).max(self.chunk_bytes(KvFormat::Int8))
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32()
+}
+
+fn put_f16(b: &mut [u8], i: usize, v: f32) {
+    b[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+/// Writes one token's head vector into a base-format head block.
+pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32]) {
+    let hd = x.len();
+    match f {
+        KvFormat::F16 => {
+            for (i, &v) in x.iter().enumerate() {
+                put_f16(blk, t * hd + i, v);
+            }
+        }
+        KvFormat::Int8 => {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // The stored (f16) scale is the one the codes are computed with, so decoding
+            // reproduces exactly what attention and recompute see.
+            let s = f16::from_f32(amax / 127.0).to_f32();
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            put_f16(blk, t, s);
+            let codes = &mut blk[t_cap * 2 + t * hd..t_cap * 2 + (t + 1) * hd];
+            for (c, &v) in codes.iter_mut().zip(x) {
+                *c = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
+            }
+        }
+        KvFormat::Q4 | KvFormat::Q2 => panic!("tokens are appended only to base-format chunks (f16, int8)"),
+    }
+}
+
+/// Decodes `n` tokens of a head block to f32 `[token][head_dim]`.
+pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
+    match f {
+        KvFormat::F16 => {
+            for (i, o) in out[..n * hd].iter_mut().enumerate() {
+                *o = f16_at(blk, i);
+            }
+        }
+        _ => {
+            let mut codes = vec![0i8; n * hd];
+            let mut scales = vec![0.0f32; n];
+            read_block_i8(f, blk, t_cap, hd, n, &mut scales, &mut codes);
+            for t in 0..n {
+                for c in 0..hd {
+                    out[t * hd + c] = scales[t] * f32::from(codes[t * hd + c]);
+                }
+            }
+        }
+    }
+}
+
+/// Decodes `n` tokens of an Int8/Q4/Q2 head block to per-token scales and int8 codes.
+pub fn read_block_i8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, scales: &mut [f32], codes: &mut [i8]) {
+    for (t, s) in scales[..n].iter_mut().enumerate() {
+        *s = f16_at(blk, t);
+    }
+    match f {
+        KvFormat::Int8 => {
+            for (c, &b) in codes[..n * hd].iter_mut().zip(&blk[t_cap * 2..t_cap * 2 + n * hd]) {
+                *c = b as i8;
+            }
+        }
+        KvFormat::Q4 | KvFormat::Q2 => {
+            let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
+            let data = &blk[t_cap * 2 + hd * 2..];
+            let bits = f.bits();
+            let mask = (1u8 << bits) - 1;
+            for t in 0..n {
+                for c in 0..hd {
+                    let idx = (t * hd + c) * bits;
+                    let code = (data[idx / 8] >> (idx % 8)) & mask;
+                    let v = i32::from(params[2 * c] as i8) + i32::from(code) * i32::from(params[2 * c + 1]);
+                    codes[t * hd + c] = v.clamp(-127, 127) as i8;
+                }
+            }
+        }
+        KvFormat::F16 => panic!("read_block_i8 on an f16 block"),
+    }
+}
+
+/// Encodes per-token scales and int8 codes of `n` tokens into an Int8/Q4/Q2 head block.
+pub fn write_block_i8(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, scales: &[f32], codes: &[i8]) {
+    for (t, &s) in scales[..n].iter().enumerate() {
+        put_f16(blk, t, s);
+    }
+    match f {
+        KvFormat::Int8 => {
+            for (b, &c) in blk[t_cap * 2..t_cap * 2 + n * hd].iter_mut().zip(codes) {
+                *b = c as u8;
+            }
+        }
+        KvFormat::Q4 | KvFormat::Q2 => {
+            let levels = f.levels();
+            let bits = f.bits();
+            let (params, data) = blk[t_cap * 2..].split_at_mut(hd * 2);
+            data[..(t_cap * hd * bits).div_ceil(8)].fill(0);
+            for c in 0..hd {
+                let (mut lo, mut hi) = (127i32, -127i32);
+                for t in 0..n {
+                    let v = i32::from(codes[t * hd + c]);
+                    lo = lo.min(v);
+                    hi = hi.max(v);
+                }
+                if n == 0 {
+                    (lo, hi) = (0, 0);
+                }
+                // The smallest step whose `levels` steps span the channel's range.
+                let step = ((hi - lo) + levels - 1) / levels;
+                let step = step.clamp(1, 255);
+                params[2 * c] = lo as i8 as u8;
+                params[2 * c + 1] = step as u8;
+                for t in 0..n {
+                    let v = i32::from(codes[t * hd + c]);
+                    let code = ((v - lo) as f32 / step as f32).round().clamp(0.0, levels as f32) as u8;
+                    let idx = (t * hd + c) * bits;
+                    data[idx / 8] |= code << (idx % 8);
+                }
+            }
+        }
+        KvFormat::F16 => panic!("write_block_i8 into an f16 block"),
+    }
+}
+
+/// Converts the first `n` tokens of a whole chunk from one format to another, block by block.
+/// Lowering to Q4/Q2 quantizes the int8 codes per channel; F16 goes through int8 when lowered.
+pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, dst: &mut [u8], n: usize) {
+    let (t_cap, hd) = (g.chunk_tokens, g.head_dim);
+    let mut vals = vec![0.0f32; t_cap * hd];
+    let mut scales = vec![0.0f32; t_cap];
+    let mut codes = vec![0i8; t_cap * hd];
+    for layer in 0..g.n_layers {
+        for kv in 0..2 {
+            for h in 0..g.n_kv_heads {
+                let s = &src[g.block_offset(from, layer, kv, h)..][..g.head_block_bytes(from)];
+                let d = &mut dst[g.block_offset(to, layer, kv, h)..][..g.head_block_bytes(to)];
+                match (from, to) {
+                    (_, KvFormat::F16) => {
+                        read_block_f32(from, s, t_cap, hd, n, &mut vals);
+                        for (i, &v) in vals[..n * hd].iter().enumerate() {
+                            put_f16(d, i, v);
+                        }
+                    }
+                    (KvFormat::F16, _) => {
+                        read_block_f32(from, s, t_cap, hd, n, &mut vals);
+                        let mut tmp = vec![0u8; g.head_block_bytes(KvFormat::Int8)];
+                        for t in 0..n {
+                            write_token(KvFormat::Int8, &mut tmp, t, t_cap, &vals[t * hd..(t + 1) * hd]);
+                        }
+                        read_block_i8(KvFormat::Int8, &tmp, t_cap, hd, n, &mut scales, &mut codes);
+                        write_block_i8(to, d, t_cap, hd, n, &scales, &codes);
+                    }
+                    _ => {
+                        read_block_i8(from, s, t_cap, hd, n, &mut scales, &mut codes);
+                        write_block_i8(to, d, t_cap, hd, n, &scales, &codes);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    const G: KvGeometry = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 64, chunk_tokens: 16 };
+
+    fn random_chunk(rng: &mut impl Rng) -> (Vec<f32>, Vec<u8>) {
+        // Per (layer, kv, head): 16 tokens x 64 channels; a few outlier channels as in K.
+        let n = G.n_layers * 2 * G.n_kv_heads * 16 * 64;
+        let vals: Vec<f32> = (0..n).map(|i| rng.gen_range(-1.0..1.0) * if i % 64 == 5 { 8.0 } else { 1.0 }).collect();
+        let mut chunk = vec![0u8; G.chunk_bytes(KvFormat::F16)];
+        for l in 0..G.n_layers {
+            for kv in 0..2 {
+                for h in 0..G.n_kv_heads {
+                    let base = ((l * 2 + kv) * G.n_kv_heads + h) * 16 * 64;
+                    let off = G.block_offset(KvFormat::F16, l, kv, h);
+                    for t in 0..16 {
+                        write_token(KvFormat::F16, &mut chunk[off..], t, 16, &vals[base + t * 64..base + (t + 1) * 64]);
+                    }
+                }
+            }
+        }
+        (vals, chunk)
+    }
+
+    fn decode_all(f: KvFormat, chunk: &[u8]) -> Vec<f32> {
+        let mut out = Vec::new();
+        let mut blk = vec![0.0; 16 * 64];
+        for l in 0..G.n_layers {
+            for kv in 0..2 {
+                for h in 0..G.n_kv_heads {
+                    read_block_f32(f, &chunk[G.block_offset(f, l, kv, h)..], 16, 64, 16, &mut blk);
+                    out.extend_from_slice(&blk);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn sizes_shrink_with_the_level() {
+        let g = KvGeometry { n_layers: 30, n_kv_heads: 3, head_dim: 64, chunk_tokens: 16 };
+        assert_eq!(g.chunk_bytes(KvFormat::F16), 368_640, "the 368 KiB chunk of the default model");
+        let (i8b, q4, q2) = (g.chunk_bytes(KvFormat::Int8), g.chunk_bytes(KvFormat::Q4), g.chunk_bytes(KvFormat::Q2));
+        assert!(i8b < 368_640 / 2 + 8_000 && q4 < i8b * 2 / 3 && q2 < i8b * 2 / 5, "{i8b} {q4} {q2}");
+    }
+
+    /// Every format round-trips within its documented bound: int8 within half a step of each
+    /// token's scale; Q4/Q2 within half a channel step (in int8 codes) on top of that.
+    #[test]
+    fn formats_round_trip_within_their_bounds() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let (vals, f16c) = random_chunk(&mut rng);
+        let max_abs = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(max_abs(&decode_all(KvFormat::F16, &f16c), &vals) < 8.0 * 1e-3);
+        let mut int8 = vec![0u8; G.chunk_bytes(KvFormat::Int8)];
+        convert_chunk(&G, KvFormat::F16, &f16c, KvFormat::Int8, &mut int8, 16);
+        let d8 = decode_all(KvFormat::Int8, &int8);
+        // |x| <= 8 on the outlier channel: step 8/127, error <= half a step (+ f16 rounding).
+        assert!(max_abs(&d8, &vals) <= 8.0 / 127.0 * 0.51 + 0.01);
+        for (f, levels) in [(KvFormat::Q4, 15.0), (KvFormat::Q2, 3.0)] {
+            let mut q = vec![0u8; G.chunk_bytes(f)];
+            convert_chunk(&G, KvFormat::Int8, &int8, f, &mut q, 16);
+            let dq = decode_all(f, &q);
+            // Channel range <= 254 codes; step <= ceil(254/levels); error <= step/2 codes.
+            let bound = (254.0f32 / levels).ceil() / 2.0 * 8.0 / 127.0 + 1e-3;
+            assert!(max_abs(&dq, &d8) <= bound, "{f:?}: {} > {bound}", max_abs(&dq, &d8));
+            // Back to int8 is exact: the reduced values are int8 codes.
+            let mut back = vec![0u8; G.chunk_bytes(KvFormat::Int8)];
+            convert_chunk(&G, f, &q, KvFormat::Int8, &mut back, 16);
+            assert_eq!(decode_all(KvFormat::Int8, &back), dq);
+        }
+    }
+}
