@@ -304,6 +304,21 @@ pub struct AttentionStats {
 }
 
 impl AttentionStats {
+    /// Adds attention rows (`probs[i * ld ..][..limits[i]]`, one row per query of one head
+    /// of one layer): every position a row can see gets its probability and one count.
+    pub fn add_rows(&mut self, probs: &[f32], ld: usize, limits: &[usize]) {
+        for (i, &lim) in limits.iter().enumerate() {
+            if self.sum.len() < lim {
+                self.sum.resize(lim, 0.0);
+                self.count.resize(lim, 0);
+            }
+            for (p, &a) in probs[i * ld..i * ld + lim].iter().enumerate() {
+                self.sum[p] += f64::from(a);
+                self.count[p] += 1;
+            }
+        }
+    }
+
     /// Information density of a range of positions (LLMS eq. 1): each token's received
     /// attention averaged over the rows that see it, the heads and the layers; then averaged
     /// over the tokens of the range.
@@ -660,13 +675,7 @@ fn attention(
                 }
             }
             if let Some(obs) = &obs {
-                let mut g = obs.lock().unwrap_or_else(|e| e.into_inner());
-                for (i, &lim) in limits[..nq].iter().enumerate() {
-                    for p in 0..lim {
-                        g.sum[p] += f64::from(scores[i * p_max + p]);
-                        g.count[p] += 1;
-                    }
-                }
+                obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&scores, p_max, &limits[..nq]);
             }
             for t in t0..t1 {
                 for (i, &v) in o[(t - t0) * hd..(t - t0 + 1) * hd].iter().enumerate() {

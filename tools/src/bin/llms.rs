@@ -103,6 +103,13 @@ enum Cmd {
         /// Score at most this many windows (0 = all).
         #[arg(long, default_value_t = 0)]
         chunks: usize,
+        /// KV cache while scoring: f16 (default), int8, q4, q2, or mix:R (tolerance-aware
+        /// levels at R x int8 bytes). With --kv, windows are fed one KV chunk at a time.
+        #[arg(long)]
+        kv: Option<String>,
+        /// Tokens per KV chunk (with --kv).
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -122,6 +129,13 @@ enum Cmd {
     },
     /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
     Bench {
+        /// KV cache format: f16 or int8.
+        #[arg(long, default_value = "f16")]
+        kv: String,
+        /// Context depth: decode tg tokens after a prefilled context of this many tokens
+        /// (like llama-bench -d).
+        #[arg(short = 'd', long, default_value_t = 0)]
+        depth: usize,
         #[arg(long, default_value_t = 512)]
         pp: usize,
         #[arg(long, default_value_t = 128)]
@@ -244,7 +258,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Chat { max_tokens, temperature, seed, system, m } => chat_loop(&m, max_tokens, temperature, seed, system)?,
-        Cmd::Perplexity { text_file, ctx, chunks, json, m } => {
+        Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, json, m } => {
             let (model, pool) = load(&m)?;
             if ctx < 8 || ctx > model.config.ctx_len {
                 bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
@@ -253,14 +267,31 @@ fn run(cli: Cli) -> Result<()> {
             if ids.len() < ctx {
                 bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
             }
-            let r = engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?;
+            let (r, ratio) = match kv {
+                None => (engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
+                Some(k) => {
+                    let plan = engine::eval::KvPlan::parse(&k).with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
+                    if chunk_tokens == 0 || chunk_tokens > ctx {
+                        bail!("--chunk-tokens must be between 1 and --ctx");
+                    }
+                    let (r, ratio) = engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens)?;
+                    (r, Some(ratio))
+                }
+            };
             if json {
-                println!("{}", json!({"ppl": r.ppl, "scored": r.scored}));
+                let mut v = json!({"ppl": r.ppl, "scored": r.scored});
+                if let Some(x) = ratio {
+                    v["kv_bytes_vs_int8"] = json!(x);
+                }
+                println!("{v}");
             } else {
                 println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.ppl, r.scored);
+                if let Some(x) = ratio {
+                    println!("KV bytes of full chunks: {:.3} x int8", x);
+                }
             }
         }
-        Cmd::Bench { pp, tg, reps, json, m } => bench(&m, pp, tg, reps, json)?,
+        Cmd::Bench { kv, depth, pp, tg, reps, json, m } => bench(&m, &kv, depth, pp, tg, reps, json)?,
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
         Cmd::Doctor { json } => doctor(json),
     }
@@ -424,24 +455,34 @@ fn doctor(json: bool) {
 }
 
 #[allow(clippy::cast_precision_loss)]
-fn bench(m: &ModelArgs, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
     let (model, pool) = load(m)?;
-    if pp == 0 || tg == 0 || reps == 0 || pp + tg > model.config.ctx_len {
-        bail!("--pp, --tg and --reps must be positive and pp + tg within the context");
+    if pp == 0 || tg == 0 || reps == 0 || depth.max(pp) + tg > model.config.ctx_len {
+        bail!("--pp, --tg and --reps must be positive and depth/pp + tg within the context");
     }
+    let base = match engine::kv::KvFormat::parse(kv) {
+        Some(f) if f.is_base() => f,
+        _ => bail!("--kv must be f16 or int8 (the formats tokens are written in)"),
+    };
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
-    let prompt: Vec<u32> = (0..u32::try_from(pp)?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
-    let mut s = Session::new(Arc::clone(&model), Arc::clone(&pool), pp + tg);
+    let prompt: Vec<u32> = (0..u32::try_from(pp.max(depth))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let opts = engine::model::SessionOptions { base, ..engine::model::SessionOptions::new(pp.max(depth) + tg) };
+    let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
     let mut pp_rates = Vec::new();
     let mut tg_rates = Vec::new();
     for rep in 0..=reps {
         s.truncate(0);
         let t = Instant::now();
-        s.eval(&prompt, Logits::Last)?;
+        s.eval(&prompt[..pp], Logits::Last)?;
         let pp_s = t.elapsed().as_secs_f64();
-        // tg: decode from an empty context, as llama-bench's tg128 does.
+        // tg: decode after `depth` tokens of context (0: from an empty context, as
+        // llama-bench's tg128 does).
         s.truncate(0);
+        if depth > 0 {
+            s.eval(&prompt[..depth], Logits::None)?;
+        }
         let mut tok = prompt[0];
         let t = Instant::now();
         for _ in 0..tg {
