@@ -100,7 +100,11 @@ pub fn choose_levels(densities: &[f64], sizes: [f64; 3], ratio: f64) -> Vec<KvFo
             if size > budget {
                 continue;
             }
-            let info: f64 = order.iter().enumerate().map(|(rank, &i)| densities[i] * bits[usize::from(rank >= n8) + usize::from(rank >= n8 + n4)]).sum();
+            let info: f64 = order
+                .iter()
+                .enumerate()
+                .map(|(rank, &i)| densities[i] * bits[usize::from(rank >= n8) + usize::from(rank >= n8 + n4)])
+                .sum();
             if best.is_none_or(|(b, _, _)| info > b) {
                 best = Some((info, n8, n4));
             }
@@ -120,7 +124,15 @@ pub fn choose_levels(densities: &[f64], sizes: [f64; 3], ratio: f64) -> Vec<KvFo
 /// densities come from the attention observer and levels only ever go down. Returns the
 /// perplexity and the average KV bytes of the full chunks relative to int8.
 #[allow(clippy::cast_precision_loss)]
-pub fn perplexity_kv(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], ctx: usize, max_windows: usize, plan: KvPlan, chunk_tokens: usize) -> Result<(Perplexity, f64), ModelError> {
+pub fn perplexity_kv(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    plan: KvPlan,
+    chunk_tokens: usize,
+) -> Result<(Perplexity, f64), ModelError> {
     let mut n = ids.len() / ctx.max(1);
     if max_windows > 0 {
         n = n.min(max_windows);
@@ -203,6 +215,7 @@ mod tests {
     /// The level chooser equals brute force over every assignment, keeps levels monotone in
     /// density, and meets the size budget.
     #[test]
+    #[allow(clippy::cast_possible_truncation)]
     fn level_choice_is_optimal_and_monotone() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
@@ -222,7 +235,8 @@ mod tests {
             assert!(size(&got) <= ratio * n as f64 * 100.0 + 1e-6);
             let mut best = f64::NEG_INFINITY;
             for code in 0..3usize.pow(n as u32) {
-                let v: Vec<KvFormat> = (0..n).map(|i| [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2][code / 3usize.pow(i as u32) % 3]).collect();
+                let v: Vec<KvFormat> =
+                    (0..n).map(|i| [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2][code / 3usize.pow(i as u32) % 3]).collect();
                 if size(&v) <= ratio * n as f64 * 100.0 + 1e-6 {
                     best = best.max(info(&v));
                 }

@@ -685,3 +685,77 @@ fn attention(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Attention over chunks in every format equals a plain f32 attention over their
+    /// dequantized values (same f16 rounding of Q and of the probabilities).
+    #[test]
+    fn attention_over_mixed_formats_equals_dequantized_reference() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let c = Config {
+            arch: "llama".into(),
+            n_layers: 2,
+            dim: 6 * 64,
+            ffn_dim: 8,
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 64,
+            vocab: 8,
+            ctx_len: 256,
+            rope_base: 10000.0,
+            rope_dims: 64,
+            norm_eps: 1e-5,
+        };
+        let (kvd, n) = (c.kv_dim(), 70);
+        let geom = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
+        let mut kv = ChunkedKv::new(geom, 128, KvFormat::Int8);
+        kv.ensure(n).unwrap();
+        for layer in 0..2 {
+            for pos in 0..n {
+                let k: Vec<f32> = (0..kvd).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..kvd).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                kv.write(layer, pos, &k, &v);
+            }
+        }
+        for (i, f) in [KvFormat::Q4, KvFormat::F16, KvFormat::Q2, KvFormat::Int8].into_iter().enumerate() {
+            kv.set_format(i, f).unwrap();
+        }
+        let positions: Vec<usize> = (n - 9..n).collect();
+        let ld = c.dim + 2 * kvd;
+        let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut out = vec![0.0; positions.len() * c.dim];
+        let mut stats = AttentionStats::default();
+        attention(&ThreadPool::new(2), &c, &kv, 1, &qkv, ld, &positions, &mut out, Some(&mut stats));
+        // Reference: dequantize every chunk, then textbook attention.
+        let deq = |kvsel: usize, pos: usize, h: usize| -> Vec<f32> {
+            let ch = pos / 16;
+            let f = kv.format(ch);
+            let mut blk = vec![0.0; 16 * 64];
+            let off = geom.block_offset(f, 1, kvsel, h);
+            crate::kv::read_block_f32(f, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
+            blk[(pos % 16) * 64..(pos % 16 + 1) * 64].to_vec()
+        };
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..c.n_heads {
+                let q: Vec<f32> = qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                let mut sc: Vec<f32> = (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
+                kernels::softmax_f16(&mut sc);
+                let mut want = vec![0.0f32; 64];
+                for (p, &w) in sc.iter().enumerate() {
+                    for (o, x) in want.iter_mut().zip(deq(1, p, h / 3)) {
+                        *o += w * x;
+                    }
+                }
+                for (d, &w) in want.iter().enumerate() {
+                    let got = out[t * c.dim + h * 64 + d];
+                    assert!((got - w).abs() < 1e-4, "pos {pos} head {h} dim {d}: {got} vs {w}");
+                }
+            }
+        }
+        assert_eq!(stats.count[0], 9 * 6, "every query row of every head saw position 0");
+    }
+}

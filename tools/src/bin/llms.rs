@@ -270,7 +270,8 @@ fn run(cli: Cli) -> Result<()> {
             let (r, ratio) = match kv {
                 None => (engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
                 Some(k) => {
-                    let plan = engine::eval::KvPlan::parse(&k).with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
+                    let plan = engine::eval::KvPlan::parse(&k)
+                        .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
                     if chunk_tokens == 0 || chunk_tokens > ctx {
                         bail!("--chunk-tokens must be between 1 and --ctx");
                     }
