@@ -604,8 +604,10 @@ fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scal
 }
 
 /// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
-/// cache, parallel over (head, tile of up to 8 queries) jobs. Each chunk's K (then V) block is
-/// decoded once per job and reused by every query of the tile.
+/// cache. A job is a tile of up to 8 tokens and a set of query heads sharing one KV head:
+/// each chunk's K (then V) block is decoded once per job and reused by every query in it.
+/// With enough jobs a set is the whole GQA group (one decode serves all its heads); for a
+/// single token there would be too few jobs to keep the threads busy, so it is one head.
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
@@ -625,34 +627,40 @@ fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let ct = kv.geom.chunk_tokens;
     let tiles = n.div_ceil(TILE);
+    let per_job = if c.n_kv_heads * tiles >= 2 * pool.threads() { group } else { 1 };
+    let sets = nh / per_job;
     let outp = OutPtr::new(out);
     let obs = observer.map(std::sync::Mutex::new);
-    pool.for_chunks(nh * tiles, 1, &|a, b| {
+    pool.for_chunks(sets * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
-        let mut q = vec![0.0f32; TILE * hd];
-        let mut o = vec![0.0f32; TILE * hd];
+        let mut q = vec![0.0f32; TILE * per_job * hd];
+        let mut o = vec![0.0f32; TILE * per_job * hd];
         let mut blk = vec![0.0f32; ct * hd];
-        let mut limits = [0usize; TILE];
-        let mut visible = [0usize; TILE];
+        let mut limits = vec![0usize; TILE * per_job];
+        let mut visible = vec![0usize; TILE * per_job];
         for job in a..b {
-            let (h, tile) = (job % nh, job / nh);
+            let (set, tile) = (job % sets, job / sets);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
-            let nq = t1 - t0;
-            let kvh = h / group;
+            let h0 = set * per_job;
+            let kvh = h0 / group;
+            let nq = (t1 - t0) * per_job;
             for t in t0..t1 {
-                // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
-                let src = &qkv[t * ld + h * hd..t * ld + (h + 1) * hd];
-                for (d, &v) in q[(t - t0) * hd..(t - t0 + 1) * hd].iter_mut().zip(src) {
-                    *d = f16::from_f32(v).to_f32();
+                for j in 0..per_job {
+                    let (h, qi) = (h0 + j, (t - t0) * per_job + j);
+                    // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
+                    let src = &qkv[t * ld + h * hd..t * ld + (h + 1) * hd];
+                    for (d, &v) in q[qi * hd..(qi + 1) * hd].iter_mut().zip(src) {
+                        *d = f16::from_f32(v).to_f32();
+                    }
+                    limits[qi] = positions[t] + 1;
                 }
-                limits[t - t0] = positions[t] + 1;
             }
             let p_max = limits[..nq].iter().copied().max().unwrap_or(0);
             scores.clear();
             scores.resize(nq * p_max, 0.0);
             let n_chunks = p_max.div_ceil(ct);
-            for (pass, kvsel) in [(0, 0usize), (1, 1)] {
-                if pass == 1 {
+            for kvsel in [0usize, 1] {
+                if kvsel == 1 {
                     for (i, &lim) in limits[..nq].iter().enumerate() {
                         kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
                     }
@@ -678,8 +686,11 @@ fn attention(
                 obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&scores, p_max, &limits[..nq]);
             }
             for t in t0..t1 {
-                for (i, &v) in o[(t - t0) * hd..(t - t0 + 1) * hd].iter().enumerate() {
-                    outp.write(t * nh * hd + h * hd + i, v);
+                for j in 0..per_job {
+                    let (h, qi) = (h0 + j, (t - t0) * per_job + j);
+                    for (i, &v) in o[qi * hd..(qi + 1) * hd].iter().enumerate() {
+                        outp.write(t * nh * hd + h * hd + i, v);
+                    }
                 }
             }
         }

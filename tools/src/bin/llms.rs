@@ -504,10 +504,16 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     if json {
         println!(
             "{}",
-            json!({"pp": pp, "tg": tg, "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+            json!({"pp": pp, "tg": tg, "depth": depth, "kv": base.name(), "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
         );
     } else {
-        println!("model {} | threads {} | kernels {}", model.file.path.display(), pool.threads(), engine::kernels::simd_name());
+        println!(
+            "model {} | threads {} | kernels {} | kv {} | depth {depth}",
+            model.file.path.display(),
+            pool.threads(),
+            engine::kernels::simd_name(),
+            base.name()
+        );
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
         println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
     }
