@@ -144,7 +144,8 @@ pub fn perplexity_kv(
         KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
         _ => KvFormat::Int8,
     };
-    let opts = SessionOptions { capacity: ctx, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)) };
+    let opts =
+        SessionOptions { capacity: ctx, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)), sliding_window: None };
     let mut s = Session::with_options(Arc::clone(model), pool, opts);
     let g = s.kv.geom;
     let sizes = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2].map(|f| g.chunk_bytes(f) as f64);

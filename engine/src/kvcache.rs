@@ -183,6 +183,44 @@ impl ChunkedKv {
         Ok(())
     }
 
+    /// Removes chunks `range` (their positions disappear; later chunks move down) and applies
+    /// `rotate_k(layer_independent token vector)` to every K head vector of the chunks that
+    /// moved, so RoPE positions stay consistent (the sliding window). Moved chunks in a
+    /// reduced format are re-encoded as int8 (their values are int8 codes, so nothing is lost
+    /// but the rotation's rounding) and lowered back to their level.
+    pub fn remove_chunks(&mut self, range: std::ops::Range<usize>, rotate_k: &dyn Fn(&mut [f32])) {
+        let ct = self.geom.chunk_tokens;
+        let removed = range.len();
+        let start = range.start;
+        self.chunks.drain(range);
+        self.len = self.len.saturating_sub(removed * ct);
+        let (g, hd) = (self.geom, self.geom.head_dim);
+        let mut vals = vec![0.0f32; ct * hd];
+        for i in start..self.chunks.len() {
+            let level = self.chunks[i].format;
+            let work = if level.is_base() { level } else { KvFormat::Int8 };
+            if work != level {
+                let _ = self.set_format(i, work);
+            }
+            let n = self.chunk_len(i);
+            let bytes = self.chunks[i].bytes_mut();
+            for layer in 0..g.n_layers {
+                for h in 0..g.n_kv_heads {
+                    let off = g.block_offset(work, layer, 0, h);
+                    let blk = &mut bytes[off..off + g.head_block_bytes(work)];
+                    kv::read_block_f32(work, blk, ct, hd, n, &mut vals);
+                    for t in 0..n {
+                        rotate_k(&mut vals[t * hd..(t + 1) * hd]);
+                        kv::write_token(work, blk, t, ct, &vals[t * hd..(t + 1) * hd]);
+                    }
+                }
+            }
+            if work != level {
+                let _ = self.set_format(i, level);
+            }
+        }
+    }
+
     /// Zeroes chunk `i` (for tests and callers that drop a chunk's data before recomputing
     /// it; the format is kept).
     pub fn wipe(&mut self, i: usize) {

@@ -287,11 +287,14 @@ pub struct SessionOptions {
     pub base: KvFormat,
     /// Accumulate the attention each cached token receives (LLMS eq. 1).
     pub observe_attention: bool,
+    /// When the context is full: `Some(sink)` drops the oldest chunks after the first `sink`
+    /// tokens (rounded up to whole chunks) instead of failing.
+    pub sliding_window: Option<usize>,
 }
 
 impl SessionOptions {
     pub fn new(capacity: usize) -> Self {
-        Self { capacity, chunk_tokens: 16, base: KvFormat::F16, observe_attention: false }
+        Self { capacity, chunk_tokens: 16, base: KvFormat::F16, observe_attention: false, sliding_window: None }
     }
 }
 
@@ -344,6 +347,7 @@ pub struct Session {
     pub tokens: Vec<u32>,
     /// Filled when `observe_attention` is on.
     pub attention: Option<AttentionStats>,
+    sliding_window: Option<usize>,
     scratch: Scratch,
 }
 
@@ -360,7 +364,7 @@ impl Session {
             KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens: opts.chunk_tokens.max(1) };
         let kv = ChunkedKv::new(geom, capacity, opts.base);
         let attention = opts.observe_attention.then(AttentionStats::default);
-        Self { model, pool, kv, tokens: Vec::new(), attention, scratch: Scratch::default() }
+        Self { model, pool, kv, tokens: Vec::new(), attention, sliding_window: opts.sliding_window, scratch: Scratch::default() }
     }
 
     pub fn n_past(&self) -> usize {
@@ -387,7 +391,10 @@ impl Session {
         const MAX_BATCH: usize = 512;
         let needed = self.n_past() + tokens.len();
         if needed > self.kv.capacity() {
-            return Err(ModelError::ContextFull { needed, capacity: self.kv.capacity() });
+            match self.sliding_window {
+                Some(sink) => self.slide(sink, needed - self.kv.capacity())?,
+                None => return Err(ModelError::ContextFull { needed, capacity: self.kv.capacity() }),
+            }
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
             return Err(ModelError::BadToken(bad));
@@ -418,6 +425,32 @@ impl Session {
             Logits::Last => &self.scratch.logits[..vocab],
             Logits::All => &self.scratch.logits[..tokens.len() * vocab],
         })
+    }
+
+    /// Drops at least `drop` positions, whole chunks right after the first `sink` tokens
+    /// (rounded up to chunks), re-rotating the K of the chunks that move down so their RoPE
+    /// positions match their new places (as llama.cpp's context shift does).
+    pub fn slide(&mut self, sink: usize, drop: usize) -> Result<()> {
+        let ct = self.kv.geom.chunk_tokens;
+        let keep = sink.div_ceil(ct);
+        let n_drop = drop.div_ceil(ct);
+        let full = self.n_past() / ct;
+        if keep + n_drop > full {
+            return Err(ModelError::ContextFull { needed: self.n_past() + drop, capacity: self.kv.capacity() });
+        }
+        let delta = n_drop * ct;
+        let c = &self.model.config;
+        let (hd, rd, ts) = (c.head_dim, c.rope_dims, self.model.theta_scale);
+        // A rotation by -delta positions: angles -delta * theta_i, built like the forward's.
+        let rotate = move |x: &mut [f32]| rope_by(x, hd, rd, -(delta as f32), ts);
+        self.kv.remove_chunks(keep..keep + n_drop, &rotate);
+        self.tokens.drain(keep * ct..keep * ct + delta);
+        if let Some(a) = &mut self.attention {
+            let end = (keep * ct + delta).min(a.sum.len());
+            a.sum.drain(keep * ct..end);
+            a.count.drain(keep * ct..end);
+        }
+        Ok(())
     }
 
     /// Recomputes the K/V of the given positions (already in `tokens`, e.g. chunks whose
@@ -586,10 +619,15 @@ fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
 /// `(x[2i], x[2i+1])` of each head rotate by `pos * base^(-2i/d)`. (The GGUF converter permuted
 /// Q and K so this matches the original model's rotate-half form.)
 fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scale: f32) {
+    rope_by(x, head_dim, rope_dims, pos as f32, theta_scale);
+}
+
+/// Rotates each head of `x` by `pos` positions (any real `pos`, negative to undo).
+fn rope_by(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: f32, theta_scale: f32) {
     // theta_i = pos * theta_scale^i, built by repeated multiplication in f32 exactly as
     // llama.cpp's rope cache does, so the rotations agree bit for bit.
     let mut cs = [(0.0f32, 0.0f32); 256];
-    let mut theta = pos as f32;
+    let mut theta = pos;
     for c in cs.iter_mut().take(rope_dims / 2) {
         *c = (theta.cos(), theta.sin());
         theta *= theta_scale;

@@ -20,7 +20,7 @@ fn session(m: &Arc<Model>, p: &Arc<ThreadPool>, base: KvFormat, observe: bool) -
     Session::with_options(
         Arc::clone(m),
         Arc::clone(p),
-        SessionOptions { capacity: 256, chunk_tokens: 16, base, observe_attention: observe },
+        SessionOptions { capacity: 256, chunk_tokens: 16, base, observe_attention: observe, sliding_window: None },
     )
 }
 
@@ -151,4 +151,63 @@ fn observed_densities_on_the_model_are_complete_and_reproducible() {
     // The first chunk (attention sink) is the densest, as expected for Llama-family models.
     let da = d(&a);
     assert!(da[0] > da[1..].iter().copied().fold(0.0, f64::max), "{da:?}");
+}
+
+/// A full context slides: the oldest chunks after the sink go, the kept chunks move down
+/// with their K re-rotated to their new positions and their V untouched, and the session
+/// keeps working.
+#[test]
+fn a_full_context_slides_instead_of_failing() {
+    let (m, p, toks) = setup();
+    let c = &m.config;
+    let geom = |f| (engine::kv::KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens: 16 }, f);
+    for base in [KvFormat::F16, KvFormat::Int8] {
+        let opts = SessionOptions { capacity: 64, chunk_tokens: 16, base, observe_attention: true, sliding_window: Some(4) };
+        let mut s = Session::with_options(Arc::clone(&m), Arc::clone(&p), opts);
+        s.eval(&toks[..64], Logits::None).unwrap();
+        let before = s.kv.chunk(3).to_vec();
+        let logits = s.eval(&toks[64..84], Logits::Last).unwrap().to_vec();
+        assert!(logits.iter().all(|x| x.is_finite()));
+        // 84 > 64: the two chunks after the sink chunk went (positions 16..48).
+        let kept: Vec<u32> = toks[..16].iter().chain(&toks[48..84]).copied().collect();
+        assert_eq!(s.tokens, kept);
+        assert_eq!(s.n_past(), 52);
+        assert_eq!(s.attention.as_ref().unwrap().count.len(), 52);
+        // Old chunk 3 is now chunk 1: V unchanged, K rotated by -32 positions.
+        let (g, f) = geom(base);
+        let after = s.kv.chunk(1);
+        let (hd, ct) = (c.head_dim, 16);
+        let (mut k0, mut k1) = (vec![0.0f32; ct * hd], vec![0.0f32; ct * hd]);
+        for layer in [0, c.n_layers - 1] {
+            for h in 0..c.n_kv_heads {
+                let vo = g.block_offset(f, layer, 1, h);
+                let vb = g.head_block_bytes(f);
+                assert_eq!(before[vo..vo + vb], after[vo..vo + vb], "V moves unchanged");
+                let ko = g.block_offset(f, layer, 0, h);
+                engine::kv::read_block_f32(f, &before[ko..], ct, hd, ct, &mut k0);
+                engine::kv::read_block_f32(f, &after[ko..], ct, hd, ct, &mut k1);
+                for t in 0..ct {
+                    for i in 0..hd / 2 {
+                        let theta = -32.0 * f64::from(c.rope_base).powf(-2.0 * i as f64 / hd as f64);
+                        let (a, b) = (f64::from(k0[t * hd + 2 * i]), f64::from(k0[t * hd + 2 * i + 1]));
+                        let want = [a * theta.cos() - b * theta.sin(), a * theta.sin() + b * theta.cos()];
+                        let amax = k0[t * hd..(t + 1) * hd].iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                        let tol = if base == KvFormat::F16 { 2e-3 * amax + 1e-3 } else { 1.5 * amax / 127.0 + 1e-3 };
+                        for (j, w) in want.iter().enumerate() {
+                            let got = f64::from(k1[t * hd + 2 * i + j]);
+                            assert!(
+                                (got - w).abs() <= f64::from(tol),
+                                "{base:?} layer {layer} head {h} token {t} dim {}: {got} vs {w}",
+                                2 * i + j
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Without a window a full context is an error, not a slide.
+    let mut s = Session::with_options(Arc::clone(&m), Arc::clone(&p), SessionOptions::new(32));
+    s.eval(&toks[..32], Logits::None).unwrap();
+    assert!(s.eval(&toks[32..33], Logits::Last).is_err());
 }
