@@ -106,3 +106,35 @@ fn errors_are_clear_and_exit_nonzero() {
     let out = llms(&["generate"]);
     assert!(!out.status.success());
 }
+
+#[test]
+fn perplexity_with_a_compressed_kv_reports_its_size() {
+    let f = fixture("gpl-3.txt");
+    let int8 = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "int8", "--json"]);
+    let q2 = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "q2", "--json"]);
+    let mix = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "mix:0.6", "--json"]);
+    assert_eq!(int8["kv_bytes_vs_int8"].as_f64(), Some(1.0));
+    assert!(q2["kv_bytes_vs_int8"].as_f64().unwrap() < 0.5);
+    assert!(mix["kv_bytes_vs_int8"].as_f64().unwrap() <= 0.6 + 1e-9);
+    assert!(q2["ppl"].as_f64().unwrap() > int8["ppl"].as_f64().unwrap(), "2-bit KV costs accuracy");
+    let out = llms(&["perplexity", "--text-file", s(&f), "--kv", "q3"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--kv"));
+}
+
+#[test]
+fn bench_at_depth_with_an_int8_cache() {
+    let v = json_ok(&["bench", "--kv", "int8", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "1", "--json"]);
+    assert_eq!(v["kv"], "int8");
+    assert_eq!(v["depth"], 64);
+    assert!(v["tg2_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn doctor_reports_userfaultfd() {
+    let v = json_ok(&["doctor", "--json"]);
+    let uffd = v.as_array().unwrap().iter().find(|c| c["facility"] == "userfaultfd").expect("a userfaultfd line");
+    if llms_tests::kernel_required() {
+        assert_eq!(uffd["ok"], true, "{uffd}");
+    }
+    assert!(!uffd["detail"].as_str().unwrap().is_empty());
+}
