@@ -84,11 +84,25 @@ pub struct MemInfo {
     pub available: u64,
 }
 
+/// Parses the two fields the monitor needs. (The `procfs` crate's parser was tried: it
+/// insists on every field a full kernel prints and reports a missing one as an internal bug,
+/// which makes fixtures and odd kernels fail for fields we never read.)
 pub fn parse_meminfo(path: &str, text: &str) -> Result<MemInfo> {
-    use procfs::FromBufRead;
-    let m = procfs::Meminfo::from_buf_read(text.as_bytes()).map_err(|e| parse_err(path, 0, e.to_string()))?;
-    let available = m.mem_available.ok_or_else(|| parse_err(path, 0, "no MemAvailable (kernel older than 3.14)"))?;
-    Ok(MemInfo { total: m.mem_total, available })
+    let (mut total, mut available) = (None, None);
+    for (i, line) in text.lines().enumerate() {
+        let Some((k, v)) = line.split_once(':') else { continue };
+        let slot = match k {
+            "MemTotal" => &mut total,
+            "MemAvailable" => &mut available,
+            _ => continue,
+        };
+        let v = v.trim();
+        let kb: u64 = v.strip_suffix("kB").unwrap_or(v).trim().parse().map_err(|_| parse_err(path, i + 1, format!("{k}: {v:?} is not a kB count")))?;
+        *slot = Some(kb.saturating_mul(1024));
+    }
+    let total = total.ok_or_else(|| parse_err(path, 0, "no MemTotal"))?;
+    let available = available.ok_or_else(|| parse_err(path, 0, "no MemAvailable (kernel older than 3.14)"))?;
+    Ok(MemInfo { total, available: available.min(total) })
 }
 
 /// `key value` lines (/proc/vmstat, memory.stat, memory.events).
