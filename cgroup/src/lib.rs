@@ -9,12 +9,17 @@
 //! What it is not for: it only observes and classifies; it never evicts anything itself
 //! (`mm` obeys the budget), and it never writes to a cgroup.
 
+mod monitor;
 mod policy;
 mod probe;
 mod signals;
 mod trigger;
 
+pub use monitor::{run, MonitorOptions};
 pub use policy::{replay, BudgetController, Classifier, Event, Level, Signals, Thresholds};
 pub use probe::{probe, CgroupMode, Probe, Sources};
-pub use signals::{parse_counters, parse_meminfo, parse_psi, read_cgroup, vmstat_from, CgroupKind, CgroupMem, MemInfo, Psi, PsiLine, Sample, SignalError, VmStat};
+pub use signals::{
+    parse_counters, parse_meminfo, parse_psi, read_cgroup, vmstat_from, CgroupKind, CgroupMem, MemInfo, Psi, PsiLine, Sample, SignalError,
+    VmStat,
+};
 pub use trigger::{round_rule, PsiTrigger, TriggerError};

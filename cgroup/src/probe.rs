@@ -109,7 +109,10 @@ pub fn probe(cgroup_dir: Option<&Path>) -> Probe {
         Err(e) => Err(format!("{}: {e} (kernel without CONFIG_PSI, or psi=0 on the command line)", psi_path.display())),
     };
     let cap_sys_resource = caps::has_cap(None, caps::CapSet::Effective, caps::Capability::CAP_SYS_RESOURCE).unwrap_or(false);
-    let (cgroup_mode, mut cgroup) = find_cgroup(&std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default(), &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default());
+    let (cgroup_mode, mut cgroup) = find_cgroup(
+        &std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default(),
+        &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+    );
     if let Some(dir) = cgroup_dir {
         let kind = if dir.join("memory.current").exists() { CgroupKind::V2 } else { CgroupKind::V1 };
         cgroup = Ok((dir.to_path_buf(), kind));

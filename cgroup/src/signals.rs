@@ -97,7 +97,12 @@ pub fn parse_meminfo(path: &str, text: &str) -> Result<MemInfo> {
             _ => continue,
         };
         let v = v.trim();
-        let kb: u64 = v.strip_suffix("kB").unwrap_or(v).trim().parse().map_err(|_| parse_err(path, i + 1, format!("{k}: {v:?} is not a kB count")))?;
+        let kb: u64 = v
+            .strip_suffix("kB")
+            .unwrap_or(v)
+            .trim()
+            .parse()
+            .map_err(|_| parse_err(path, i + 1, format!("{k}: {v:?} is not a kB count")))?;
         *slot = Some(kb.saturating_mul(1024));
     }
     let total = total.ok_or_else(|| parse_err(path, 0, "no MemTotal"))?;

@@ -39,7 +39,7 @@ pub struct PsiTrigger {
 /// by the same factor (the same stall *rate*). Privileged callers keep their numbers.
 pub fn round_rule(stall_us: u64, window_us: u64, privileged: bool) -> (u64, u64) {
     const UNIT: u64 = 2_000_000;
-    if privileged || (window_us >= UNIT && window_us % UNIT == 0) {
+    if privileged || (window_us >= UNIT && window_us.is_multiple_of(UNIT)) {
         return (stall_us, window_us);
     }
     let w = window_us.max(1).div_ceil(UNIT) * UNIT;
@@ -50,7 +50,11 @@ impl PsiTrigger {
     pub fn register(path: &Path, full: bool, stall_us: u64, window_us: u64, privileged: bool) -> Result<Self, TriggerError> {
         let (s, w) = round_rule(stall_us, window_us, privileged);
         let rule = format!("{} {s} {w}", if full { "full" } else { "some" });
-        let mut file = std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(|source| TriggerError::Open { path: path.into(), source })?;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| TriggerError::Open { path: path.into(), source })?;
         // The trailing NUL terminates the rule for the kernel's parser.
         let mut bytes = rule.clone().into_bytes();
         bytes.push(0);

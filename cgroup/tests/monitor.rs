@@ -5,7 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use cgroup::{parse_counters, parse_meminfo, parse_psi, probe, replay, round_rule, CgroupKind, Classifier, Level, PsiTrigger, Sources, Thresholds, TriggerError};
+use cgroup::{
+    parse_counters, parse_meminfo, parse_psi, probe, replay, round_rule, CgroupKind, Classifier, Level, PsiTrigger, Sources, Thresholds,
+    TriggerError,
+};
 use llms_tests::require_kernel;
 
 fn tmpdir(name: &str) -> PathBuf {
@@ -20,7 +23,8 @@ fn write(dir: &Path, name: &str, text: &str) {
 }
 
 const MEMINFO: &str = "MemTotal:       16384000 kB\nMemFree:         1000000 kB\nMemAvailable:    4096000 kB\nBuffers:           10000 kB\nCached:          3000000 kB\n";
-const VMSTAT: &str = "nr_free_pages 250000\npgscan_kswapd 100\npgscan_direct 20\npgscan_proactive 999\npgsteal_kswapd 90\nworkingset_refault_file 7\n";
+const VMSTAT: &str =
+    "nr_free_pages 250000\npgscan_kswapd 100\npgscan_direct 20\npgscan_proactive 999\npgsteal_kswapd 90\nworkingset_refault_file 7\n";
 const PSI: &str = "some avg10=1.50 avg60=0.40 avg300=0.10 total=123456\nfull avg10=0.20 avg60=0.05 avg300=0.01 total=2345\n";
 
 #[test]
@@ -173,7 +177,13 @@ fn real_memory_pressure_moves_headroom_and_level() {
     // Thresholds set just under the baseline: the classifier sees the child's allocation.
     let base = before.headroom();
     let half = (1.5 * (1u64 << 30) as f64 / before.headroom_base() as f64) / 2.0;
-    let th = Thresholds { headroom_enter: [base - half, 0.0, 0.0], headroom_exit: [base - half / 2.0, 0.0, 0.0], min_level_ms: 0, hold_off_ms: 0, ..Thresholds::default() };
+    let th = Thresholds {
+        headroom_enter: [base - half, 0.0, 0.0],
+        headroom_exit: [base - half / 2.0, 0.0, 0.0],
+        min_level_ms: 0,
+        hold_off_ms: 0,
+        ..Thresholds::default()
+    };
     let ev = replay(&[before, during, after], th, 1 << 30, 0);
     assert_eq!(ev.iter().map(|e| e.level).collect::<Vec<_>>(), vec![Level::Normal, Level::Elevated, Level::Normal]);
     // No swap and no memory limit here: real stall cannot be produced, only headroom moves.

@@ -138,3 +138,27 @@ fn doctor_reports_userfaultfd() {
     }
     assert!(!uffd["detail"].as_str().unwrap().is_empty());
 }
+
+#[test]
+fn pressure_watch_record_and_replay() {
+    let out = llms(&["pressure", "watch", "--json", "--count", "2", "--interval-ms", "50"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert!(lines[1]["event"]["t_ms"].as_u64() > lines[0]["event"]["t_ms"].as_u64());
+    assert!(lines[0]["sample"]["mem"]["total"].as_u64().unwrap() > 0);
+    let rec = std::env::temp_dir().join(format!("llms-rec-{}.jsonl", std::process::id()));
+    let out = llms(&["pressure", "record", s(&rec), "--count", "3", "--interval-ms", "20"]);
+    assert!(out.status.success());
+    let out = llms(&["pressure", "replay", s(&rec)]);
+    assert!(out.status.success());
+    let events: Vec<Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(events.len(), 3);
+    assert!(events.iter().all(|e| e["budget"].as_u64().unwrap() <= 1 << 30));
+    // A damaged recording is an error naming the line.
+    std::fs::write(&rec, "{\"t_ms\":1}\nnot json\n").unwrap();
+    let out = llms(&["pressure", "replay", s(&rec)]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(":1: not a sample"));
+    let _ = std::fs::remove_file(rec);
+}

@@ -1,0 +1,87 @@
+//! The live monitor loop: sample, classify, control, publish.
+
+use std::time::{Duration, Instant};
+
+use crate::policy::{BudgetController, Classifier, Event, Level, Thresholds};
+use crate::probe::Probe;
+use crate::signals::{Sample, SignalError};
+use crate::trigger::PsiTrigger;
+
+/// Monitor settings.
+#[derive(Debug, Clone, Copy)]
+pub struct MonitorOptions {
+    pub thresholds: Thresholds,
+    /// Budget limits for the memory LLMS manages.
+    pub budget_max: u64,
+    pub budget_floor: u64,
+    /// Sampling interval while calm, and while pressure is near (after an event, above
+    /// Normal, or with little headroom).
+    pub slow_ms: u64,
+    pub fast_ms: u64,
+    /// PSI trigger asked for (rounded for unprivileged callers): stall and window in µs.
+    pub trigger: Option<(u64, u64)>,
+}
+
+impl Default for MonitorOptions {
+    fn default() -> Self {
+        Self {
+            thresholds: Thresholds::default(),
+            budget_max: u64::MAX / 2,
+            budget_floor: 0,
+            slow_ms: 500,
+            fast_ms: 50,
+            trigger: Some((150_000, 1_000_000)),
+        }
+    }
+}
+
+/// Runs the monitor until `sink` returns false. Each sample and the event it produced go to
+/// `sink`. A PSI trigger (when PSI is there) wakes the loop early; a trigger event that the
+/// `total` counter does not confirm (unprivileged triggers can fire once after arming) only
+/// causes a sample. If the trigger fails (EPOLLERR) the loop falls back to polling.
+pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &Event) -> bool) -> Result<(), SignalError> {
+    let sources = probe.sources();
+    let mut trigger = match (&probe.psi, opts.trigger) {
+        (Ok(path), Some((stall, window))) => PsiTrigger::register(path, false, stall, window, probe.cap_sys_resource).ok(),
+        _ => None,
+    };
+    let mut classifier = Classifier::new(opts.thresholds);
+    let mut budget = BudgetController::new(opts.budget_max, opts.budget_floor);
+    let start = Instant::now();
+    let mut fast_until = 0u64;
+    let mut last_total = None;
+    loop {
+        let t_ms = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let interval = if t_ms < fast_until || classifier.level() > Level::Normal { opts.fast_ms } else { opts.slow_ms };
+        let fired = match &trigger {
+            Some(t) => match t.wait(i32::try_from(interval).unwrap_or(i32::MAX)) {
+                Ok(f) => f,
+                Err(_) => {
+                    trigger = None;
+                    false
+                }
+            },
+            None => {
+                std::thread::sleep(Duration::from_millis(interval));
+                false
+            }
+        };
+        let t_ms = u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let s = sources.sample(t_ms)?;
+        let total = s.psi.map(|p| p.some.total_us);
+        if fired && total.is_some() && total != last_total {
+            // A confirmed stall: watch closely for one trigger window.
+            fast_until = t_ms + opts.trigger.map_or(1000, |(_, w)| w / 1000);
+        }
+        last_total = total;
+        let (level, signals) = classifier.update(&s);
+        if signals.headroom < opts.thresholds.headroom_enter[0] * 1.5 {
+            fast_until = fast_until.max(t_ms + opts.slow_ms);
+        }
+        let (b, need_to_free) = budget.update(level, &signals, &opts.thresholds, s.headroom_base());
+        let ev = Event { t_ms, level, budget: b, need_to_free, signals };
+        if !sink(&s, &ev) {
+            return Ok(());
+        }
+    }
+}
