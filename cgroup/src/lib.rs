@@ -15,11 +15,11 @@ mod probe;
 mod signals;
 mod trigger;
 
-pub use monitor::{run, MonitorOptions};
+pub use monitor::{run, spawn, MonitorOptions};
 pub use policy::{replay, BudgetController, Classifier, Event, Level, Signals, Thresholds};
 pub use probe::{probe, CgroupMode, Probe, Sources};
 pub use signals::{
-    parse_counters, parse_meminfo, parse_psi, read_cgroup, vmstat_from, CgroupKind, CgroupMem, MemInfo, Psi, PsiLine, Sample, SignalError,
-    VmStat,
+    parse_counters, parse_meminfo, parse_psi, parse_zoneinfo, read_cgroup, vmstat_from, CgroupKind, CgroupMem, MemInfo, Psi, PsiLine,
+    Sample, SignalError, VmStat, Watermarks,
 };
 pub use trigger::{round_rule, PsiTrigger, TriggerError};

@@ -41,8 +41,11 @@ impl Default for MonitorOptions {
 /// causes a sample. If the trigger fails (EPOLLERR) the loop falls back to polling.
 pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &Event) -> bool) -> Result<(), SignalError> {
     let sources = probe.sources();
-    let mut trigger = match (&probe.psi, opts.trigger) {
-        (Ok(path), Some((stall, window))) => PsiTrigger::register(path, false, stall, window, probe.cap_sys_resource).ok(),
+    // The cgroup's own pressure file when there is one (it sees the service's stalls
+    // without the rest of the system's noise), else the system's.
+    let trigger_path = sources.cgroup_psi().or_else(|| probe.psi.as_ref().ok().cloned());
+    let mut trigger = match (trigger_path, opts.trigger) {
+        (Some(path), Some((stall, window))) => PsiTrigger::register(&path, false, stall, window, probe.cap_sys_resource).ok(),
         _ => None,
     };
     let mut classifier = Classifier::new(opts.thresholds);
@@ -84,4 +87,16 @@ pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &E
             return Ok(());
         }
     }
+}
+
+/// Runs the monitor on its own thread and sends every event on a channel; the thread ends
+/// when the receiver is dropped (or a signal file becomes unreadable, reported as the
+/// thread's result).
+pub fn spawn(probe: Probe, opts: MonitorOptions) -> (std::sync::mpsc::Receiver<Event>, std::thread::JoinHandle<Result<(), SignalError>>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::Builder::new()
+        .name("llms-pressure".into())
+        .spawn(move || run(&probe, opts, &mut |_, e| tx.send(*e).is_ok()))
+        .expect("spawn the pressure monitor thread");
+    (rx, h)
 }

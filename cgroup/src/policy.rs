@@ -60,6 +60,10 @@ pub struct Signals {
     pub stall: f64,
     /// Pages scanned for reclaim per second over the last interval.
     pub scan_rate: f64,
+    /// 0 above the high watermark, 1 below high, 2 below low (kswapd reclaiming), 3 below
+    /// min (direct reclaim): the level the zone watermarks alone indicate.
+    #[serde(default)]
+    pub watermark_level: u8,
 }
 
 /// Turns samples into levels.
@@ -91,12 +95,16 @@ impl Classifier {
         let (mut stall, mut scan_rate) = (0.0, 0.0);
         if let Some(prev) = &self.last {
             let dt_ms = s.t_ms.saturating_sub(prev.t_ms).max(1) as f64;
-            if let (Some(a), Some(b)) = (prev.psi, s.psi) {
-                stall = (b.some.total_us.saturating_sub(a.some.total_us) as f64 / (dt_ms * 1000.0)).min(1.0);
+            // The system's and the cgroup's own PSI: the worse of the two.
+            for (a, b) in [(prev.psi, s.psi), (prev.cgroup_psi, s.cgroup_psi)] {
+                if let (Some(a), Some(b)) = (a, b) {
+                    stall = f64::max(stall, (b.some.total_us.saturating_sub(a.some.total_us) as f64 / (dt_ms * 1000.0)).min(1.0));
+                }
             }
             scan_rate = s.vm.pgscan.saturating_sub(prev.vm.pgscan) as f64 * 1000.0 / dt_ms;
         }
-        Signals { headroom: s.headroom(), headroom_bytes: s.headroom_bytes(), stall, scan_rate }
+        let watermark_level = s.watermarks.map_or(0, |w| u8::from(w.free < w.high) + u8::from(w.free < w.low) + u8::from(w.free < w.min));
+        Signals { headroom: s.headroom(), headroom_bytes: s.headroom_bytes(), stall, scan_rate, watermark_level }
     }
 
     fn level_for(sig: &Signals, headroom: &[f64; 3], stall: &[f64; 3], use_headroom: bool) -> Level {
@@ -105,6 +113,10 @@ impl Classifier {
             if (use_headroom && sig.headroom < headroom[i]) || sig.stall > stall[i] {
                 l = i + 1;
             }
+        }
+        // Watermarks are headroom in the kernel's own terms (held off like headroom).
+        if use_headroom {
+            l = l.max(usize::from(sig.watermark_level));
         }
         Level::from_index(l)
     }

@@ -53,7 +53,24 @@ impl Sources {
             Some((dir, kind)) => Some(signals::read_cgroup(dir, kind)?),
             None => None,
         };
-        Ok(Sample { t_ms, psi, mem, vm, cgroup })
+        let cgroup_psi = match self.cgroup_psi() {
+            Some(p) => Some(signals::parse_psi(&p.display().to_string(), &signals::read(&p)?)?),
+            None => None,
+        };
+        let zi = self.proc_root.join("zoneinfo");
+        let watermarks = match signals::read(&zi) {
+            Ok(t) => Some(signals::parse_zoneinfo(&zi.display().to_string(), &t)?),
+            Err(_) => None,
+        };
+        Ok(Sample { t_ms, psi, mem, vm, cgroup, cgroup_psi, watermarks })
+    }
+
+    /// The cgroup's own `memory.pressure` (v2, not the root group).
+    pub fn cgroup_psi(&self) -> Option<PathBuf> {
+        match &self.cgroup {
+            Some((dir, CgroupKind::V2)) => Some(dir.join("memory.pressure")).filter(|p| p.exists()),
+            _ => None,
+        }
     }
 }
 
@@ -91,6 +108,7 @@ fn find_cgroup(proc_cgroup: &str, mountinfo: &str) -> (CgroupMode, std::result::
     }
     if let (Some(m), Some(p)) = (&v2_mount, &v2_path) {
         let dir = m.join(p);
+        // The root group has no memory.current: system-wide signals describe it already.
         let has_mem = std::fs::read_to_string(dir.join("memory.current")).is_ok();
         if has_mem {
             return (CgroupMode::V2, Ok((dir, CgroupKind::V2)));

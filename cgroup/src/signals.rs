@@ -142,6 +142,41 @@ pub fn vmstat_from(c: &HashMap<String, u64>) -> VmStat {
     }
 }
 
+/// Zone watermarks summed over every zone, in bytes: below `low` kswapd reclaims, below
+/// `min` allocations reclaim directly (the signals lmkd's watermark mode uses).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Watermarks {
+    pub free: u64,
+    pub min: u64,
+    pub low: u64,
+    pub high: u64,
+}
+
+pub fn parse_zoneinfo(path: &str, text: &str) -> Result<Watermarks> {
+    let mut w = Watermarks::default();
+    let mut zones = 0;
+    for (i, line) in text.lines().enumerate() {
+        let mut words = line.split_whitespace();
+        let (slot, v) = match (words.next(), words.next(), words.next()) {
+            (Some("pages"), Some("free"), Some(v)) => (&mut w.free, v),
+            (Some("min"), Some(v), None) => (&mut w.min, v),
+            (Some("low"), Some(v), None) => (&mut w.low, v),
+            (Some("high"), Some(v), None) => (&mut w.high, v),
+            (Some("Node"), ..) => {
+                zones += 1;
+                continue;
+            }
+            _ => continue,
+        };
+        let pages: u64 = v.parse().map_err(|_| parse_err(path, i + 1, format!("{v:?} is not a page count")))?;
+        *slot += pages * 4096;
+    }
+    if zones == 0 {
+        return Err(parse_err(path, 0, "no zones"));
+    }
+    Ok(w)
+}
+
 /// A cgroup's memory use and limits, in bytes (None: unlimited or not offered).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct CgroupMem {
@@ -211,6 +246,11 @@ pub struct Sample {
     pub mem: MemInfo,
     pub vm: VmStat,
     pub cgroup: Option<CgroupMem>,
+    /// The cgroup's own PSI (v2 `memory.pressure`, when the group is not the root).
+    #[serde(default)]
+    pub cgroup_psi: Option<Psi>,
+    #[serde(default)]
+    pub watermarks: Option<Watermarks>,
 }
 
 impl Sample {

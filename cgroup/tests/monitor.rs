@@ -37,6 +37,10 @@ fn this_machines_proc_files_parse() {
     assert!(m.total > 0 && m.available > 0 && m.available <= m.total);
     let c = parse_counters("/proc/vmstat", &std::fs::read_to_string("/proc/vmstat").unwrap()).unwrap();
     assert!(c.contains_key("nr_free_pages"));
+    let w = cgroup::parse_zoneinfo("/proc/zoneinfo", &std::fs::read_to_string("/proc/zoneinfo").unwrap()).unwrap();
+    assert!(w.min < w.low && w.low < w.high && w.free > 0);
+    assert!(cgroup::parse_zoneinfo("z", "Node 0, zone DMA\n  pages free lots\n").is_err());
+    assert!(cgroup::parse_zoneinfo("z", "").is_err());
     let p = probe(None);
     let s = p.sources().sample(0).unwrap();
     assert!(s.headroom() > 0.0 && s.headroom() <= 1.0);
@@ -83,6 +87,12 @@ fn fixture_cgroup_trees_v1_v2_and_none() {
     write(&v2, "memory.high", "max\n");
     write(&v2, "memory.low", "0\n");
     write(&v2, "memory.events", "low 0\nhigh 3\nmax 1\noom 0\noom_kill 0\n");
+    write(&v2, "memory.pressure", "some avg10=0.00 avg60=0.00 avg300=0.00 total=77\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=5\n");
+    write(
+        &proc,
+        "zoneinfo",
+        "Node 0, zone   Normal\n  pages free     1000\n        min      10\n        low      20\n        high     30\n",
+    );
     let v1 = tmpdir("v1");
     write(&v1, "memory.usage_in_bytes", "536870912\n");
     write(&v1, "memory.limit_in_bytes", "9223372036854771712\n");
@@ -93,6 +103,8 @@ fn fixture_cgroup_trees_v1_v2_and_none() {
     assert_eq!((c.usage, c.max, c.high, c.low, c.events_high, c.events_max), (7 << 28, Some(2 << 30), None, None, 3, 1));
     assert!((s.headroom() - 0.125).abs() < 1e-9, "the cgroup's room (12.5%) is tighter than the system's 25%");
     assert_eq!(s.headroom_bytes(), 1 << 28);
+    assert_eq!(s.cgroup_psi.unwrap().some.total_us, 77, "the v2 group's own memory.pressure");
+    assert_eq!(s.watermarks.unwrap(), cgroup::Watermarks { free: 1000 * 4096, min: 40960, low: 81920, high: 122_880 });
     let s = src(Some((v1.clone(), CgroupKind::V1))).sample(5).unwrap();
     assert_eq!(s.cgroup.unwrap().max, None, "v1's LONG_MAX means unlimited");
     assert!((s.headroom() - 0.25).abs() < 1e-9);
@@ -190,4 +202,21 @@ fn real_memory_pressure_moves_headroom_and_level() {
     let mut c = Classifier::new(Thresholds::default());
     let (_, sig) = c.update(&during);
     assert!(sig.stall == 0.0);
+}
+
+#[test]
+fn watermarks_escalate_and_the_monitor_thread_publishes_events() {
+    let base = cgroup::Sample { mem: cgroup::MemInfo { total: 100, available: 90 }, ..Default::default() };
+    let wm = |free| Some(cgroup::Watermarks { free, min: 10, low: 20, high: 30 });
+    let samples: Vec<cgroup::Sample> =
+        [40, 25, 15, 5].iter().enumerate().map(|(i, &f)| cgroup::Sample { t_ms: i as u64 * 10, watermarks: wm(f), ..base }).collect();
+    let lv: Vec<Level> = replay(&samples, Thresholds::default(), 1000, 0).iter().map(|e| e.level).collect();
+    assert_eq!(lv, vec![Level::Normal, Level::Elevated, Level::Reclaim, Level::Critical], "below high, low, min");
+    let opts = cgroup::MonitorOptions { slow_ms: 20, fast_ms: 10, ..Default::default() };
+    let (rx, h) = cgroup::spawn(probe(None), opts);
+    let a = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let b = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(b.t_ms > a.t_ms);
+    drop(rx);
+    h.join().unwrap().unwrap();
 }
