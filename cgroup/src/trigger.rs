@@ -1,7 +1,7 @@
 //! PSI triggers: the kernel wakes us (EPOLLPRI) when stall time within a window crosses a
 //! threshold, instead of us polling.
 //!
-//! Kernel contract (Documentation/accounting/psi.rst): write "some|full <stall us> <window us>"
+//! Kernel contract (Documentation/accounting/psi.rst): write `"some|full <stall us> <window us>"`
 //! to the pressure file, one trigger per open fd, and poll for EPOLLPRI; EPOLLERR means the
 //! file went away (cgroup removed). Without CAP_SYS_RESOURCE the window must be a multiple of
 //! 2 s (`some 150000 1000000` gets EINVAL, `some 150000 2000000` works here), so we round the
