@@ -247,43 +247,91 @@ fn kv_bytes_needed(f: KvFormat, t_cap: usize, hd: usize, n: usize) -> usize {
     }
 }
 
-/// Attention scores of a tile of queries against one chunk's decoded K rows:
-/// `scores[i * ld + col0 + t] = scale * q_i · k_t` for `t < visible[i]`.
-#[allow(clippy::too_many_arguments)]
-pub fn chunk_scores(q: &[f32], hd: usize, k: &[f32], visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && hd.is_multiple_of(8) && hd <= 256 {
-        let n = visible.iter().copied().max().unwrap_or(0);
-        assert!(q.len() >= visible.len() * hd && k.len() >= n * hd);
-        assert!(visible.iter().enumerate().all(|(i, &v)| v == 0 || i * ld + col0 + v <= scores.len()));
-        // SAFETY: features checked; every index used is bounded by the asserts above.
-        unsafe { avx2::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
-        return;
+/// K or V rows of one chunk's head block, as attention reads them: the base formats
+/// directly from the chunk's bytes (no decode pass), anything else decoded to f32 first.
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u8]),
+    /// An int8 head block: `t_cap` f16 scales, then the codes.
+    Int8 {
+        blk: &'a [u8],
+        t_cap: usize,
+    },
+}
+
+impl KvRows<'_> {
+    /// Row `t` as f32 (reference path).
+    fn row(&self, t: usize, hd: usize, out: &mut [f32]) {
+        match *self {
+            KvRows::F32(v) => out[..hd].copy_from_slice(&v[t * hd..(t + 1) * hd]),
+            KvRows::F16(b) => {
+                for (i, o) in out[..hd].iter_mut().enumerate() {
+                    let j = 2 * (t * hd + i);
+                    *o = f16::from_le_bytes([b[j], b[j + 1]]).to_f32();
+                }
+            }
+            KvRows::Int8 { blk, t_cap } => {
+                let s = f16::from_le_bytes([blk[2 * t], blk[2 * t + 1]]).to_f32();
+                for (i, o) in out[..hd].iter_mut().enumerate() {
+                    *o = s * f32::from(blk[t_cap * 2 + t * hd + i] as i8);
+                }
+            }
+        }
     }
-    for (i, &vis) in visible.iter().enumerate() {
-        let qi = &q[i * hd..(i + 1) * hd];
-        for t in 0..vis {
-            scores[i * ld + col0 + t] = k[t * hd..(t + 1) * hd].iter().zip(qi).map(|(a, b)| a * b).sum::<f32>() * scale;
+    /// Whether `n` rows of `hd` fit.
+    fn holds(&self, n: usize, hd: usize) -> bool {
+        match *self {
+            KvRows::F32(v) => v.len() >= n * hd,
+            KvRows::F16(b) => b.len() >= n * hd * 2,
+            KvRows::Int8 { blk, t_cap } => n <= t_cap && blk.len() >= t_cap * 2 + n * hd,
         }
     }
 }
 
-/// Attention output of a tile of queries from one chunk's decoded V rows:
-/// `out_i += sum_t probs[i * ld + col0 + t] * v_t` for `t < visible[i]`.
-pub fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: &[f32], visible: &[usize], hd: usize, out: &mut [f32]) {
+/// Attention scores of a tile of queries against one chunk's K rows:
+/// `scores[i * ld + col0 + t] = scale * q_i · k_t` for `t < visible[i]`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    let n = visible.iter().copied().max().unwrap_or(0);
+    assert!(q.len() >= visible.len() * hd && k.holds(n, hd), "attention rows out of range");
+    assert!(visible.iter().enumerate().all(|(i, &v)| v == 0 || i * ld + col0 + v <= scores.len()));
     #[cfg(target_arch = "x86_64")]
     if *HAS_AVX2 && hd.is_multiple_of(8) && hd <= 256 {
-        let n = visible.iter().copied().max().unwrap_or(0);
-        assert!(v.len() >= n * hd && out.len() >= visible.len() * hd);
-        assert!(visible.iter().enumerate().all(|(i, &vis)| vis == 0 || i * ld + col0 + vis <= probs.len()));
+        // SAFETY: features checked; every index used is bounded by the asserts above.
+        unsafe { avx2::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
+        return;
+    }
+    let mut row = vec![0.0f32; hd];
+    for t in 0..n {
+        k.row(t, hd, &mut row);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t < vis {
+                scores[i * ld + col0 + t] = row.iter().zip(&q[i * hd..(i + 1) * hd]).map(|(a, b)| a * b).sum::<f32>() * scale;
+            }
+        }
+    }
+}
+
+/// Attention output of a tile of queries from one chunk's V rows:
+/// `out_i += sum_t probs[i * ld + col0 + t] * v_t` for `t < visible[i]`.
+pub fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let n = visible.iter().copied().max().unwrap_or(0);
+    assert!(v.holds(n, hd) && out.len() >= visible.len() * hd, "attention rows out of range");
+    assert!(visible.iter().enumerate().all(|(i, &vis)| vis == 0 || i * ld + col0 + vis <= probs.len()));
+    #[cfg(target_arch = "x86_64")]
+    if *HAS_AVX2 && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: features checked; indices bounded by the asserts above.
         unsafe { avx2::chunk_values(probs, ld, col0, v, visible, hd, out) };
         return;
     }
-    for (i, &vis) in visible.iter().enumerate() {
-        let o = &mut out[i * hd..(i + 1) * hd];
-        for t in 0..vis {
-            axpy_f32(probs[i * ld + col0 + t], &v[t * hd..(t + 1) * hd], o);
+    let mut row = vec![0.0f32; hd];
+    for t in 0..n {
+        v.row(t, hd, &mut row);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t < vis {
+                axpy_f32(probs[i * ld + col0 + t], &row, &mut out[i * hd..(i + 1) * hd]);
+            }
         }
     }
 }
@@ -329,7 +377,7 @@ mod avx2 {
 
     use half::f16;
 
-    use super::OutPtr;
+    use super::{KvRows, OutPtr};
     use crate::quant::Q8Acts;
     use crate::repack::{Packed, PackedWeight, ROWS};
 
@@ -466,6 +514,48 @@ mod avx2 {
         }
     }
 
+    /// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one
+    /// implementation per format so each kernel instantiation inlines its own loads.
+    trait RowLoad {
+        /// # Safety
+        /// AVX2/F16C present; row `t` inside the block (checked by the caller).
+        unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]);
+    }
+    struct F32Rows(*const f32);
+    struct F16Rows(*const u8);
+    struct I8Rows(*const u8, usize);
+
+    impl RowLoad for F32Rows {
+        #[inline(always)]
+        unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+            let p = self.0.add(t * hd);
+            for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_loadu_ps(p.add(8 * c));
+            }
+        }
+    }
+    impl RowLoad for F16Rows {
+        #[inline(always)]
+        unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+            let p = self.0.add(2 * t * hd);
+            for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+                *slot = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()));
+            }
+        }
+    }
+    impl RowLoad for I8Rows {
+        #[inline(always)]
+        unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+            let sb = self.0.add(2 * t);
+            let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+            let p = self.0.add(self.1 * 2 + t * hd);
+            for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
+                *slot = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q));
+            }
+        }
+    }
+
     /// # Safety
     /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
     #[allow(clippy::too_many_arguments)]
@@ -473,7 +563,27 @@ mod avx2 {
     pub(super) unsafe fn chunk_scores(
         q: &[f32],
         hd: usize,
-        k: &[f32],
+        k: KvRows,
+        visible: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
+        match k {
+            KvRows::F32(v) => scores_with(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+            KvRows::F16(b) => scores_with(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+            KvRows::Int8 { blk, t_cap } => scores_with(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_with<L: RowLoad>(
+        k: &L,
+        q: &[f32],
+        hd: usize,
         visible: &[usize],
         scale: f32,
         scores: &mut [f32],
@@ -484,10 +594,7 @@ mod avx2 {
         let n = visible.iter().copied().max().unwrap_or(0);
         let mut kv = [_mm256_setzero_ps(); 32];
         for t in 0..n {
-            let kp = k.as_ptr().add(t * hd);
-            for (c, slot) in kv.iter_mut().enumerate().take(lanes) {
-                *slot = _mm256_loadu_ps(kp.add(8 * c));
-            }
+            k.load(t, hd, lanes, &mut kv);
             for (i, &vis) in visible.iter().enumerate() {
                 if t >= vis {
                     continue;
@@ -506,15 +613,23 @@ mod avx2 {
     /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: &[f32], visible: &[usize], hd: usize, out: &mut [f32]) {
+    pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+        match v {
+            KvRows::F32(r) => values_with(&F32Rows(r.as_ptr()), probs, ld, col0, visible, hd, out),
+            KvRows::F16(b) => values_with(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
+            KvRows::Int8 { blk, t_cap } => values_with(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
         let lanes = hd / 8;
         let n = visible.iter().copied().max().unwrap_or(0);
         let mut vv = [_mm256_setzero_ps(); 32];
         for t in 0..n {
-            let vp = v.as_ptr().add(t * hd);
-            for (c, slot) in vv.iter_mut().enumerate().take(lanes) {
-                *slot = _mm256_loadu_ps(vp.add(8 * c));
-            }
+            v.load(t, hd, lanes, &mut vv);
             for (i, &vis) in visible.iter().enumerate() {
                 if t >= vis {
                     continue;
@@ -676,6 +791,7 @@ mod tests {
 
     #[test]
     fn kv_decoders_and_chunk_scores_match_the_reference() {
+        // (Direct f16/int8 rows are checked against decoded rows below.)
         use crate::kv::{self, KvGeometry};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: 64, chunk_tokens: 16 };
@@ -693,7 +809,7 @@ mod tests {
         let q: Vec<f32> = (0..3 * 64).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let visible = [16, 0, 5];
         let (mut a, mut b) = (vec![-9.0; 3 * 40], vec![-9.0; 3 * 40]);
-        chunk_scores(&q, 64, &vals, &visible, 0.125, &mut a, 40, 16);
+        chunk_scores(&q, 64, KvRows::F32(&vals), &visible, 0.125, &mut a, 40, 16);
         for (i, &vis) in visible.iter().enumerate() {
             for t in 0..vis {
                 b[i * 40 + 16 + t] = vals[t * 64..(t + 1) * 64].iter().zip(&q[i * 64..]).map(|(x, y)| x * y).sum::<f32>() * 0.125;
@@ -701,6 +817,24 @@ mod tests {
         }
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+        }
+        // Reading f16/int8 blocks directly equals reading their decoded rows.
+        for f in [KvFormat::F16, KvFormat::Int8] {
+            let mut blk = vec![0u8; g.head_block_bytes(f)];
+            for t in 0..16 {
+                kv::write_token(f, &mut blk, t, 16, &vals[t * 64..(t + 1) * 64]);
+            }
+            let mut dec = vec![0.0; 16 * 64];
+            kv::read_block_f32(f, &blk, 16, 64, 16, &mut dec);
+            let raw = if f == KvFormat::F16 { KvRows::F16(&blk) } else { KvRows::Int8 { blk: &blk, t_cap: 16 } };
+            let (mut x, mut y) = (vec![0.0; 3 * 40], vec![0.0; 3 * 40]);
+            chunk_scores(&q, 64, raw, &visible, 0.125, &mut x, 40, 16);
+            chunk_scores(&q, 64, KvRows::F32(&dec), &visible, 0.125, &mut y, 40, 16);
+            assert_eq!(x, y, "{f:?} scores");
+            let (mut ox, mut oy) = (vec![0.0; 3 * 64], vec![0.0; 3 * 64]);
+            chunk_values(&x, 40, 16, raw, &visible, 64, &mut ox);
+            chunk_values(&x, 40, 16, KvRows::F32(&dec), &visible, 64, &mut oy);
+            assert_eq!(ox, oy, "{f:?} values");
         }
     }
 

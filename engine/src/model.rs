@@ -712,11 +712,20 @@ fn attention(
                     }
                     let f = kv.format(ch);
                     let off = kv.geom.block_offset(f, layer, kvsel, kvh);
-                    kernels::decode_kv_block(f, &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)], ct, hd, n_c, &mut blk);
+                    let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)];
+                    // Base formats are read in place; reduced levels are decoded first.
+                    let rows = match f {
+                        KvFormat::F16 => kernels::KvRows::F16(bytes),
+                        KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+                        _ => {
+                            kernels::decode_kv_block(f, bytes, ct, hd, n_c, &mut blk);
+                            kernels::KvRows::F32(&blk)
+                        }
+                    };
                     if kvsel == 0 {
-                        kernels::chunk_scores(&q, hd, &blk, &visible[..nq], scale, &mut scores, p_max, col0);
+                        kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
                     } else {
-                        kernels::chunk_values(&scores, p_max, col0, &blk, &visible[..nq], hd, &mut o);
+                        kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, &mut o);
                     }
                 }
             }
