@@ -14,6 +14,13 @@ pub struct Perplexity {
     pub scored: usize,
 }
 
+/// `-ln p(target)` under the softmax of one row of logits (log-sum-exp in f64).
+fn neg_log_prob(row: &[f32], target: u32) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let lse = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
+    lse - f64::from(row[target as usize])
+}
+
 /// Perplexity by llama.cpp's method: consecutive non-overlapping windows of `ctx` tokens (the
 /// first replaced by BOS when the model adds one); in each window the logits at the positions
 /// after the first half predict the next token. `max_windows` = 0 scores every whole window.
@@ -44,10 +51,7 @@ pub fn perplexity(
         s.truncate(0);
         let logits = s.eval(&win, Logits::All)?;
         for i in ctx / 2..ctx - 1 {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let lse = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
-            nll += lse - f64::from(row[win[i + 1] as usize]);
+            nll += neg_log_prob(&logits[i * vocab..(i + 1) * vocab], win[i + 1]);
             count += 1;
         }
     }
@@ -166,10 +170,7 @@ pub fn perplexity_kv(
             let end = (start + chunk_tokens).min(ctx);
             let logits = s.eval(&win[start..end], Logits::All)?.to_vec();
             for i in start.max(ctx / 2)..end.min(ctx - 1) {
-                let row = &logits[(i - start) * vocab..(i - start + 1) * vocab];
-                let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let lse = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
-                nll += lse - f64::from(row[win[i + 1] as usize]);
+                nll += neg_log_prob(&logits[(i - start) * vocab..(i - start + 1) * vocab], win[i + 1]);
                 count += 1;
             }
             let full = end / chunk_tokens;

@@ -551,7 +551,6 @@ thread_local! {
 /// Fills a slot that the caller has put in `Loading`: from the source (or `given` bytes),
 /// installed whole in one ioctl; on failure the slot is poisoned. Wakes every waiter.
 fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
-    let t0 = Instant::now();
     let result = match given {
         Some((staging, len)) => install(p, r, slot, staging, len, p.caps.r#move),
         None => STAGING.with(|cell| {
@@ -588,7 +587,7 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
             s.filled_pages = pages;
             s.marked_dirty = false;
             drop(slots);
-            r.stats.filled(slot, pages * PAGE, t0);
+            r.stats.filled(slot, pages * PAGE);
             wake(p, r.slot_addr(slot), r.slot_size as u64);
             // Faults that came while loading, past what was filled: no data exists for them.
             let end = r.slot_addr(slot) + (pages * PAGE) as u64;

@@ -47,7 +47,7 @@ impl RegionStats {
         self.fault_started.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, at);
     }
 
-    pub(crate) fn filled(&self, slot: usize, bytes: usize, _t0: Instant) {
+    pub(crate) fn filled(&self, slot: usize, bytes: usize) {
         self.fills.fetch_add(1, Ordering::Relaxed);
         self.bytes_filled.fetch_add(bytes as u64, Ordering::Relaxed);
         if let Some(at) = self.fault_started.lock().unwrap_or_else(|e| e.into_inner()).remove(&slot) {
