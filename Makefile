@@ -30,6 +30,9 @@ build:
 	$(CARGO) build --release --workspace
 
 demo: model build
+	@echo "== llms doctor: what this machine offers LLMS"
+	./target/release/llms doctor
+	@echo
 	@echo "== llms generate: streaming tokens from $(MODEL)"
 	./target/release/llms generate --chat --stats --max-tokens 96 \
 		--prompt "Explain in three sentences why an operating system would run a language model as a shared service."

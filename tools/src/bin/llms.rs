@@ -533,7 +533,14 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
             break;
         }
         msgs.push(Message::new("user", line.trim_end()));
-        let ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        let mut ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        // A long conversation forgets its oldest turns (never the system prompt or the new
+        // message) rather than failing once it outgrows the model's context.
+        let first = usize::from(msgs.first().is_some_and(|m| m.role == "system"));
+        while ids.len() + max_tokens > model.config.ctx_len && msgs.len() > first + 1 {
+            msgs.remove(first);
+            ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        }
         let mut out = std::io::stdout().lock();
         let cfg = SamplerConfig { temperature, seed, ..SamplerConfig::default() };
         let r = generate(&model, Arc::clone(&pool), &ids, max_tokens, cfg, &mut |p| {
