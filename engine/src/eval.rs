@@ -21,6 +21,29 @@ fn neg_log_prob(row: &[f32], target: u32) -> f64 {
     lse - f64::from(row[target as usize])
 }
 
+/// The windows llama.cpp's perplexity scores: consecutive non-overlapping runs of `ctx`
+/// tokens (at most `max_windows`, 0 = all), the first token replaced by BOS when the model
+/// adds one.
+fn windows(model: &Model, ids: &[u32], ctx: usize, max_windows: usize) -> Result<Vec<Vec<u32>>, ModelError> {
+    let mut n = ids.len() / ctx.max(1);
+    if max_windows > 0 {
+        n = n.min(max_windows);
+    }
+    if ctx < 4 || n == 0 {
+        return Err(ModelError::ContextFull { needed: ctx.max(4), capacity: ids.len() });
+    }
+    let tk = &model.tokenizer;
+    Ok((0..n)
+        .map(|w| {
+            let mut win = ids[w * ctx..(w + 1) * ctx].to_vec();
+            if let (true, Some(b)) = (tk.add_bos, tk.bos) {
+                win[0] = b;
+            }
+            win
+        })
+        .collect())
+}
+
 /// Perplexity by llama.cpp's method: consecutive non-overlapping windows of `ctx` tokens (the
 /// first replaced by BOS when the model adds one); in each window the logits at the positions
 /// after the first half predict the next token. `max_windows` = 0 scores every whole window.
@@ -32,24 +55,13 @@ pub fn perplexity(
     ctx: usize,
     max_windows: usize,
 ) -> Result<Perplexity, ModelError> {
-    let mut n = ids.len() / ctx.max(1);
-    if max_windows > 0 {
-        n = n.min(max_windows);
-    }
-    if ctx < 4 || n == 0 {
-        return Err(ModelError::ContextFull { needed: ctx.max(4), capacity: ids.len() });
-    }
-    let tk = &model.tokenizer;
+    let wins = windows(model, ids, ctx, max_windows)?;
     let vocab = model.config.vocab;
     let mut s = Session::new(Arc::clone(model), pool, ctx);
     let (mut nll, mut count) = (0.0f64, 0usize);
-    for w in 0..n {
-        let mut win = ids[w * ctx..(w + 1) * ctx].to_vec();
-        if let (true, Some(b)) = (tk.add_bos, tk.bos) {
-            win[0] = b;
-        }
+    for win in &wins {
         s.truncate(0);
-        let logits = s.eval(&win, Logits::All)?;
+        let logits = s.eval(win, Logits::All)?;
         for i in ctx / 2..ctx - 1 {
             nll += neg_log_prob(&logits[i * vocab..(i + 1) * vocab], win[i + 1]);
             count += 1;
@@ -137,13 +149,7 @@ pub fn perplexity_kv(
     plan: KvPlan,
     chunk_tokens: usize,
 ) -> Result<(Perplexity, f64), ModelError> {
-    let mut n = ids.len() / ctx.max(1);
-    if max_windows > 0 {
-        n = n.min(max_windows);
-    }
-    if ctx < 4 || n == 0 {
-        return Err(ModelError::ContextFull { needed: ctx.max(4), capacity: ids.len() });
-    }
+    let wins = windows(model, ids, ctx, max_windows)?;
     let base = match plan {
         KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
         _ => KvFormat::Int8,
@@ -153,15 +159,10 @@ pub fn perplexity_kv(
     let mut s = Session::with_options(Arc::clone(model), pool, opts);
     let g = s.kv.geom;
     let sizes = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2].map(|f| g.chunk_bytes(f) as f64);
-    let tk = &model.tokenizer;
     let vocab = model.config.vocab;
     let (mut nll, mut count) = (0.0f64, 0usize);
     let (mut bytes_sum, mut bytes_n) = (0.0f64, 0usize);
-    for w in 0..n {
-        let mut win = ids[w * ctx..(w + 1) * ctx].to_vec();
-        if let (true, Some(b)) = (tk.add_bos, tk.bos) {
-            win[0] = b;
-        }
+    for win in &wins {
         s.truncate(0);
         if let Some(a) = &mut s.attention {
             *a = AttentionStats::default();

@@ -11,7 +11,6 @@ use std::sync::LazyLock;
 
 use half::f16;
 
-use crate::kv::{self, KvFormat};
 use crate::pool::ThreadPool;
 use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
@@ -224,26 +223,6 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
             };
             out.write(t * ldo + r, v);
         }
-    }
-}
-
-/// Decodes `n` tokens of a KV head block in format `f` to f32 rows `[token][hd]` (AVX2 for
-/// the base formats, which attention reads on every step).
-pub fn decode_kv_block(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if *HAS_AVX2 && hd.is_multiple_of(8) && matches!(f, KvFormat::F16 | KvFormat::Int8) {
-        assert!(blk.len() >= kv_bytes_needed(f, t_cap, hd, n) && out.len() >= n * hd);
-        // SAFETY: features checked; lengths asserted above.
-        unsafe { avx2::decode_kv_block(f == KvFormat::F16, blk, t_cap, hd, n, out) };
-        return;
-    }
-    kv::read_block_f32(f, blk, t_cap, hd, n, out);
-}
-
-fn kv_bytes_needed(f: KvFormat, t_cap: usize, hd: usize, n: usize) -> usize {
-    match f {
-        KvFormat::F16 => n * hd * 2,
-        _ => t_cap * 2 + n * hd,
     }
 }
 
@@ -488,28 +467,6 @@ mod avx2 {
                 for (r, &v) in tmp.iter().enumerate().take(valid) {
                     out.write(idx + r, v);
                 }
-            }
-        }
-    }
-
-    /// # Safety
-    /// Needs AVX2, FMA and F16C; `blk` and `out` long enough for `n` tokens.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn decode_kv_block(is_f16: bool, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
-        let o = out.as_mut_ptr();
-        if is_f16 {
-            let src = blk.as_ptr();
-            for i in (0..n * hd).step_by(8) {
-                _mm256_storeu_ps(o.add(i), _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i).cast())));
-            }
-            return;
-        }
-        let codes = blk.as_ptr().add(t_cap * 2);
-        for t in 0..n {
-            let s = _mm256_set1_ps(f16::from_le_bytes([blk[2 * t], blk[2 * t + 1]]).to_f32());
-            for c in (0..hd).step_by(8) {
-                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(codes.add(t * hd + c).cast()));
-                _mm256_storeu_ps(o.add(t * hd + c), _mm256_mul_ps(s, _mm256_cvtepi32_ps(q)));
             }
         }
     }
@@ -790,22 +747,11 @@ mod tests {
     }
 
     #[test]
-    fn kv_decoders_and_chunk_scores_match_the_reference() {
-        // (Direct f16/int8 rows are checked against decoded rows below.)
-        use crate::kv::{self, KvGeometry};
+    fn chunk_scores_and_values_match_the_reference() {
+        use crate::kv::{self, KvFormat, KvGeometry};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: 64, chunk_tokens: 16 };
         let vals: Vec<f32> = (0..16 * 64).map(|_| rng.gen_range(-2.0..2.0)).collect();
-        for f in [KvFormat::F16, KvFormat::Int8] {
-            let mut blk = vec![0u8; g.head_block_bytes(f)];
-            for t in 0..16 {
-                kv::write_token(f, &mut blk, t, 16, &vals[t * 64..(t + 1) * 64]);
-            }
-            let (mut fast, mut slow) = (vec![0.0; 16 * 64], vec![0.0; 16 * 64]);
-            decode_kv_block(f, &blk, 16, 64, 13, &mut fast);
-            kv::read_block_f32(f, &blk, 16, 64, 13, &mut slow);
-            assert_eq!(fast[..13 * 64], slow[..13 * 64], "{f:?}");
-        }
         let q: Vec<f32> = (0..3 * 64).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let visible = [16, 0, 5];
         let (mut a, mut b) = (vec![-9.0; 3 * 40], vec![-9.0; 3 * 40]);

@@ -718,7 +718,7 @@ fn attention(
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
                         _ => {
-                            kernels::decode_kv_block(f, bytes, ct, hd, n_c, &mut blk);
+                            crate::kv::read_block_f32(f, bytes, ct, hd, n_c, &mut blk);
                             kernels::KvRows::F32(&blk)
                         }
                     };
