@@ -3,13 +3,13 @@
 //!
 //! What it is for: policy — which chunk lives where, in which format, and when it moves. The
 //! mechanism (userfaultfd slots) is `uffd_handler`; the numerics (chunk formats, recompute)
-//! are the engine's.
-//!
-//! Built so far: the LCTRU queue and the eq. 4 planner (the pieces that need neither the
-//! store nor the engine). The rest is the mm issue's.
+//! are the engine's, reached through the [`KvContext`] trait so mm stays model-agnostic.
 
 mod lctru;
 mod planner;
+pub mod ring;
+pub mod store;
 
 pub use lctru::{ChunkId, Lctru};
 pub use planner::{plan, Linear, Plan};
+pub use store::{RecordMeta, Store, StoreError, StoreGeometry};

@@ -1,0 +1,542 @@
+//! The swap store: chunk records on flash, written and read with O_DIRECT so the data really
+//! leaves RAM (the page cache never holds a copy).
+//!
+//! Layout: `<dir>/<model fingerprint>/ctx-<id>.kv`, one file per context, mode 0600. Chunk
+//! `i` owns two fixed-size record places in its file, copies A and B at
+//! `(2 i + copy) * record_len`. A write always goes to the copy that does not hold the
+//! current version, with a higher sequence number, so a crash at any point leaves the old
+//! version intact: after a restart the newest copy whose header and payload checksums hold is
+//! the record (a torn write fails its checksum and the older copy wins). Nothing is ever
+//! overwritten in place.
+//!
+//! A record is a 4 KiB-aligned `#[repr(C)]` [`Header`] (magic, version, fingerprint,
+//! context, chunk, sequence, format, tokens, the hash of the token prefix the KV was computed
+//! from, per-layer offsets, CRC32C of the payload and of the header) and then the payload,
+//! layer-major, each layer starting at an offset aligned for O_DIRECT: one layer of many
+//! chunks is one batch of aligned reads. A reader states what it expects (format and prefix
+//! hash); a record that fails a checksum or does not match is reported missing — the caller
+//! recomputes the chunk — and is never served.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::ring::{Op, Ring};
+
+const MAGIC: [u8; 8] = *b"LLMSKV\0\x01";
+const VERSION: u32 = 1;
+/// Largest layer count a header describes.
+pub const MAX_LAYERS: usize = 128;
+
+/// The on-flash header of a record (little-endian, as the machine).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct Header {
+    pub magic: [u8; 8],
+    pub version: u32,
+    pub header_len: u32,
+    pub fingerprint: u64,
+    pub context: u64,
+    pub seq: u64,
+    pub prefix_hash: u64,
+    pub chunk: u32,
+    pub format: u32,
+    pub tokens: u32,
+    pub n_layers: u32,
+    /// Valid bytes of each layer.
+    pub layer_len: u32,
+    pub payload_crc: u32,
+    /// CRC32C of the header with this field zero.
+    pub header_crc: u32,
+    pub reserved: u32,
+    pub layer_off: [u32; MAX_LAYERS],
+}
+
+impl Header {
+    fn crc(&self) -> u32 {
+        let mut h = *self;
+        h.header_crc = 0;
+        crc32c::crc32c(bytemuck::bytes_of(&h))
+    }
+}
+
+/// What a record is about, given by the writer and checked by the reader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordMeta {
+    pub context: u64,
+    pub chunk: u32,
+    /// The chunk's format code (the codec's).
+    pub format: u32,
+    /// Tokens of the chunk that hold data.
+    pub tokens: u32,
+    /// Hash of every token up to the end of this chunk: KV depends on the whole prefix, so a
+    /// record computed from other tokens is stale.
+    pub prefix_hash: u64,
+}
+
+/// Why a record cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("no record for context {0} chunk {1}")]
+    NotStored(u64, u32),
+    #[error("context {context} chunk {chunk}: checksum mismatch ({what}); the record is treated as missing")]
+    Checksum { context: u64, chunk: u32, what: &'static str },
+    #[error("context {context} chunk {chunk}: the record is stale ({what})")]
+    Stale { context: u64, chunk: u32, what: String },
+    #[error("swap store {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("swap store: {0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// Where the current version of a chunk is.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub copy: u8,
+    pub seq: u64,
+    pub meta: RecordMeta,
+    pub layer_len: u32,
+    pub payload_crc: u32,
+}
+
+/// A heap buffer aligned for O_DIRECT (4 KiB), zeroed.
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: owns its allocation.
+unsafe impl Send for AlignedBuf {}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({})", self.len)
+    }
+}
+
+impl AlignedBuf {
+    pub const ALIGN: usize = 4096;
+    pub fn new(len: usize) -> Self {
+        let len = len.div_ceil(Self::ALIGN).max(1) * Self::ALIGN;
+        let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("valid layout");
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, len }
+    }
+    pub fn as_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: len initialised bytes we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len, Self::ALIGN).expect("valid layout");
+        // SAFETY: allocated with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+    }
+}
+
+/// The fixed shape of records in a store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreGeometry {
+    pub n_layers: usize,
+    /// The largest layer of any format.
+    pub max_layer_bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    files: HashMap<u64, Arc<File>>,
+    entries: HashMap<(u64, u32), Entry>,
+    seq: u64,
+}
+
+/// The swap store of one model. Internally synchronised: the fault path, the AoT writer and
+/// the loader use it from different threads.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+    fingerprint: u64,
+    geom: StoreGeometry,
+    /// O_DIRECT offset alignment of the filesystem (STATX_DIOALIGN, at least 512).
+    align: usize,
+    header_len: usize,
+    record_len: usize,
+    /// fdatasync after each batch of writes (durability against power loss, not only crashes).
+    sync: bool,
+    index: Mutex<Index>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io { path: path.to_path_buf(), source }
+}
+
+fn round_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// The O_DIRECT alignment (offset and memory) the filesystem of `path` needs.
+pub fn dio_align(path: &Path) -> usize {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return 4096 };
+    // SAFETY: a zeroed statx is a valid out-parameter.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out-pointer.
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &raw mut st) };
+    if rc != 0 || st.stx_mask & libc::STATX_DIOALIGN == 0 || st.stx_dio_offset_align == 0 {
+        return 4096;
+    }
+    (st.stx_dio_offset_align.max(st.stx_dio_mem_align) as usize).clamp(512, AlignedBuf::ALIGN)
+}
+
+impl Store {
+    /// Opens (creating) the store of the model `fingerprint` under `dir` and rebuilds the
+    /// index from the records found there.
+    pub fn open(dir: &Path, fingerprint: u64, geom: StoreGeometry, sync: bool) -> Result<Self> {
+        if geom.n_layers == 0 || geom.n_layers > MAX_LAYERS || geom.max_layer_bytes == 0 {
+            return Err(StoreError::Invalid(format!("{} layers of {} bytes: unsupported", geom.n_layers, geom.max_layer_bytes)));
+        }
+        let dir = dir.join(format!("{fingerprint:016x}"));
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(io_err(&dir))?;
+        let align = dio_align(&dir);
+        let header_len = round_up(size_of::<Header>(), AlignedBuf::ALIGN);
+        let record_len = header_len + geom.n_layers * round_up(geom.max_layer_bytes, align);
+        let s = Self { dir, fingerprint, geom, align, header_len, record_len, sync, index: Mutex::new(Index::default()) };
+        s.recover()?;
+        Ok(s)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    pub fn align(&self) -> usize {
+        self.align
+    }
+    pub fn geometry(&self) -> StoreGeometry {
+        self.geom
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn path(&self, ctx: u64) -> PathBuf {
+        self.dir.join(format!("ctx-{ctx:016x}.kv"))
+    }
+
+    fn open_file(&self, ctx: u64, create: bool) -> Result<Arc<File>> {
+        if let Some(f) = self.lock().files.get(&ctx) {
+            return Ok(Arc::clone(f));
+        }
+        let path = self.path(ctx);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .mode(0o600)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        let f = Arc::new(f);
+        self.lock().files.insert(ctx, Arc::clone(&f));
+        Ok(f)
+    }
+
+    fn stride(&self, layer_len: usize) -> usize {
+        round_up(layer_len, self.align)
+    }
+
+    fn offset(&self, chunk: u32, copy: u8) -> u64 {
+        (2 * u64::from(chunk) + u64::from(copy)) * self.record_len as u64
+    }
+
+    /// Offset and length (aligned) of `layer` of a stored record.
+    pub fn layer_extent(&self, e: &Entry, layer: usize) -> (u64, usize) {
+        let stride = self.stride(e.layer_len as usize);
+        (self.offset(e.meta.chunk, e.copy) + (self.header_len + layer * stride) as u64, stride)
+    }
+
+    /// Rebuilds the index: for every chunk, the newest copy whose header and payload hold.
+    fn recover(&self) -> Result<()> {
+        let rd = fs::read_dir(&self.dir).map_err(io_err(&self.dir))?;
+        let mut buf = AlignedBuf::new(self.record_len);
+        for ent in rd {
+            let ent = ent.map_err(io_err(&self.dir))?;
+            let name = ent.file_name();
+            let Some(ctx) = name.to_str().and_then(|n| n.strip_prefix("ctx-")).and_then(|n| n.strip_suffix(".kv")) else {
+                continue;
+            };
+            let Ok(ctx) = u64::from_str_radix(ctx, 16) else { continue };
+            let f = self.open_file(ctx, false)?;
+            let len = f.metadata().map_err(io_err(&ent.path()))?.len();
+            let n_chunks = len.div_ceil(2 * self.record_len as u64);
+            for chunk in 0..u32::try_from(n_chunks).unwrap_or(u32::MAX) {
+                let mut best: Option<Entry> = None;
+                for copy in 0..2u8 {
+                    if let Some(e) = self.verify_copy(&f, ctx, chunk, copy, &mut buf) {
+                        if best.is_none_or(|b| e.seq > b.seq) {
+                            best = Some(e);
+                        }
+                    }
+                }
+                if let Some(e) = best {
+                    let mut ix = self.lock();
+                    ix.seq = ix.seq.max(e.seq);
+                    ix.entries.insert((ctx, chunk), e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one copy whole and checks it; `None` when absent, torn or foreign.
+    fn verify_copy(&self, f: &File, ctx: u64, chunk: u32, copy: u8, buf: &mut AlignedBuf) -> Option<Entry> {
+        let off = self.offset(chunk, copy);
+        let n = read_full(f, &mut buf[..self.header_len], off).ok()?;
+        if n < self.header_len {
+            return None;
+        }
+        let h: Header = bytemuck::pod_read_unaligned(&buf[..size_of::<Header>()]);
+        let mut e = self.check_header(&h, ctx, chunk)?;
+        e.copy = copy;
+        let (_, stride) = self.layer_extent(&e, 0);
+        let body = self.geom.n_layers * stride;
+        if read_full(f, &mut buf[self.header_len..self.header_len + body], off + self.header_len as u64).ok()? < body {
+            return None;
+        }
+        let crc = self.payload_crc(&buf[self.header_len..], e.layer_len as usize);
+        (crc == e.payload_crc).then_some(e)
+    }
+
+    fn check_header(&self, h: &Header, ctx: u64, chunk: u32) -> Option<Entry> {
+        let ok = h.magic == MAGIC
+            && h.version == VERSION
+            && h.header_crc == h.crc()
+            && h.fingerprint == self.fingerprint
+            && h.context == ctx
+            && h.chunk == chunk
+            && h.n_layers as usize == self.geom.n_layers
+            && h.header_len as usize == self.header_len
+            && (h.layer_len as usize) <= self.geom.max_layer_bytes;
+        if !ok {
+            return None;
+        }
+        let stride = self.stride(h.layer_len as usize);
+        if (0..self.geom.n_layers).any(|l| h.layer_off[l] as usize != self.header_len + l * stride) {
+            return None;
+        }
+        let meta = RecordMeta { context: ctx, chunk, format: h.format, tokens: h.tokens, prefix_hash: h.prefix_hash };
+        Some(Entry { copy: 0, seq: h.seq, meta, layer_len: h.layer_len, payload_crc: h.payload_crc })
+    }
+
+    /// CRC32C of the layers of a record body laid out at the aligned stride.
+    fn payload_crc(&self, body: &[u8], layer_len: usize) -> u32 {
+        let stride = self.stride(layer_len);
+        (0..self.geom.n_layers).fold(0, |c, l| crc32c::crc32c_append(c, &body[l * stride..l * stride + layer_len]))
+    }
+
+    /// The current entry of a chunk, if stored.
+    pub fn entry(&self, ctx: u64, chunk: u32) -> Option<Entry> {
+        self.lock().entries.get(&(ctx, chunk)).copied()
+    }
+
+    /// Whether the stored record of a chunk matches what the caller expects.
+    pub fn matches(&self, want: &RecordMeta) -> bool {
+        self.entry(want.context, want.chunk).is_some_and(|e| e.meta == *want)
+    }
+
+    /// Writes records (payload layer-major: `n_layers` layers of equal length) with one
+    /// io_uring batch, syncs, then makes them current. On error none of the batch is current.
+    pub fn write_batch(&self, ring: &mut Ring, recs: &[(RecordMeta, &[u8])]) -> Result<()> {
+        let mut bufs = Vec::with_capacity(recs.len());
+        let mut ops = Vec::with_capacity(recs.len());
+        let mut next = Vec::with_capacity(recs.len());
+        let mut files = Vec::new();
+        for (i, (meta, payload)) in recs.iter().enumerate() {
+            let nl = self.geom.n_layers;
+            if !payload.len().is_multiple_of(nl) || payload.len() / nl > self.geom.max_layer_bytes {
+                return Err(StoreError::Invalid(format!(
+                    "a {}-byte payload is not {nl} layers of at most {} bytes",
+                    payload.len(),
+                    self.geom.max_layer_bytes
+                )));
+            }
+            if recs[..i].iter().any(|(m, _)| (m.context, m.chunk) == (meta.context, meta.chunk)) {
+                return Err(StoreError::Invalid(format!("chunk {} of context {} twice in one batch", meta.chunk, meta.context)));
+            }
+            let layer_len = payload.len() / nl;
+            let stride = self.stride(layer_len);
+            let f = self.open_file(meta.context, true)?;
+            let (copy, seq) = {
+                let mut ix = self.lock();
+                ix.seq += 1;
+                let copy = ix.entries.get(&(meta.context, meta.chunk)).map_or(0, |e| 1 - e.copy);
+                (copy, ix.seq)
+            };
+            let total = self.header_len + nl * stride;
+            let mut buf = AlignedBuf::new(total);
+            let mut h = Header::zeroed();
+            h.magic = MAGIC;
+            h.version = VERSION;
+            h.header_len = u32::try_from(self.header_len).expect("4 KiB");
+            h.fingerprint = self.fingerprint;
+            h.context = meta.context;
+            h.seq = seq;
+            h.prefix_hash = meta.prefix_hash;
+            h.chunk = meta.chunk;
+            h.format = meta.format;
+            h.tokens = meta.tokens;
+            h.n_layers = u32::try_from(nl).expect("<= MAX_LAYERS");
+            h.layer_len = u32::try_from(layer_len).expect("bounded by max_layer_bytes");
+            for l in 0..nl {
+                h.layer_off[l] = u32::try_from(self.header_len + l * stride).map_err(|_| StoreError::Invalid("record too large".into()))?;
+                buf[self.header_len + l * stride..][..layer_len].copy_from_slice(&payload[l * layer_len..(l + 1) * layer_len]);
+            }
+            h.payload_crc = crc32c::crc32c(payload);
+            h.header_crc = h.crc();
+            buf[..size_of::<Header>()].copy_from_slice(bytemuck::bytes_of(&h));
+            ops.push(Op {
+                fd: f.as_raw_fd(),
+                offset: self.offset(meta.chunk, copy),
+                buf: buf.as_ptr(),
+                len: u32::try_from(total).map_err(|_| StoreError::Invalid("record too large".into()))?,
+                write: true,
+            });
+            next.push(Entry { copy, seq, meta: *meta, layer_len: h.layer_len, payload_crc: h.payload_crc });
+            if !files.iter().any(|g: &Arc<File>| Arc::ptr_eq(g, &f)) {
+                files.push(Arc::clone(&f));
+            }
+            bufs.push(buf);
+        }
+        let path = self.dir.clone();
+        // SAFETY: bufs live until wait returns below; nothing else touches them.
+        unsafe { ring.submit(0, &ops) }.map_err(io_err(&path))?;
+        ring.wait(0).map_err(io_err(&path))?;
+        drop(bufs);
+        if self.sync {
+            for f in &files {
+                f.sync_data().map_err(io_err(&path))?;
+            }
+        }
+        let mut ix = self.lock();
+        for e in next {
+            ix.entries.insert((e.meta.context, e.meta.chunk), e);
+        }
+        Ok(())
+    }
+
+    /// Reads a chunk's record into `out` (its payload, layer-major, contiguous) after checking
+    /// it against `want`. Returns the payload length.
+    pub fn read(&self, want: &RecordMeta, out: &mut [u8]) -> Result<usize> {
+        let e = self.expect(want)?;
+        let f = self.open_file(want.context, false)?;
+        let (off0, stride) = self.layer_extent(&e, 0);
+        let ll = e.layer_len as usize;
+        let n = self.geom.n_layers;
+        if out.len() < n * ll {
+            return Err(StoreError::Invalid(format!("a {}-byte buffer for a {}-byte record", out.len(), n * ll)));
+        }
+        let mut buf = AlignedBuf::new(n * stride);
+        let path = self.path(want.context);
+        if read_full(&f, &mut buf[..n * stride], off0).map_err(io_err(&path))? < n * stride {
+            return Err(StoreError::Checksum { context: want.context, chunk: want.chunk, what: "record truncated" });
+        }
+        let mut crc = 0;
+        for l in 0..n {
+            let src = &buf[l * stride..l * stride + ll];
+            crc = crc32c::crc32c_append(crc, src);
+            out[l * ll..(l + 1) * ll].copy_from_slice(src);
+        }
+        if crc != e.payload_crc {
+            return Err(StoreError::Checksum { context: want.context, chunk: want.chunk, what: "payload" });
+        }
+        Ok(n * ll)
+    }
+
+    /// The entry for `want`, or why there is none that matches.
+    pub fn expect(&self, want: &RecordMeta) -> Result<Entry> {
+        let e = self.entry(want.context, want.chunk).ok_or(StoreError::NotStored(want.context, want.chunk))?;
+        if e.meta != *want {
+            let what = if e.meta.prefix_hash != want.prefix_hash || e.meta.tokens != want.tokens {
+                "it was computed from other tokens".to_string()
+            } else {
+                format!("it holds format {}, format {} is wanted", e.meta.format, want.format)
+            };
+            return Err(StoreError::Stale { context: want.context, chunk: want.chunk, what });
+        }
+        Ok(e)
+    }
+
+    /// Opens the file of a context for a batch of reads (the loader's own ring).
+    pub fn file(&self, ctx: u64) -> Result<Arc<File>> {
+        self.open_file(ctx, false)
+    }
+
+    /// Forgets a chunk's record (its data changed and was not written again).
+    pub fn invalidate(&self, ctx: u64, chunk: u32) {
+        self.lock().entries.remove(&(ctx, chunk));
+    }
+
+    /// Deletes a context's records and file: its space is returned.
+    pub fn remove_context(&self, ctx: u64) -> Result<()> {
+        let mut ix = self.lock();
+        ix.entries.retain(|k, _| k.0 != ctx);
+        ix.files.remove(&ctx);
+        drop(ix);
+        let path = self.path(ctx);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::Io { path, source: e }),
+        }
+    }
+
+    /// Contexts with at least one record.
+    pub fn contexts(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.lock().entries.keys().map(|k| k.0).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Bytes of the files on disk (allocated blocks).
+    pub fn disk_bytes(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        fs::read_dir(&self.dir).map_or(0, |rd| rd.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.blocks() * 512).sum())
+    }
+}
+
+/// Reads until `buf` is full or end of file; returns the bytes read.
+fn read_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
