@@ -88,58 +88,14 @@ impl KvPlan {
     }
 }
 
-/// Chooses levels for chunks given their densities: the highest densities keep int8, then
-/// q4, then q2 (LLMS eq. 2: thresholds on the density rank), with the thresholds that lose
-/// the least information while the average size stays within `ratio` of int8 (eq. 3's
-/// constraint). Exhaustive over the two thresholds: O(n^2).
-///
-/// How we read eq. 3: literally it weights each level's densities by 1/ratio, which would
-/// send the densest chunks to the smallest level; its text means "maximise retained
-/// information". We score a level by the information it loses, density x quantization error,
-/// with the error of a b-bit linear quantizer taken as 2^-b. (Scoring retained information as
-/// density x bits instead was measured worse: it spends the budget on 2-bit chunks to keep a
-/// few at 8 bits; see docs/kv.md.)
-#[allow(clippy::cast_precision_loss)]
-pub fn choose_levels(densities: &[f64], sizes: [f64; 3], ratio: f64) -> Vec<KvFormat> {
-    let n = densities.len();
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| densities[b].total_cmp(&densities[a]).then(a.cmp(&b)));
-    let levels = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2];
-    // Negated loss per level, so the search maximises.
-    let bits = [-(2f64.powi(-8)), -(2f64.powi(-4)), -(2f64.powi(-2))];
-    let budget = ratio * n as f64 * sizes[0] + 1e-9;
-    let mut best: Option<(f64, usize, usize)> = None;
-    for n8 in 0..=n {
-        for n4 in 0..=n - n8 {
-            let n2 = n - n8 - n4;
-            let size = n8 as f64 * sizes[0] + n4 as f64 * sizes[1] + n2 as f64 * sizes[2];
-            if size > budget {
-                continue;
-            }
-            let info: f64 = order
-                .iter()
-                .enumerate()
-                .map(|(rank, &i)| densities[i] * bits[usize::from(rank >= n8) + usize::from(rank >= n8 + n4)])
-                .sum();
-            if best.is_none_or(|(b, _, _)| info > b) {
-                best = Some((info, n8, n4));
-            }
-        }
-    }
-    let (_, n8, n4) = best.unwrap_or((0.0, 0, 0));
-    let mut out = vec![KvFormat::Q2; n];
-    for (rank, &i) in order.iter().enumerate() {
-        out[i] = levels[usize::from(rank >= n8) + usize::from(rank >= n8 + n4)];
-    }
-    out
-}
-
 /// Perplexity (llama.cpp's method, as [`perplexity`]) with the KV cache compressed as `plan`
 /// says: each window is fed one chunk at a time, and every full chunk is lowered to its level
 /// before the next is computed, so later tokens attend to compressed chunks. For the mix,
 /// densities come from the attention observer and levels only ever go down. Returns the
-/// perplexity and the average KV bytes of the full chunks relative to int8.
+/// perplexity and the average KV bytes of the full chunks relative to int8. For the mix,
+/// `choose(densities)` picks the levels (the policy is the memory manager's, `mm::levels`).
 #[allow(clippy::cast_precision_loss)]
+#[allow(clippy::too_many_arguments)]
 pub fn perplexity_kv(
     model: &Arc<Model>,
     pool: Arc<ThreadPool>,
@@ -148,6 +104,7 @@ pub fn perplexity_kv(
     max_windows: usize,
     plan: KvPlan,
     chunk_tokens: usize,
+    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
 ) -> Result<(Perplexity, f64), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
     let base = match plan {
@@ -181,10 +138,10 @@ pub fn perplexity_kv(
                         s.kv.set_format(c, f)?;
                     }
                 }
-                KvPlan::Mix(r) => {
+                KvPlan::Mix(_) => {
                     let a = s.attention.as_ref().expect("observer on for the mix");
                     let d: Vec<f64> = (0..full).map(|c| a.density(c * chunk_tokens..(c + 1) * chunk_tokens)).collect();
-                    let lv = choose_levels(&d, sizes, r);
+                    let lv = choose(&d);
                     for (c, &l) in lv.iter().enumerate() {
                         let cur = s.kv.format(c);
                         if level_rank(l) > level_rank(cur) {
@@ -208,50 +165,5 @@ fn level_rank(f: KvFormat) -> u8 {
         KvFormat::Int8 => 1,
         KvFormat::Q4 => 2,
         KvFormat::Q2 => 3,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The level chooser equals brute force over every assignment, keeps levels monotone in
-    /// density, and meets the size budget.
-    #[test]
-    #[allow(clippy::cast_possible_truncation)]
-    fn level_choice_is_optimal_and_monotone() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
-        let sizes = [100.0, 60.0, 36.0];
-        for _ in 0..200 {
-            let n = rng.gen_range(1..7);
-            let d: Vec<f64> = (0..n).map(|_| rng.gen_range(0.0..1.0)).collect();
-            let ratio = rng.gen_range(0.36..1.0);
-            let got = choose_levels(&d, sizes, ratio);
-            let bits = |f: KvFormat| match f {
-                KvFormat::Int8 => -(2f64.powi(-8)),
-                KvFormat::Q4 => -(2f64.powi(-4)),
-                _ => -(2f64.powi(-2)),
-            };
-            let size = |v: &[KvFormat]| v.iter().map(|&f| sizes[level_rank(f) as usize - 1]).sum::<f64>();
-            let info = |v: &[KvFormat]| v.iter().zip(&d).map(|(&f, x)| bits(f) * x).sum::<f64>();
-            assert!(size(&got) <= ratio * n as f64 * 100.0 + 1e-6);
-            let mut best = f64::NEG_INFINITY;
-            for code in 0..3usize.pow(n as u32) {
-                let v: Vec<KvFormat> =
-                    (0..n).map(|i| [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2][code / 3usize.pow(i as u32) % 3]).collect();
-                if size(&v) <= ratio * n as f64 * 100.0 + 1e-6 {
-                    best = best.max(info(&v));
-                }
-            }
-            assert!((info(&got) - best).abs() < 1e-9, "{d:?} ratio {ratio}: {got:?}");
-            for i in 0..n {
-                for j in 0..n {
-                    if d[i] > d[j] {
-                        assert!(level_rank(got[i]) <= level_rank(got[j]), "denser chunk got fewer bits");
-                    }
-                }
-            }
-        }
     }
 }

@@ -31,6 +31,8 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
+    pub const ALL: [Self; 4] = [Self::F16, Self::Int8, Self::Q4, Self::Q2];
+
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "f16" => Self::F16,
@@ -52,7 +54,8 @@ impl KvFormat {
     pub fn is_base(self) -> bool {
         matches!(self, Self::F16 | Self::Int8)
     }
-    fn bits(self) -> usize {
+    /// Bits per value.
+    pub fn bits(self) -> usize {
         match self {
             Self::F16 => 16,
             Self::Int8 => 8,

@@ -246,4 +246,32 @@ impl ChunkedKv {
         }
         Ok(())
     }
+
+    /// Appends a chunk (in the base format, no positions yet) backed by caller memory that
+    /// already holds zeros or will be written before it is read.
+    ///
+    /// # Safety
+    /// As [`ChunkedKv::attach`].
+    pub unsafe fn push_external(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), KvError> {
+        let need = self.geom.chunk_bytes(self.base);
+        if len < need {
+            return Err(KvError::TooSmall { chunk: self.chunks.len(), len, need, format: self.base.name() });
+        }
+        self.chunks.push(Chunk { mem: Mem::External { ptr, len }, format: self.base });
+        Ok(())
+    }
+
+    /// Points chunk `i` at caller memory that holds (or, before a recompute, will hold) its
+    /// data in `format`. Nothing is copied: the caller placed the bytes there.
+    ///
+    /// # Safety
+    /// As [`ChunkedKv::attach`].
+    pub unsafe fn attach_as(&mut self, i: usize, ptr: NonNull<u8>, len: usize, format: KvFormat) -> Result<(), KvError> {
+        let need = self.geom.chunk_bytes(format);
+        if len < need {
+            return Err(KvError::TooSmall { chunk: i, len, need, format: format.name() });
+        }
+        self.chunks[i] = Chunk { mem: Mem::External { ptr, len }, format };
+        Ok(())
+    }
 }

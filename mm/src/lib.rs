@@ -3,13 +3,21 @@
 //!
 //! What it is for: policy — which chunk lives where, in which format, and when it moves. The
 //! mechanism (userfaultfd slots) is `uffd_handler`; the numerics (chunk formats, recompute)
-//! are the engine's, reached through the [`KvContext`] trait so mm stays model-agnostic.
+//! are the engine's, reached through the [`KvContext`] and [`Codec`] traits so mm stays
+//! model-agnostic.
 
+mod context;
 mod lctru;
+pub mod levels;
+mod manager;
 mod planner;
+mod profile;
 pub mod ring;
 pub mod store;
 
+pub use context::{prefix_hashes, Codec, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};
-pub use planner::{plan, Linear, Plan};
+pub use manager::{ChunkInfo, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, Strategy};
+pub use planner::{plan, plan_forced, Linear, Plan};
+pub use profile::{Profile, ProfileError};
 pub use store::{RecordMeta, Store, StoreError, StoreGeometry};

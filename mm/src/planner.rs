@@ -58,6 +58,13 @@ pub struct Plan {
 
 /// Plans the load of chunks of the given byte sizes.
 pub fn plan(sizes: &[u64], recompute: Linear, io: Linear) -> Plan {
+    plan_forced(sizes, 0, recompute, io)
+}
+
+/// As [`plan`], with `forced` more chunks that must be recomputed whatever the split (their
+/// records are missing): recomputing x of the readable ones costs `T_re(forced + x)`.
+pub fn plan_forced(sizes: &[u64], forced: usize, recompute: Linear, io: Linear) -> Plan {
+    let forced = forced as u64;
     let mut order: Vec<usize> = (0..sizes.len()).collect();
     order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
     let total: u64 = sizes.iter().sum();
@@ -68,7 +75,7 @@ pub fn plan(sizes: &[u64], recompute: Linear, io: Linear) -> Plan {
             removed += sizes[order[x - 1]];
         }
         let read = total - removed;
-        let t = recompute.at(x as u64).max(io.at(read));
+        let t = recompute.at(forced + x as u64).max(io.at(read));
         if best.is_none_or(|(b, _, _)| t < b) {
             best = Some((t, x, read));
         }
@@ -76,7 +83,7 @@ pub fn plan(sizes: &[u64], recompute: Linear, io: Linear) -> Plan {
     let (t_total, x, read_bytes) = best.unwrap_or((0.0, 0, total));
     let mut rec: Vec<usize> = order[..x].to_vec();
     rec.sort_unstable();
-    Plan { t_recompute: recompute.at(x as u64), t_io: io.at(read_bytes), recompute: rec, read_bytes, t_total }
+    Plan { t_recompute: recompute.at(forced + x as u64), t_io: io.at(read_bytes), recompute: rec, read_bytes, t_total }
 }
 
 #[cfg(test)]

@@ -891,6 +891,30 @@ impl Region {
         Ok(())
     }
 
+    /// Keeps only the first `len` bytes (rounded up to pages) of a resident slot and returns
+    /// the rest of its pages (a chunk converted in place to a smaller format). Touching the
+    /// dropped tail afterwards raises SIGBUS, as any touch past a slot's data does.
+    pub fn shrink(&self, slot: usize, len: usize) -> Result<()> {
+        self.inner.check(slot)?;
+        let r = &self.inner;
+        let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut slots[slot];
+        let keep = len.div_ceil(PAGE);
+        if s.state != SlotState::Resident || keep >= s.filled_pages {
+            return Ok(());
+        }
+        // SAFETY: the tail pages of our own slot; the slot stays resident with fewer pages.
+        let rc = unsafe { libc::madvise(self.slot_ptr(slot).add(keep * PAGE).cast(), (s.filled_pages - keep) * PAGE, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(UffdError::Ioctl { op: "MADV_DONTNEED", region: r.id, slot, source: Errno::last() });
+        }
+        let freed = (s.filled_pages - keep) * PAGE;
+        s.filled_pages = keep;
+        drop(slots);
+        r.stats.evicted(freed);
+        Ok(())
+    }
+
     /// Whether writes to this region are tracked by the kernel (WP_ASYNC).
     pub fn tracks_writes(&self) -> bool {
         self.inner.wp

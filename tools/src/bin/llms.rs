@@ -404,7 +404,14 @@ fn run(cli: Cli) -> Result<()> {
                     if chunk_tokens == 0 || chunk_tokens > ctx {
                         bail!("--chunk-tokens must be between 1 and --ctx");
                     }
-                    let (r, ratio) = engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens)?;
+                    // The mix's levels are mm's policy (eq. 2-3), over {int8, q4, q2}.
+                    let codec = tools::kvmm::EngineCodec::new(&model, chunk_tokens);
+                    let levels = [engine::kv::KvFormat::Int8, engine::kv::KvFormat::Q4, engine::kv::KvFormat::Q2];
+                    let sizes = levels.map(|f| codec.geom.chunk_bytes(f) as f64);
+                    let losses = levels.map(|f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, tools::kvmm::code(f))));
+                    let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
+                    let choose = |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect();
+                    let (r, ratio) = engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose)?;
                     (r, Some(ratio))
                 }
             };

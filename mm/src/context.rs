@@ -1,0 +1,75 @@
+//! What mm needs from the inference engine, as traits: mm stays model-agnostic (the engine
+//! adapter lives in `tools`).
+
+use std::ptr::NonNull;
+
+/// A chunk format code, the codec's (mm only compares and sizes them).
+pub type Format = u32;
+
+/// Sizes of the chunk formats of one model.
+pub trait Codec: Send + Sync {
+    fn n_layers(&self) -> usize;
+    /// Bytes of one layer of one chunk in format `f`.
+    fn layer_bytes(&self, f: Format) -> usize;
+    /// Bytes of a chunk in format `f` (its layers, contiguous).
+    fn chunk_bytes(&self, f: Format) -> usize {
+        self.n_layers() * self.layer_bytes(f)
+    }
+    fn chunk_tokens(&self) -> usize;
+    /// Bits per value of `f` (the compression level's weight in eq. 3).
+    fn bits(&self, f: Format) -> u32;
+    fn name(&self, f: Format) -> &'static str;
+    /// A fingerprint of the model and codec: records of another model are never read.
+    fn fingerprint(&self) -> u64;
+}
+
+/// One context's KV cache as the engine holds it, for the duration of a call into mm.
+pub trait KvContext {
+    /// The format new chunks are written in.
+    fn base(&self) -> Format;
+    /// The tokens whose K/V the cache holds (or will hold once loaded), in position order.
+    fn tokens(&self) -> &[u32];
+    /// Chunks the cache has.
+    fn n_chunks(&self) -> usize;
+    fn format(&self, chunk: usize) -> Format;
+    /// Points `chunk` at memory holding its data in `format` (nothing is copied).
+    ///
+    /// # Safety
+    /// `ptr` is valid for `len` bytes for as long as it is attached and nothing else writes
+    /// it meanwhile.
+    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), String>;
+    /// Copies `chunk` into memory the caller manages (used for chunks the engine created on
+    /// its own heap).
+    ///
+    /// # Safety
+    /// As [`KvContext::attach`].
+    unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), String>;
+    /// Appends an empty chunk in the base format backed by `ptr`.
+    ///
+    /// # Safety
+    /// As [`KvContext::attach`].
+    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), String>;
+    /// Converts `chunk` to `to` in its memory.
+    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), String>;
+    /// Recomputes the K/V of the given chunks (attached, in the base format) from their
+    /// tokens, layer by layer; `before_layer(l)` runs before layer `l`.
+    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), String>;
+    /// Information density of each chunk (LLMS eq. 1), if the engine observes attention.
+    fn densities(&self) -> Option<Vec<f64>>;
+}
+
+/// FNV-1a over token ids: the hash of a chunk's prefix names the tokens its K/V came from.
+pub fn prefix_hashes(tokens: &[u32], chunk_tokens: usize) -> Vec<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut out = Vec::with_capacity(tokens.len().div_ceil(chunk_tokens.max(1)));
+    for (i, &t) in tokens.iter().enumerate() {
+        for b in t.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        if (i + 1) % chunk_tokens.max(1) == 0 || i + 1 == tokens.len() {
+            out.push(h);
+        }
+    }
+    out
+}

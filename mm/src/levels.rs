@@ -1,0 +1,156 @@
+//! Tolerance-aware compression (LLMS §3.2, eq. 1-3): which level each chunk of a context is
+//! held at, given the chunks' information densities and the global average size ratio the OS
+//! configured.
+//!
+//! Eq. 2 assigns levels by thresholds on density: the densest chunks keep the most bits, so
+//! a solution is a set of counts `n_0..n_{k-1}` over the density ranking. Eq. 3 chooses the
+//! thresholds. Read literally it weights each level's densities by `1/ratio`, which would
+//! send the densest chunks to the smallest level; its text means "maximise the information
+//! retained under the size constraint". We score a level by the information it *loses*,
+//! `density x error`, with the error of a b-bit linear quantizer taken as `2^-b`, and
+//! minimise the total loss subject to `sum(size) <= ratio * n * size_0`. Scoring retained
+//! information as `density x bits` was measured worse (docs/kv.md): it spends the budget on
+//! 2-bit chunks to keep a few at 8 bits. The search is exhaustive over the thresholds with
+//! prefix sums: O(n^(k-1)) for k levels (n^2 for the default three).
+
+/// The loss weight of a level of `bits` bits.
+pub fn loss_of_bits(bits: u32) -> f64 {
+    2f64.powi(-i32::try_from(bits).unwrap_or(i32::MAX))
+}
+
+/// Levels (indices into `sizes`/`losses`, 0 = heaviest) for chunks of the given densities:
+/// monotone in density, the least total `density x loss`, average size within `ratio` of
+/// level 0. With a ratio below what the smallest level reaches, every chunk gets the smallest.
+#[allow(clippy::cast_precision_loss)]
+pub fn choose_levels(densities: &[f64], sizes: &[f64], losses: &[f64], ratio: f64) -> Vec<usize> {
+    let n = densities.len();
+    let k = sizes.len().min(losses.len());
+    if k == 0 || n == 0 {
+        return vec![0; n];
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| densities[b].total_cmp(&densities[a]).then(a.cmp(&b)));
+    let mut prefix = vec![0.0; n + 1];
+    for (r, &i) in order.iter().enumerate() {
+        prefix[r + 1] = prefix[r] + densities[i].max(0.0);
+    }
+    let budget = ratio * n as f64 * sizes[0] + 1e-9 * sizes[0];
+    let mut counts = vec![0usize; k];
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    search(&prefix, sizes, losses, budget, 0, 0, 0.0, 0.0, &mut counts, &mut best);
+    let counts = best.map_or_else(
+        || {
+            let mut all_smallest = vec![0; k];
+            all_smallest[k - 1] = n;
+            all_smallest
+        },
+        |(_, c)| c,
+    );
+    let mut out = vec![k - 1; n];
+    let mut rank = 0;
+    for (level, &c) in counts.iter().enumerate() {
+        for &i in &order[rank..rank + c] {
+            out[i] = level;
+        }
+        rank += c;
+    }
+    out
+}
+
+/// Chooses the count of `level` (the next ranks), then recurses; the last level takes the rest.
+#[allow(clippy::too_many_arguments, clippy::cast_precision_loss)]
+fn search(
+    prefix: &[f64],
+    sizes: &[f64],
+    losses: &[f64],
+    budget: f64,
+    level: usize,
+    start: usize,
+    size: f64,
+    loss: f64,
+    counts: &mut Vec<usize>,
+    best: &mut Option<(f64, Vec<usize>)>,
+) {
+    let n = prefix.len() - 1;
+    let k = counts.len();
+    let take_all = level + 1 == k;
+    let lo = if take_all { n - start } else { 0 };
+    for c in lo..=n - start {
+        let s = size + c as f64 * sizes[level];
+        // Every remaining chunk costs at least the smallest level.
+        if s + (n - start - c) as f64 * sizes[k - 1] > budget {
+            break;
+        }
+        let l = loss + losses[level] * (prefix[start + c] - prefix[start]);
+        counts[level] = c;
+        if take_all {
+            if best.as_ref().is_none_or(|(b, _)| l < *b) {
+                *best = Some((l, counts.clone()));
+            }
+        } else {
+            search(prefix, sizes, losses, budget, level + 1, start + c, s, l, counts, best);
+        }
+    }
+    counts[level] = 0;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: &mut u64) -> f64 {
+        *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (*seed >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Equal to brute force over every assignment; monotone in density; within budget and
+    /// within one chunk's step of it.
+    #[test]
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    fn optimal_monotone_and_on_target() {
+        let mut seed = 11;
+        let sizes = [190_080.0, 120_960.0, 74_880.0];
+        let losses = [loss_of_bits(8), loss_of_bits(4), loss_of_bits(2)];
+        for _ in 0..300 {
+            let n = 1 + (rng(&mut seed) * 7.0) as usize;
+            let d: Vec<f64> = (0..n).map(|_| rng(&mut seed) + 1e-3).collect();
+            let ratio = 0.3 + rng(&mut seed) * 0.75;
+            let got = choose_levels(&d, &sizes, &losses, ratio);
+            let size = |v: &[usize]| v.iter().map(|&l| sizes[l]).sum::<f64>();
+            let loss = |v: &[usize]| v.iter().zip(&d).map(|(&l, x)| losses[l] * x).sum::<f64>();
+            let budget = ratio * n as f64 * sizes[0];
+            let mut best = f64::INFINITY;
+            for code in 0..3usize.pow(n as u32) {
+                let v: Vec<usize> = (0..n).map(|i| code / 3usize.pow(i as u32) % 3).collect();
+                if size(&v) <= budget + 1e-6 {
+                    best = best.min(loss(&v));
+                }
+            }
+            if best.is_infinite() {
+                assert!(got.iter().all(|&l| l == 2), "nothing fits: all smallest");
+                continue;
+            }
+            assert!((loss(&got) - best).abs() < 1e-12, "{d:?} ratio {ratio}: {got:?}");
+            assert!(size(&got) <= budget + 1e-6);
+            // On target: one more chunk moved up a level would not fit.
+            assert!(budget - size(&got) < sizes[0] - sizes[2] || got.iter().all(|&l| l == 0), "{got:?} leaves budget unused");
+            for i in 0..n {
+                for j in 0..n {
+                    if d[i] > d[j] {
+                        assert!(got[i] <= got[j], "a denser chunk got fewer bits");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn extremes() {
+        let sizes = [4.0, 2.0, 1.0];
+        let losses = [0.1, 0.5, 1.0];
+        assert_eq!(choose_levels(&[0.3, 0.9, 0.1], &sizes, &losses, 1.0), vec![0, 0, 0]);
+        assert_eq!(choose_levels(&[0.3, 0.9, 0.1], &sizes, &losses, 0.01), vec![2, 2, 2]);
+        assert_eq!(choose_levels(&[0.3, 0.9, 0.1], &sizes, &losses, 0.5), vec![2, 0, 2], "4+1+1 beats 2+2+2");
+        assert!(choose_levels(&[], &sizes, &losses, 0.5).is_empty());
+    }
+}

@@ -1,0 +1,940 @@
+//! The context memory manager: the chunk table of every context, the budget, reclaim through
+//! the LCTRU queue, ahead-of-time swap-out, and loading a context back (the swap-recompute
+//! pipeline). One call into a context is `prepare` (room for new tokens), `begin` (load and
+//! lock), the engine's work, `end` (re-level, unlock, write out, reclaim).
+
+use std::collections::{HashMap, HashSet};
+use std::ptr::NonNull;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, Staging, PAGE};
+
+use crate::context::{prefix_hashes, Codec, Format, KvContext};
+use crate::lctru::{ChunkId, Lctru};
+use crate::levels::{choose_levels, loss_of_bits};
+use crate::planner::{plan_forced, Plan};
+use crate::profile::Profile;
+use crate::ring::{Op, Ring};
+use crate::store::{AlignedBuf, Entry, RecordMeta, Store, StoreError};
+
+/// How contexts are kept: LLMS and the baselines it is compared with, over the same store
+/// and engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Tolerance-aware levels, LCTRU, AoT swap-out, the swap-recompute pipeline.
+    Llms,
+    /// Chunks, every chunk int8, swapped out at reclaim, LRU, loads read everything.
+    VllmSq,
+    /// Chunks in the base format, swapped out at reclaim, LRU, loads read everything.
+    VllmS,
+    /// Whole contexts swapped out and in.
+    Swap,
+    /// Whole contexts dropped under pressure and recomputed when called.
+    Lmk,
+}
+
+impl Policy {
+    pub const ALL: [Self; 5] = [Self::Llms, Self::VllmSq, Self::VllmS, Self::Swap, Self::Lmk];
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llms => "llms",
+            Self::VllmSq => "vllm-sq",
+            Self::VllmS => "vllm-s",
+            Self::Swap => "swap",
+            Self::Lmk => "lmk",
+        }
+    }
+}
+
+/// Configuration of the manager.
+#[derive(Debug, Clone)]
+pub struct MmConfig {
+    pub policy: Policy,
+    /// Bytes of resident chunk memory allowed (pinned working sets may exceed it).
+    pub budget: usize,
+    /// Average chunk size as a fraction of the heaviest level (the `llms` policy's global
+    /// compression ratio, eq. 3).
+    pub ratio: f64,
+    /// The compression levels of the `llms` policy, heaviest first (format codes).
+    pub levels: Vec<Format>,
+    /// Chunks per context (its slots).
+    pub max_chunks: usize,
+}
+
+/// Errors of the manager.
+#[derive(Debug, thiserror::Error)]
+pub enum MmError {
+    #[error(transparent)]
+    Uffd(#[from] uffd_handler::UffdError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("engine: {0}")]
+    Engine(String),
+    #[error("no context {0}")]
+    NoContext(u64),
+    #[error("context {0} already exists")]
+    Exists(u64),
+    #[error("context {ctx}: {need} chunks needed, a context has at most {max}")]
+    TooLong { ctx: u64, need: usize, max: usize },
+    #[error("swap store i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, MmError>;
+
+/// How to load the missing chunks of a context (the planner's choice, or a forced one for
+/// measurements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Planned,
+    AllRead,
+    AllRecompute,
+}
+
+/// What a load did.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    pub missing: usize,
+    pub read: usize,
+    pub recomputed: usize,
+    /// Chunks whose record was missing, stale or failed its checksum (recomputed instead).
+    pub unreadable: usize,
+    pub read_bytes: u64,
+    /// The planner's prediction, if it ran.
+    pub plan: Option<Plan>,
+    /// Seconds: the whole load, and the time the pipeline waited on reads.
+    pub seconds: f64,
+    pub io_wait: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ChunkMeta {
+    level: Format,
+    tokens: u32,
+    prefix_hash: u64,
+    density: f64,
+}
+
+#[derive(Debug)]
+struct Ctx {
+    region: Arc<Region>,
+    chunks: Vec<ChunkMeta>,
+    in_call: bool,
+}
+
+/// One row of the chunk table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ChunkInfo {
+    pub state: SlotState,
+    pub format: Format,
+    pub tokens: u32,
+    pub density: f64,
+    /// The store holds this exact version (format, tokens, prefix).
+    pub on_flash: bool,
+}
+
+/// Counters of the manager's work.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct MmStats {
+    pub evicted_chunks: u64,
+    pub evicted_bytes: u64,
+    pub written_sync: u64,
+    pub written_aot: u64,
+    pub releveled: u64,
+    pub killed_contexts: u64,
+}
+
+type Expected = Arc<Mutex<HashMap<ChunkId, RecordMeta>>>;
+
+/// Serves a faulting slot from the swap store: the safety net when something reads a chunk
+/// mm did not load. A chunk without a valid record cannot be produced here (recompute needs
+/// the engine), so the slot is poisoned and the reader gets SIGBUS rather than zeros.
+struct StoreSource {
+    store: Arc<Store>,
+    expected: Expected,
+    context: u64,
+}
+
+impl SlotSource for StoreSource {
+    fn fill(&self, _region: RegionId, slot: usize, buf: &mut [u8]) -> std::result::Result<usize, SourceError> {
+        let chunk = u32::try_from(slot)?;
+        let want = self.expected.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.context, chunk)).copied();
+        let want = want.ok_or_else(|| format!("context {} chunk {chunk} has no data", self.context))?;
+        Ok(self.store.read(&want, buf)?)
+    }
+}
+
+struct WriteJob {
+    region: Arc<Region>,
+    meta: RecordMeta,
+    len: usize,
+}
+
+/// The AoT writer: a thread that writes chunks modified by a call right after it returns.
+struct Writer {
+    tx: Option<Sender<WriteJob>>,
+    pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn spawn(store: Arc<Store>) -> Self {
+        let (tx, rx) = mpsc::channel::<WriteJob>();
+        let pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)> = Arc::default();
+        let p = Arc::clone(&pending);
+        let handle = std::thread::Builder::new()
+            .name("llms-aot-writer".into())
+            .spawn(move || writer_loop(&store, &rx, &p))
+            .expect("spawn the AoT writer");
+        Self { tx: Some(tx), pending, handle: Some(handle) }
+    }
+
+    fn is_pending(&self, c: ChunkId) -> bool {
+        self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).contains(&c)
+    }
+
+    fn wait_idle(&self) {
+        let (m, cv) = &*self.pending;
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while !g.is_empty() {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn writer_loop(store: &Store, rx: &Receiver<WriteJob>, pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar)) {
+    let Ok(mut ring) = Ring::new(64) else {
+        eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
+        // Drain jobs, releasing their pins, so nothing waits on us.
+        for job in rx {
+            let _ = job.region.unpin(job.meta.chunk as usize);
+            finish(pending, &[(job.meta.context, job.meta.chunk)]);
+        }
+        return;
+    };
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while jobs.len() < 32 {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let mut copies = Vec::with_capacity(jobs.len());
+        for j in &jobs {
+            let slot = j.meta.chunk as usize;
+            // The slot is pinned (by `end`): clean first, so a write after the copy is seen.
+            let _ = j.region.clean(slot);
+            let mut buf = vec![0u8; j.len];
+            // SAFETY: the slot is resident and pinned; len is within its data.
+            buf.copy_from_slice(unsafe { std::slice::from_raw_parts(j.region.slot_ptr(slot), j.len) });
+            copies.push(buf);
+        }
+        // Duplicates (a chunk written twice before we got here): keep the last.
+        let mut batch: Vec<(RecordMeta, &[u8])> = Vec::new();
+        for (j, b) in jobs.iter().zip(&copies).rev() {
+            if !batch.iter().any(|(m, _)| (m.context, m.chunk) == (j.meta.context, j.meta.chunk)) {
+                batch.push((j.meta, b));
+            }
+        }
+        if let Err(e) = store.write_batch(&mut ring, &batch) {
+            eprintln!("llms: AoT write of {} chunk(s) failed: {e}; they will be written at reclaim", batch.len());
+        }
+        for j in &jobs {
+            let _ = j.region.unpin(j.meta.chunk as usize);
+        }
+        let ids: Vec<ChunkId> = jobs.iter().map(|j| (j.meta.context, j.meta.chunk)).collect();
+        finish(pending, &ids);
+    }
+}
+
+fn finish(pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar), ids: &[ChunkId]) {
+    let mut g = pending.0.lock().unwrap_or_else(|e| e.into_inner());
+    for id in ids {
+        g.remove(id);
+    }
+    pending.1.notify_all();
+}
+
+/// The memory manager of a set of contexts.
+pub struct Manager {
+    cfg: MmConfig,
+    codec: Arc<dyn Codec>,
+    pager: Pager,
+    store: Arc<Store>,
+    profile: Option<Profile>,
+    ctxs: HashMap<u64, Ctx>,
+    lctru: Lctru,
+    expected: Expected,
+    writer: Option<Writer>,
+    ring: Ring,
+    slot_size: usize,
+    zero: Staging,
+    pub stats: MmStats,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager").field("policy", &self.cfg.policy).field("contexts", &self.ctxs.len()).finish_non_exhaustive()
+    }
+}
+
+fn engine(e: String) -> MmError {
+    MmError::Engine(e)
+}
+
+impl Manager {
+    /// A manager over `store`, with chunk sizes from `codec`. `profile` enables the planner
+    /// (without it the `llms` policy reads every chunk it can).
+    pub fn new(cfg: MmConfig, codec: Arc<dyn Codec>, store: Arc<Store>, profile: Option<Profile>) -> Result<Self> {
+        let pager = Pager::new()?;
+        let max = cfg.levels.iter().map(|&f| codec.chunk_bytes(f)).max().unwrap_or(0);
+        let slot_size = max.max(1).div_ceil(PAGE) * PAGE;
+        let n_levels = if cfg.policy == Policy::Llms { cfg.levels.len() } else { 1 };
+        let writer = (cfg.policy == Policy::Llms).then(|| Writer::spawn(Arc::clone(&store)));
+        Ok(Self {
+            lctru: Lctru::new(n_levels),
+            cfg,
+            codec,
+            pager,
+            store,
+            profile,
+            ctxs: HashMap::new(),
+            expected: Arc::default(),
+            writer,
+            ring: Ring::new(256)?,
+            slot_size,
+            zero: Staging::new(slot_size)?,
+            stats: MmStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &MmConfig {
+        &self.cfg
+    }
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+    pub fn set_budget(&mut self, bytes: usize) -> Result<usize> {
+        self.cfg.budget = bytes;
+        self.reclaim()
+    }
+    pub fn set_profile(&mut self, p: Option<Profile>) {
+        self.profile = p;
+    }
+
+    /// Bytes of chunk memory resident now (populated pages of every context's slots).
+    pub fn resident_bytes(&self) -> usize {
+        self.ctxs.values().map(|c| c.region.resident_bytes()).sum()
+    }
+
+    /// Bytes resident for one context.
+    pub fn context_bytes(&self, ctx: u64) -> usize {
+        self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes())
+    }
+
+    /// The address range of a context's slots (for tests and metrics).
+    pub fn region_range(&self, ctx: u64) -> Option<(usize, usize)> {
+        self.ctxs.get(&ctx).map(|c| (c.region.slot_ptr(0) as usize, c.region.slot_size() * c.region.n_slots()))
+    }
+
+    /// A chunk's row of the table.
+    pub fn chunk_info(&self, ctx: u64, chunk: usize) -> Option<ChunkInfo> {
+        let c = self.ctxs.get(&ctx)?;
+        let m = c.chunks.get(chunk)?;
+        Some(ChunkInfo {
+            state: c.region.state(chunk).ok()?,
+            format: m.level,
+            tokens: m.tokens,
+            density: m.density,
+            on_flash: m.tokens > 0 && self.store.matches(&self.meta(ctx, chunk, m)),
+        })
+    }
+
+    /// Chunks mm knows for a context.
+    pub fn n_chunks(&self, ctx: u64) -> usize {
+        self.ctxs.get(&ctx).map_or(0, |c| c.chunks.len())
+    }
+
+    pub fn contexts(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.ctxs.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Registers a context with no chunks.
+    pub fn create(&mut self, ctx: u64) -> Result<()> {
+        if self.ctxs.contains_key(&ctx) {
+            return Err(MmError::Exists(ctx));
+        }
+        let src = Arc::new(StoreSource { store: Arc::clone(&self.store), expected: Arc::clone(&self.expected), context: ctx });
+        let region = self.pager.region_with(self.slot_size, self.cfg.max_chunks.max(1), src, true)?;
+        self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false });
+        Ok(())
+    }
+
+    /// Deletes a context: its memory and its records.
+    pub fn delete(&mut self, ctx: u64) -> Result<()> {
+        let c = self.ctxs.remove(&ctx).ok_or(MmError::NoContext(ctx))?;
+        if let Some(w) = &self.writer {
+            w.wait_idle();
+        }
+        for i in 0..c.chunks.len() {
+            self.lctru.remove((ctx, chunk_u32(i)));
+        }
+        self.expected.lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| k.0 != ctx);
+        drop(c);
+        self.store.remove_context(ctx)?;
+        Ok(())
+    }
+
+    fn ctx(&self, ctx: u64) -> Result<&Ctx> {
+        self.ctxs.get(&ctx).ok_or(MmError::NoContext(ctx))
+    }
+
+    fn level_index(&self, f: Format) -> usize {
+        if self.cfg.policy == Policy::Llms {
+            self.cfg.levels.iter().position(|&l| l == f).unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    fn meta(&self, ctx: u64, i: usize, m: &ChunkMeta) -> RecordMeta {
+        RecordMeta { context: ctx, chunk: chunk_u32(i), format: m.level, tokens: m.tokens, prefix_hash: m.prefix_hash }
+    }
+
+    /// Loads every chunk of `ctx` that is not resident and pins them all for the call.
+    pub fn begin(&mut self, ctx: u64, kv: &mut dyn KvContext, strategy: Strategy) -> Result<LoadReport> {
+        let t0 = Instant::now();
+        let ct = self.codec.chunk_tokens();
+        let hashes = prefix_hashes(kv.tokens(), ct);
+        let n_tok = kv.tokens().len();
+        let region = Arc::clone(&self.ctx(ctx)?.region);
+        let n = kv.n_chunks();
+        if n > region.n_slots() {
+            return Err(MmError::TooLong { ctx, need: n, max: region.n_slots() });
+        }
+        // The table follows the engine: chunks the engine has that mm has not seen yet are
+        // adopted in `end`; here every known chunk is checked for residency.
+        let mut missing = Vec::new();
+        {
+            let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
+            c.in_call = true;
+            for i in 0..n.min(c.chunks.len()) {
+                let tokens = n_tok.saturating_sub(i * ct).min(ct);
+                c.chunks[i].tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
+                c.chunks[i].prefix_hash = hashes.get(i).copied().unwrap_or(0);
+                if region.state(i)? != SlotState::Resident {
+                    missing.push(i);
+                }
+            }
+        }
+        let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
+        let need: usize = missing.iter().map(|&i| self.chunk_len(ctx, i)).sum();
+        self.reclaim_for(need)?;
+        if !missing.is_empty() {
+            self.load(ctx, kv, &region, &missing, strategy, &mut report)?;
+        }
+        for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
+            region.pin(i)?;
+        }
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn chunk_len(&self, ctx: u64, i: usize) -> usize {
+        self.ctxs.get(&ctx).and_then(|c| c.chunks.get(i)).map_or(0, |m| self.codec.chunk_bytes(m.level))
+    }
+
+    /// The swap-recompute pipeline over the missing chunks.
+    #[allow(clippy::too_many_lines)]
+    fn load(
+        &mut self,
+        ctx: u64,
+        kv: &mut dyn KvContext,
+        region: &Arc<Region>,
+        missing: &[usize],
+        strategy: Strategy,
+        report: &mut LoadReport,
+    ) -> Result<()> {
+        let nl = self.codec.n_layers();
+        let base = kv.base();
+        let metas: Vec<(usize, RecordMeta)> = {
+            let c = self.ctx(ctx)?;
+            missing.iter().map(|&i| (i, self.meta(ctx, i, &c.chunks[i]))).collect()
+        };
+        // Which chunks can be read: a record that matches exactly (format, tokens, prefix).
+        let mut readable: Vec<(usize, Entry)> = Vec::new();
+        let mut forced: Vec<usize> = Vec::new();
+        for (i, m) in &metas {
+            if m.tokens == 0 {
+                continue; // an empty chunk: zeros
+            }
+            match (self.cfg.policy, self.store.expect(m)) {
+                (Policy::Lmk, _) | (_, Err(_)) => forced.push(*i),
+                (_, Ok(e)) => readable.push((*i, e)),
+            }
+        }
+        report.unreadable = if self.cfg.policy == Policy::Lmk { 0 } else { forced.len() };
+        // The split (eq. 4): which readable chunks to recompute instead.
+        let mut recompute = forced.clone();
+        match strategy {
+            Strategy::AllRecompute => recompute.extend(readable.drain(..).map(|(i, _)| i)),
+            Strategy::AllRead => {}
+            Strategy::Planned => {
+                if let (Policy::Llms, Some(p)) = (self.cfg.policy, &self.profile) {
+                    let sizes: Vec<u64> = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).collect();
+                    let pl = plan_forced(&sizes, forced.len(), p.recompute, p.io);
+                    let chosen: HashSet<usize> = pl.recompute.iter().copied().collect();
+                    let mut keep = Vec::new();
+                    for (k, (i, e)) in readable.into_iter().enumerate() {
+                        if chosen.contains(&k) {
+                            recompute.push(i);
+                        } else {
+                            keep.push((i, e));
+                        }
+                    }
+                    readable = keep;
+                    report.plan = Some(pl);
+                }
+            }
+        }
+        recompute.sort_unstable();
+        report.read = readable.len();
+        report.recomputed = recompute.len();
+
+        // Staging memory for every missing chunk: the engine reads and writes it during the
+        // load; afterwards its pages move into the slots.
+        let mut staging: HashMap<usize, Staging> = HashMap::new();
+        for &i in missing {
+            staging.insert(i, Staging::new(self.slot_size)?);
+        }
+        let levels: HashMap<usize, Format> = metas.iter().map(|(i, m)| (*i, m.format)).collect();
+        for (&i, s) in &mut staging {
+            let f = if recompute.contains(&i) { base } else { levels[&i] };
+            let ptr = NonNull::new(s.as_mut_slice().as_mut_ptr()).expect("mapped");
+            // SAFETY: the staging buffer lives until the chunk is re-attached to its slot below.
+            unsafe { kv.attach(i, ptr, s.len(), f) }.map_err(engine)?;
+        }
+
+        // Per-layer reads: layer l of every read chunk in one batch, two layers in flight.
+        let mut reader = LayerReader::new(&self.store, ctx, &readable, &mut staging, nl)?;
+        reader.start()?;
+        if !recompute.is_empty() {
+            kv.recompute(&recompute, &mut |l| reader.step(l)).map_err(engine)?;
+        }
+        let (crcs, io_wait) = reader.finish()?;
+        report.io_wait = io_wait;
+        report.read_bytes = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).sum();
+
+        // A read that failed its checksum is recomputed now, with every recomputed chunk
+        // after it (they attended to the bad bytes).
+        let bad: Vec<usize> = readable.iter().zip(&crcs).filter(|((_, e), c)| **c != e.payload_crc).map(|((i, _), _)| *i).collect();
+        if let Some(&first) = bad.iter().min() {
+            eprintln!("llms: context {ctx}: {} chunk record(s) failed their checksum; recomputing", bad.len());
+            let mut redo: Vec<usize> = bad.iter().copied().chain(recompute.iter().copied().filter(|&i| i > first)).collect();
+            redo.sort_unstable();
+            redo.dedup();
+            for &i in &redo {
+                let s = staging.get_mut(&i).expect("staged");
+                let ptr = NonNull::new(s.as_mut_slice().as_mut_ptr()).expect("mapped");
+                // SAFETY: as above.
+                unsafe { kv.attach(i, ptr, s.len(), base) }.map_err(engine)?;
+                self.store.invalidate(ctx, chunk_u32(i));
+            }
+            kv.recompute(&redo, &mut |_| {}).map_err(engine)?;
+            report.unreadable += bad.len();
+            report.read -= bad.len();
+            report.recomputed += bad.len();
+            recompute = redo;
+        }
+        // Recomputed chunks come back in the base format: lower them to their level.
+        for &i in &recompute {
+            if levels[&i] != base {
+                kv.convert(i, levels[&i]).map_err(engine)?;
+            }
+        }
+        // Install: the staged pages move into the slots, and the engine reads the slots.
+        for &i in missing {
+            let len = self.codec.chunk_bytes(levels[&i]);
+            let s = staging.get_mut(&i).expect("staged");
+            region.populate_from(i, s, len)?;
+            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+            // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
+            unsafe { kv.attach(i, ptr, self.slot_size, levels[&i]) }.map_err(engine)?;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `positions` positions: new chunks get slots (claimed from the budget,
+    /// zero-filled, in the base format) and are attached to the engine's cache. Call it
+    /// before `begin`, or during a call before the engine writes more positions.
+    pub fn prepare(&mut self, ctx: u64, kv: &mut dyn KvContext, positions: usize) -> Result<()> {
+        let ct = self.codec.chunk_tokens();
+        let want = positions.div_ceil(ct);
+        let region = Arc::clone(&self.ctx(ctx)?.region);
+        if want > region.n_slots() {
+            return Err(MmError::TooLong { ctx, need: want, max: region.n_slots() });
+        }
+        let base = kv.base();
+        let len = self.codec.chunk_bytes(base);
+        while kv.n_chunks() < want {
+            let i = kv.n_chunks();
+            self.reclaim_for(len)?;
+            self.claim(&region, i, len)?;
+            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+            // SAFETY: the slot is resident and pinned for the call.
+            unsafe { kv.push_chunk(ptr, self.slot_size) }.map_err(engine)?;
+            let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
+            // Inside a call the new chunk joins the pinned working set (`end` unpins it);
+            // before one, `begin` pins it with the rest. New chunks are not in LCTRU until
+            // `end`, so reclaim cannot take them meanwhile.
+            if c.in_call {
+                region.pin(i)?;
+            }
+            c.chunks.push(ChunkMeta { level: base, tokens: 0, prefix_hash: 0, density: 0.0 });
+        }
+        Ok(())
+    }
+
+    /// Populates a slot with zeros.
+    fn claim(&mut self, region: &Region, i: usize, len: usize) -> Result<()> {
+        if region.state(i)? == SlotState::Resident {
+            region.discard(i)?;
+        }
+        region.populate_from(i, &mut self.zero, len)?;
+        // MOVE took the pages; give them back so the next claim starts from zeros too.
+        self.zero.as_mut_slice()[..len].fill(0);
+        Ok(())
+    }
+
+    /// After a call: take over chunks the engine created, re-pick levels, unlock, write what
+    /// changed (AoT), and bring memory back within the budget.
+    pub fn end(&mut self, ctx: u64, kv: &mut dyn KvContext) -> Result<()> {
+        let ct = self.codec.chunk_tokens();
+        let region = Arc::clone(&self.ctx(ctx)?.region);
+        let n = kv.n_chunks();
+        if n > region.n_slots() {
+            return Err(MmError::TooLong { ctx, need: n, max: region.n_slots() });
+        }
+        // Chunks the engine allocated itself (more tokens than prepared): copy into slots.
+        let known = self.ctx(ctx)?.chunks.len();
+        for i in known..n {
+            let len = self.codec.chunk_bytes(kv.format(i));
+            self.claim(&region, i, len)?;
+            region.pin(i)?;
+            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+            // SAFETY: resident and pinned.
+            unsafe { kv.adopt(i, ptr, self.slot_size) }.map_err(engine)?;
+            let f = kv.format(i);
+            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(ChunkMeta {
+                level: f,
+                tokens: 0,
+                prefix_hash: 0,
+                density: 0.0,
+            });
+        }
+        let hashes = prefix_hashes(kv.tokens(), ct);
+        let n_tok = kv.tokens().len();
+        let dens = kv.densities();
+        // Re-level (eq. 2-3) the full chunks; only changed, resident chunks are re-encoded.
+        let mut targets: Vec<Option<Format>> = vec![None; n];
+        if self.cfg.policy == Policy::Llms && self.cfg.levels.len() > 1 {
+            if let Some(d) = &dens {
+                let full = (n_tok / ct).min(n);
+                let sizes: Vec<f64> = self.cfg.levels.iter().map(|&f| self.codec.chunk_bytes(f) as f64).collect();
+                let losses: Vec<f64> = self.cfg.levels.iter().map(|&f| loss_of_bits(self.codec.bits(f))).collect();
+                let dd: Vec<f64> = (0..full).map(|i| d.get(i).copied().unwrap_or(0.0)).collect();
+                for (i, l) in choose_levels(&dd, &sizes, &losses, self.cfg.ratio).into_iter().enumerate() {
+                    targets[i] = Some(self.cfg.levels[l]);
+                }
+            }
+        } else if self.cfg.policy == Policy::VllmSq {
+            let full = (n_tok / ct).min(n);
+            for t in targets.iter_mut().take(full) {
+                *t = self.cfg.levels.first().copied();
+            }
+        }
+        let mut writes = Vec::new();
+        for (i, target) in targets.iter().enumerate() {
+            let cur = kv.format(i);
+            if let Some(t) = *target {
+                if t != cur && region.state(i)? == SlotState::Resident {
+                    kv.convert(i, t).map_err(engine)?;
+                    region.shrink(i, self.codec.chunk_bytes(t))?;
+                    self.stats.releveled += 1;
+                }
+            }
+            let level = kv.format(i);
+            let tokens = u32::try_from(n_tok.saturating_sub(i * ct).min(ct)).unwrap_or(u32::MAX);
+            let m = ChunkMeta {
+                level,
+                tokens,
+                prefix_hash: hashes.get(i).copied().unwrap_or(0),
+                density: dens.as_ref().and_then(|d| d.get(i).copied()).unwrap_or(0.0),
+            };
+            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
+            let meta = self.meta(ctx, i, &m);
+            self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), meta);
+            if m.tokens > 0 && !self.store.matches(&meta) && region.state(i)? == SlotState::Resident {
+                writes.push((i, meta));
+            }
+        }
+        // AoT swap-out: the writer pins what it writes; the call's pins go now.
+        if let Some(w) = &self.writer {
+            for (i, meta) in &writes {
+                region.pin(*i)?;
+                w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
+                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.codec.chunk_bytes(meta.format) };
+                if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
+                    self.stats.written_aot += 1;
+                } else {
+                    let _ = region.unpin(*i);
+                    finish(&w.pending, &[(ctx, meta.chunk)]);
+                }
+            }
+        }
+        for i in 0..n {
+            region.unpin(i)?;
+            if region.state(i)? == SlotState::Resident {
+                let lvl = self.level_index(kv.format(i));
+                self.lctru.touch((ctx, chunk_u32(i)), lvl);
+            }
+        }
+        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.in_call = false;
+        self.reclaim()?;
+        Ok(())
+    }
+
+    /// Waits until every AoT write is on flash.
+    pub fn flush(&self) {
+        if let Some(w) = &self.writer {
+            w.wait_idle();
+        }
+    }
+
+    /// Brings resident memory within the budget; returns the bytes freed.
+    pub fn reclaim(&mut self) -> Result<usize> {
+        self.reclaim_for(0)
+    }
+
+    /// Frees memory until `extra` more bytes fit in the budget (pinned chunks and chunks
+    /// being written are skipped; if only those are left, the budget is exceeded by them).
+    fn reclaim_for(&mut self, extra: usize) -> Result<usize> {
+        let mut freed = 0;
+        let mut waited = false;
+        while self.resident_bytes() + extra > self.cfg.budget {
+            let ctxs = &self.ctxs;
+            let writer = &self.writer;
+            let pinned = |c: ChunkId| ctxs.get(&c.0).is_none_or(|x| x.in_call) || writer.as_ref().is_some_and(|w| w.is_pending(c));
+            match self.lctru.pop_victim(&pinned) {
+                Some(v) => freed += self.evict(v)?,
+                None if !waited
+                    && self.writer.as_ref().is_some_and(|w| !w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()) =>
+                {
+                    self.flush();
+                    waited = true;
+                }
+                None => break,
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Evicts a victim as the policy says; returns the bytes freed.
+    fn evict(&mut self, v: ChunkId) -> Result<usize> {
+        let (ctx, _) = v;
+        let region = Arc::clone(&self.ctx(ctx)?.region);
+        let before = region.resident_bytes();
+        match self.cfg.policy {
+            Policy::Lmk => {
+                let n = self.ctx(ctx)?.chunks.len();
+                for i in 0..n {
+                    region.discard(i)?;
+                    self.lctru.remove((ctx, chunk_u32(i)));
+                }
+                self.stats.killed_contexts += 1;
+            }
+            Policy::Swap => {
+                let n = self.ctx(ctx)?.chunks.len();
+                for i in 0..n {
+                    if region.state(i)? == SlotState::Resident {
+                        self.save_and_evict(ctx, &region, i)?;
+                    }
+                    self.lctru.remove((ctx, chunk_u32(i)));
+                }
+            }
+            _ => self.save_and_evict(ctx, &region, v.1 as usize)?,
+        }
+        let freed = before.saturating_sub(region.resident_bytes());
+        self.stats.evicted_bytes += freed as u64;
+        Ok(freed)
+    }
+
+    /// Writes a chunk out if the store lacks this version, then drops its pages.
+    fn save_and_evict(&mut self, ctx: u64, region: &Region, i: usize) -> Result<()> {
+        let m = self.ctx(ctx)?.chunks[i];
+        let meta = self.meta(ctx, i, &m);
+        if m.tokens > 0 && !self.store.matches(&meta) {
+            let len = self.codec.chunk_bytes(m.level);
+            region.clean(i)?;
+            // SAFETY: resident (checked by the caller) and not in a call: nothing writes it.
+            let bytes = unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) };
+            self.store.write_batch(&mut self.ring, &[(meta, bytes)])?;
+            self.stats.written_sync += 1;
+        } else {
+            region.clean(i)?;
+        }
+        region.evict(i)?;
+        self.stats.evicted_chunks += 1;
+        Ok(())
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        // The writer holds regions: stop it before they go.
+        self.writer.take();
+    }
+}
+
+fn chunk_u32(i: usize) -> u32 {
+    u32::try_from(i).expect("chunk index fits u32")
+}
+
+/// Reads layer by layer into the staging buffers of the read set (O_DIRECT through aligned
+/// bounce buffers: a layer inside a chunk's memory is not block-aligned), checking each
+/// record's CRC as its layers arrive.
+struct LayerReader {
+    ring: Ring,
+    files: Vec<Arc<std::fs::File>>,
+    /// Per read chunk, per layer: (file offset, aligned length).
+    extents: Vec<Vec<(u64, usize)>>,
+    layer_len: Vec<usize>,
+    /// Offset of each chunk's layer in a bounce buffer.
+    offs: Vec<usize>,
+    stage: Vec<*mut u8>,
+    bounce: [AlignedBuf; 2],
+    crcs: Vec<u32>,
+    next: usize,
+    nl: usize,
+    io_wait: f64,
+    error: Option<std::io::Error>,
+}
+
+impl LayerReader {
+    fn new(store: &Store, ctx: u64, readable: &[(usize, Entry)], staging: &mut HashMap<usize, Staging>, nl: usize) -> Result<Self> {
+        let files = readable.iter().map(|_| store.file(ctx)).collect::<std::result::Result<Vec<_>, _>>()?;
+        let extents: Vec<Vec<(u64, usize)>> = readable.iter().map(|(_, e)| (0..nl).map(|l| store.layer_extent(e, l)).collect()).collect();
+        let mut offs = Vec::with_capacity(readable.len());
+        let mut window = 0;
+        for x in &extents {
+            offs.push(window);
+            window += x[0].1;
+        }
+        let stage = readable.iter().map(|(i, _)| staging.get_mut(i).expect("staged").as_mut_slice().as_mut_ptr()).collect();
+        Ok(Self {
+            ring: Ring::new(u32::try_from(2 * readable.len() + 8).unwrap_or(u32::MAX))?,
+            files,
+            layer_len: readable.iter().map(|(_, e)| e.layer_len as usize).collect(),
+            extents,
+            offs,
+            stage,
+            bounce: [AlignedBuf::new(window), AlignedBuf::new(window)],
+            crcs: vec![0; readable.len()],
+            next: 0,
+            nl,
+            io_wait: 0.0,
+            error: None,
+        })
+    }
+
+    fn submit(&mut self, l: usize) -> std::io::Result<()> {
+        let base = self.bounce[l % 2].as_ptr();
+        let ops: Vec<Op> = self
+            .files
+            .iter()
+            .zip(&self.extents)
+            .zip(&self.offs)
+            .map(|((f, x), &o)| Op {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&**f),
+                offset: x[l].0,
+                // SAFETY: o + the aligned length stays inside the bounce buffer (its window).
+                buf: unsafe { base.add(o) },
+                len: u32::try_from(x[l].1).unwrap_or(u32::MAX),
+                write: false,
+            })
+            .collect();
+        // SAFETY: this bounce buffer is not touched until the layer's tag is waited for.
+        unsafe { self.ring.submit(tag(l), &ops) }
+    }
+
+    fn start(&mut self) -> std::io::Result<()> {
+        if self.files.is_empty() {
+            self.next = self.nl;
+            return Ok(());
+        }
+        for l in 0..self.nl.min(2) {
+            self.submit(l)?;
+        }
+        Ok(())
+    }
+
+    /// Before layer `l` is computed: its reads must be in. Repeated calls (the engine runs
+    /// the layers again for a second batch of positions) are no-ops.
+    fn step(&mut self, l: usize) {
+        if l != self.next || self.next >= self.nl || self.error.is_some() {
+            return;
+        }
+        let t = Instant::now();
+        let r = self.complete(l).and_then(|()| if l + 2 < self.nl { self.submit(l + 2) } else { Ok(()) });
+        self.io_wait += t.elapsed().as_secs_f64();
+        if let Err(e) = r {
+            self.error = Some(e);
+        }
+        self.next += 1;
+    }
+
+    fn complete(&mut self, l: usize) -> std::io::Result<()> {
+        self.ring.wait(tag(l))?;
+        let buf = &self.bounce[l % 2];
+        for k in 0..self.files.len() {
+            let ll = self.layer_len[k];
+            let src = &buf[self.offs[k]..self.offs[k] + ll];
+            self.crcs[k] = crc32c::crc32c_append(self.crcs[k], src);
+            // SAFETY: the staging buffer holds a whole slot; layer l of this format is inside.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.stage[k].add(l * ll), ll) };
+        }
+        Ok(())
+    }
+
+    /// Reads the layers not read yet; returns each chunk's payload CRC and the wait time.
+    fn finish(mut self) -> Result<(Vec<u32>, f64)> {
+        while self.next < self.nl && self.error.is_none() {
+            self.step(self.next);
+        }
+        match self.error.take() {
+            Some(e) => Err(MmError::Io(e)),
+            None => Ok((std::mem::take(&mut self.crcs), self.io_wait)),
+        }
+    }
+}
+
+fn tag(l: usize) -> u32 {
+    u32::try_from(l).expect("layer index fits u32")
+}

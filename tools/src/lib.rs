@@ -1,0 +1,4 @@
+//! Wiring shared by the `llms` CLI and the `llmsd` service: the adapter that lets the memory
+//! manager (`mm`) drive the engine's KV cache.
+
+pub mod kvmm;

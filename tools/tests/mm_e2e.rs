@@ -1,0 +1,208 @@
+//! The memory manager driving the real model: contexts forced out to the swap store and back
+//! (read, recompute, mixed) give the same next-token logits as before they left.
+
+use std::sync::Arc;
+
+use engine::kv::KvFormat;
+use engine::model::SessionOptions;
+use engine::{Logits, Model, Session, ThreadPool};
+use llms_tests::{fixture, model_path, require_kernel};
+use mm::{Linear, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
+use tools::kvmm::{code, EngineCodec, SessionKv};
+
+const CT: usize = 16;
+const N: usize = 200; // 12 full chunks and a partial one
+
+struct Setup {
+    model: Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: Vec<u32>,
+    _dir: tempfile::TempDir,
+}
+
+fn setup() -> Setup {
+    let model = Arc::new(Model::load(&model_path()).expect("model"));
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).expect("text");
+    let ids = model.tokenizer.encode(&text, false, false).expect("tokens");
+    Setup { model, pool: Arc::new(ThreadPool::new(2)), ids, _dir: tempfile::tempdir().expect("tmp") }
+}
+
+fn manager(s: &Setup, policy: Policy, levels: &[KvFormat], ratio: f64, profile: Option<Profile>) -> Option<Manager> {
+    let codec = EngineCodec::new(&s.model, CT);
+    let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
+    let store = Arc::new(Store::open(s._dir.path(), mm::Codec::fingerprint(&codec), geom, false).expect("store"));
+    let cfg = MmConfig { policy, budget: 1 << 30, ratio, levels: levels.iter().map(|&f| code(f)).collect(), max_chunks: 64 };
+    require_kernel("userfaultfd", Manager::new(cfg, Arc::new(codec), store, profile))
+}
+
+fn session(s: &Setup, observe: bool) -> Session {
+    let opts = SessionOptions { capacity: 1024, chunk_tokens: CT, base: KvFormat::Int8, observe_attention: observe, sliding_window: None };
+    Session::with_options(Arc::clone(&s.model), Arc::clone(&s.pool), opts)
+}
+
+/// Logits of the next token, then the token is forgotten again.
+fn next_logits(mm: &mut Manager, ctx: u64, sess: &mut Session, tok: u32, strategy: Strategy) -> (Vec<f32>, mm::LoadReport) {
+    let want = sess.n_past() + 1;
+    mm.prepare(ctx, &mut SessionKv(sess), want).unwrap();
+    let r = mm.begin(ctx, &mut SessionKv(sess), strategy).unwrap();
+    let n = sess.n_past();
+    let l = sess.eval(&[tok], Logits::Last).unwrap().to_vec();
+    sess.truncate(n);
+    mm.end(ctx, &mut SessionKv(sess)).unwrap();
+    (l, r)
+}
+
+/// Everything out: nothing of the context stays resident (checked against the kernel).
+fn force_out(mm: &mut Manager, ctx: u64) {
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    assert_eq!(mm.context_bytes(ctx), 0);
+    assert_eq!(smaps_rss(mm.region_range(ctx).unwrap()), 0, "the kernel still maps pages of the evicted context");
+    mm.set_budget(1 << 30).unwrap();
+}
+
+/// Rss of the mapping starting at `start`, from /proc/self/smaps.
+fn smaps_rss((start, _len): (usize, usize)) -> usize {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut in_it = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(_)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                in_it = a == start;
+                continue;
+            }
+        }
+        if let Some(v) = line.strip_prefix("Rss:").filter(|_| in_it) {
+            return v.trim().trim_end_matches("kB").trim().parse::<usize>().unwrap() * 1024;
+        }
+    }
+    panic!("no mapping at {start:#x}");
+}
+
+/// A profile under which recomputing a chunk costs as much as reading one: the planner
+/// splits the load.
+fn even_profile(fp: u64) -> Profile {
+    Profile {
+        fingerprint: fp,
+        chunk_tokens: CT,
+        recompute: Linear { fixed: 0.0, per_unit: 1.0 },
+        io: Linear { fixed: 0.0, per_unit: 1.0 / 190_080.0 },
+        recompute_points: vec![],
+        io_points: vec![],
+    }
+}
+
+#[test]
+fn evicted_contexts_come_back_exactly_by_read_recompute_and_mixed() {
+    let s = setup();
+    let fp = mm::Codec::fingerprint(&EngineCodec::new(&s.model, CT));
+    let Some(mut mm) = manager(&s, Policy::Llms, &[KvFormat::Int8], 1.0, Some(even_profile(fp))) else { return };
+    let mut sess = session(&s, false);
+    mm.create(1).unwrap();
+    mm.prepare(1, &mut SessionKv(&mut sess), N).unwrap();
+    mm.begin(1, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
+    sess.eval(&s.ids[..N], Logits::None).unwrap();
+    mm.end(1, &mut SessionKv(&mut sess)).unwrap();
+    let resident = mm.context_bytes(1);
+    assert_eq!(smaps_rss(mm.region_range(1).unwrap()), resident, "mm's accounting is the kernel's");
+    let tok = s.ids[N];
+    let (reference, r) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::Planned);
+    assert_eq!(r.missing, 0);
+
+    for strategy in [Strategy::AllRead, Strategy::AllRecompute, Strategy::Planned] {
+        force_out(&mut mm, 1);
+        let (got, r) = next_logits(&mut mm, 1, &mut sess, tok, strategy);
+        assert_eq!(r.missing, N.div_ceil(CT));
+        match strategy {
+            Strategy::AllRead => assert_eq!((r.read, r.recomputed), (N.div_ceil(CT), 0)),
+            Strategy::AllRecompute => assert_eq!((r.read, r.recomputed), (0, N.div_ceil(CT))),
+            Strategy::Planned => assert!(r.read > 0 && r.recomputed > 0, "the even profile splits the load: {r:?}"),
+        }
+        assert_eq!(got, reference, "{strategy:?}: the logits changed after eviction");
+    }
+
+    // A damaged record is recomputed, never served.
+    force_out(&mut mm, 1);
+    let dir = mm.store().dir().join(format!("ctx-{:016x}.kv", 1));
+    let f = std::fs::OpenOptions::new().write(true).open(&dir).unwrap();
+    let e = mm.store().entry(1, 3).unwrap();
+    let (off, _) = mm.store().layer_extent(&e, 5);
+    std::os::unix::fs::FileExt::write_at(&f, &[0x5a; 64], off + 128).unwrap();
+    drop(f);
+    let (got, r) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::AllRead);
+    assert_eq!(r.unreadable, 1, "{r:?}");
+    assert_eq!(got, reference, "the damaged chunk was recomputed exactly");
+    mm.delete(1).unwrap();
+}
+
+#[test]
+fn compressed_levels_survive_eviction_and_recompute_stays_close() {
+    let s = setup();
+    let fp = mm::Codec::fingerprint(&EngineCodec::new(&s.model, CT));
+    let Some(mut mm) = manager(&s, Policy::Llms, &[KvFormat::Int8, KvFormat::Q4, KvFormat::Q2], 0.6, Some(even_profile(fp))) else {
+        return;
+    };
+    let mut sess = session(&s, true);
+    mm.create(7).unwrap();
+    mm.prepare(7, &mut SessionKv(&mut sess), N).unwrap();
+    mm.begin(7, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
+    sess.eval(&s.ids[..N], Logits::None).unwrap();
+    mm.end(7, &mut SessionKv(&mut sess)).unwrap();
+    let formats: Vec<u32> = (0..N / CT).map(|i| mm.chunk_info(7, i).unwrap().format).collect();
+    assert!(formats.contains(&code(KvFormat::Q2)) || formats.contains(&code(KvFormat::Q4)), "ratio 0.6 lowers chunks: {formats:?}");
+    assert!(formats.contains(&code(KvFormat::Int8)), "the densest chunks keep 8 bits: {formats:?}");
+    // Levels are fixed from here on (no observer), so every load is compared in the same formats.
+    sess.attention = None;
+    let tok = s.ids[N];
+    let (reference, _) = next_logits(&mut mm, 7, &mut sess, tok, Strategy::Planned);
+    let resident = mm.context_bytes(7);
+    let int8 = N.div_ceil(CT) * EngineCodec::new(&s.model, CT).geom.chunk_bytes(KvFormat::Int8);
+    assert!(resident < int8 * 3 / 4, "compressed chunks cost fewer pages: {resident} vs {int8} at int8");
+
+    let mut plain = session(&s, false);
+    plain.eval(&s.ids[..N], Logits::None).unwrap();
+    let int8 = plain.eval(&[tok], Logits::Last).unwrap().to_vec();
+    let d = int8.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    force_out(&mut mm, 7);
+    let (got, r) = next_logits(&mut mm, 7, &mut sess, tok, Strategy::AllRead);
+    assert_eq!(r.read, N.div_ceil(CT));
+    assert_eq!(got, reference, "reads bring compressed chunks back bit for bit");
+    assert_eq!(mm.context_bytes(7), resident, "only each chunk's format is populated again");
+
+    // Recomputing everything from the base format redoes the original computation (every
+    // chunk was int8 when it was first computed), then lowers the chunks again: exact.
+    force_out(&mut mm, 7);
+    let (got, _) = next_logits(&mut mm, 7, &mut sess, tok, Strategy::AllRecompute);
+    assert_eq!(got, reference, "all-recompute is exact");
+    // A mixed load recomputes some chunks while attending to lowered chunks it read (they were
+    // int8 when it was first computed): close, and moved less than compression itself moves
+    // the logits.
+    force_out(&mut mm, 7);
+    let (got, r) = next_logits(&mut mm, 7, &mut sess, tok, Strategy::Planned);
+    assert!(r.read > 0 && r.recomputed > 0, "{r:?}");
+    let top = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    assert_eq!(top(&got), top(&reference));
+    let diff = got.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff <= d, "a mixed load moved the logits by {diff}, more than compression's own {d}");
+}
+
+#[test]
+fn lmk_recomputes_a_killed_context_exactly() {
+    let s = setup();
+    let Some(mut mm) = manager(&s, Policy::Lmk, &[KvFormat::Int8], 1.0, None) else { return };
+    let mut sess = session(&s, false);
+    mm.create(2).unwrap();
+    mm.prepare(2, &mut SessionKv(&mut sess), N).unwrap();
+    mm.begin(2, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
+    sess.eval(&s.ids[..N], Logits::None).unwrap();
+    mm.end(2, &mut SessionKv(&mut sess)).unwrap();
+    let tok = s.ids[N];
+    let (reference, _) = next_logits(&mut mm, 2, &mut sess, tok, Strategy::Planned);
+    force_out(&mut mm, 2);
+    assert_eq!(mm.stats.killed_contexts, 1);
+    assert!(mm.store().entry(2, 0).is_none(), "lmk writes nothing to flash");
+    let (got, r) = next_logits(&mut mm, 2, &mut sess, tok, Strategy::Planned);
+    assert_eq!(r.recomputed, N.div_ceil(CT));
+    assert_eq!(got, reference);
+}
