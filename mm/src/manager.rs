@@ -198,6 +198,16 @@ impl Writer {
         self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).contains(&c)
     }
 
+    /// Waits until no chunk of `ctx` is being written (a call must not convert or shrink a
+    /// chunk the writer is still copying).
+    fn wait_context(&self, ctx: u64) {
+        let (m, cv) = &*self.pending;
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while g.iter().any(|c| c.0 == ctx) {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     fn wait_idle(&self) {
         let (m, cv) = &*self.pending;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
@@ -421,6 +431,9 @@ impl Manager {
     /// Loads every chunk of `ctx` that is not resident and pins them all for the call.
     pub fn begin(&mut self, ctx: u64, kv: &mut dyn KvContext, strategy: Strategy) -> Result<LoadReport> {
         let t0 = Instant::now();
+        if let Some(w) = &self.writer {
+            w.wait_context(ctx);
+        }
         let ct = self.codec.chunk_tokens();
         let hashes = prefix_hashes(kv.tokens(), ct);
         let n_tok = kv.tokens().len();
@@ -674,7 +687,9 @@ impl Manager {
         for (i, target) in targets.iter().enumerate() {
             let cur = kv.format(i);
             if let Some(t) = *target {
-                if t != cur && region.state(i)? == SlotState::Resident {
+                // Levels only go down: a lowered chunk has lost its bits, raising it would
+                // cost pages and bring nothing back.
+                if self.codec.chunk_bytes(t) < self.codec.chunk_bytes(cur) && region.state(i)? == SlotState::Resident {
                     kv.convert(i, t).map_err(engine)?;
                     region.shrink(i, self.codec.chunk_bytes(t))?;
                     self.stats.releveled += 1;
