@@ -17,7 +17,7 @@ use crate::levels::{choose_levels, loss_of_bits};
 use crate::planner::{plan_forced, Plan};
 use crate::profile::Profile;
 use crate::ring::{Op, Ring};
-use crate::store::{AlignedBuf, Entry, RecordMeta, Store, StoreError};
+use crate::store::{Entry, RecordMeta, Store, StoreError};
 
 /// How contexts are kept: LLMS and the baselines it is compared with, over the same store
 /// and engine.
@@ -547,17 +547,16 @@ impl Manager {
 
         // Per-layer reads: layer l of every read chunk in one batch, two layers in flight.
         let mut reader = LayerReader::new(&self.store, ctx, &readable, &mut staging, nl)?;
-        reader.start()?;
         if !recompute.is_empty() {
             kv.recompute(&recompute, &mut |l| reader.step(l)).map_err(engine)?;
         }
-        let (crcs, io_wait) = reader.finish()?;
+        let (ok, io_wait) = reader.finish()?;
         report.io_wait = io_wait;
         report.read_bytes = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).sum();
 
         // A read that failed its checksum is recomputed now, with every recomputed chunk
         // after it (they attended to the bad bytes).
-        let bad: Vec<usize> = readable.iter().zip(&crcs).filter(|((_, e), c)| **c != e.payload_crc).map(|((i, _), _)| *i).collect();
+        let bad: Vec<usize> = readable.iter().zip(&ok).filter(|(_, ok)| !**ok).map(|((i, _), _)| *i).collect();
         if let Some(&first) = bad.iter().min() {
             eprintln!("llms: context {ctx}: {} chunk record(s) failed their checksum; recomputing", bad.len());
             let mut redo: Vec<usize> = bad.iter().copied().chain(recompute.iter().copied().filter(|&i| i > first)).collect();
@@ -832,121 +831,124 @@ fn chunk_u32(i: usize) -> u32 {
     u32::try_from(i).expect("chunk index fits u32")
 }
 
-/// Reads layer by layer into the staging buffers of the read set (O_DIRECT through aligned
-/// bounce buffers: a layer inside a chunk's memory is not block-aligned), checking each
-/// record's CRC as its layers arrive.
+/// Reads the read set straight into its staging buffers (O_DIRECT: the record payload is
+/// laid out as the chunk is in memory and staging is page-aligned, so nothing is copied),
+/// each record in `PIECES` aligned pieces, every piece in flight from the start; before layer
+/// `l` is computed, the pieces holding layer `l` of every chunk must be in.
 struct LayerReader {
     ring: Ring,
-    files: Vec<Arc<std::fs::File>>,
-    /// Per read chunk, per layer: (file offset, aligned length).
-    extents: Vec<Vec<(u64, usize)>>,
-    layer_len: Vec<usize>,
-    /// Offset of each chunk's layer in a bounce buffer.
-    offs: Vec<usize>,
+    /// Per read chunk: its payload length, layer length and CRC.
+    payload: Vec<(usize, usize, u32)>,
+    /// Per read chunk, the end (payload-relative byte) of each piece.
+    ends: Vec<Vec<usize>>,
     stage: Vec<*mut u8>,
-    bounce: [AlignedBuf; 2],
-    crcs: Vec<u32>,
-    next: usize,
+    /// Pieces waited for (all chunks' piece j share tag j).
+    waited: usize,
+    n_pieces: usize,
     nl: usize,
+    next: usize,
     io_wait: f64,
     error: Option<std::io::Error>,
 }
 
+const PIECES: usize = 6;
+
 impl LayerReader {
     fn new(store: &Store, ctx: u64, readable: &[(usize, Entry)], staging: &mut HashMap<usize, Staging>, nl: usize) -> Result<Self> {
-        let files = readable.iter().map(|_| store.file(ctx)).collect::<std::result::Result<Vec<_>, _>>()?;
-        let extents: Vec<Vec<(u64, usize)>> = readable.iter().map(|(_, e)| (0..nl).map(|l| store.layer_extent(e, l)).collect()).collect();
-        let mut offs = Vec::with_capacity(readable.len());
-        let mut window = 0;
-        for x in &extents {
-            offs.push(window);
-            window += x[0].1;
+        let file = if readable.is_empty() { None } else { Some(store.file(ctx)?) };
+        let fd = file.as_ref().map_or(-1, |f| std::os::fd::AsRawFd::as_raw_fd(&**f));
+        let align = store.align();
+        let n_pieces = PIECES.min(nl).max(1);
+        let mut ring = Ring::new(u32::try_from(n_pieces * readable.len() + 8).unwrap_or(u32::MAX))?;
+        let stage: Vec<*mut u8> = readable.iter().map(|(i, _)| staging.get_mut(i).expect("staged").as_mut_slice().as_mut_ptr()).collect();
+        let mut ends = Vec::with_capacity(readable.len());
+        let mut per_piece: Vec<Vec<Op>> = vec![Vec::new(); n_pieces];
+        for ((_, e), &dst) in readable.iter().zip(&stage) {
+            let (off, body) = store.body_extent(e);
+            let mut cuts: Vec<usize> = (0..=n_pieces).map(|j| (body * j / n_pieces) / align * align).collect();
+            cuts[n_pieces] = body;
+            for j in 0..n_pieces {
+                let (a, b) = (cuts[j], cuts[j + 1]);
+                if b > a {
+                    // SAFETY: b <= the aligned payload length <= the staging buffer (a slot).
+                    let buf = unsafe { dst.add(a) };
+                    per_piece[j].push(Op { fd, offset: off + a as u64, buf, len: u32::try_from(b - a).unwrap_or(u32::MAX), write: false });
+                }
+            }
+            ends.push(cuts[1..].to_vec());
         }
-        let stage = readable.iter().map(|(i, _)| staging.get_mut(i).expect("staged").as_mut_slice().as_mut_ptr()).collect();
+        for (j, ops) in per_piece.iter().enumerate().filter(|(_, o)| !o.is_empty()) {
+            // SAFETY: the staging buffers are not touched by us until the piece is waited for,
+            // and outlive the reader.
+            unsafe { ring.submit(tag(j), ops) }?;
+        }
         Ok(Self {
-            ring: Ring::new(u32::try_from(2 * readable.len() + 8).unwrap_or(u32::MAX))?,
-            files,
-            layer_len: readable.iter().map(|(_, e)| e.layer_len as usize).collect(),
-            extents,
-            offs,
+            ring,
+            payload: readable.iter().map(|(_, e)| (nl * e.layer_len as usize, e.layer_len as usize, e.payload_crc)).collect(),
+            ends,
             stage,
-            bounce: [AlignedBuf::new(window), AlignedBuf::new(window)],
-            crcs: vec![0; readable.len()],
-            next: 0,
+            waited: 0,
+            n_pieces,
             nl,
+            next: if readable.is_empty() { nl } else { 0 },
             io_wait: 0.0,
             error: None,
         })
     }
 
-    fn submit(&mut self, l: usize) -> std::io::Result<()> {
-        let base = self.bounce[l % 2].as_ptr();
-        let ops: Vec<Op> = self
-            .files
-            .iter()
-            .zip(&self.extents)
-            .zip(&self.offs)
-            .map(|((f, x), &o)| Op {
-                fd: std::os::fd::AsRawFd::as_raw_fd(&**f),
-                offset: x[l].0,
-                // SAFETY: o + the aligned length stays inside the bounce buffer (its window).
-                buf: unsafe { base.add(o) },
-                len: u32::try_from(x[l].1).unwrap_or(u32::MAX),
-                write: false,
-            })
-            .collect();
-        // SAFETY: this bounce buffer is not touched until the layer's tag is waited for.
-        unsafe { self.ring.submit(tag(l), &ops) }
-    }
-
-    fn start(&mut self) -> std::io::Result<()> {
-        if self.files.is_empty() {
-            self.next = self.nl;
-            return Ok(());
-        }
-        for l in 0..self.nl.min(2) {
-            self.submit(l)?;
-        }
-        Ok(())
-    }
-
-    /// Before layer `l` is computed: its reads must be in. Repeated calls (the engine runs
+    /// Before layer `l` is computed: its bytes must be in. Repeated calls (the engine runs
     /// the layers again for a second batch of positions) are no-ops.
     fn step(&mut self, l: usize) {
         if l != self.next || self.next >= self.nl || self.error.is_some() {
             return;
         }
+        // The last piece any chunk needs for layer l.
+        let need = self
+            .payload
+            .iter()
+            .zip(&self.ends)
+            .map(|(&(_, ll, _), ends)| ends.iter().position(|&end| end >= (l + 1) * ll).unwrap_or(self.n_pieces - 1))
+            .max()
+            .unwrap_or(0);
         let t = Instant::now();
-        let r = self.complete(l).and_then(|()| if l + 2 < self.nl { self.submit(l + 2) } else { Ok(()) });
-        self.io_wait += t.elapsed().as_secs_f64();
-        if let Err(e) = r {
-            self.error = Some(e);
+        while self.waited <= need && self.error.is_none() {
+            if let Err(e) = self.ring.wait(tag(self.waited)) {
+                self.error = Some(e);
+            }
+            self.waited += 1;
         }
+        self.io_wait += t.elapsed().as_secs_f64();
         self.next += 1;
     }
 
-    fn complete(&mut self, l: usize) -> std::io::Result<()> {
-        self.ring.wait(tag(l))?;
-        let buf = &self.bounce[l % 2];
-        for k in 0..self.files.len() {
-            let ll = self.layer_len[k];
-            let src = &buf[self.offs[k]..self.offs[k] + ll];
-            self.crcs[k] = crc32c::crc32c_append(self.crcs[k], src);
-            // SAFETY: the staging buffer holds a whole slot; layer l of this format is inside.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.stage[k].add(l * ll), ll) };
-        }
-        Ok(())
-    }
-
-    /// Reads the layers not read yet; returns each chunk's payload CRC and the wait time.
-    fn finish(mut self) -> Result<(Vec<u32>, f64)> {
+    /// Waits for the rest; returns whether each chunk's payload holds its CRC, and the wait.
+    fn finish(mut self) -> Result<(Vec<bool>, f64)> {
         while self.next < self.nl && self.error.is_none() {
             self.step(self.next);
         }
-        match self.error.take() {
-            Some(e) => Err(MmError::Io(e)),
-            None => Ok((std::mem::take(&mut self.crcs), self.io_wait)),
+        while self.waited < self.n_pieces {
+            if let Err(e) = self.ring.wait(tag(self.waited)) {
+                self.error.get_or_insert(e);
+            }
+            self.waited += 1;
         }
+        if let Some(e) = self.error.take() {
+            return Err(MmError::Io(e));
+        }
+        let ok = self
+            .payload
+            .iter()
+            .zip(&self.stage)
+            .zip(&self.ends)
+            .map(|((&(len, _, crc), &p), ends)| {
+                // SAFETY: the staging buffer holds the read payload (and its aligned tail).
+                let bytes = unsafe { std::slice::from_raw_parts_mut(p, *ends.last().unwrap_or(&len)) };
+                // The aligned tail holds whatever followed the record on disk: clear it.
+                bytes[len..].fill(0);
+                crc32c::crc32c(&bytes[..len]) == crc
+            })
+            .collect();
+        Ok((ok, self.io_wait))
     }
 }
 

@@ -12,8 +12,9 @@
 //! A record is a 4 KiB-aligned `#[repr(C)]` [`Header`] (magic, version, fingerprint,
 //! context, chunk, sequence, format, tokens, the hash of the token prefix the KV was computed
 //! from, per-layer offsets, CRC32C of the payload and of the header) and then the payload,
-//! layer-major, each layer starting at an offset aligned for O_DIRECT: one layer of many
-//! chunks is one batch of aligned reads. A reader states what it expects (format and prefix
+//! layer-major and contiguous, exactly as the chunk lies in memory: a load reads it with
+//! O_DIRECT straight into the page-aligned staging memory that then moves into the slot (no
+//! copy), in aligned pieces so the first layers are usable while later ones are in flight. A reader states what it expects (format and prefix
 //! hash); a record that fails a checksum or does not match is reported missing — the caller
 //! recomputes the chunk — and is never served.
 
@@ -221,7 +222,7 @@ impl Store {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(io_err(&dir))?;
         let align = dio_align(&dir);
         let header_len = round_up(size_of::<Header>(), AlignedBuf::ALIGN);
-        let record_len = header_len + geom.n_layers * round_up(geom.max_layer_bytes, align);
+        let record_len = header_len + round_up(geom.n_layers * geom.max_layer_bytes, AlignedBuf::ALIGN);
         let s = Self { dir, fingerprint, geom, align, header_len, record_len, sync, index: Mutex::new(Index::default()) };
         s.recover()?;
         Ok(s)
@@ -263,18 +264,22 @@ impl Store {
         Ok(f)
     }
 
-    fn stride(&self, layer_len: usize) -> usize {
-        round_up(layer_len, self.align)
-    }
-
     fn offset(&self, chunk: u32, copy: u8) -> u64 {
         (2 * u64::from(chunk) + u64::from(copy)) * self.record_len as u64
     }
 
-    /// Offset and length (aligned) of `layer` of a stored record.
+    /// Offset of a record's payload and its length rounded up to the O_DIRECT alignment.
+    pub fn body_extent(&self, e: &Entry) -> (u64, usize) {
+        (self.offset(e.meta.chunk, e.copy) + self.header_len as u64, round_up(self.geom.n_layers * e.layer_len as usize, self.align))
+    }
+
+    /// The aligned byte range of the file that covers `layer` of a stored record.
     pub fn layer_extent(&self, e: &Entry, layer: usize) -> (u64, usize) {
-        let stride = self.stride(e.layer_len as usize);
-        (self.offset(e.meta.chunk, e.copy) + (self.header_len + layer * stride) as u64, stride)
+        let (body, _) = self.body_extent(e);
+        let ll = e.layer_len as usize;
+        let start = layer * ll / self.align * self.align;
+        let end = round_up((layer + 1) * ll, self.align);
+        (body + start as u64, end - start)
     }
 
     /// Rebuilds the index: for every chunk, the newest copy whose header and payload hold.
@@ -320,8 +325,7 @@ impl Store {
         let h: Header = bytemuck::pod_read_unaligned(&buf[..size_of::<Header>()]);
         let mut e = self.check_header(&h, ctx, chunk)?;
         e.copy = copy;
-        let (_, stride) = self.layer_extent(&e, 0);
-        let body = self.geom.n_layers * stride;
+        let (_, body) = self.body_extent(&e);
         if read_full(f, &mut buf[self.header_len..self.header_len + body], off + self.header_len as u64).ok()? < body {
             return None;
         }
@@ -342,18 +346,17 @@ impl Store {
         if !ok {
             return None;
         }
-        let stride = self.stride(h.layer_len as usize);
-        if (0..self.geom.n_layers).any(|l| h.layer_off[l] as usize != self.header_len + l * stride) {
+        let ll = h.layer_len as usize;
+        if (0..self.geom.n_layers).any(|l| h.layer_off[l] as usize != self.header_len + l * ll) {
             return None;
         }
         let meta = RecordMeta { context: ctx, chunk, format: h.format, tokens: h.tokens, prefix_hash: h.prefix_hash };
         Some(Entry { copy: 0, seq: h.seq, meta, layer_len: h.layer_len, payload_crc: h.payload_crc })
     }
 
-    /// CRC32C of the layers of a record body laid out at the aligned stride.
+    /// CRC32C of a record's payload.
     fn payload_crc(&self, body: &[u8], layer_len: usize) -> u32 {
-        let stride = self.stride(layer_len);
-        (0..self.geom.n_layers).fold(0, |c, l| crc32c::crc32c_append(c, &body[l * stride..l * stride + layer_len]))
+        crc32c::crc32c(&body[..self.geom.n_layers * layer_len])
     }
 
     /// The current entry of a chunk, if stored.
@@ -386,7 +389,6 @@ impl Store {
                 return Err(StoreError::Invalid(format!("chunk {} of context {} twice in one batch", meta.chunk, meta.context)));
             }
             let layer_len = payload.len() / nl;
-            let stride = self.stride(layer_len);
             let f = self.open_file(meta.context, true)?;
             let (copy, seq) = {
                 let mut ix = self.lock();
@@ -394,7 +396,7 @@ impl Store {
                 let copy = ix.entries.get(&(meta.context, meta.chunk)).map_or(0, |e| 1 - e.copy);
                 (copy, ix.seq)
             };
-            let total = self.header_len + nl * stride;
+            let total = self.header_len + round_up(payload.len(), self.align);
             let mut buf = AlignedBuf::new(total);
             let mut h = Header::zeroed();
             h.magic = MAGIC;
@@ -410,9 +412,10 @@ impl Store {
             h.n_layers = u32::try_from(nl).expect("<= MAX_LAYERS");
             h.layer_len = u32::try_from(layer_len).expect("bounded by max_layer_bytes");
             for l in 0..nl {
-                h.layer_off[l] = u32::try_from(self.header_len + l * stride).map_err(|_| StoreError::Invalid("record too large".into()))?;
-                buf[self.header_len + l * stride..][..layer_len].copy_from_slice(&payload[l * layer_len..(l + 1) * layer_len]);
+                h.layer_off[l] =
+                    u32::try_from(self.header_len + l * layer_len).map_err(|_| StoreError::Invalid("record too large".into()))?;
             }
+            buf[self.header_len..self.header_len + payload.len()].copy_from_slice(payload);
             h.payload_crc = crc32c::crc32c(payload);
             h.header_crc = h.crc();
             buf[..size_of::<Header>()].copy_from_slice(bytemuck::bytes_of(&h));
@@ -451,27 +454,21 @@ impl Store {
     pub fn read(&self, want: &RecordMeta, out: &mut [u8]) -> Result<usize> {
         let e = self.expect(want)?;
         let f = self.open_file(want.context, false)?;
-        let (off0, stride) = self.layer_extent(&e, 0);
-        let ll = e.layer_len as usize;
-        let n = self.geom.n_layers;
-        if out.len() < n * ll {
-            return Err(StoreError::Invalid(format!("a {}-byte buffer for a {}-byte record", out.len(), n * ll)));
+        let (off0, body) = self.body_extent(&e);
+        let len = self.geom.n_layers * e.layer_len as usize;
+        if out.len() < len {
+            return Err(StoreError::Invalid(format!("a {}-byte buffer for a {len}-byte record", out.len())));
         }
-        let mut buf = AlignedBuf::new(n * stride);
+        let mut buf = AlignedBuf::new(body);
         let path = self.path(want.context);
-        if read_full(&f, &mut buf[..n * stride], off0).map_err(io_err(&path))? < n * stride {
+        if read_full(&f, &mut buf[..body], off0).map_err(io_err(&path))? < body {
             return Err(StoreError::Checksum { context: want.context, chunk: want.chunk, what: "record truncated" });
         }
-        let mut crc = 0;
-        for l in 0..n {
-            let src = &buf[l * stride..l * stride + ll];
-            crc = crc32c::crc32c_append(crc, src);
-            out[l * ll..(l + 1) * ll].copy_from_slice(src);
-        }
-        if crc != e.payload_crc {
+        if crc32c::crc32c(&buf[..len]) != e.payload_crc {
             return Err(StoreError::Checksum { context: want.context, chunk: want.chunk, what: "payload" });
         }
-        Ok(n * ll)
+        out[..len].copy_from_slice(&buf[..len]);
+        Ok(len)
     }
 
     /// The entry for `want`, or why there is none that matches.

@@ -2,3 +2,4 @@
 //! manager (`mm`) drive the engine's KV cache.
 
 pub mod kvmm;
+pub mod loadbench;

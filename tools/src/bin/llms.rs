@@ -115,6 +115,35 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
+    /// Measure the swap-recompute planner's cost profiles (T_re, T_io) and save them.
+    Profile {
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
+        /// Where the swap store and profiles live [default: $LLMS_STATE_DIR, else ~/.local/state/llms]
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// Switch-in latency of contexts held entirely on flash: all-read, all-recompute and the
+    /// planned pipeline, next to the floor (bytes / the store's read bandwidth).
+    BenchLoad {
+        /// Context sizes in tokens.
+        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 1024, 4096])]
+        tokens: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
     /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
     BenchUffd {
         #[arg(long, default_value_t = 51)]
@@ -430,6 +459,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Bench { kv, depth, pp, tg, reps, json, m } => bench(&m, &kv, depth, pp, tg, reps, json)?,
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
+        Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
+        Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
         Cmd::Doctor { json } => doctor(json),
         Cmd::Pressure { cmd } => pressure(cmd)?,
     }
@@ -672,6 +703,116 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         );
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
         println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
+    }
+    Ok(())
+}
+
+fn check_chunk_tokens(ct: usize) -> Result<()> {
+    if ct == 0 || ct > 4096 {
+        bail!("--chunk-tokens must be between 1 and 4096");
+    }
+    Ok(())
+}
+
+fn profile_cmd(m: &ModelArgs, chunk_tokens: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
+    check_chunk_tokens(chunk_tokens)?;
+    let (model, pool) = load(m)?;
+    let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
+    let p = tools::loadbench::measure_profile(&dir, &model, &pool, chunk_tokens)?;
+    let codec = tools::kvmm::EngineCodec::new(&model, chunk_tokens);
+    let path = tools::loadbench::profile_path(&dir, &codec);
+    p.save(&path)?;
+    if json {
+        println!("{}", serde_json::to_string(&json!({"path": path, "profile": p}))?);
+    } else {
+        println!("T_re(x chunks) = {:.3} ms + {:.3} ms * x", p.recompute.fixed * 1e3, p.recompute.per_unit * 1e3);
+        println!("T_io(m bytes)  = {:.3} ms + m / {:.0} MB/s", p.io.fixed * 1e3, 1e-6 / p.io.per_unit.max(1e-18));
+        println!("saved to {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
+    use mm::Strategy;
+    use tools::loadbench as lb;
+    check_chunk_tokens(chunk_tokens)?;
+    if reps == 0 || reps > 1000 {
+        bail!("--reps must be between 1 and 1000");
+    }
+    let (model, pool) = load(m)?;
+    if let Some(&t) = sizes.iter().find(|&&t| t < chunk_tokens || t + chunk_tokens > model.config.ctx_len) {
+        bail!("--tokens {t}: each size must be between --chunk-tokens and the model's context ({})", model.config.ctx_len);
+    }
+    let dir = state_dir.unwrap_or_else(lb::state_dir);
+    let profile = lb::load_or_measure(&dir, &model, &pool, chunk_tokens, json)?;
+    let run_dir = dir.join(format!("bench-load-{}", std::process::id()));
+    let mut rows = Vec::new();
+    if !json {
+        println!(
+            "tokens | chunks |    MB | floor ms |  read ms | recompute ms | planned ms (read+recomp) | planned / min(floor, recompute)"
+        );
+    }
+    for &n in sizes {
+        let max_chunks = n.div_ceil(chunk_tokens) + 2;
+        let mut mm = lb::manager(
+            &run_dir,
+            &model,
+            chunk_tokens,
+            mm::Policy::Llms,
+            &[engine::kv::KvFormat::Int8],
+            1.0,
+            max_chunks,
+            Some(profile.clone()),
+        )?;
+        let toks = lb::synthetic_tokens(&model, n);
+        let id = n as u64;
+        let mut s = lb::build_context(&mut mm, id, &model, &pool, &toks, chunk_tokens)?;
+        let all = n.div_ceil(chunk_tokens);
+        let (mut floor, mut read, mut rec, mut plan) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut bytes, mut split) = (0u64, (0usize, 0usize));
+        for _ in 0..reps {
+            let r = lb::timed_load(&mut mm, id, &mut s, all, Strategy::AllRead)?;
+            read.push(r.seconds);
+            bytes = r.read_bytes;
+            floor.push(bytes as f64 / lb::read_bandwidth(mm.store(), id, all)?);
+            rec.push(lb::timed_load(&mut mm, id, &mut s, all, Strategy::AllRecompute)?.seconds);
+            let r = lb::timed_load(&mut mm, id, &mut s, all, Strategy::Planned)?;
+            plan.push(r.seconds);
+            split = (r.read, r.recomputed);
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (f, rd, rc, pl) = (med(&mut floor), med(&mut read), med(&mut rec), med(&mut plan));
+        let ratio_best = pl / f.min(rc).max(1e-12);
+        if json {
+            rows.push(json!({"tokens": n, "chunks": all, "bytes": bytes, "floor_s": f, "read_s": rd, "recompute_s": rc, "planned_s": pl, "planned_read": split.0, "planned_recomputed": split.1, "planned_over_best": ratio_best}));
+        } else {
+            println!(
+                "{n:>6} | {all:>6} | {:>5.1} | {:>8.1} | {:>8.1} | {:>12.1} | {:>10.1} ({:>3}+{:<3})      | {ratio_best:.2}x",
+                bytes as f64 / 1e6,
+                f * 1e3,
+                rd * 1e3,
+                rc * 1e3,
+                pl * 1e3,
+                split.0,
+                split.1
+            );
+        }
+        mm.delete(id)?;
+    }
+    let _ = std::fs::remove_dir_all(&run_dir);
+    if json {
+        println!("{}", serde_json::to_string(&json!({"reps": reps, "profile": profile, "sizes": rows}))?);
+    } else {
+        println!(
+            "medians of {reps}; profile: T_re = {:.2} ms + {:.2} ms/chunk, T_io = {:.2} ms + {:.0} MB/s",
+            profile.recompute.fixed * 1e3,
+            profile.recompute.per_unit * 1e3,
+            profile.io.fixed * 1e3,
+            1e-6 / profile.io.per_unit.max(1e-18)
+        );
     }
     Ok(())
 }

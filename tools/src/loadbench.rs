@@ -1,0 +1,187 @@
+//! Measuring context loads: the planner's cost profiles (`llms profile`) and the switch-in
+//! latency benchmark (`llms bench-load`), both through the real manager, store and engine.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use engine::kv::KvFormat;
+use engine::model::SessionOptions;
+use engine::{Logits, Model, Session, ThreadPool};
+use mm::{Codec, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
+
+use crate::kvmm::{code, EngineCodec, SessionKv};
+
+/// Where swap stores and profiles live unless told: `$LLMS_STATE_DIR`, else
+/// `$XDG_STATE_HOME/llms`, else `~/.local/state/llms`. Not a tmpfs: the store must be on flash.
+pub fn state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LLMS_STATE_DIR") {
+        return d.into();
+    }
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
+        return PathBuf::from(d).join("llms");
+    }
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from(".llms-state"), |h| PathBuf::from(h).join(".local/state/llms"))
+}
+
+/// The profile file of a model.
+pub fn profile_path(dir: &Path, codec: &EngineCodec) -> PathBuf {
+    dir.join(format!("profile-{:016x}.json", codec.fingerprint()))
+}
+
+/// A manager over a store in `dir` for `model` (int8 base), with the given policy and levels.
+pub fn manager(
+    dir: &Path,
+    model: &Model,
+    chunk_tokens: usize,
+    policy: Policy,
+    levels: &[KvFormat],
+    ratio: f64,
+    max_chunks: usize,
+    profile: Option<Profile>,
+) -> Result<Manager> {
+    let codec = EngineCodec::new(model, chunk_tokens);
+    let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
+    let store = Arc::new(Store::open(dir, codec.fingerprint(), geom, false)?);
+    let cfg = MmConfig { policy, budget: usize::MAX / 2, ratio, levels: levels.iter().map(|&f| code(f)).collect(), max_chunks };
+    Ok(Manager::new(cfg, Arc::new(codec), store, profile)?)
+}
+
+/// Token ids for measuring: cost does not depend on which tokens, so no text is needed.
+pub fn synthetic_tokens(model: &Model, n: usize) -> Vec<u32> {
+    let vocab = u32::try_from(model.config.vocab).unwrap_or(u32::MAX).max(2);
+    let mut x = 0x2545_f491_u32;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % vocab
+        })
+        .collect()
+}
+
+/// A context of `tokens` held by `mm` as context `id`.
+pub fn build_context(
+    mm: &mut Manager,
+    id: u64,
+    model: &Arc<Model>,
+    pool: &Arc<ThreadPool>,
+    tokens: &[u32],
+    chunk_tokens: usize,
+) -> Result<Session> {
+    let opts = SessionOptions {
+        capacity: tokens.len() + chunk_tokens,
+        chunk_tokens,
+        base: KvFormat::Int8,
+        observe_attention: false,
+        sliding_window: None,
+    };
+    let mut s = Session::with_options(Arc::clone(model), Arc::clone(pool), opts);
+    mm.create(id)?;
+    mm.prepare(id, &mut SessionKv(&mut s), tokens.len())?;
+    mm.begin(id, &mut SessionKv(&mut s), Strategy::Planned)?;
+    s.eval(tokens, Logits::None)?;
+    mm.end(id, &mut SessionKv(&mut s))?;
+    mm.flush();
+    Ok(s)
+}
+
+/// Evicts the `n` least recently used chunks of a one-context manager (all of them if `n`
+/// covers the context), writing them out first as the policy does.
+fn evict_some(mm: &mut Manager, id: u64, n: usize, chunk_bytes: usize) -> Result<()> {
+    let held = mm.context_bytes(id);
+    mm.set_budget(held.saturating_sub(n * chunk_bytes))?;
+    mm.set_budget(usize::MAX / 2)?;
+    Ok(())
+}
+
+/// One load of context `id` with `strategy` after evicting `n` chunks; returns the report.
+pub fn timed_load(mm: &mut Manager, id: u64, s: &mut Session, n: usize, strategy: Strategy) -> Result<mm::LoadReport> {
+    let cb = EngineCodec::new(&s.model, s.kv.geom.chunk_tokens).geom.chunk_bytes(KvFormat::Int8).div_ceil(4096) * 4096;
+    evict_some(mm, id, n, cb)?;
+    let r = mm.begin(id, &mut SessionKv(s), strategy)?;
+    mm.end(id, &mut SessionKv(s))?;
+    Ok(r)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Measures `T_re(x)` and `T_io(m)` through real loads of a 512-token context (recompute x
+/// chunks; read x chunks) and fits them.
+pub fn measure_profile(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, chunk_tokens: usize) -> Result<Profile> {
+    let tmp = dir.join(format!("profile-run-{}", std::process::id()));
+    let mut mm = manager(&tmp, model, chunk_tokens, Policy::Llms, &[KvFormat::Int8], 1.0, 64, None)?;
+    let toks = synthetic_tokens(model, 512);
+    let mut s = build_context(&mut mm, 1, model, pool, &toks, chunk_tokens)?;
+    let (mut re, mut io) = (Vec::new(), Vec::new());
+    for x in [1usize, 2, 4, 8, 16, 32] {
+        let mut tr = Vec::new();
+        let mut ti = Vec::new();
+        let mut bytes = 0;
+        for _ in 0..3 {
+            let r = timed_load(&mut mm, 1, &mut s, x, Strategy::AllRecompute)?;
+            tr.push(r.seconds);
+            let r = timed_load(&mut mm, 1, &mut s, x, Strategy::AllRead)?;
+            ti.push(r.seconds);
+            bytes = r.read_bytes;
+        }
+        re.push((x as u64, median(&mut tr)));
+        io.push((bytes, median(&mut ti)));
+    }
+    drop(mm);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let codec = EngineCodec::new(model, chunk_tokens);
+    Ok(Profile::fit(codec.fingerprint(), chunk_tokens, re, io)?)
+}
+
+/// The saved profile of this model, or a new measurement (saved) when it is missing or was
+/// measured for another model.
+pub fn load_or_measure(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, chunk_tokens: usize, quiet: bool) -> Result<Profile> {
+    let codec = EngineCodec::new(model, chunk_tokens);
+    let path = profile_path(dir, &codec);
+    match Profile::load(&path, codec.fingerprint(), chunk_tokens) {
+        Ok(p) => Ok(p),
+        Err(e) => {
+            if !quiet {
+                eprintln!("llms: {e}; measuring the load profile (about a minute)");
+            }
+            let p = measure_profile(dir, model, pool, chunk_tokens)?;
+            p.save(&path).with_context(|| format!("saving {}", path.display()))?;
+            Ok(p)
+        }
+    }
+}
+
+/// Read bandwidth of the store for a context's records, bytes per second: every record read
+/// whole (O_DIRECT, all in flight at once through io_uring). `bytes / this` is the load floor.
+pub fn read_bandwidth(store: &Store, ctx: u64, n_chunks: usize) -> Result<f64> {
+    use std::os::fd::AsRawFd;
+    let f = store.file(ctx)?;
+    let n_layers = store.geometry().n_layers;
+    let entries: Vec<_> = (0..n_chunks).filter_map(|i| store.entry(ctx, u32::try_from(i).ok()?)).collect();
+    let lens: Vec<usize> = entries.iter().map(|e| n_layers * store.layer_extent(e, 0).1).collect();
+    let mut bufs: Vec<mm::store::AlignedBuf> = lens.iter().map(|&l| mm::store::AlignedBuf::new(l)).collect();
+    let ops: Vec<mm::ring::Op> = entries
+        .iter()
+        .zip(&mut bufs)
+        .zip(&lens)
+        .map(|((e, b), &len)| mm::ring::Op {
+            fd: f.as_raw_fd(),
+            offset: store.layer_extent(e, 0).0,
+            buf: b.as_ptr(),
+            len: u32::try_from(len).unwrap_or(u32::MAX),
+            write: false,
+        })
+        .collect();
+    let mut ring = mm::ring::Ring::new(u32::try_from(ops.len() + 1).unwrap_or(u32::MAX))?;
+    let t = std::time::Instant::now();
+    // SAFETY: the buffers outlive the wait below and nothing else touches them.
+    unsafe { ring.submit(0, &ops) }?;
+    ring.wait(0)?;
+    let secs = t.elapsed().as_secs_f64().max(1e-9);
+    Ok(lens.iter().sum::<usize>() as f64 / secs)
+}
