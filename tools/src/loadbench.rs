@@ -30,6 +30,7 @@ pub fn profile_path(dir: &Path, codec: &EngineCodec) -> PathBuf {
 }
 
 /// A manager over a store in `dir` for `model` (int8 base), with the given policy and levels.
+#[allow(clippy::too_many_arguments)]
 pub fn manager(
     dir: &Path,
     model: &Model,
