@@ -87,6 +87,9 @@ pub enum MmError {
 
 pub type Result<T> = std::result::Result<T, MmError>;
 
+/// A mixed plan must beat reading everything by this fraction of the predicted time.
+const PLAN_MARGIN: f64 = 0.1;
+
 /// How to load the missing chunks of a context (the planner's choice, or a forced one for
 /// measurements).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -512,7 +515,17 @@ impl Manager {
             Strategy::Planned => {
                 if let (Policy::Llms, Some(p)) = (self.cfg.policy, &self.profile) {
                     let sizes: Vec<u64> = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).collect();
-                    let pl = plan_forced(&sizes, forced.len(), p.recompute, p.io);
+                    let mut pl = plan_forced(&sizes, forced.len(), p.recompute, p.io);
+                    // A mixed load runs recompute and reads side by side, which costs some
+                    // interference the linear profiles do not see: take it only when it is
+                    // predicted clearly (PLAN_MARGIN) better than reading everything readable.
+                    let all_read = p.io.at(sizes.iter().sum()).max(p.recompute.at(forced.len() as u64));
+                    if !pl.recompute.is_empty() && pl.t_total > (1.0 - PLAN_MARGIN) * all_read {
+                        pl = plan_forced(&[], forced.len(), p.recompute, p.io);
+                        pl.read_bytes = sizes.iter().sum();
+                        pl.t_io = p.io.at(pl.read_bytes);
+                        pl.t_total = all_read;
+                    }
                     let chosen: HashSet<usize> = pl.recompute.iter().copied().collect();
                     let mut keep = Vec::new();
                     for (k, (i, e)) in readable.into_iter().enumerate() {

@@ -162,9 +162,8 @@ pub fn load_or_measure(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, c
 pub fn read_bandwidth(store: &Store, ctx: u64, n_chunks: usize) -> Result<f64> {
     use std::os::fd::AsRawFd;
     let f = store.file(ctx)?;
-    let n_layers = store.geometry().n_layers;
     let entries: Vec<_> = (0..n_chunks).filter_map(|i| store.entry(ctx, u32::try_from(i).ok()?)).collect();
-    let lens: Vec<usize> = entries.iter().map(|e| n_layers * store.layer_extent(e, 0).1).collect();
+    let lens: Vec<usize> = entries.iter().map(|e| store.body_extent(e).1).collect();
     let mut bufs: Vec<mm::store::AlignedBuf> = lens.iter().map(|&l| mm::store::AlignedBuf::new(l)).collect();
     let ops: Vec<mm::ring::Op> = entries
         .iter()
@@ -172,7 +171,7 @@ pub fn read_bandwidth(store: &Store, ctx: u64, n_chunks: usize) -> Result<f64> {
         .zip(&lens)
         .map(|((e, b), &len)| mm::ring::Op {
             fd: f.as_raw_fd(),
-            offset: store.layer_extent(e, 0).0,
+            offset: store.body_extent(e).0,
             buf: b.as_ptr(),
             len: u32::try_from(len).unwrap_or(u32::MAX),
             write: false,
