@@ -7,6 +7,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use llms_tests::require_kernel;
 use mm::{prefix_hashes, Codec, Format, KvContext, Manager, MmConfig, Policy, Store, StoreGeometry, Strategy as Load};
 use proptest::prelude::*;
 
@@ -141,7 +142,7 @@ fn run(policy: Policy, ops: &[Op]) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
     let cfg = MmConfig { policy, budget: 100_000, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS };
-    let Some(mut mm) = llms_kernel(Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return Ok(()) };
+    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return Ok(()) };
     let mut kvs: Vec<FakeKv> = (0..3).map(|_| FakeKv::default()).collect();
     for c in 0..3 {
         mm.create(c).unwrap();
@@ -205,17 +206,6 @@ fn check_in_call(mm: &Manager, ctx: u64) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn llms_kernel<T, E: std::fmt::Display>(r: Result<T, E>) -> Option<T> {
-    match r {
-        Ok(v) => Some(v),
-        Err(e) => {
-            assert!(std::env::var("LLMS_REQUIRE_KERNEL").as_deref() != Ok("1"), "userfaultfd is not usable here: {e}");
-            eprintln!("skipping: userfaultfd is not usable here: {e}");
-            None
-        }
-    }
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -230,7 +220,7 @@ fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
     let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.5, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS };
-    let Some(mut mm) = llms_kernel(Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
+    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
     mm.create(9).unwrap();
     let mut kv = FakeKv::default();
     mm.prepare(9, &mut kv, 10 * CT).unwrap();
