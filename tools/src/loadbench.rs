@@ -62,7 +62,19 @@ pub fn synthetic_tokens(model: &Model, n: usize) -> Vec<u32> {
         .collect()
 }
 
-/// A context of `tokens` held by `mm` as context `id`.
+/// Registers context `id` with `mm` and runs `tokens` in session `s` as one call, so the
+/// context's chunks live in mm's slots (and, once written, on flash).
+pub fn hold(mm: &mut Manager, id: u64, s: &mut Session, tokens: &[u32]) -> Result<()> {
+    mm.create(id)?;
+    let want = s.n_past() + tokens.len();
+    mm.prepare(id, &mut SessionKv(s), want)?;
+    mm.begin(id, &mut SessionKv(s), Strategy::Planned)?;
+    s.eval(tokens, Logits::None)?;
+    mm.end(id, &mut SessionKv(s))?;
+    Ok(())
+}
+
+/// A context of `tokens` held by `mm` as context `id`, written out.
 pub fn build_context(
     mm: &mut Manager,
     id: u64,
@@ -79,11 +91,7 @@ pub fn build_context(
         sliding_window: None,
     };
     let mut s = Session::with_options(Arc::clone(model), Arc::clone(pool), opts);
-    mm.create(id)?;
-    mm.prepare(id, &mut SessionKv(&mut s), tokens.len())?;
-    mm.begin(id, &mut SessionKv(&mut s), Strategy::Planned)?;
-    s.eval(tokens, Logits::None)?;
-    mm.end(id, &mut SessionKv(&mut s))?;
+    hold(mm, id, &mut s, tokens)?;
     mm.flush();
     Ok(s)
 }

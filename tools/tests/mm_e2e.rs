@@ -9,6 +9,7 @@ use engine::{Logits, Model, Session, ThreadPool};
 use llms_tests::{fixture, model_path, require_kernel};
 use mm::{Linear, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
 use tools::kvmm::{code, EngineCodec, SessionKv};
+use tools::loadbench::hold;
 
 const CT: usize = 16;
 const N: usize = 200; // 12 full chunks and a partial one
@@ -99,11 +100,7 @@ fn evicted_contexts_come_back_exactly_by_read_recompute_and_mixed() {
     let fp = mm::Codec::fingerprint(&EngineCodec::new(&s.model, CT));
     let Some(mut mm) = manager(&s, Policy::Llms, &[KvFormat::Int8], 1.0, Some(even_profile(fp))) else { return };
     let mut sess = session(&s, false);
-    mm.create(1).unwrap();
-    mm.prepare(1, &mut SessionKv(&mut sess), N).unwrap();
-    mm.begin(1, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
-    sess.eval(&s.ids[..N], Logits::None).unwrap();
-    mm.end(1, &mut SessionKv(&mut sess)).unwrap();
+    hold(&mut mm, 1, &mut sess, &s.ids[..N]).unwrap();
     let resident = mm.context_bytes(1);
     assert_eq!(smaps_rss(mm.region_range(1).unwrap()), resident, "mm's accounting is the kernel's");
     let tok = s.ids[N];
@@ -144,11 +141,7 @@ fn compressed_levels_survive_eviction_and_recompute_stays_close() {
         return;
     };
     let mut sess = session(&s, true);
-    mm.create(7).unwrap();
-    mm.prepare(7, &mut SessionKv(&mut sess), N).unwrap();
-    mm.begin(7, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
-    sess.eval(&s.ids[..N], Logits::None).unwrap();
-    mm.end(7, &mut SessionKv(&mut sess)).unwrap();
+    hold(&mut mm, 7, &mut sess, &s.ids[..N]).unwrap();
     let formats: Vec<u32> = (0..N / CT).map(|i| mm.chunk_info(7, i).unwrap().format).collect();
     assert!(formats.contains(&code(KvFormat::Q2)) || formats.contains(&code(KvFormat::Q4)), "ratio 0.6 lowers chunks: {formats:?}");
     assert!(formats.contains(&code(KvFormat::Int8)), "the densest chunks keep 8 bits: {formats:?}");
@@ -192,11 +185,7 @@ fn lmk_recomputes_a_killed_context_exactly() {
     let s = setup();
     let Some(mut mm) = manager(&s, Policy::Lmk, &[KvFormat::Int8], 1.0, None) else { return };
     let mut sess = session(&s, false);
-    mm.create(2).unwrap();
-    mm.prepare(2, &mut SessionKv(&mut sess), N).unwrap();
-    mm.begin(2, &mut SessionKv(&mut sess), Strategy::Planned).unwrap();
-    sess.eval(&s.ids[..N], Logits::None).unwrap();
-    mm.end(2, &mut SessionKv(&mut sess)).unwrap();
+    hold(&mut mm, 2, &mut sess, &s.ids[..N]).unwrap();
     let tok = s.ids[N];
     let (reference, _) = next_logits(&mut mm, 2, &mut sess, tok, Strategy::Planned);
     force_out(&mut mm, 2);
