@@ -125,6 +125,17 @@ impl ChunkedKv {
         Ok(())
     }
 
+    /// Declares positions `0..n` held, their chunks already attached (a context restored from
+    /// a store: the caller loads or recomputes the chunks before they are read).
+    pub fn set_len(&mut self, n: usize) -> Result<(), KvError> {
+        let have = (self.chunks.len() * self.geom.chunk_tokens).min(self.capacity);
+        if n > have {
+            return Err(KvError::Full { needed: n, capacity: have });
+        }
+        self.len = n;
+        Ok(())
+    }
+
     /// Forgets positions from `n` on. A partly kept chunk in a reduced format is brought back
     /// to the base format (exactly, through int8) so tokens can be appended to it again.
     pub fn truncate(&mut self, n: usize) {

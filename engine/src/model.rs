@@ -265,8 +265,10 @@ pub enum Logits {
     All,
 }
 
+/// A session's working memory (activations, logits): a service holding many idle sessions
+/// lends one `Scratch` to whichever session runs ([`Session::take_scratch`]).
 #[derive(Debug, Default)]
-struct Scratch {
+pub struct Scratch {
     x: Vec<f32>,
     xb: Vec<f32>,
     qkv: Vec<f32>,
@@ -369,6 +371,16 @@ impl Session {
 
     pub fn n_past(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Takes the session's working memory out (it gets an empty one, which grows on use).
+    pub fn take_scratch(&mut self) -> Scratch {
+        std::mem::take(&mut self.scratch)
+    }
+
+    /// Gives the session working memory to use (e.g. one taken from another session).
+    pub fn set_scratch(&mut self, s: Scratch) {
+        self.scratch = s;
     }
 
     pub fn capacity(&self) -> usize {

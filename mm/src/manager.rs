@@ -378,6 +378,11 @@ impl Manager {
         })
     }
 
+    /// The userfaultfd statistics of a context's region (faults served, fills, evictions).
+    pub fn region_stats(&self, ctx: u64) -> Option<uffd_handler::StatsSnapshot> {
+        self.ctxs.get(&ctx).map(|c| c.region.stats())
+    }
+
     /// Chunks mm knows for a context.
     pub fn n_chunks(&self, ctx: u64) -> usize {
         self.ctxs.get(&ctx).map_or(0, |c| c.chunks.len())
@@ -398,6 +403,50 @@ impl Manager {
         let region = self.pager.region_with(self.slot_size, self.cfg.max_chunks.max(1), src, true)?;
         self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false });
         Ok(())
+    }
+
+    /// Registers a context the store holds (after a restart). `kv` holds the context's tokens
+    /// and no chunks; every chunk gets its slot, not resident, in the format of its record when
+    /// the record is of exactly these tokens, else in the base format. The next `begin` loads
+    /// them (reading or recomputing, as for any evicted chunk). Returns the chunks with a
+    /// usable record.
+    pub fn restore(&mut self, ctx: u64, kv: &mut dyn KvContext) -> Result<usize> {
+        let ct = self.codec.chunk_tokens();
+        let n_tok = kv.tokens().len();
+        let n = n_tok.div_ceil(ct);
+        if n > self.cfg.max_chunks.max(1) {
+            return Err(MmError::TooLong { ctx, need: n, max: self.cfg.max_chunks.max(1) });
+        }
+        if kv.n_chunks() != 0 {
+            return Err(engine(format!("context {ctx}: restore wants a cache without chunks, it has {}", kv.n_chunks())));
+        }
+        self.create(ctx)?;
+        let region = Arc::clone(&self.ctx(ctx)?.region);
+        let hashes = prefix_hashes(kv.tokens(), ct);
+        let base = kv.base();
+        let mut usable = 0;
+        for (i, &prefix_hash) in hashes.iter().enumerate() {
+            let tokens = u32::try_from(n_tok.saturating_sub(i * ct).min(ct)).unwrap_or(u32::MAX);
+            let want = |f: Format| RecordMeta { context: ctx, chunk: chunk_u32(i), format: f, tokens, prefix_hash };
+            let level = self
+                .store
+                .entry(ctx, chunk_u32(i))
+                .map(|e| e.meta.format)
+                .filter(|&f| (f == base || self.cfg.levels.contains(&f)) && self.store.matches(&want(f)));
+            usable += usize::from(level.is_some());
+            let level = level.unwrap_or(base);
+            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+            // SAFETY: the slot belongs to this context for as long as the context lives; it is
+            // not resident, and `begin` loads it before the engine reads it.
+            unsafe { kv.push_chunk(ptr, self.slot_size) }.map_err(engine)?;
+            if level != base {
+                // SAFETY: as above.
+                unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            }
+            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(ChunkMeta { level, tokens, prefix_hash, density: 0.0 });
+            self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), want(level));
+        }
+        Ok(usable)
     }
 
     /// Deletes a context: its memory and its records.

@@ -3,3 +3,7 @@
 
 pub mod kvmm;
 pub mod loadbench;
+pub mod client;
+pub mod config;
+pub mod proto;
+pub mod service;

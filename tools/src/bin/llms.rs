@@ -81,8 +81,27 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
-    /// Interactive chat with the model's template; tokens are streamed as they come.
+    /// Contexts held by a running llmsd: create, call, delete, list.
+    Ctx {
+        #[command(subcommand)]
+        cmd: CtxCmd,
+    },
+    /// The service's figures: budget and usage, switch latency, faults, pressure, and this
+    /// app's contexts (residency and levels).
+    Stats {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+    /// Interactive chat with the model's template; tokens are streamed as they come. With
+    /// --ctx the conversation is a context of a running llmsd (it persists).
     Chat {
+        /// Chat in this llmsd context ("new" creates one and prints its id).
+        #[arg(long)]
+        ctx: Option<String>,
+        #[command(flatten)]
+        d: DaemonArgs,
         #[arg(long, default_value_t = 256)]
         max_tokens: usize,
         #[arg(long, default_value_t = 0.0)]
@@ -181,6 +200,204 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
+}
+
+#[derive(Args, Debug, Clone)]
+struct DaemonArgs {
+    /// llmsd's socket [default: $LLMS_SOCKET, else $XDG_RUNTIME_DIR/llms/llmsd.sock, else /run/llms/llmsd.sock]
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The app name to bind as (contexts belong to an app of a user).
+    #[arg(long, default_value = "llms-cli")]
+    app: String,
+}
+
+impl DaemonArgs {
+    fn connect(&self) -> Result<tools::client::Client> {
+        let socket = self.socket.clone().unwrap_or_else(tools::client::default_socket);
+        tools::client::Client::connect(&socket, &self.app)
+    }
+}
+
+#[derive(Subcommand, Debug)]
+enum CtxCmd {
+    /// Creates a context and prints its id.
+    New {
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+    /// Sends a prompt to a context and streams the answer (stats to stderr with --stats).
+    Call {
+        ctx: String,
+        prompt: String,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: u32,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Stop when the output contains this (repeatable).
+        #[arg(long)]
+        stop: Vec<String>,
+        /// Append the prompt as it is, not as a chat turn.
+        #[arg(long)]
+        raw: bool,
+        /// Print {"text":..., "stats":...} at the end instead of streaming.
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        stats: bool,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+    /// Deletes a context and its data.
+    Del {
+        ctx: String,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+    /// This app's contexts.
+    List {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
+}
+
+fn ctx_cmd(cmd: CtxCmd) -> Result<()> {
+    match cmd {
+        CtxCmd::New { system, d } => println!("{}", d.connect()?.new_ctx(system.as_deref())?),
+        CtxCmd::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, json, stats, d } => {
+            let mut c = d.connect()?;
+            let call = tools::proto::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw };
+            let mut out = std::io::stdout().lock();
+            let (text, st) = c.call(&call, &mut |t| {
+                if !json {
+                    let _ = out.write_all(t.as_bytes());
+                    let _ = out.flush();
+                }
+            })?;
+            if json {
+                writeln!(out, "{}", json!({"text": text, "stats": st}))?;
+            } else {
+                writeln!(out)?;
+            }
+            if stats {
+                eprintln!("{}", call_line(&st));
+            }
+        }
+        CtxCmd::Del { ctx, d } => d.connect()?.del_ctx(&ctx)?,
+        CtxCmd::List { json, d } => {
+            let v = d.connect()?.list()?;
+            if json {
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                print_contexts(&v);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn call_line(st: &tools::proto::CallStats) -> String {
+    format!(
+        "[switch {:.1} ms ({} missing: {} read, {} recomputed), queue {:.1} ms, ttft {:.1} ms, prefill {} tok {:.1} ms, decode {} tok {:.1} ms, {}]",
+        st.switch_ms,
+        st.missing_chunks,
+        st.read_chunks,
+        st.recomputed_chunks,
+        st.queue_ms,
+        st.ttft_ms,
+        st.prompt_tokens,
+        st.prefill_ms,
+        st.output_tokens,
+        st.decode_ms,
+        st.finish
+    )
+}
+
+fn print_contexts(v: &[tools::proto::CtxInfo]) {
+    println!("{:<34} {:>7} {:>7} {:>12} {:>12} {:>6}  levels", "context", "tokens", "chunks", "resident_KiB", "flash_KiB", "calls");
+    for c in v {
+        let lv: Vec<String> = c.levels.iter().map(|(k, n)| format!("{k}:{n}")).collect();
+        println!(
+            "{:<34} {:>7} {:>7} {:>12} {:>12} {:>6}  {}{}",
+            c.ctx,
+            c.tokens,
+            c.chunks,
+            c.resident_bytes >> 10,
+            c.flash_bytes >> 10,
+            c.calls,
+            lv.join(" "),
+            if c.busy { " (in a call)" } else { "" }
+        );
+    }
+}
+
+fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
+    let s = d.connect()?.stats()?;
+    if json {
+        println!("{}", serde_json::to_string(&s)?);
+        return Ok(());
+    }
+    println!(
+        "policy {}  budget {:.1} MiB (configured {:.1})  resident {:.1} MiB  contexts {}  queue {}  pressure {}",
+        s.policy,
+        s.budget_bytes as f64 / 1048576.0,
+        s.configured_budget_bytes as f64 / 1048576.0,
+        s.resident_bytes as f64 / 1048576.0,
+        s.contexts,
+        s.queue,
+        s.pressure
+    );
+    println!(
+        "calls {}  switch latency p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  faults {}  evicted chunks {}  AoT writes {}  sync writes {}",
+        s.calls, s.switch_p50_ms, s.switch_p90_ms, s.switch_p99_ms, s.faults, s.evicted_chunks, s.written_aot, s.written_sync
+    );
+    print_contexts(&s.mine);
+    Ok(())
+}
+
+/// A chat whose conversation is an llmsd context.
+fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperature: f32, seed: u64, system: Option<String>) -> Result<()> {
+    let mut c = d.connect()?;
+    let ctx = if ctx == "new" {
+        let id = c.new_ctx(system.as_deref())?;
+        eprintln!("llms chat: new context {id}");
+        id
+    } else {
+        ctx.to_string()
+    };
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    eprintln!("llms chat: type a message, empty line or Ctrl-D to quit");
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        let call = tools::proto::Call {
+            ctx: ctx.clone(),
+            prompt: line.trim_end().to_string(),
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            temperature,
+            seed,
+            stop: Vec::new(),
+            raw: false,
+        };
+        let mut out = std::io::stdout().lock();
+        let (_, st) = c.call(&call, &mut |t| {
+            let _ = out.write_all(t.as_bytes());
+            let _ = out.flush();
+        })?;
+        println!();
+        eprintln!("{}", call_line(&st));
+    }
+    Ok(())
 }
 
 #[derive(Subcommand, Debug)]
@@ -415,7 +632,12 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Cmd::Chat { max_tokens, temperature, seed, system, m } => chat_loop(&m, max_tokens, temperature, seed, system)?,
+        Cmd::Chat { ctx: Some(ctx), d, max_tokens, temperature, seed, system, .. } => {
+            chat_daemon(&d, &ctx, max_tokens, temperature, seed, system)?;
+        }
+        Cmd::Chat { ctx: None, max_tokens, temperature, seed, system, m, .. } => chat_loop(&m, max_tokens, temperature, seed, system)?,
+        Cmd::Ctx { cmd } => ctx_cmd(cmd)?,
+        Cmd::Stats { json, d } => stats_cmd(json, &d)?,
         Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, json, m } => {
             let (model, pool) = load(&m)?;
             if ctx < 8 || ctx > model.config.ctx_len {

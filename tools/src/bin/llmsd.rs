@@ -1,0 +1,120 @@
+//! `llmsd`: the LLMS system service. Loads the model once and serves apps' contexts over a
+//! Unix socket (docs/llmsd.md: configuration, protocol, running it under systemd or init).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tools::config::Config;
+use tools::service::{bind_socket, Service};
+
+#[derive(Parser, Debug)]
+#[command(name = "llmsd", version, about = "LLMS: the LLM system service")]
+struct Cli {
+    /// TOML configuration file (docs/llmsd.md); the flags below override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Socket permission bits, octal (e.g. 0660).
+    #[arg(long)]
+    socket_mode: Option<String>,
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Memory for KV chunks, e.g. 64MiB.
+    #[arg(long)]
+    budget: Option<String>,
+    /// Do not follow memory pressure (keep the configured budget).
+    #[arg(long)]
+    no_pressure: bool,
+    /// Monitor this cgroup directory instead of the service's own.
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// llms, vllm-sq, vllm-s, swap or lmk.
+    #[arg(long)]
+    policy: Option<String>,
+    #[arg(long)]
+    chunk_tokens: Option<usize>,
+    /// Compression levels, the base first: e.g. int8,q4,q2.
+    #[arg(long, value_delimiter = ',')]
+    levels: Option<Vec<String>>,
+    /// Global compression ratio (KV bytes relative to the base level).
+    #[arg(long)]
+    ratio: Option<f64>,
+    #[arg(long)]
+    max_contexts_per_app: Option<usize>,
+    #[arg(long)]
+    max_context_tokens: Option<usize>,
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+fn config(cli: Cli) -> Result<(Config, bool)> {
+    let mut c = match &cli.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if c.model == Config::default().model {
+        if let Some(m) = std::env::var_os("LLMS_MODEL") {
+            c.model = m.into();
+        }
+    }
+    macro_rules! set {
+        ($($f:ident),*) => { $( if let Some(v) = cli.$f { c.$f = v; } )* };
+    }
+    set!(model, socket, socket_mode, state_dir, budget, policy, chunk_tokens, levels, ratio, max_contexts_per_app, max_context_tokens, threads);
+    if cli.cgroup.is_some() {
+        c.cgroup = cli.cgroup;
+    }
+    if cli.no_pressure {
+        c.pressure = false;
+    }
+    c.validate()?;
+    Ok((c, cli.print_config))
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run() {
+        eprintln!("llmsd: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let (cfg, print) = config(Cli::parse())?;
+    if print {
+        print!("{}", toml::to_string(&cfg)?);
+        return Ok(());
+    }
+    // SIGTERM and SIGINT are taken by a thread of ours (blocked everywhere else, inherited by
+    // every thread started after this), so a stop always runs the clean shutdown.
+    let mut sigs = nix::sys::signal::SigSet::empty();
+    sigs.add(nix::sys::signal::Signal::SIGTERM);
+    sigs.add(nix::sys::signal::Signal::SIGINT);
+    sigs.thread_block().context("blocking SIGTERM")?;
+    let mode = cfg.socket_mode_bits()?;
+    let socket = cfg.socket.clone();
+    let svc = Service::open(cfg)?;
+    let listener = bind_socket(&socket, mode)?;
+    tracing::info!(socket = %socket.display(), budget = svc.config().budget, policy = %svc.config().policy, "llmsd ready");
+    let stopper = Arc::clone(&svc);
+    std::thread::Builder::new().name("llmsd-signals".into()).spawn(move || {
+        if let Ok(sig) = sigs.wait() {
+            tracing::info!("{sig:?}: stopping");
+            stopper.stop();
+        }
+    })?;
+    let r = svc.serve(listener);
+    let _ = std::fs::remove_file(&socket);
+    r
+}

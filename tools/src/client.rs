@@ -1,0 +1,108 @@
+//! A client of llmsd: one connection, bound to one app.
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::proto::{self, Call, CallStats, CtxInfo, ErrorCode, Event, Request, ServiceStats};
+
+/// The socket llmsd listens on unless told: `$LLMS_SOCKET`, else `$XDG_RUNTIME_DIR/llms/llmsd.sock`
+/// when that directory is set, else `/run/llms/llmsd.sock`.
+pub fn default_socket() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMS_SOCKET") {
+        return p.into();
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("llms/llmsd.sock"),
+        None => PathBuf::from("/run/llms/llmsd.sock"),
+    }
+}
+
+/// An error the service answered with.
+#[derive(Debug, thiserror::Error)]
+#[error("llmsd: {code:?}: {message}")]
+pub struct ServiceError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// A bound connection.
+#[derive(Debug)]
+pub struct Client {
+    stream: UnixStream,
+    pub uid: u32,
+    pub app: String,
+}
+
+impl Client {
+    /// Connects to `socket` and binds as `app`.
+    pub fn connect(socket: &Path, app: &str) -> Result<Self> {
+        let stream = UnixStream::connect(socket)
+            .with_context(|| format!("connecting to llmsd at {} (is it running? `llmsd --socket PATH`)", socket.display()))?;
+        let mut c = Self { stream, uid: 0, app: app.into() };
+        match c.request(&Request::Bind { app: app.into(), version: proto::VERSION })? {
+            Event::Bound { uid, .. } => c.uid = uid,
+            e => bail!("unexpected answer to bind: {e:?}"),
+        }
+        Ok(c)
+    }
+
+    /// Sends `req` and reads one answer (an error answer is an `Err` with a [`ServiceError`]).
+    pub fn request(&mut self, req: &Request) -> Result<Event> {
+        self.send(req)?;
+        self.next()
+    }
+
+    fn send(&mut self, req: &Request) -> Result<()> {
+        proto::write_frame(&mut self.stream, &proto::encode(req)).context("sending to llmsd")
+    }
+
+    fn next(&mut self) -> Result<Event> {
+        let body = proto::read_frame(&mut self.stream).context("reading from llmsd")?;
+        match proto::decode_event(&body)? {
+            Event::Error { code, message } => Err(ServiceError { code, message }.into()),
+            e => Ok(e),
+        }
+    }
+
+    pub fn new_ctx(&mut self, system_prompt: Option<&str>) -> Result<String> {
+        match self.request(&Request::NewCtx { system_prompt: system_prompt.map(Into::into) })? {
+            Event::Created { ctx } => Ok(ctx),
+            e => Err(anyhow!("unexpected answer to new_ctx: {e:?}")),
+        }
+    }
+
+    /// Runs a call, handing each streamed piece to `on_token`; returns the output and stats.
+    pub fn call(&mut self, call: &Call, on_token: &mut dyn FnMut(&str)) -> Result<(String, CallStats)> {
+        self.send(&Request::Call(call.clone()))?;
+        loop {
+            match self.next()? {
+                Event::Token { text } => on_token(&text),
+                Event::Done { text, stats } => return Ok((text, stats)),
+                e => bail!("unexpected event during a call: {e:?}"),
+            }
+        }
+    }
+
+    pub fn del_ctx(&mut self, ctx: &str) -> Result<()> {
+        match self.request(&Request::DelCtx { ctx: ctx.into() })? {
+            Event::Deleted { .. } => Ok(()),
+            e => Err(anyhow!("unexpected answer to del_ctx: {e:?}")),
+        }
+    }
+
+    pub fn list(&mut self) -> Result<Vec<CtxInfo>> {
+        match self.request(&Request::List)? {
+            Event::List { contexts } => Ok(contexts),
+            e => Err(anyhow!("unexpected answer to list: {e:?}")),
+        }
+    }
+
+    pub fn stats(&mut self) -> Result<ServiceStats> {
+        match self.request(&Request::Stats)? {
+            Event::Stats { stats } => Ok(*stats),
+            e => Err(anyhow!("unexpected answer to stats: {e:?}")),
+        }
+    }
+}

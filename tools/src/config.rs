@@ -1,0 +1,203 @@
+//! llmsd's configuration: a TOML file (docs/llmsd.md) with command-line overrides.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use engine::kv::KvFormat;
+use mm::Policy;
+use serde::{Deserialize, Serialize};
+
+/// Every setting of the service. Missing keys take the defaults below.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// GGUF model file.
+    pub model: PathBuf,
+    /// Unix socket to listen on.
+    pub socket: PathBuf,
+    /// Permission bits of the socket (octal string): who may connect.
+    pub socket_mode: String,
+    /// Where the swap store, contexts and profiles live (on flash, not tmpfs).
+    pub state_dir: PathBuf,
+    /// Memory for KV chunks: bytes, or with a suffix (`256MiB`, `1GiB`, `512k`).
+    pub budget: String,
+    /// Follow memory pressure: the pressure monitor's budget target lowers the budget.
+    pub pressure: bool,
+    /// Monitor this cgroup (v2 or v1 directory) instead of the service's own.
+    pub cgroup: Option<PathBuf>,
+    /// Memory policy: llms, vllm-sq, vllm-s, swap, lmk.
+    pub policy: String,
+    /// Tokens per KV chunk.
+    pub chunk_tokens: usize,
+    /// Compression levels for the llms policy, first is the base (int8 or f16).
+    pub levels: Vec<String>,
+    /// Global compression ratio (KV bytes relative to the base level), 0 < ratio <= 1.
+    pub ratio: f64,
+    /// Contexts one app may hold.
+    pub max_contexts_per_app: usize,
+    /// Contexts the service holds in all.
+    pub max_contexts: usize,
+    /// Tokens one context holds; longer contexts slide (the oldest turns are dropped, the
+    /// start of the context is kept).
+    pub max_context_tokens: usize,
+    /// Tokens kept at the start of a context when it slides.
+    pub keep_tokens: usize,
+    /// Compute threads (0: one per core).
+    pub threads: usize,
+    /// Seconds a connection may stay silent between requests.
+    pub idle_timeout_s: u64,
+    /// Seconds to finish sending a frame once started, and to take one from us.
+    pub io_timeout_s: u64,
+    /// Open connections at most.
+    pub max_connections: usize,
+    /// Calls waiting for the model at most.
+    pub max_queue: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            socket: crate::client::default_socket(),
+            socket_mode: "0660".into(),
+            state_dir: crate::loadbench::state_dir(),
+            budget: "256MiB".into(),
+            pressure: true,
+            cgroup: None,
+            policy: "llms".into(),
+            chunk_tokens: 16,
+            levels: vec!["int8".into(), "q4".into(), "q2".into()],
+            ratio: 0.75,
+            max_contexts_per_app: 16,
+            max_contexts: 256,
+            max_context_tokens: 2048,
+            keep_tokens: 64,
+            threads: 0,
+            idle_timeout_s: 3600,
+            io_timeout_s: 10,
+            max_connections: 64,
+            max_queue: 256,
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML file (unknown keys are errors: a typo must not pass silently).
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{}: not a valid llmsd configuration", path.display()))
+    }
+
+    pub fn budget_bytes(&self) -> Result<usize> {
+        parse_bytes(&self.budget).with_context(|| format!("budget {:?}", self.budget))
+    }
+
+    pub fn policy(&self) -> Result<Policy> {
+        Policy::parse(&self.policy).with_context(|| format!("policy {:?}: expected llms, vllm-sq, vllm-s, swap or lmk", self.policy))
+    }
+
+    pub fn level_formats(&self) -> Result<Vec<KvFormat>> {
+        let v: Vec<KvFormat> = self
+            .levels
+            .iter()
+            .map(|l| KvFormat::ALL.into_iter().find(|f| f.name() == l).with_context(|| format!("level {l:?}: expected f16, int8, q4 or q2")))
+            .collect::<Result<_>>()?;
+        match v.first() {
+            None => bail!("levels: at least the base level is needed"),
+            Some(b) if !b.is_base() => bail!("levels: the first level is the base and must be f16 or int8"),
+            _ => {}
+        }
+        if v[1..].iter().any(|f| f.is_base()) {
+            bail!("levels: only the first level may be f16 or int8");
+        }
+        Ok(v)
+    }
+
+    pub fn socket_mode_bits(&self) -> Result<u32> {
+        let bits = u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
+            .with_context(|| format!("socket_mode {:?}: expected octal such as 0660", self.socket_mode))?;
+        if bits > 0o777 {
+            bail!("socket_mode {:?}: only permission bits (at most 0777)", self.socket_mode);
+        }
+        Ok(bits)
+    }
+
+    /// Checks every setting; the service refuses to start on the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        self.budget_bytes()?;
+        self.policy()?;
+        self.level_formats()?;
+        self.socket_mode_bits()?;
+        if !(self.ratio > 0.0 && self.ratio <= 1.0) {
+            bail!("ratio {} must be in (0, 1]", self.ratio);
+        }
+        if !(1..=256).contains(&self.chunk_tokens) {
+            bail!("chunk_tokens {} must be between 1 and 256", self.chunk_tokens);
+        }
+        if self.max_context_tokens < 2 * self.chunk_tokens {
+            bail!("max_context_tokens {} must hold at least two chunks", self.max_context_tokens);
+        }
+        if self.keep_tokens >= self.max_context_tokens / 2 {
+            bail!("keep_tokens {} must be under half of max_context_tokens", self.keep_tokens);
+        }
+        for (name, v) in [
+            ("max_contexts_per_app", self.max_contexts_per_app),
+            ("max_contexts", self.max_contexts),
+            ("max_connections", self.max_connections),
+            ("max_queue", self.max_queue),
+        ] {
+            if v == 0 {
+                bail!("{name} must be at least 1");
+            }
+        }
+        if self.threads > 256 {
+            bail!("threads {} must be at most 256", self.threads);
+        }
+        Ok(())
+    }
+}
+
+/// Bytes from `123`, `64k`, `256MiB`, `1.5G` (binary units).
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().with_context(|| format!("{s:?} is not a size"))?;
+    let mul = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        u => bail!("{s:?}: unknown unit {u:?} (use k, M, G)"),
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let v = n * mul as f64;
+    if !v.is_finite() || v < 0.0 || v > (1u64 << 50) as f64 {
+        bail!("{s:?} is out of range");
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    Ok(v as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_bad_settings() {
+        assert_eq!(parse_bytes("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_bytes("1.5g").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        for bad in ["", "x", "12 parsecs", "-1M", "1e999"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+        Config::default().validate().unwrap();
+        let c: Config = toml::from_str("budget = \"64MiB\"\nlevels = [\"int8\"]\nratio = 1.0\n").unwrap();
+        c.validate().unwrap();
+        assert!(toml::from_str::<Config>("bugdet = \"1M\"").is_err(), "unknown keys are errors");
+        for bad in ["levels = [\"q4\"]", "ratio = 0.0", "policy = \"lru\"", "socket_mode = \"999\"", "chunk_tokens = 0"] {
+            let c: Config = toml::from_str(bad).unwrap();
+            assert!(c.validate().is_err(), "{bad}");
+        }
+    }
+}

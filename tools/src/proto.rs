@@ -1,0 +1,256 @@
+//! The llmsd wire protocol, version 1 (docs/protocol.md): frames of a 4-byte big-endian
+//! length and a JSON object, over a Unix stream socket. A client sends one request at a time;
+//! the service answers with events, the last of which is `done` or `error` (a `call` streams
+//! `token` events before its `done`).
+//!
+//! Frames are hostile input: the length is checked against a limit before anything is
+//! allocated, and a malformed body is an error frame, never a panic.
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks; `bind` names the version a client wants.
+pub const VERSION: u32 = 1;
+
+/// Largest frame either side accepts (a prompt of about a megabyte).
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// A request, tagged by `op`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Names the app; must be the first request of a connection.
+    Bind { app: String, version: u32 },
+    /// Creates a context; `system_prompt` starts it (chat form).
+    NewCtx {
+        #[serde(default)]
+        system_prompt: Option<String>,
+    },
+    /// Appends `prompt` to the context and generates up to `max_tokens`.
+    Call(Call),
+    DelCtx { ctx: String },
+    /// The caller's contexts.
+    List,
+    /// Service-wide statistics (the caller's contexts only, in detail).
+    Stats,
+}
+
+/// The arguments of a `call`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Call {
+    pub ctx: String,
+    pub prompt: String,
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// 0 is greedy.
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default)]
+    pub seed: u64,
+    /// Generation stops when the output contains any of these (the output is cut before it).
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Append `prompt` as it is instead of as a chat turn.
+    #[serde(default)]
+    pub raw: bool,
+}
+
+fn default_max_tokens() -> u32 {
+    128
+}
+
+/// Why a request failed, as a stable code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Malformed frame or request.
+    BadRequest,
+    /// A frame over [`MAX_FRAME`].
+    TooLarge,
+    /// A request before `bind`, or a second `bind`.
+    NotBound,
+    /// A protocol version this service does not speak.
+    Version,
+    /// No such context for this app.
+    NotFound,
+    /// The app holds its maximum of contexts, or the service its maximum.
+    TooMany,
+    /// The context is in a call.
+    Busy,
+    /// The call could not be run (the message says why).
+    Failed,
+    /// The service is stopping.
+    ShuttingDown,
+}
+
+/// Per-call measurements, reported with `done`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CallStats {
+    /// Time waiting for the model (other calls ahead), ms.
+    pub queue_ms: f64,
+    /// Call taken from the queue → context ready (its KV loaded and pinned), ms.
+    pub switch_ms: f64,
+    /// Chunks that were not resident, and how they came back.
+    pub missing_chunks: u32,
+    pub read_chunks: u32,
+    pub recomputed_chunks: u32,
+    pub prefill_ms: f64,
+    /// Call received → first token, ms.
+    pub ttft_ms: f64,
+    pub decode_ms: f64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// Tokens the context holds after the call.
+    pub context_tokens: u32,
+    /// Positions dropped by the sliding window before this call.
+    pub slid_tokens: u32,
+    /// `stop`, `length` (max_tokens), `eog` (end of generation) or `cancelled`.
+    pub finish: String,
+}
+
+/// One context as `list` and `stats` show it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CtxInfo {
+    pub ctx: String,
+    pub tokens: u32,
+    pub chunks: u32,
+    pub resident_bytes: u64,
+    pub flash_bytes: u64,
+    /// Chunks per format name (e.g. {"int8": 3, "q4": 10}).
+    pub levels: std::collections::BTreeMap<String, u32>,
+    pub calls: u64,
+    pub busy: bool,
+}
+
+/// Service-wide state, as `stats` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServiceStats {
+    pub policy: String,
+    pub budget_bytes: u64,
+    pub configured_budget_bytes: u64,
+    pub resident_bytes: u64,
+    pub contexts: u32,
+    pub queue: u32,
+    pub calls: u64,
+    /// Switch latency percentiles over recent calls, ms.
+    pub switch_p50_ms: f64,
+    pub switch_p90_ms: f64,
+    pub switch_p99_ms: f64,
+    pub evicted_chunks: u64,
+    pub written_aot: u64,
+    pub written_sync: u64,
+    pub faults: u64,
+    pub pressure: String,
+    /// The caller's contexts.
+    pub mine: Vec<CtxInfo>,
+}
+
+/// A frame from the service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Bound { protocol: u32, uid: u32, app: String },
+    Created { ctx: String },
+    /// A piece of the output (whole UTF-8 characters), streamed during a call.
+    Token { text: String },
+    /// The call finished; `text` is its whole output.
+    Done { text: String, stats: CallStats },
+    Deleted { ctx: String },
+    List { contexts: Vec<CtxInfo> },
+    Stats { stats: Box<ServiceStats> },
+    Error { code: ErrorCode, message: String },
+}
+
+impl Event {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::Error { code, message: message.into() }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("frame of {0} bytes is over the limit of {MAX_FRAME}")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Reads one frame's body (the length checked before allocating).
+pub fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let n = u32::from_be_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(FrameError::TooLarge(n));
+    }
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body)?;
+    Ok(body)
+}
+
+/// Writes one frame.
+pub fn write_frame(w: &mut impl Write, body: &[u8]) -> Result<(), FrameError> {
+    if body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let n = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(body.len()))?;
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&n.to_be_bytes());
+    buf.extend_from_slice(body);
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Decodes a request body.
+pub fn decode_request(body: &[u8]) -> Result<Request, FrameError> {
+    serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// Decodes an event body.
+pub fn decode_event(body: &[u8]) -> Result<Event, FrameError> {
+    serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+/// Serializes a message (requests and events are plain data: this cannot fail).
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("protocol types serialize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_defaults_apply() {
+        let r = decode_request(br#"{"op":"call","ctx":"ab","prompt":"hi"}"#).unwrap();
+        let Request::Call(c) = &r else { panic!("{r:?}") };
+        assert_eq!((c.max_tokens, c.temperature, c.raw), (128, 0.0, false));
+        assert_eq!(decode_request(&encode(&r)).unwrap(), r);
+        for bad in [&b"{"[..], br#"{"op":"nope"}"#, br#"{"op":"bind","app":"x"}"#, br#"{"op":"list","extra":1}"#, b"\xff\xfe"] {
+            assert!(matches!(decode_request(bad), Err(FrameError::Malformed(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn frames_check_their_length_before_allocating() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, b"{}").unwrap();
+        assert_eq!(read_frame(&mut &buf[..]).unwrap(), b"{}");
+        let huge = (u32::MAX).to_be_bytes();
+        assert!(matches!(read_frame(&mut &huge[..]), Err(FrameError::TooLarge(_))));
+        assert!(matches!(read_frame(&mut &[0u8, 0][..]), Err(FrameError::Closed)));
+        // A truncated body is an I/O error, not a short frame.
+        assert!(matches!(read_frame(&mut &[0u8, 0, 0, 9, b'{'][..]), Err(FrameError::Io(_))));
+    }
+}
