@@ -23,12 +23,19 @@ pub fn render(template: Option<&str>, messages: &[Message], bos: &str, eos: &str
 }
 
 /// Renders `messages`; `add_generation_prompt` opens the assistant's turn at the end.
-pub fn render_with(template: Option<&str>, messages: &[Message], bos: &str, eos: &str, add_generation_prompt: bool) -> Result<String, Error> {
+pub fn render_with(
+    template: Option<&str>,
+    messages: &[Message],
+    bos: &str,
+    eos: &str,
+    add_generation_prompt: bool,
+) -> Result<String, Error> {
     let mut env = Environment::new();
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
     env.add_template("chat", template.unwrap_or(CHATML))?;
     let msgs: Vec<_> = messages.iter().map(|m| context! { role => m.role, content => m.content }).collect();
-    env.get_template("chat")?.render(context! { messages => msgs, add_generation_prompt => add_generation_prompt, bos_token => bos, eos_token => eos })
+    env.get_template("chat")?
+        .render(context! { messages => msgs, add_generation_prompt => add_generation_prompt, bos_token => bos, eos_token => eos })
 }
 
 #[cfg(test)]

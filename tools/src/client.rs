@@ -93,14 +93,14 @@ impl Client {
     }
 
     pub fn list(&mut self) -> Result<Vec<CtxInfo>> {
-        match self.request(&Request::List)? {
+        match self.request(&Request::List {})? {
             Event::List { contexts } => Ok(contexts),
             e => Err(anyhow!("unexpected answer to list: {e:?}")),
         }
     }
 
     pub fn stats(&mut self) -> Result<ServiceStats> {
-        match self.request(&Request::Stats)? {
+        match self.request(&Request::Stats {})? {
             Event::Stats { stats } => Ok(*stats),
             e => Err(anyhow!("unexpected answer to stats: {e:?}")),
         }

@@ -20,6 +20,7 @@ pub struct Config {
     /// Where the swap store, contexts and profiles live (on flash, not tmpfs).
     pub state_dir: PathBuf,
     /// Memory for KV chunks: bytes, or with a suffix (`256MiB`, `1GiB`, `512k`).
+    #[serde(deserialize_with = "size_or_string")]
     pub budget: String,
     /// Follow memory pressure: the pressure monitor's budget target lowers the budget.
     pub pressure: bool,
@@ -42,6 +43,9 @@ pub struct Config {
     pub max_context_tokens: usize,
     /// Tokens kept at the start of a context when it slides.
     pub keep_tokens: usize,
+    /// Measure the load profile at first start (about a minute, then saved) so the planner
+    /// splits loads between reading and recomputing; false reads every chunk with a record.
+    pub load_profile: bool,
     /// Compute threads (0: one per core).
     pub threads: usize,
     /// Seconds a connection may stay silent between requests.
@@ -72,6 +76,7 @@ impl Default for Config {
             max_contexts: 256,
             max_context_tokens: 2048,
             keep_tokens: 64,
+            load_profile: true,
             threads: 0,
             idle_timeout_s: 3600,
             io_timeout_s: 10,
@@ -100,7 +105,9 @@ impl Config {
         let v: Vec<KvFormat> = self
             .levels
             .iter()
-            .map(|l| KvFormat::ALL.into_iter().find(|f| f.name() == l).with_context(|| format!("level {l:?}: expected f16, int8, q4 or q2")))
+            .map(|l| {
+                KvFormat::ALL.into_iter().find(|f| f.name() == l).with_context(|| format!("level {l:?}: expected f16, int8, q4 or q2"))
+            })
             .collect::<Result<_>>()?;
         match v.first() {
             None => bail!("levels: at least the base level is needed"),
@@ -157,6 +164,20 @@ impl Config {
     }
 }
 
+/// A size written as a number of bytes or as a string with a unit.
+fn size_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        N(u64),
+        S(String),
+    }
+    Ok(match Size::deserialize(d)? {
+        Size::N(n) => n.to_string(),
+        Size::S(s) => s,
+    })
+}
+
 /// Bytes from `123`, `64k`, `256MiB`, `1.5G` (binary units).
 pub fn parse_bytes(s: &str) -> Result<usize> {
     let t = s.trim();
@@ -194,6 +215,8 @@ mod tests {
         Config::default().validate().unwrap();
         let c: Config = toml::from_str("budget = \"64MiB\"\nlevels = [\"int8\"]\nratio = 1.0\n").unwrap();
         c.validate().unwrap();
+        let c: Config = toml::from_str("budget = 3145728").unwrap();
+        assert_eq!(c.budget_bytes().unwrap(), 3 << 20);
         assert!(toml::from_str::<Config>("bugdet = \"1M\"").is_err(), "unknown keys are errors");
         for bad in ["levels = [\"q4\"]", "ratio = 0.0", "policy = \"lru\"", "socket_mode = \"999\"", "chunk_tokens = 0"] {
             let c: Config = toml::from_str(bad).unwrap();

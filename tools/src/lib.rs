@@ -1,9 +1,9 @@
 //! Wiring shared by the `llms` CLI and the `llmsd` service: the adapter that lets the memory
 //! manager (`mm`) drive the engine's KV cache.
 
-pub mod kvmm;
-pub mod loadbench;
 pub mod client;
 pub mod config;
+pub mod kvmm;
+pub mod loadbench;
 pub mod proto;
 pub mod service;

@@ -21,7 +21,10 @@ pub const MAX_FRAME: usize = 1 << 20;
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Names the app; must be the first request of a connection.
-    Bind { app: String, version: u32 },
+    Bind {
+        app: String,
+        version: u32,
+    },
     /// Creates a context; `system_prompt` starts it (chat form).
     NewCtx {
         #[serde(default)]
@@ -29,11 +32,13 @@ pub enum Request {
     },
     /// Appends `prompt` to the context and generates up to `max_tokens`.
     Call(Call),
-    DelCtx { ctx: String },
+    DelCtx {
+        ctx: String,
+    },
     /// The caller's contexts.
-    List,
+    List {},
     /// Service-wide statistics (the caller's contexts only, in detail).
-    Stats,
+    Stats {},
 }
 
 /// The arguments of a `call`.
@@ -151,16 +156,36 @@ pub struct ServiceStats {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
-    Bound { protocol: u32, uid: u32, app: String },
-    Created { ctx: String },
+    Bound {
+        protocol: u32,
+        uid: u32,
+        app: String,
+    },
+    Created {
+        ctx: String,
+    },
     /// A piece of the output (whole UTF-8 characters), streamed during a call.
-    Token { text: String },
+    Token {
+        text: String,
+    },
     /// The call finished; `text` is its whole output.
-    Done { text: String, stats: CallStats },
-    Deleted { ctx: String },
-    List { contexts: Vec<CtxInfo> },
-    Stats { stats: Box<ServiceStats> },
-    Error { code: ErrorCode, message: String },
+    Done {
+        text: String,
+        stats: CallStats,
+    },
+    Deleted {
+        ctx: String,
+    },
+    List {
+        contexts: Vec<CtxInfo>,
+    },
+    Stats {
+        stats: Box<ServiceStats>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 impl Event {

@@ -98,7 +98,8 @@ impl Turns {
         let tk = &model.tokenizer;
         let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
         let (bos, eos) = (name(tk.bos), name(tk.eos));
-        let r = |m: &[Message], g: bool| chat::render_with(model.chat_template(), m, &bos, &eos, g).map_err(|e| anyhow!("chat template: {e}"));
+        let r =
+            |m: &[Message], g: bool| chat::render_with(model.chat_template(), m, &bos, &eos, g).map_err(|e| anyhow!("chat template: {e}"));
         let sys = Message::new("system", "S");
         let split = |s: &str| -> Result<(String, String)> {
             let (a, b) = s.split_once(MARK).context("chat template drops message content")?;
@@ -206,7 +207,7 @@ impl Service {
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         let policy = cfg.policy()?;
         let levels = cfg.level_formats()?;
-        let profile = if policy == Policy::Llms {
+        let profile = if policy == Policy::Llms && cfg.load_profile {
             Some(crate::loadbench::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
         } else {
             None
@@ -805,7 +806,8 @@ impl Service {
                 Ok(b) => b,
                 Err(FrameError::TooLarge(n)) => {
                     // The rest of the frame cannot be skipped safely: answer and hang up.
-                    let _ = send(&mut stream, &Event::error(ErrorCode::TooLarge, format!("frame of {n} bytes is over {}", proto::MAX_FRAME)));
+                    let _ =
+                        send(&mut stream, &Event::error(ErrorCode::TooLarge, format!("frame of {n} bytes is over {}", proto::MAX_FRAME)));
                     return;
                 }
                 Err(_) => return,
@@ -836,8 +838,8 @@ impl Service {
                 (_, None) => Err(refuse(ErrorCode::NotBound, "bind first")),
                 (Request::NewCtx { system_prompt }, Some(o)) => self.new_ctx(o, system_prompt.as_deref()).map(|ctx| Event::Created { ctx }),
                 (Request::DelCtx { ctx }, Some(o)) => self.del_ctx(o, &ctx).map(|()| Event::Deleted { ctx }),
-                (Request::List, Some(o)) => Ok(Event::List { contexts: self.list(o) }),
-                (Request::Stats, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),
+                (Request::List {}, Some(o)) => Ok(Event::List { contexts: self.list(o) }),
+                (Request::Stats {}, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),
                 (Request::Call(call), Some(o)) => {
                     let o = o.clone();
                     match self.stream_call(&mut stream, &o, call) {

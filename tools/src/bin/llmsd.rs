@@ -68,7 +68,20 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
     macro_rules! set {
         ($($f:ident),*) => { $( if let Some(v) = cli.$f { c.$f = v; } )* };
     }
-    set!(model, socket, socket_mode, state_dir, budget, policy, chunk_tokens, levels, ratio, max_contexts_per_app, max_context_tokens, threads);
+    set!(
+        model,
+        socket,
+        socket_mode,
+        state_dir,
+        budget,
+        policy,
+        chunk_tokens,
+        levels,
+        ratio,
+        max_contexts_per_app,
+        max_context_tokens,
+        threads
+    );
     if cli.cgroup.is_some() {
         c.cgroup = cli.cgroup;
     }

@@ -1,0 +1,437 @@
+//! llmsd end to end: the real daemon binary, the real model, real sockets. Conversations under a
+//! budget that forces eviction give the same output as with unlimited memory; a kill -9 and
+//! corrupted records lose nothing; apps and users cannot reach each other's contexts; hostile
+//! clients do not take the service down.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use llms_tests::{model_path, require_kernel};
+use tools::client::{Client, ServiceError};
+use tools::proto::{self, Call, CallStats, ErrorCode, Event, Request};
+
+const PROMPTS: [&str; 6] = [
+    "Name three colours of the rainbow.",
+    "What is the capital of Italy?",
+    "Write one sentence about the sea.",
+    "How many legs does a spider have?",
+    "Give me a word that rhymes with cat.",
+    "What do bees make?",
+];
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts llmsd with `settings` (TOML lines) over the state directory `state`.
+    fn start(dir: &Path, name: &str, state: &Path, settings: &str) -> Self {
+        let socket = dir.join(format!("{name}.sock"));
+        let cfg = dir.join(format!("{name}.toml"));
+        let toml = format!(
+            "model = {:?}\nsocket = {:?}\nstate_dir = {:?}\nload_profile = false\npressure = false\nthreads = 2\n{settings}\n",
+            model_path(),
+            socket,
+            state
+        );
+        std::fs::write(&cfg, toml).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_llmsd"))
+            .arg("--config")
+            .arg(&cfg)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("llmsd starts");
+        let mut d = Self { child, socket, log };
+        let t = Instant::now();
+        while UnixStream::connect(&d.socket).is_err() {
+            if let Some(st) = d.child.try_wait().unwrap() {
+                panic!("llmsd exited ({st}): {}", std::fs::read_to_string(&d.log).unwrap_or_default());
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "llmsd did not start: {}", d.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn client(&self, app: &str) -> Client {
+        Client::connect(&self.socket, app).expect("connect")
+    }
+
+    /// SIGTERM and wait: the clean shutdown.
+    fn stop(mut self) {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(i32::try_from(self.child.id()).unwrap(), libc::SIGTERM) };
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "llmsd stopped with {st}: {}", self.log_text());
+        assert!(!self.socket.exists(), "the socket is removed at shutdown");
+    }
+
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn kernel_ok() -> bool {
+    require_kernel("userfaultfd", uffd_handler::Pager::new()).is_some()
+}
+
+fn call(c: &mut Client, ctx: &str, prompt: &str, max_tokens: u32) -> (String, CallStats) {
+    let call = Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens, temperature: 0.0, seed: 0, stop: vec![], raw: false };
+    let mut streamed = String::new();
+    let (text, st) = c.call(&call, &mut |t| streamed.push_str(t)).expect("call");
+    assert_eq!(streamed, text, "the streamed pieces make the output");
+    (text, st)
+}
+
+/// Rounds `rounds` of a conversation over contexts `ids` (context k gets prompt k + round).
+fn rounds(c: &mut Client, ids: &[String], rounds: std::ops::Range<usize>) -> Vec<Vec<(String, CallStats)>> {
+    rounds.map(|r| ids.iter().enumerate().map(|(k, id)| call(c, id, PROMPTS[(k + r) % PROMPTS.len()], 12)).collect()).collect()
+}
+
+fn new_contexts(c: &mut Client, n: usize) -> Vec<String> {
+    (0..n).map(|k| c.new_ctx((k % 2 == 1).then_some("You are brief.")).expect("new_ctx")).collect()
+}
+
+/// Resident bytes of the process's userfaultfd-registered mappings (smaps VmFlags `um`).
+fn uffd_rss(pid: u32) -> u64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else { return 0 };
+    let (mut total, mut rss) = (0, 0);
+    for line in s.lines() {
+        if let Some(v) = line.strip_prefix("Rss:") {
+            rss = v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+        } else if let Some(f) = line.strip_prefix("VmFlags:") {
+            if f.split_whitespace().any(|x| x == "um") {
+                total += rss;
+            }
+        }
+    }
+    total
+}
+
+const TIGHT: u64 = 3 << 20;
+
+#[test]
+fn interleaved_contexts_under_a_tight_budget_match_unlimited_memory() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exact = "levels = [\"int8\"]\nratio = 1.0\n";
+    let run = |name: &str, settings: &str, watch: bool| {
+        let d = Daemon::start(dir.path(), name, &dir.path().join(name), settings);
+        let peak = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let sampler = watch.then(|| {
+            let (peak, done, pid) = (Arc::clone(&peak), Arc::clone(&done), d.child.id());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::SeqCst) {
+                    peak.fetch_max(uffd_rss(pid), Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        });
+        let mut c = d.client("app");
+        let ids = new_contexts(&mut c, 8);
+        let out = rounds(&mut c, &ids, 0..3);
+        done.store(true, Ordering::SeqCst);
+        if let Some(s) = sampler {
+            s.join().unwrap();
+        }
+        let st = c.stats().unwrap();
+        let biggest = st.mine.iter().map(|x| u64::from(x.chunks)).max().unwrap();
+        d.stop();
+        (out, st, biggest, peak.load(Ordering::SeqCst))
+    };
+    let (free, _, _, _) = run("free", &format!("budget = \"1GiB\"\n{exact}"), false);
+    let (tight, st, biggest, peak) = run("tight", &format!("budget = {TIGHT}\n{exact}"), true);
+    assert!(st.evicted_chunks > 0, "the budget forced eviction: {st:?}");
+    let read: u32 = tight.iter().flatten().map(|(_, s)| s.read_chunks).sum();
+    assert!(read > 0, "contexts came back from flash");
+    for (r, (a, b)) in free.iter().zip(&tight).enumerate() {
+        for (k, (x, y)) in a.iter().zip(b).enumerate() {
+            assert_eq!(x.0, y.0, "round {r} context {k}: output differs under the tight budget");
+        }
+    }
+    // KV memory stayed within the budget plus the pinned working set (one context's chunks,
+    // each slot at most 200 KiB for this model) during the whole run.
+    let bound = TIGHT + biggest * (200 << 10);
+    assert!(peak > 0 && peak <= bound, "uffd-resident {peak} over budget {TIGHT} + working set ({biggest} chunks)");
+
+    // With compression on the outputs may differ: report how many agree.
+    let (mixed, _, _, _) = run("mixed", &format!("budget = {TIGHT}\nlevels = [\"int8\", \"q4\", \"q2\"]\nratio = 0.5\n"), false);
+    let same = free.iter().flatten().zip(mixed.iter().flatten()).filter(|(a, b)| a.0 == b.0).count();
+    eprintln!("compression at ratio 0.5: {same}/{} greedy outputs identical to uncompressed", free.len() * 8);
+}
+
+#[test]
+fn kill_nine_and_corrupt_records_lose_nothing() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let settings = format!("budget = {TIGHT}\nlevels = [\"int8\"]\nratio = 1.0\n");
+    let n = 4;
+    // The reference: five rounds without incident.
+    let reference = {
+        let d = Daemon::start(dir.path(), "ref", &dir.path().join("ref"), &settings);
+        let mut c = d.client("app");
+        let ids = new_contexts(&mut c, n);
+        let out = rounds(&mut c, &ids, 0..5);
+        d.stop();
+        out
+    };
+    let state = dir.path().join("crash");
+    let d = Daemon::start(dir.path(), "crash1", &state, &settings);
+    let mut c = d.client("app");
+    let ids = new_contexts(&mut c, n);
+    let first = rounds(&mut c, &ids, 0..2);
+    let texts = |v: &[Vec<(String, CallStats)>]| v.iter().map(|r| r.iter().map(|x| x.0.clone()).collect::<Vec<_>>()).collect::<Vec<_>>();
+    assert_eq!(texts(&first), texts(&reference[..2]));
+    // Round 2 runs on another connection; the daemon is killed in the middle of it, after
+    // its first call was answered.
+    let answered = Arc::new(AtomicU64::new(0));
+    let storm = {
+        let (socket, ids, answered) = (d.socket.clone(), ids.clone(), Arc::clone(&answered));
+        std::thread::spawn(move || {
+            let Ok(mut c) = Client::connect(&socket, "app") else { return };
+            for (k, id) in ids.iter().enumerate() {
+                let call = Call { ctx: id.clone(), prompt: PROMPTS[(k + 2) % PROMPTS.len()].into(), max_tokens: 12, ..base_call() };
+                if c.call(&call, &mut |_| {}).is_err() {
+                    break;
+                }
+                answered.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let t = Instant::now();
+    while answered.load(Ordering::SeqCst) == 0 && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(60));
+    d.kill9();
+    storm.join().unwrap();
+    eprintln!("{} call(s) of round 2 answered before the kill", answered.load(Ordering::SeqCst));
+
+    // Restart: every context continues as the reference did; the interrupted call is either
+    // applied (calls = 3) or not (calls = 2).
+    let d = Daemon::start(dir.path(), "crash2", &state, &settings);
+    let mut c = d.client("app");
+    let listed = c.list().unwrap();
+    assert_eq!(listed.len(), n, "every context survived: {listed:?}");
+    for (k, id) in ids.iter().enumerate() {
+        let info = listed.iter().find(|x| &x.ctx == id).expect("listed");
+        assert!(info.calls == 2 || info.calls == 3, "context {k} has {} calls", info.calls);
+        for r in usize::try_from(info.calls).unwrap()..4 {
+            let (text, _) = call(&mut c, id, PROMPTS[(k + r) % PROMPTS.len()], 12);
+            assert_eq!(text, reference[r][k].0, "context {k} round {r} after the restart");
+        }
+    }
+    d.stop();
+
+    // Corrupt every record on flash: the next calls recompute and still answer exactly.
+    let mut files = 0;
+    for e in walk(&state.join("store")) {
+        if e.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("ctx-")) {
+            let mut b = std::fs::read(&e).unwrap();
+            for i in (4096 + 100..b.len()).step_by(4096) {
+                b[i] ^= 0x5a;
+            }
+            std::fs::write(&e, b).unwrap();
+            files += 1;
+        }
+    }
+    assert_eq!(files, n, "one store file per context");
+    let d = Daemon::start(dir.path(), "crash3", &state, &settings);
+    let mut c = d.client("app");
+    let mut recomputed = 0;
+    for (k, id) in ids.iter().enumerate() {
+        let (text, st) = call(&mut c, id, PROMPTS[(k + 4) % PROMPTS.len()], 12);
+        assert_eq!(text, reference[4][k].0, "context {k} after its records were corrupted");
+        recomputed += st.recomputed_chunks;
+    }
+    assert!(recomputed > 0, "corrupted records were recomputed");
+    // Deleting a context removes its data.
+    c.del_ctx(&ids[0]).unwrap();
+    assert_eq!(c.list().unwrap().len(), n - 1);
+    d.stop();
+    let left = walk(&state.join("store")).into_iter().filter(|p| p.to_string_lossy().contains("ctx-")).count();
+    assert_eq!(left, n - 1, "the deleted context's store file is gone");
+}
+
+fn base_call() -> Call {
+    Call { ctx: String::new(), prompt: String::new(), max_tokens: 8, temperature: 0.0, seed: 0, stop: vec![], raw: false }
+}
+
+fn walk(p: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                out.extend(walk(&path));
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+fn code_of(e: &anyhow::Error) -> Option<ErrorCode> {
+    e.downcast_ref::<ServiceError>().map(|s| s.code)
+}
+
+#[test]
+fn apps_and_users_cannot_reach_each_other() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Other users must be able to reach the socket's directory for the mode to matter.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let d = Daemon::start(dir.path(), "open", &dir.path().join("state"), "socket_mode = \"0666\"\nmax_contexts_per_app = 3\n");
+    let mut a = d.client("alpha");
+    let ctx = a.new_ctx(None).unwrap();
+    call(&mut a, &ctx, "Hello.", 4);
+    let mut b = d.client("beta");
+    assert!(b.list().unwrap().is_empty(), "another app sees nothing");
+    let e = b.call(&Call { ctx: ctx.clone(), prompt: "x".into(), ..base_call() }, &mut |_| {}).unwrap_err();
+    assert_eq!(code_of(&e), Some(ErrorCode::NotFound));
+    assert_eq!(code_of(&b.del_ctx(&ctx).unwrap_err()), Some(ErrorCode::NotFound));
+    // Another user, same app name: the kernel's uid tells them apart.
+    let llms = env!("CARGO_BIN_EXE_llms");
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new(llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, out, err) = as_nobody(&["ctx", "list", "--app", "alpha", "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "[]", "uid 65534 sees none of root's contexts");
+    let (ok, _, err) = as_nobody(&["ctx", "call", &ctx, "hi", "--app", "alpha"]);
+    assert!(!ok && err.contains("NotFound"), "{err}");
+    // At most K contexts per app.
+    for _ in 0..2 {
+        a.new_ctx(None).unwrap();
+    }
+    assert_eq!(code_of(&a.new_ctx(None).unwrap_err()), Some(ErrorCode::TooMany));
+    d.stop();
+
+    // The default mode 0660 keeps other users out at connect(2).
+    let d = Daemon::start(dir.path(), "closed", &dir.path().join("state2"), "");
+    let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660);
+    let (ok, _, err) = as_nobody_at(llms, &d.socket);
+    assert!(!ok && err.contains("ermission denied"), "{err}");
+    d.stop();
+}
+
+fn as_nobody_at(llms: &str, socket: &Path) -> (bool, String, String) {
+    let out = Command::new(llms).args(["ctx", "list"]).env("LLMS_SOCKET", socket).uid(65534).gid(65534).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn raw_frame(s: &mut UnixStream, body: &[u8]) {
+    proto::write_frame(s, body).unwrap();
+}
+
+fn read_event(s: &mut UnixStream) -> Option<Event> {
+    proto::read_frame(s).ok().map(|b| proto::decode_event(&b).unwrap())
+}
+
+fn is_error(e: Option<Event>, code: ErrorCode) -> bool {
+    matches!(e, Some(Event::Error { code: c, .. }) if c == code)
+}
+
+#[test]
+fn hostile_clients_do_not_take_the_service_down() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "h", &dir.path().join("state"), "io_timeout_s = 1\nmax_context_tokens = 256\nkeep_tokens = 32\n");
+    let mut good = d.client("good");
+    let ctx = good.new_ctx(None).unwrap();
+
+    // Garbage, requests before bind, unknown ops, bad versions: errors, the connection lives.
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    raw_frame(&mut s, b"{not json");
+    assert!(is_error(read_event(&mut s), ErrorCode::BadRequest));
+    raw_frame(&mut s, &proto::encode(&Request::List {}));
+    assert!(is_error(read_event(&mut s), ErrorCode::NotBound));
+    raw_frame(&mut s, br#"{"op":"bind","app":"x","version":99}"#);
+    assert!(is_error(read_event(&mut s), ErrorCode::Version));
+    raw_frame(&mut s, br#"{"op":"bind","app":"../etc","version":1}"#);
+    assert!(is_error(read_event(&mut s), ErrorCode::BadRequest));
+    raw_frame(&mut s, &proto::encode(&Request::Bind { app: "x".into(), version: proto::VERSION }));
+    assert!(matches!(read_event(&mut s), Some(Event::Bound { .. })));
+    raw_frame(&mut s, br#"{"op":"call","ctx":"nope","prompt":"hi"}"#);
+    assert!(is_error(read_event(&mut s), ErrorCode::NotFound));
+    raw_frame(&mut s, &proto::encode(&Request::Call(Call { ctx: ctx.clone(), ..base_call() })));
+    assert!(is_error(read_event(&mut s), ErrorCode::NotFound), "another app's context");
+    raw_frame(&mut s, br#"{"op":"call","ctx":"x","prompt":"hi","max_tokens":4000000000}"#);
+    assert!(is_error(read_event(&mut s), ErrorCode::NotFound));
+    // An oversized frame: an error, then the service hangs up (the stream cannot resync).
+    s.write_all(&u32::MAX.to_be_bytes()).unwrap();
+    assert!(is_error(read_event(&mut s), ErrorCode::TooLarge));
+    assert!(read_event(&mut s).is_none());
+
+    // A half-sent frame is dropped after the I/O timeout; others are served meanwhile.
+    let mut slow = UnixStream::connect(&d.socket).unwrap();
+    slow.write_all(&[0, 0, 0, 50, b'{']).unwrap();
+    call(&mut good, &ctx, "Hi.", 4);
+    slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 1];
+    assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "the slow client was hung up on");
+
+    // A client that vanishes mid-call: the call is cancelled, what it made is kept.
+    {
+        let mut v = d.client("good");
+        let c = Call { ctx: ctx.clone(), prompt: "Count from one to one hundred.".into(), max_tokens: 100, ..base_call() };
+        v.request(&Request::Call(c)).unwrap();
+    }
+    // A prompt longer than the context window slides it.
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(40);
+    let (_, st) = call(&mut good, &ctx, &long, 8);
+    assert!(st.slid_tokens > 0 && st.context_tokens <= 256, "{st:?}");
+    let (_, st) = call(&mut good, &ctx, "And now?", 8);
+    assert!(st.context_tokens <= 256);
+
+    // A flood of new contexts stops at the app's limit; the service keeps serving.
+    let mut flood = d.client("flood");
+    let mut made = 0;
+    let err = loop {
+        match flood.new_ctx(None) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made <= 16);
+    };
+    assert_eq!(code_of(&err), Some(ErrorCode::TooMany));
+    assert_eq!(made, 16);
+    call(&mut good, &ctx, "Still there?", 4);
+    assert!(!good.list().unwrap()[0].busy);
+    d.stop();
+}
