@@ -9,7 +9,7 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: all demo test model build lint fmt bench-vs-llama-cpp fixtures clean
+.PHONY: all demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean
 
 all: build
 
@@ -33,6 +33,11 @@ demo: model build
 	@echo "== llms doctor: what this machine offers LLMS"
 	./target/release/llms doctor
 	@echo
+	@echo "== the service: llmsd with a small KV budget, three apps, nine contexts, interleaved calls"
+	tools/demo/service
+
+# The engine alone: streaming generation and llama-bench-style speed.
+demo-engine: model build
 	@echo "== llms generate: streaming tokens from $(MODEL)"
 	./target/release/llms generate --chat --stats --max-tokens 96 \
 		--prompt "Explain in three sentences why an operating system would run a language model as a shared service."

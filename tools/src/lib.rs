@@ -7,3 +7,4 @@ pub mod kvmm;
 pub mod loadbench;
 pub mod proto;
 pub mod service;
+pub mod switchbench;

@@ -163,6 +163,22 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
+    /// The service's switch latency and time to first token for contexts that are resident,
+    /// partly evicted, fully evicted, and recomputed whole (lmk), in process over a socket.
+    BenchSwitch {
+        /// Context sizes in tokens.
+        #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096])]
+        tokens: Vec<usize>,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Where the load profile is (measured there if missing) and the runs' stores go.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
     /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
     BenchUffd {
         #[arg(long, default_value_t = 51)]
@@ -683,6 +699,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
+        Cmd::BenchSwitch { tokens, reps, state_dir, json, m } => bench_switch(&m, &tokens, reps, state_dir, json)?,
         Cmd::Doctor { json } => doctor(json),
         Cmd::Pressure { cmd } => pressure(cmd)?,
     }
@@ -811,6 +828,35 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
         println!();
         eprintln!("[{}]", r.speed_line());
         msgs.push(Message::new("assistant", &r.text));
+    }
+    Ok(())
+}
+
+fn bench_switch(m: &ModelArgs, tokens: &[usize], reps: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
+    if tokens.is_empty() || tokens.iter().any(|&n| !(32..=7000).contains(&n)) || reps == 0 {
+        bail!("--tokens must be between 32 and 7000 and --reps at least 1");
+    }
+    let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (model, pool) = load(m)?;
+    // The profile first, so every run plans with it.
+    tools::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
+    drop((model, pool));
+    let base = tools::config::Config { model: model_path(m), threads: m.threads.unwrap_or(0), ..tools::config::Config::default() };
+    let work = dir.join(format!("bench-switch-{}", std::process::id()));
+    let rows = tools::switchbench::run(&base, tokens, reps, &work, &dir);
+    let _ = std::fs::remove_dir_all(&work);
+    let rows = rows?;
+    if json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    println!("{:>7} {:<22} {:>10} {:>10} {:>8} {:>6} {:>8}", "tokens", "scenario", "switch_ms", "ttft_ms", "missing", "read", "recomp");
+    for r in &rows {
+        println!(
+            "{:>7} {:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.0} {:>8.0}",
+            r.tokens, r.scenario, r.switch_ms, r.ttft_ms, r.missing_chunks, r.read_chunks, r.recomputed_chunks
+        );
     }
     Ok(())
 }

@@ -1,0 +1,155 @@
+//! `llms bench-switch`: the service's switch latency (call received → context ready) and
+//! time to first token, for a context that is resident, partly evicted, fully evicted, and
+//! under `lmk` (recomputed whole) — the whole service in process, over a real socket.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::client::Client;
+use crate::config::Config;
+use crate::proto::{Call, CallStats};
+use crate::service::{bind_socket, Service};
+
+/// One scenario's medians.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub tokens: usize,
+    pub scenario: &'static str,
+    pub switch_ms: f64,
+    pub ttft_ms: f64,
+    pub missing_chunks: f64,
+    pub read_chunks: f64,
+    pub recomputed_chunks: f64,
+}
+
+struct Running {
+    svc: Arc<Service>,
+    thread: std::thread::JoinHandle<Result<()>>,
+    socket: PathBuf,
+}
+
+fn start(cfg: Config) -> Result<Running> {
+    let socket = cfg.socket.clone();
+    let mode = cfg.socket_mode_bits()?;
+    let svc = Service::open(cfg)?;
+    let listener = bind_socket(&socket, mode)?;
+    let s = Arc::clone(&svc);
+    let thread = std::thread::spawn(move || s.serve(listener));
+    Ok(Running { svc, thread, socket })
+}
+
+impl Running {
+    fn stop(self) -> Result<()> {
+        self.svc.stop();
+        self.thread.join().map_err(|_| anyhow::anyhow!("service thread panicked"))??;
+        let _ = std::fs::remove_file(&self.socket);
+        Ok(())
+    }
+}
+
+/// A budget nothing reaches.
+const UNLIMITED: usize = 1 << 40;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn call(c: &mut Client, ctx: &str, prompt: &str) -> Result<CallStats> {
+    let call = Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens: 1, temperature: 0.0, seed: 0, stop: vec![], raw: true };
+    Ok(c.call(&call, &mut |_| {})?.1)
+}
+
+/// Text of about `n` tokens of this model (plain English, varied so chunks differ).
+fn text_of(model_path: &Path, n: usize) -> Result<String> {
+    let model = engine::Model::load(model_path)?;
+    let words = ["memory", "service", "context", "flash", "kernel", "budget", "switch", "chunk", "device", "model"];
+    let mut s = String::new();
+    let mut i = 0usize;
+    while model.tokenizer.encode(&s, false, false)?.len() < n {
+        for _ in 0..64 {
+            s.push_str(words[(i * 7 + i / 10) % words.len()]);
+            s.push(if i % 13 == 12 { '.' } else { ' ' });
+            i += 1;
+        }
+    }
+    Ok(s)
+}
+
+/// Runs every scenario for contexts of each size in `tokens`; `base` gives the model, threads,
+/// levels and ratio; the state directory is a fresh one under `work` (the load profile is
+/// copied in from `profile_dir` when there is one, else measured).
+pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_dir: &Path) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &n in tokens {
+        let state = work.join(format!("switch-{n}"));
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state)?;
+        for e in std::fs::read_dir(profile_dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("profile-") {
+                let _ = std::fs::copy(e.path(), state.join(e.file_name()));
+            }
+        }
+        let cfg = |budget: usize, policy: &str| Config {
+            socket: work.join("bench.sock"),
+            state_dir: state.clone(),
+            budget: budget.to_string(),
+            policy: policy.into(),
+            pressure: false,
+            max_context_tokens: (n + 256).next_power_of_two().max(base.max_context_tokens),
+            ..base.clone()
+        };
+        // Two contexts of n tokens, built with memory to spare.
+        let text = text_of(&base.model, n)?;
+        let r = start(cfg(UNLIMITED, "llms"))?;
+        let mut c = Client::connect(&r.socket, "bench")?;
+        let ids = [c.new_ctx(None)?, c.new_ctx(None)?];
+        for id in &ids {
+            call(&mut c, id, &text)?;
+        }
+        let size = c.stats()?.mine.iter().map(|x| x.resident_bytes).max().context("no contexts")?;
+        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        drop(c);
+        r.stop()?;
+        // Each scenario restarts the service over the same store with its budget and
+        // alternates calls between the two contexts: each switch finds the other context's
+        // memory gone (fully), half gone (partly), or still there (resident).
+        let scenarios: [(&'static str, usize, &str); 4] = [
+            ("resident", UNLIMITED, "llms"),
+            ("partly evicted", size + size / 2, "llms"),
+            ("fully evicted", size + size / 8, "llms"),
+            ("recompute all (lmk)", size + size / 8, "lmk"),
+        ];
+        for (name, budget, policy) in scenarios {
+            let r = start(cfg(budget, policy))?;
+            let mut c = Client::connect(&r.socket, "bench")?;
+            // The first round brings both in after the restart; then measure.
+            for id in &ids {
+                call(&mut c, id, " ok")?;
+            }
+            let mut st = Vec::new();
+            for _ in 0..reps {
+                for id in &ids {
+                    st.push(call(&mut c, id, " ok")?);
+                }
+            }
+            drop(c);
+            r.stop()?;
+            let med = |f: &dyn Fn(&CallStats) -> f64| median(st.iter().map(f).collect());
+            rows.push(Row {
+                tokens: n,
+                scenario: name,
+                switch_ms: med(&|s| s.switch_ms),
+                ttft_ms: med(&|s| s.ttft_ms),
+                missing_chunks: med(&|s| f64::from(s.missing_chunks)),
+                read_chunks: med(&|s| f64::from(s.read_chunks)),
+                recomputed_chunks: med(&|s| f64::from(s.recomputed_chunks)),
+            });
+        }
+        let _ = std::fs::remove_dir_all(&state);
+    }
+    Ok(rows)
+}
