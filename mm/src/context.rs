@@ -58,6 +58,15 @@ pub trait KvContext {
     fn densities(&self) -> Option<Vec<f64>>;
 }
 
+/// The fault path's last resort: produces a chunk's bytes when the store has no valid record
+/// for it (its write still pending, its record corrupt), so a fault always yields the right
+/// data, never zeros. The engine side recomputes it from the context's tokens.
+pub trait FaultRecompute: Send + Sync {
+    /// Writes the chunk `want` names (context, chunk, format, tokens, prefix hash) into `out`
+    /// and returns its length; an error when it cannot (the slot is then poisoned).
+    fn recompute(&self, want: &crate::RecordMeta, out: &mut [u8]) -> Result<usize, String>;
+}
+
 /// FNV-1a over token ids: the hash of a chunk's prefix names the tokens its K/V came from.
 pub fn prefix_hashes(tokens: &[u32], chunk_tokens: usize) -> Vec<u64> {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

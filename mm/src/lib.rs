@@ -15,7 +15,7 @@ mod profile;
 pub mod ring;
 pub mod store;
 
-pub use context::{prefix_hashes, Codec, Format, KvContext};
+pub use context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};
 pub use manager::{ChunkInfo, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, Strategy};
 pub use planner::{plan, plan_forced, Linear, Plan};

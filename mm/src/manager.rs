@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, Staging, PAGE};
 
-use crate::context::{prefix_hashes, Codec, Format, KvContext};
+use crate::context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
 use crate::lctru::{ChunkId, Lctru};
 use crate::levels::{choose_levels, loss_of_bits};
 use crate::planner::{plan_forced, Plan};
@@ -154,12 +154,15 @@ pub struct MmStats {
 
 type Expected = Arc<Mutex<HashMap<ChunkId, RecordMeta>>>;
 
-/// Serves a faulting slot from the swap store: the safety net when something reads a chunk
-/// mm did not load. A chunk without a valid record cannot be produced here (recompute needs
-/// the engine), so the slot is poisoned and the reader gets SIGBUS rather than zeros.
+type Fallback = Arc<std::sync::RwLock<Option<Arc<dyn FaultRecompute>>>>;
+
+/// Serves a faulting slot: the safety net when something reads a chunk mm did not load. The
+/// chunk comes from the swap store, else from the fault recompute (when one is set); a chunk
+/// neither can produce is poisoned, so the reader gets SIGBUS rather than zeros.
 struct StoreSource {
     store: Arc<Store>,
     expected: Expected,
+    fallback: Fallback,
     context: u64,
 }
 
@@ -168,7 +171,15 @@ impl SlotSource for StoreSource {
         let chunk = u32::try_from(slot)?;
         let want = self.expected.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.context, chunk)).copied();
         let want = want.ok_or_else(|| format!("context {} chunk {chunk} has no data", self.context))?;
-        Ok(self.store.read(&want, buf)?)
+        match self.store.read(&want, buf) {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                let fb = self.fallback.read().unwrap_or_else(|e| e.into_inner()).clone();
+                let Some(fb) = fb else { return Err(e.into()) };
+                eprintln!("llms: context {} chunk {chunk}: {e}; recomputing it for a fault", self.context);
+                Ok(fb.recompute(&want, buf)?)
+            }
+        }
     }
 }
 
@@ -293,6 +304,7 @@ pub struct Manager {
     ctxs: HashMap<u64, Ctx>,
     lctru: Lctru,
     expected: Expected,
+    fallback: Fallback,
     writer: Option<Writer>,
     ring: Ring,
     slot_size: usize,
@@ -328,6 +340,7 @@ impl Manager {
             profile,
             ctxs: HashMap::new(),
             expected: Arc::default(),
+            fallback: Arc::default(),
             writer,
             ring: Ring::new(256)?,
             slot_size,
@@ -378,6 +391,11 @@ impl Manager {
         })
     }
 
+    /// Sets what the fault path falls back to when a faulting chunk has no valid record.
+    pub fn set_fault_recompute(&mut self, r: Option<Arc<dyn FaultRecompute>>) {
+        *self.fallback.write().unwrap_or_else(|e| e.into_inner()) = r;
+    }
+
     /// The userfaultfd statistics of a context's region (faults served, fills, evictions).
     pub fn region_stats(&self, ctx: u64) -> Option<uffd_handler::StatsSnapshot> {
         self.ctxs.get(&ctx).map(|c| c.region.stats())
@@ -399,7 +417,12 @@ impl Manager {
         if self.ctxs.contains_key(&ctx) {
             return Err(MmError::Exists(ctx));
         }
-        let src = Arc::new(StoreSource { store: Arc::clone(&self.store), expected: Arc::clone(&self.expected), context: ctx });
+        let src = Arc::new(StoreSource {
+            store: Arc::clone(&self.store),
+            expected: Arc::clone(&self.expected),
+            fallback: Arc::clone(&self.fallback),
+            context: ctx,
+        });
         let region = self.pager.region_with(self.slot_size, self.cfg.max_chunks.max(1), src, true)?;
         self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false });
         Ok(())

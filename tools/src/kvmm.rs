@@ -1,10 +1,13 @@
 //! The engine side of `mm`'s traits: chunk formats of the engine's KV cache as mm format
 //! codes, and an engine `Session` as an mm `KvContext`.
 
+use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
 use engine::kv::{KvFormat, KvGeometry};
-use engine::model::{Model, Session};
+use engine::model::{Model, Session, SessionOptions};
+use engine::{Logits, ThreadPool};
 use mm::{Codec, Format, KvContext};
 
 /// mm's code for an engine format (its index in `KvFormat::ALL`).
@@ -118,5 +121,71 @@ impl KvContext for SessionKv<'_> {
         let a = self.0.attention.as_ref()?;
         let ct = self.0.kv.geom.chunk_tokens;
         Some((0..self.0.kv.n_chunks()).map(|c| a.density(c * ct..(c + 1) * ct)).collect())
+    }
+}
+
+/// The fault path's recompute (mm's [`mm::FaultRecompute`]): a chunk with no valid record is
+/// rebuilt from the context's tokens by running its whole prefix in a private session, on a
+/// pool of its own (the faulting thread may be one of the main pool's, blocked in the fault).
+/// Slow — the prefix is recomputed — but only the safety net: loads go through `mm.begin`.
+pub struct EngineRecompute {
+    model: Arc<Model>,
+    pool: Arc<ThreadPool>,
+    chunk_tokens: usize,
+    base: KvFormat,
+    tokens: Mutex<HashMap<u64, Arc<Vec<u32>>>>,
+}
+
+impl std::fmt::Debug for EngineRecompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineRecompute").field("chunk_tokens", &self.chunk_tokens).finish_non_exhaustive()
+    }
+}
+
+impl EngineRecompute {
+    pub fn new(model: Arc<Model>, chunk_tokens: usize, base: KvFormat) -> Self {
+        Self { model, pool: Arc::new(ThreadPool::new(1)), chunk_tokens, base, tokens: Mutex::default() }
+    }
+
+    /// The tokens of context `ctx` as its chunks hold them (after each call).
+    pub fn set_tokens(&self, ctx: u64, tokens: &[u32]) {
+        self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(ctx, Arc::new(tokens.to_vec()));
+    }
+
+    pub fn forget(&self, ctx: u64) {
+        self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&ctx);
+    }
+}
+
+impl mm::FaultRecompute for EngineRecompute {
+    fn recompute(&self, want: &mm::RecordMeta, out: &mut [u8]) -> Result<usize, String> {
+        let toks = self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&want.context).cloned();
+        let toks = toks.ok_or_else(|| format!("context {} has no tokens to recompute from", want.context))?;
+        let c = want.chunk as usize;
+        let end = c * self.chunk_tokens + want.tokens as usize;
+        if want.tokens == 0 || end > toks.len() {
+            return Err(format!("chunk {c} ({} tokens) is past the context's {} tokens", want.tokens, toks.len()));
+        }
+        // The chunk's K/V depend on every token before it: recompute only what it names.
+        if mm::prefix_hashes(&toks[..end], self.chunk_tokens).get(c) != Some(&want.prefix_hash) {
+            return Err(format!("chunk {c}: the context's tokens are not the ones it was computed from"));
+        }
+        let opts = SessionOptions {
+            capacity: end,
+            chunk_tokens: self.chunk_tokens,
+            base: self.base,
+            observe_attention: false,
+            sliding_window: None,
+        };
+        let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);
+        s.eval(&toks[..end], Logits::None).map_err(|e| e.to_string())?;
+        let f = format(want.format);
+        if f != self.base {
+            s.kv.set_format(c, f).map_err(|e| e.to_string())?;
+        }
+        let bytes = s.kv.chunk(c);
+        let dst = out.get_mut(..bytes.len()).ok_or_else(|| format!("chunk {c}: {} bytes do not fit the slot", bytes.len()))?;
+        dst.copy_from_slice(bytes);
+        Ok(bytes.len())
     }
 }

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::config::Config;
-use crate::kvmm::SessionKv;
+use crate::kvmm::{EngineRecompute, SessionKv};
 use crate::proto::{self, Call, CallStats, CtxInfo, ErrorCode, Event, FrameError, Request, ServiceStats};
 
 /// Who owns a context: the kernel's uid of the peer and the app name it bound with.
@@ -151,6 +151,8 @@ pub struct Service {
     pool: Arc<ThreadPool>,
     turns: Turns,
     mm: Mutex<Manager>,
+    /// The fault path's recompute: it learns each context's tokens after every call.
+    refill: Arc<EngineRecompute>,
     registry: Mutex<HashMap<String, CtxEntry>>,
     queue: Mutex<VecDeque<Job>>,
     queued: Condvar,
@@ -217,6 +219,8 @@ impl Service {
         let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, policy, &levels, cfg.ratio, max_chunks, profile)?;
         let budget = cfg.budget_bytes()?;
         mm.set_budget(budget)?;
+        let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]));
+        mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
         let ctx_dir = cfg.state_dir.join("contexts");
         std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
         std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o700)).ok();
@@ -226,6 +230,7 @@ impl Service {
             pool,
             turns,
             mm: Mutex::new(mm),
+            refill,
             registry: Mutex::new(HashMap::new()),
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
@@ -291,6 +296,7 @@ impl Service {
                     *a = AttentionStats { sum: saved.attention_sum.clone(), count: saved.attention_count.clone() };
                 }
             }
+            self.refill.set_tokens(saved.mm_id, &saved.tokens);
             info!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, tokens = saved.tokens.len(), records = usable, "context restored");
             reg.insert(id.to_string(), CtxEntry { saved, session: Some(s) });
         }
@@ -371,6 +377,7 @@ impl Service {
         // which the next start removes.
         let _ = std::fs::remove_file(self.ctx_dir.join(format!("{ctx}.json")));
         drop(e.session);
+        self.refill.forget(e.saved.mm_id);
         lock(&self.mm).delete(e.saved.mm_id).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?;
         info!(ctx, app = %owner.app, "context deleted");
         Ok(())
@@ -531,6 +538,7 @@ impl Service {
         if r.is_ok() {
             saved.calls += 1;
         }
+        self.refill.set_tokens(saved.mm_id, &saved.tokens);
         let persisted = self.save(&saved);
         {
             let mut reg = lock(&self.registry);

@@ -195,3 +195,37 @@ fn lmk_recomputes_a_killed_context_exactly() {
     assert_eq!(r.recomputed, N.div_ceil(CT));
     assert_eq!(got, reference);
 }
+
+#[test]
+fn a_fault_on_a_chunk_without_a_record_recomputes_it() {
+    let s = setup();
+    let levels = [KvFormat::Int8, KvFormat::Q4];
+    let Some(mut mm) = manager(&s, Policy::Llms, &levels, 1.0, None) else { return };
+    let rec = Arc::new(tools::kvmm::EngineRecompute::new(Arc::clone(&s.model), CT, KvFormat::Int8));
+    mm.set_fault_recompute(Some(rec.clone()));
+    let mut sess = session(&s, false);
+    hold(&mut mm, 1, &mut sess, &s.ids[..N]).unwrap();
+    // One chunk in a lower level too: the fault path must rebuild it in its format.
+    sess.kv.set_format(2, KvFormat::Q4).unwrap();
+    mm.end(1, &mut SessionKv(&mut sess)).unwrap();
+    mm.flush();
+    rec.set_tokens(1, &sess.tokens);
+    let tok = s.ids[N];
+    let (reference, _) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::Planned);
+
+    // Behind mm's back: chunks 2 and 5 lose their records and their pages. mm still counts
+    // them resident, so the engine's next read faults on them.
+    let (base, len) = mm.region_range(1).unwrap();
+    let slot = len / 64;
+    for c in [2usize, 5] {
+        mm.store().invalidate(1, u32::try_from(c).unwrap());
+        // SAFETY: MADV_DONTNEED on one slot of the context's region, which mm owns and
+        // nothing reads right now.
+        let rc = unsafe { libc::madvise((base + c * slot) as *mut libc::c_void, slot, libc::MADV_DONTNEED) };
+        assert_eq!(rc, 0);
+    }
+    let (got, r) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::Planned);
+    assert_eq!(r.missing, 0, "mm did not see the pages go");
+    assert_eq!(got, reference, "the fault path recomputed both chunks exactly");
+    assert!(mm.region_stats(1).unwrap().faults >= 2);
+}

@@ -447,24 +447,22 @@ fn on_fault(p: &Arc<PagerInner>, addr: u64, now: Instant) {
             s.state = SlotState::Loading;
             s.pending.push(page_addr);
             drop(slots);
-            r.stats.fault_started(slot, now);
-            if r.source.is_fast() {
-                let _ = fill_slot(p, &r, slot, None);
-                return;
-            }
-            let job = FillJob { region: Arc::clone(&r), slot };
-            let sent = p.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|tx| tx.send(job));
-            if !matches!(sent, Some(Ok(()))) {
-                // No workers (shutting down): fill here rather than leave the thread blocked.
-                let _ = fill_slot(p, &r, slot, None);
-            }
+            start_fill(p, &r, slot, now);
         }
         SlotState::Resident => {
             let page = usize::try_from(page_addr - r.slot_addr(slot)).expect("in slot") / PAGE;
-            if page < s.filled_pages {
+            if page < s.filled_pages && page_present(page_addr) {
                 // Installed meanwhile; the install woke the thread (a stale message).
                 drop(slots);
                 wake(p, page_addr, PAGE as u64);
+            } else if page < s.filled_pages {
+                // The page was dropped behind the pager's back (MADV_DONTNEED by someone
+                // else): load the slot again from its source. Pages still present are kept
+                // (the install skips them), so data written since the fill is not lost.
+                s.state = SlotState::Loading;
+                s.pending.push(page_addr);
+                drop(slots);
+                start_fill(p, &r, slot, now);
             } else {
                 // A touch past what the source produced: there is no data for it.
                 drop(slots);
@@ -476,6 +474,30 @@ fn on_fault(p: &Arc<PagerInner>, addr: u64, now: Instant) {
             poison(p, &r, slot, page_addr, PAGE as u64);
         }
     }
+}
+
+/// Fills a slot marked Loading for a fault: inline for fast sources, else on a worker.
+fn start_fill(p: &Arc<PagerInner>, r: &Arc<RegionInner>, slot: usize, now: Instant) {
+    r.stats.fault_started(slot, now);
+    if r.source.is_fast() {
+        let _ = fill_slot(p, r, slot, None);
+        return;
+    }
+    let job = FillJob { region: Arc::clone(r), slot };
+    let sent = p.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|tx| tx.send(job));
+    if !matches!(sent, Some(Ok(()))) {
+        // No workers (shutting down): fill here rather than leave the thread blocked.
+        let _ = fill_slot(p, r, slot, None);
+    }
+}
+
+/// Whether a page of ours is mapped (mincore does not fault it in).
+fn page_present(addr: u64) -> bool {
+    let mut v = 0u8;
+    // SAFETY: one page-aligned page inside a mapping of ours; mincore only writes `v`.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, PAGE, &raw mut v) };
+    // When mincore fails, assume present: the old behaviour (wake) is the safe default.
+    rc != 0 || v & 1 == 1
 }
 
 fn fill_worker(p: &Arc<PagerInner>, rx: &Mutex<Receiver<FillJob>>) {

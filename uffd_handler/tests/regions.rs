@@ -92,6 +92,29 @@ fn touching_a_slot_fills_it_from_its_source_and_eviction_refetches() {
 }
 
 #[test]
+fn pages_dropped_behind_the_pagers_back_are_loaded_again() {
+    let Some(p) = pager() else { return };
+    let src = Arc::new(PatternSource::default());
+    let r = p.region(SLOT, 2, src.clone()).unwrap();
+    check_slot(&r, 0, 0, SLOT / 8);
+    // Page 0 is written (not yet saved), page 2 dropped by someone else.
+    // SAFETY: inside slot 0.
+    unsafe { std::ptr::write_volatile(r.slot_ptr(0).cast::<u64>(), 0xdead) };
+    // SAFETY: MADV_DONTNEED on page 2 of slot 0, a range of our own mapping.
+    let rc = unsafe { libc::madvise(r.slot_ptr(0).add(2 * PAGE).cast(), PAGE, libc::MADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    // The next read of page 2 faults and gets the source's data again (not zeros, no hang);
+    // the written page keeps its write.
+    for i in (1..SLOT / 8).step_by(61) {
+        assert_eq!(read_word(&r, 0, i), word(r.id(), 0, 0, i), "word {i}");
+    }
+    assert_eq!(read_word(&r, 0, 0), 0xdead);
+    assert_eq!(read_word(&r, 0, 2 * PAGE / 8 + 5), word(r.id(), 0, 0, 2 * PAGE / 8 + 5));
+    assert_eq!(src.calls.load(Ordering::SeqCst), 2, "the slot was filled again once");
+    assert_eq!(r.state(0).unwrap(), SlotState::Resident);
+}
+
+#[test]
 fn kernel_accesses_to_a_region_are_served() {
     let Some(p) = pager() else { return };
     let r = p.region(SLOT, 2, Arc::new(PatternSource::default())).unwrap();
