@@ -21,6 +21,8 @@ pub enum TriggerError {
     Refused { path: PathBuf, rule: String, source: std::io::Error },
     #[error("epoll on {path}: {source}")]
     Epoll { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not a kernel pressure file (not on procfs or cgroupfs); it can be sampled, not armed")]
+    NotPsi { path: PathBuf },
     #[error("the pressure file {path} reported an error (removed?); re-arm or fall back to polling")]
     Gone { path: PathBuf },
 }
@@ -55,6 +57,16 @@ impl PsiTrigger {
             .write(true)
             .open(path)
             .map_err(|source| TriggerError::Open { path: path.into(), source })?;
+        // Writing a rule into anything but the kernel's own file would overwrite it (a copy, a
+        // fixture tree): only procfs and cgroupfs files take triggers.
+        // SAFETY: statfs is plain old data; all zeros is a valid value.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatfs on our open fd into a zeroed struct of the right type.
+        if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut fs) } != 0
+            || ![libc::PROC_SUPER_MAGIC, libc::CGROUP_SUPER_MAGIC, libc::CGROUP2_SUPER_MAGIC].contains(&fs.f_type)
+        {
+            return Err(TriggerError::NotPsi { path: path.into() });
+        }
         // The trailing NUL terminates the rule for the kernel's parser.
         let mut bytes = rule.clone().into_bytes();
         bytes.push(0);

@@ -137,6 +137,12 @@ fn psi_triggers_register_with_window_rounding() {
         Err(TriggerError::Refused { rule, .. }) => assert_eq!(rule, "some 3000000 2000000"),
         other => panic!("expected a refusal, got {other:?}"),
     }
+    // A copy of a pressure file (a fixture tree) is sampled, never armed: arming would
+    // overwrite it.
+    let copy = tmpdir("psi-copy").join("memory.pressure");
+    std::fs::write(&copy, PSI).unwrap();
+    assert!(matches!(PsiTrigger::register(&copy, false, 150_000, 2_000_000, false), Err(TriggerError::NotPsi { .. })));
+    assert_eq!(std::fs::read_to_string(&copy).unwrap(), PSI);
 }
 
 /// Run in a child by `real_memory_pressure_moves_headroom_and_level`: holds 1.5 GiB of

@@ -743,9 +743,19 @@ impl Service {
         if self.cfg.pressure {
             let probe = cgroup::probe(self.cfg.cgroup.as_deref());
             let opts = cgroup::MonitorOptions { budget_max: self.budget as u64, ..Default::default() };
-            let (rx, _h) = cgroup::spawn(probe, opts);
+            let (rx, monitor) = cgroup::spawn(probe, opts);
             let svc = Arc::clone(self);
-            std::thread::Builder::new().name("llmsd-pressure".into()).spawn(move || svc.follow_pressure(&rx))?;
+            std::thread::Builder::new().name("llmsd-pressure".into()).spawn(move || {
+                svc.follow_pressure(&rx);
+                if !svc.stopping.load(Ordering::SeqCst) {
+                    let why = match monitor.join() {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "it ended".into(),
+                    };
+                    warn!("the pressure monitor stopped ({why}); the budget stays at {} bytes", lock(&svc.mm).config().budget);
+                    *lock(&svc.pressure) = "unmonitored".into();
+                }
+            })?;
         }
         for conn in listener.incoming() {
             if self.stopping.load(Ordering::SeqCst) {

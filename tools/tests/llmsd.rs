@@ -38,10 +38,11 @@ impl Daemon {
         let socket = dir.join(format!("{name}.sock"));
         let cfg = dir.join(format!("{name}.toml"));
         let toml = format!(
-            "model = {:?}\nsocket = {:?}\nstate_dir = {:?}\nload_profile = false\npressure = false\nthreads = 2\n{settings}\n",
+            "model = {:?}\nsocket = {:?}\nstate_dir = {:?}\nload_profile = false\nthreads = 2\n{}{settings}\n",
             model_path(),
             socket,
-            state
+            state,
+            if settings.contains("pressure") { "" } else { "pressure = false\n" }
         );
         std::fs::write(&cfg, toml).unwrap();
         let log = dir.join(format!("{name}.log"));
@@ -434,4 +435,57 @@ fn hostile_clients_do_not_take_the_service_down() {
     call(&mut good, &ctx, "Still there?", 4);
     assert!(!good.list().unwrap()[0].busy);
     d.stop();
+}
+
+#[test]
+fn pressure_on_the_services_cgroup_lowers_the_budget_and_reclaims() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // A cgroup v2 directory of our own (the machine's tree is not ours to change): the
+    // monitor reads it like any cgroup; the test moves its usage.
+    let cg = dir.path().join("cgroup");
+    std::fs::create_dir(&cg).unwrap();
+    let set = |current: u64| {
+        for (f, v) in [
+            ("memory.current", current.to_string()),
+            ("memory.max", (1u64 << 30).to_string()),
+            ("memory.high", "max".into()),
+            ("memory.low", "0".into()),
+            ("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n".into()),
+            ("memory.pressure", "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n".into()),
+        ] {
+            let tmp = cg.join(format!("{f}.tmp"));
+            std::fs::write(&tmp, v).unwrap();
+            std::fs::rename(&tmp, cg.join(f)).unwrap();
+        }
+    };
+    set(100 << 20);
+    let settings = format!("budget = \"64MiB\"\nlevels = [\"int8\"]\nratio = 1.0\npressure = true\ncgroup = {cg:?}\n");
+    let d = Daemon::start(dir.path(), "p", &dir.path().join("state"), &settings);
+    let mut c = d.client("app");
+    let ids = new_contexts(&mut c, 4);
+    rounds(&mut c, &ids, 0..1);
+    let calm = c.stats().unwrap();
+    assert_eq!(calm.budget_bytes, 64 << 20, "{calm:?}");
+    assert!(calm.resident_bytes > 0);
+    // The cgroup fills up to 98% of its limit: critical.
+    set(1_052_000_000);
+    let t = Instant::now();
+    let squeezed = loop {
+        let s = c.stats().unwrap();
+        if s.budget_bytes < 64 << 20 && s.resident_bytes < calm.resident_bytes {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "the budget did not follow the pressure: {s:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_ne!(squeezed.pressure, "normal");
+    assert!(squeezed.resident_bytes <= squeezed.budget_bytes);
+    // Calls still work (and give the same answers) under the squeezed budget.
+    let again = rounds(&mut c, &ids, 1..2);
+    assert!(again[0].iter().all(|(t, _)| !t.is_empty()));
+    d.stop();
+    assert!(std::fs::read_to_string(dir.path().join("p.log")).unwrap().contains("reclaim under pressure"), "the reclaim was logged");
 }
