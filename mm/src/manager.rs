@@ -820,6 +820,11 @@ impl Manager {
         Ok(())
     }
 
+    /// Chunks the AoT writer has yet to write.
+    pub fn pending_writes(&self) -> usize {
+        self.writer.as_ref().map_or(0, |w| w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).len())
+    }
+
     /// Waits until every AoT write is on flash.
     pub fn flush(&self) {
         if let Some(w) = &self.writer {

@@ -6,5 +6,7 @@ pub mod config;
 pub mod kvmm;
 pub mod loadbench;
 pub mod proto;
+pub mod replay;
 pub mod service;
 pub mod switchbench;
+pub mod trace;

@@ -29,6 +29,19 @@ pub fn profile_path(dir: &Path, codec: &EngineCodec) -> PathBuf {
     dir.join(format!("profile-{:016x}.json", codec.fingerprint()))
 }
 
+/// Makes `dir` an empty state directory holding the load profiles found in `profiles` (so a
+/// run in it plans with them instead of measuring again).
+pub fn fresh_state(dir: &Path, profiles: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for e in std::fs::read_dir(profiles).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with("profile-") {
+            std::fs::copy(e.path(), dir.join(e.file_name()))?;
+        }
+    }
+    Ok(())
+}
+
 /// A manager over a store in `dir` for `model` (int8 base), with the given policy and levels.
 #[allow(clippy::too_many_arguments)]
 pub fn manager(

@@ -143,6 +143,8 @@ pub struct ServiceStats {
     pub switch_p50_ms: f64,
     pub switch_p90_ms: f64,
     pub switch_p99_ms: f64,
+    /// Chunks the AoT writer has yet to write.
+    pub aot_pending: u64,
     pub evicted_chunks: u64,
     pub written_aot: u64,
     pub written_sync: u64,

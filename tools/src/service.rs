@@ -446,6 +446,7 @@ impl Service {
             switch_p50_ms: pct(0.5),
             switch_p90_ms: pct(0.9),
             switch_p99_ms: pct(0.99),
+            aot_pending: mm.pending_writes() as u64,
             evicted_chunks: mm.stats.evicted_chunks,
             written_aot: mm.stats.written_aot,
             written_sync: mm.stats.written_sync,
@@ -943,6 +944,34 @@ fn held_back(text: &str, stop: &str) -> usize {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// A service running in this process (benchmarks, trace replay), over a real socket.
+#[derive(Debug)]
+pub struct Local {
+    pub svc: Arc<Service>,
+    pub socket: PathBuf,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+impl Local {
+    pub fn start(cfg: Config) -> Result<Self> {
+        let socket = cfg.socket.clone();
+        let mode = cfg.socket_mode_bits()?;
+        let svc = Service::open(cfg)?;
+        let listener = bind_socket(&socket, mode)?;
+        let s = Arc::clone(&svc);
+        let thread = std::thread::spawn(move || s.serve(listener));
+        Ok(Self { svc, socket, thread })
+    }
+
+    /// Stops it cleanly (as SIGTERM would) and waits.
+    pub fn stop(self) -> Result<()> {
+        self.svc.stop();
+        self.thread.join().map_err(|_| anyhow!("the service thread panicked"))??;
+        let _ = std::fs::remove_file(&self.socket);
+        Ok(())
+    }
 }
 
 /// Creates the socket's directory (0755 when we create it) and binds the socket with `mode`,

@@ -2,8 +2,7 @@
 //! time to first token, for a context that is resident, partly evicted, fully evicted, and
 //! under `lmk` (recomputed whole) — the whole service in process, over a real socket.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -11,7 +10,7 @@ use serde::Serialize;
 use crate::client::Client;
 use crate::config::Config;
 use crate::proto::{Call, CallStats};
-use crate::service::{bind_socket, Service};
+use crate::service::Local;
 
 /// One scenario's medians.
 #[derive(Debug, Clone, Serialize)]
@@ -23,31 +22,6 @@ pub struct Row {
     pub missing_chunks: f64,
     pub read_chunks: f64,
     pub recomputed_chunks: f64,
-}
-
-struct Running {
-    svc: Arc<Service>,
-    thread: std::thread::JoinHandle<Result<()>>,
-    socket: PathBuf,
-}
-
-fn start(cfg: Config) -> Result<Running> {
-    let socket = cfg.socket.clone();
-    let mode = cfg.socket_mode_bits()?;
-    let svc = Service::open(cfg)?;
-    let listener = bind_socket(&socket, mode)?;
-    let s = Arc::clone(&svc);
-    let thread = std::thread::spawn(move || s.serve(listener));
-    Ok(Running { svc, thread, socket })
-}
-
-impl Running {
-    fn stop(self) -> Result<()> {
-        self.svc.stop();
-        self.thread.join().map_err(|_| anyhow::anyhow!("service thread panicked"))??;
-        let _ = std::fs::remove_file(&self.socket);
-        Ok(())
-    }
 }
 
 /// A budget nothing reaches.
@@ -86,13 +60,7 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
     let mut rows = Vec::new();
     for &n in tokens {
         let state = work.join(format!("switch-{n}"));
-        let _ = std::fs::remove_dir_all(&state);
-        std::fs::create_dir_all(&state)?;
-        for e in std::fs::read_dir(profile_dir).into_iter().flatten().flatten() {
-            if e.file_name().to_string_lossy().starts_with("profile-") {
-                let _ = std::fs::copy(e.path(), state.join(e.file_name()));
-            }
-        }
+        crate::loadbench::fresh_state(&state, profile_dir)?;
         let cfg = |budget: usize, policy: &str| Config {
             socket: work.join("bench.sock"),
             state_dir: state.clone(),
@@ -104,7 +72,7 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
         };
         // Two contexts of n tokens, built with memory to spare.
         let text = text_of(&base.model, n)?;
-        let r = start(cfg(UNLIMITED, "llms"))?;
+        let r = Local::start(cfg(UNLIMITED, "llms"))?;
         let mut c = Client::connect(&r.socket, "bench")?;
         let ids = [c.new_ctx(None)?, c.new_ctx(None)?];
         for id in &ids {
@@ -124,7 +92,7 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
             ("recompute all (lmk)", size + size / 8, "lmk"),
         ];
         for (name, budget, policy) in scenarios {
-            let r = start(cfg(budget, policy))?;
+            let r = Local::start(cfg(budget, policy))?;
             let mut c = Client::connect(&r.socket, "bench")?;
             // The first round brings both in after the restart; then measure.
             for id in &ids {

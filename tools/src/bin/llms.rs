@@ -179,6 +179,11 @@ enum Cmd {
         #[command(flatten)]
         m: ModelArgs,
     },
+    /// Context-switching traces: synthesize them, replay them against llmsd.
+    Trace {
+        #[command(subcommand)]
+        cmd: TraceCmd,
+    },
     /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
     BenchUffd {
         #[arg(long, default_value_t = 51)]
@@ -412,6 +417,179 @@ fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperature: f32, s
         })?;
         println!();
         eprintln!("{}", call_line(&st));
+    }
+    Ok(())
+}
+
+#[derive(Subcommand, Debug)]
+enum TraceCmd {
+    /// Writes a synthetic trace (JSON lines; docs/traces.md).
+    Gen {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 8)]
+        contexts: usize,
+        #[arg(long, default_value_t = 4)]
+        apps: usize,
+        #[arg(long, default_value_t = 100)]
+        calls: usize,
+        /// random, markov or gaussian.
+        #[arg(long, default_value = "markov")]
+        pattern: String,
+        /// Calls per second (Poisson arrivals).
+        #[arg(long, default_value_t = 0.5)]
+        rate: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Scale of the delta lengths of Table 3.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Markov: probability ratio between consecutive depths of the recency stack.
+        #[arg(long, default_value_t = 0.5)]
+        markov_decay: f64,
+        /// Text files the prompts come from [default: /usr/share/common-licenses/*].
+        #[arg(long)]
+        corpus: Vec<PathBuf>,
+    },
+    /// Replays a trace: against a running llmsd (--socket) or one started here with the given
+    /// policy and budget; per-call results as JSON lines (--out) and a summary.
+    Replay {
+        trace: PathBuf,
+        /// Drive the llmsd listening here instead of starting one.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long, default_value = "llms")]
+        policy: String,
+        #[arg(long, default_value = "64MiB")]
+        budget: String,
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
+        #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string()])]
+        levels: Vec<String>,
+        #[arg(long, default_value_t = 0.5)]
+        ratio: f64,
+        #[arg(long, default_value_t = 2048)]
+        max_context_tokens: usize,
+        /// Where the load profile is (measured there if missing); runs use a fresh store under it.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// Per-call results, JSON lines.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print the summary as JSON (and no per-call lines).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+}
+
+fn trace_cmd(cmd: TraceCmd) -> Result<()> {
+    match cmd {
+        TraceCmd::Gen { out, contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus } => {
+            let pattern =
+                tools::trace::Pattern::parse(&pattern).with_context(|| format!("--pattern {pattern:?}: random, markov or gaussian"))?;
+            let corpus = if corpus.is_empty() { tools::trace::default_corpus() } else { corpus };
+            let p = tools::trace::GenParams { contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus };
+            let (h, recs) = tools::trace::generate(&p)?;
+            tools::trace::write(&out, &h, &recs)?;
+            eprintln!("wrote {} calls over {contexts} contexts to {}", recs.len(), out.display());
+        }
+        TraceCmd::Replay { trace, socket, policy, budget, chunk_tokens, levels, ratio, max_context_tokens, state_dir, out, json, m } => {
+            let (h, recs) = tools::trace::read(&trace)?;
+            let mut local = None;
+            let mut work = None;
+            let socket = match socket {
+                Some(s) => s,
+                None => {
+                    let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
+                    std::fs::create_dir_all(&dir)?;
+                    let (model, pool) = load(&m)?;
+                    tools::loadbench::load_or_measure(&dir, &model, &pool, chunk_tokens, json)?;
+                    drop((model, pool));
+                    let w = dir.join(format!("replay-{}", std::process::id()));
+                    tools::loadbench::fresh_state(&w, &dir)?;
+                    let cfg = tools::config::Config {
+                        model: model_path(&m),
+                        threads: m.threads.unwrap_or(0),
+                        socket: w.join("llmsd.sock"),
+                        state_dir: w.clone(),
+                        policy,
+                        budget,
+                        chunk_tokens,
+                        levels,
+                        ratio,
+                        max_context_tokens,
+                        pressure: false,
+                        ..tools::config::Config::default()
+                    };
+                    let l = tools::service::Local::start(cfg)?;
+                    let s = l.socket.clone();
+                    local = Some(l);
+                    work = Some(w);
+                    s
+                }
+            };
+            let mut file = match &out {
+                Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)),
+                None => None,
+            };
+            if !json {
+                println!(
+                    "{:>5} {:>9} {:>4} {:>10} {:>9} {:>6} {:>6} {:>9} {:>7}",
+                    "call", "t_s", "ctx", "switch_ms", "ttft_ms", "read", "recomp", "KV_MiB", "tok/s"
+                );
+            }
+            let t0 = Instant::now();
+            let mut err = None;
+            let results = tools::replay::replay(&socket, &h, &recs, &mut |r| {
+                if let Some(f) = &mut file {
+                    if let Err(e) =
+                        serde_json::to_writer(&mut *f, r).map_err(anyhow::Error::from).and_then(|()| writeln!(f).map_err(Into::into))
+                    {
+                        err = Some(e);
+                    }
+                }
+                if !json {
+                    println!(
+                        "{:>5} {:>9.2} {:>4} {:>10.2} {:>9.1} {:>6} {:>6} {:>9.2} {:>7.1}",
+                        r.i,
+                        r.t,
+                        r.ctx,
+                        r.switch_ms,
+                        r.ttft_ms,
+                        r.read_chunks,
+                        r.recomputed_chunks,
+                        r.resident_bytes as f64 / 1048576.0,
+                        r.decode_tok_s
+                    );
+                }
+            });
+            let stopped = local.map(tools::service::Local::stop);
+            if let Some(w) = work {
+                let _ = std::fs::remove_dir_all(w);
+            }
+            let results = results?;
+            if let Some(e) = err {
+                return Err(e);
+            }
+            if let Some(mut f) = file {
+                f.flush()?;
+            }
+            if let Some(s) = stopped {
+                s?;
+            }
+            let sum = tools::replay::summarize(&results, t0.elapsed().as_secs_f64());
+            if json {
+                println!("{}", serde_json::to_string(&sum)?);
+            } else {
+                println!(
+                    "{} calls over {} contexts in {:.1} s: switch latency mean {:.2} ms, p50 {:.2}, p90 {:.2}, p99 {:.2}; TTFT mean {:.1} ms; decode {:.1} tok/s; {} chunks read, {} recomputed; peak KV {:.1} MiB",
+                    sum.calls, sum.contexts, sum.seconds, sum.switch_mean_ms, sum.switch_p50_ms, sum.switch_p90_ms, sum.switch_p99_ms,
+                    sum.ttft_mean_ms, sum.decode_tok_s, sum.read_chunks, sum.recomputed_chunks, sum.max_resident_bytes as f64 / 1048576.0
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -700,6 +878,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
         Cmd::BenchSwitch { tokens, reps, state_dir, json, m } => bench_switch(&m, &tokens, reps, state_dir, json)?,
+        Cmd::Trace { cmd } => trace_cmd(cmd)?,
         Cmd::Doctor { json } => doctor(json),
         Cmd::Pressure { cmd } => pressure(cmd)?,
     }
