@@ -9,7 +9,7 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: all demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean
+.PHONY: all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean
 
 all: build
 
@@ -26,7 +26,15 @@ $(MODEL):
 	mv $@.part $@
 	rm -rf models/.dl
 
-build:
+# System packages: the plots' font (Debian's fonts-dejavu-core), installed when missing.
+FONT := /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
+deps: $(FONT)
+$(FONT):
+	@echo "installing fonts-dejavu-core (the font of the experiments' plots)"
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends fonts-dejavu-core || \
+		{ $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends fonts-dejavu-core; }
+
+build: deps
 	$(CARGO) build --release --workspace
 
 demo: model build
@@ -50,7 +58,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 
-test: model lint
+test: model deps lint
 	LLMS_REQUIRE_KERNEL=1 $(CARGO) test --workspace
 
 fmt:

@@ -3,6 +3,7 @@
 
 pub mod client;
 pub mod config;
+pub mod experiment;
 pub mod kvmm;
 pub mod loadbench;
 pub mod proto;

@@ -74,3 +74,37 @@ fn a_short_trace_replays_under_every_policy() {
         assert_eq!(*o, outputs[1], "policy #{i} differs from vllm-sq");
     }
 }
+
+#[test]
+fn a_tiny_experiment_writes_its_table_and_plots() {
+    if require_kernel("userfaultfd", uffd_handler::Pager::new()).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = tools::experiment::SwitchVsContexts {
+        contexts: vec![2, 3],
+        policies: vec!["llms".into(), "lmk".into()],
+        patterns: vec!["markov".into()],
+        calls_per_context: 2,
+        budget: "1MiB".into(),
+        scale: 0.05,
+        seed: 1,
+        corpus: vec![fixture("gpl-3.txt")],
+    };
+    let base = Config { model: model_path(), threads: 2, load_profile: false, ..Config::default() };
+    let mut seen = 0;
+    let pts = tools::experiment::switch_vs_contexts(&base, &s, &dir.path().join("work"), dir.path(), &mut |_| seen += 1).unwrap();
+    assert_eq!(pts.len(), 4);
+    assert_eq!(seen, 4);
+    assert!(pts.iter().all(|p| p.switch_mean_ms > 0.0));
+    let files = tools::experiment::write_switch_vs_contexts(&dir.path().join("out"), "fig", &s, &pts).unwrap();
+    for f in &files {
+        assert!(std::fs::metadata(f).unwrap().len() > 100, "{} is empty", f.display());
+    }
+    let md = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(md.contains("| llms |") && md.contains("| lmk |") && md.contains("**markov**"), "{md}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[1]).unwrap()).unwrap();
+    assert_eq!(json["points"].as_array().unwrap().len(), 4);
+    assert!(std::fs::read_to_string(&files[2]).unwrap().starts_with("<svg"));
+    assert_eq!(&std::fs::read(&files[3]).unwrap()[1..4], b"PNG");
+}

@@ -184,6 +184,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: TraceCmd,
     },
+    /// Experiments over traces (docs/traces.md): each writes a table and a plot.
+    Experiment {
+        #[command(subcommand)]
+        cmd: ExperimentCmd,
+    },
     /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
     BenchUffd {
         #[arg(long, default_value_t = 51)]
@@ -417,6 +422,85 @@ fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperature: f32, s
         })?;
         println!();
         eprintln!("{}", call_line(&st));
+    }
+    Ok(())
+}
+
+#[derive(Subcommand, Debug)]
+enum ExperimentCmd {
+    /// Fig. 9: average switch latency vs active contexts, per policy and pattern.
+    SwitchVsContexts {
+        #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8, 12, 16])]
+        contexts: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_values_t = ["llms".to_string(), "vllm-sq".to_string(), "vllm-s".to_string(), "swap".to_string(), "lmk".to_string()])]
+        policies: Vec<String>,
+        #[arg(long, value_delimiter = ',', default_values_t = ["random".to_string(), "markov".to_string(), "gaussian".to_string()])]
+        patterns: Vec<String>,
+        #[arg(long, default_value_t = 3)]
+        calls_per_context: usize,
+        #[arg(long, default_value = "8MiB")]
+        budget: String,
+        /// Scale of Table 3's delta lengths.
+        #[arg(long, default_value_t = 0.1)]
+        scale: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Text files for the prompts [default: /usr/share/common-licenses/*].
+        #[arg(long)]
+        corpus: Vec<PathBuf>,
+        #[arg(long, default_value = "docs/results")]
+        out_dir: PathBuf,
+        /// Where the load profile is (measured there if missing); runs use fresh stores under it.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+}
+
+fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
+    match cmd {
+        ExperimentCmd::SwitchVsContexts {
+            contexts,
+            policies,
+            patterns,
+            calls_per_context,
+            budget,
+            scale,
+            seed,
+            corpus,
+            out_dir,
+            state_dir,
+            m,
+        } => {
+            for p in &policies {
+                mm::Policy::parse(p).with_context(|| format!("policy {p:?}"))?;
+            }
+            let corpus = if corpus.is_empty() { tools::trace::default_corpus() } else { corpus };
+            let s = tools::experiment::SwitchVsContexts { contexts, policies, patterns, calls_per_context, budget, scale, seed, corpus };
+            let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
+            std::fs::create_dir_all(&dir)?;
+            let (model, pool) = load(&m)?;
+            tools::loadbench::load_or_measure(&dir, &model, &pool, 16, false)?;
+            drop((model, pool));
+            let base = tools::config::Config { model: model_path(&m), threads: m.threads.unwrap_or(0), ..tools::config::Config::default() };
+            let work = dir.join(format!("experiment-{}", std::process::id()));
+            println!(
+                "{:<9} {:<8} {:>8} {:>12} {:>12} {:>10} {:>6} {:>7}",
+                "pattern", "policy", "contexts", "switch_ms", "p90_ms", "ttft_ms", "read", "recomp"
+            );
+            let pts = tools::experiment::switch_vs_contexts(&base, &s, &work, &dir, &mut |p| {
+                println!(
+                    "{:<9} {:<8} {:>8} {:>12.2} {:>12.2} {:>10.1} {:>6} {:>7}",
+                    p.pattern, p.policy, p.contexts, p.switch_mean_ms, p.switch_p90_ms, p.ttft_mean_ms, p.read_chunks, p.recomputed_chunks
+                );
+            });
+            let _ = std::fs::remove_dir_all(&work);
+            let files = tools::experiment::write_switch_vs_contexts(&out_dir, "switch_vs_contexts", &s, &pts?)?;
+            for f in files {
+                println!("wrote {}", f.display());
+            }
+        }
     }
     Ok(())
 }
@@ -879,6 +963,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
         Cmd::BenchSwitch { tokens, reps, state_dir, json, m } => bench_switch(&m, &tokens, reps, state_dir, json)?,
         Cmd::Trace { cmd } => trace_cmd(cmd)?,
+        Cmd::Experiment { cmd } => experiment_cmd(cmd)?,
         Cmd::Doctor { json } => doctor(json),
         Cmd::Pressure { cmd } => pressure(cmd)?,
     }
