@@ -397,18 +397,10 @@ fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperature: f32, s
     } else {
         ctx.to_string()
     };
-    let stdin = std::io::stdin();
-    let mut line = String::new();
-    eprintln!("llms chat: type a message, empty line or Ctrl-D to quit");
-    loop {
-        eprint!("> ");
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
-        }
+    chat_turns(&mut |line| {
         let call = tools::proto::Call {
             ctx: ctx.clone(),
-            prompt: line.trim_end().to_string(),
+            prompt: line.to_string(),
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             temperature,
             seed,
@@ -422,8 +414,23 @@ fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperature: f32, s
         })?;
         println!();
         eprintln!("{}", call_line(&st));
+        Ok(())
+    })
+}
+
+/// Reads the user's messages from stdin, one per line, until an empty line or EOF.
+fn chat_turns(turn: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    eprintln!("llms chat: type a message, empty line or Ctrl-D to quit");
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        turn(line.trim_end())?;
     }
-    Ok(())
 }
 
 #[derive(Subcommand, Debug)]
@@ -1064,16 +1071,8 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
     if let Some(s) = system {
         msgs.push(Message::new("system", &s));
     }
-    let stdin = std::io::stdin();
-    let mut line = String::new();
-    eprintln!("llms chat: type a message, empty line or Ctrl-D to quit");
-    loop {
-        eprint!("> ");
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
-        }
-        msgs.push(Message::new("user", line.trim_end()));
+    chat_turns(&mut |line| {
+        msgs.push(Message::new("user", line));
         let mut ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
         // A long conversation forgets its oldest turns (never the system prompt or the new
         // message) rather than failing once it outgrows the model's context.
@@ -1092,8 +1091,8 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
         println!();
         eprintln!("[{}]", r.speed_line());
         msgs.push(Message::new("assistant", &r.text));
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 fn bench_switch(m: &ModelArgs, tokens: &[usize], reps: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
