@@ -94,6 +94,8 @@ impl KvPlan {
 /// densities come from the attention observer and levels only ever go down. Returns the
 /// perplexity and the average KV bytes of the full chunks relative to int8. For the mix,
 /// `choose(densities)` picks the levels (the policy is the memory manager's, `mm::levels`).
+/// `top1`, when given, receives the most likely token at every scored position (to compare
+/// plans' greedy choices).
 #[allow(clippy::cast_precision_loss)]
 #[allow(clippy::too_many_arguments)]
 pub fn perplexity_kv(
@@ -105,6 +107,7 @@ pub fn perplexity_kv(
     plan: KvPlan,
     chunk_tokens: usize,
     choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
+    mut top1: Option<&mut Vec<u32>>,
 ) -> Result<(Perplexity, f64), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
     let base = match plan {
@@ -128,8 +131,12 @@ pub fn perplexity_kv(
             let end = (start + chunk_tokens).min(ctx);
             let logits = s.eval(&win[start..end], Logits::All)?.to_vec();
             for i in start.max(ctx / 2)..end.min(ctx - 1) {
-                nll += neg_log_prob(&logits[(i - start) * vocab..(i - start + 1) * vocab], win[i + 1]);
+                let row = &logits[(i - start) * vocab..(i - start + 1) * vocab];
+                nll += neg_log_prob(row, win[i + 1]);
                 count += 1;
+                if let Some(t) = top1.as_deref_mut() {
+                    t.push(crate::sampler::argmax(row));
+                }
             }
             let full = end / chunk_tokens;
             match plan {

@@ -214,3 +214,135 @@ where
     root.present().map_err(e)?;
     Ok(())
 }
+
+/// Settings of `accuracy-vs-memory` (Fig. 12).
+#[derive(Debug, Clone, Serialize)]
+pub struct AccuracyVsMemory {
+    /// KV plans: int8 (the reference), uniform q4/q2, mix:R (tolerance-aware at R x int8).
+    pub plans: Vec<String>,
+    pub ctx: usize,
+    pub windows: usize,
+    pub chunk_tokens: usize,
+    pub corpus: Vec<PathBuf>,
+}
+
+/// One plan's quality.
+#[derive(Debug, Clone, Serialize)]
+pub struct Accuracy {
+    pub plan: String,
+    /// KV bytes of full chunks relative to int8.
+    pub bytes_vs_int8: f64,
+    pub ppl: f64,
+    /// Perplexity change relative to int8, percent.
+    pub ppl_vs_int8_pct: f64,
+    /// Scored positions where the most likely token equals int8's (teacher-forced greedy
+    /// agreement).
+    pub top1_agreement: f64,
+}
+
+/// Perplexity (llama.cpp's method, KV compressed chunk by chunk as the plan says) and greedy
+/// agreement with int8, per plan, on the corpus text.
+pub fn accuracy_vs_memory(
+    model: &std::sync::Arc<engine::Model>,
+    pool: &std::sync::Arc<engine::ThreadPool>,
+    s: &AccuracyVsMemory,
+) -> Result<Vec<Accuracy>> {
+    let mut text = String::new();
+    for f in &s.corpus {
+        text.push_str(&String::from_utf8_lossy(&std::fs::read(f).with_context(|| format!("reading {}", f.display()))?));
+        text.push('\n');
+    }
+    let ids = model.tokenizer.encode(&text, false, false)?;
+    if ids.len() < s.ctx {
+        anyhow::bail!("the corpus has {} tokens, fewer than one window of {}", ids.len(), s.ctx);
+    }
+    let mut plans = vec!["int8".to_string()];
+    plans.extend(s.plans.iter().filter(|p| p.as_str() != "int8").cloned());
+    let mut out = Vec::new();
+    let mut reference: Vec<u32> = Vec::new();
+    let mut ref_ppl = 0.0;
+    for name in &plans {
+        let plan = engine::eval::KvPlan::parse(name).with_context(|| format!("plan {name:?}: f16, int8, q4, q2 or mix:R"))?;
+        let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
+        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio);
+        let mut top = Vec::new();
+        let (p, bytes) = engine::eval::perplexity_kv(
+            model,
+            std::sync::Arc::clone(pool),
+            &ids,
+            s.ctx,
+            s.windows,
+            plan,
+            s.chunk_tokens,
+            &choose,
+            Some(&mut top),
+        )?;
+        if reference.is_empty() {
+            reference.clone_from(&top);
+            ref_ppl = p.ppl;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let agree = top.iter().zip(&reference).filter(|(a, b)| a == b).count() as f64 / reference.len().max(1) as f64;
+        out.push(Accuracy {
+            plan: name.clone(),
+            bytes_vs_int8: bytes,
+            ppl: p.ppl,
+            ppl_vs_int8_pct: (p.ppl / ref_ppl - 1.0) * 100.0,
+            top1_agreement: agree,
+        });
+    }
+    Ok(out)
+}
+
+/// Writes `<dir>/<name>.md`, `.json`, `.svg`, `.png`: the table and perplexity vs KV bytes.
+pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accuracy]) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut md = format!(
+        "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk) and teacher-forced greedy agreement with int8.\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | greedy agreement |\n|---|---|---|---|---|\n",
+        s.ctx, s.windows, s.chunk_tokens
+    );
+    for r in rows {
+        md.push_str(&format!(
+            "| {} | {:.3} | {:.4} | {:+.2}% | {:.1}% |\n",
+            r.plan,
+            r.bytes_vs_int8,
+            r.ppl,
+            r.ppl_vs_int8_pct,
+            r.top1_agreement * 100.0
+        ));
+    }
+    let md_path = dir.join(format!("{name}.md"));
+    std::fs::write(&md_path, md)?;
+    let json_path = dir.join(format!("{name}.json"));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&serde_json::json!({"settings": s, "rows": rows}))?)?;
+    let svg = dir.join(format!("{name}.svg"));
+    let png = dir.join(format!("{name}.png"));
+    ensure_font()?;
+    accuracy_chart(SVGBackend::new(&svg, (560, 400)).into_drawing_area(), rows)?;
+    accuracy_chart(BitMapBackend::new(&png, (560, 400)).into_drawing_area(), rows)?;
+    Ok(vec![md_path, json_path, svg, png])
+}
+
+fn accuracy_chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, rows: &[Accuracy]) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("plotting: {x:?}");
+    root.fill(&WHITE).map_err(e)?;
+    let ymin = rows.iter().map(|r| r.ppl).fold(f64::MAX, f64::min) * 0.95;
+    let ymax = rows.iter().map(|r| r.ppl).fold(0.0, f64::max) * 1.05;
+    let mut ch = ChartBuilder::on(&root)
+        .caption("perplexity vs KV memory", ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(34)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0f64..1.1, ymin..ymax)
+        .map_err(e)?;
+    ch.configure_mesh().x_desc("KV bytes relative to int8").y_desc("perplexity").draw().map_err(e)?;
+    for (r, color) in rows.iter().map(|r| (r, if r.plan.starts_with("mix") { COLORS[0] } else { COLORS[1] })) {
+        ch.draw_series(std::iter::once(Circle::new((r.bytes_vs_int8, r.ppl), 4, color.filled()))).map_err(e)?;
+        ch.draw_series(std::iter::once(Text::new(r.plan.clone(), (r.bytes_vs_int8 + 0.015, r.ppl), ("sans-serif", 13)))).map_err(e)?;
+    }
+    root.present().map_err(e)?;
+    Ok(())
+}

@@ -25,6 +25,17 @@ pub fn format(c: Format) -> KvFormat {
     KvFormat::ALL.get(c as usize).copied().unwrap_or(KvFormat::Int8)
 }
 
+/// The tolerance-aware level choice (mm's eq. 2-3) over {int8, q4, q2} at `ratio` x int8
+/// bytes, as a function of chunk densities: what `engine::eval::perplexity_kv` calls for a mix.
+pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64) -> impl Fn(&[f64]) -> Vec<KvFormat> {
+    let codec = EngineCodec::new(model, chunk_tokens);
+    let levels = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2];
+    #[allow(clippy::cast_precision_loss)]
+    let sizes = levels.map(|f| codec.geom.chunk_bytes(f) as f64);
+    let losses = levels.map(|f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, code(f))));
+    move |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
+}
+
 /// Chunk sizes of a model's KV cache.
 #[derive(Debug, Clone, Copy)]
 pub struct EngineCodec {

@@ -108,3 +108,25 @@ fn a_tiny_experiment_writes_its_table_and_plots() {
     assert!(std::fs::read_to_string(&files[2]).unwrap().starts_with("<svg"));
     assert_eq!(&std::fs::read(&files[3]).unwrap()[1..4], b"PNG");
 }
+
+#[test]
+fn the_accuracy_experiment_compares_plans_with_int8() {
+    let model = std::sync::Arc::new(engine::Model::load(&model_path()).unwrap());
+    let pool = std::sync::Arc::new(engine::ThreadPool::new(2));
+    let s = tools::experiment::AccuracyVsMemory {
+        plans: vec!["q2".into(), "mix:0.75".into()],
+        ctx: 128,
+        windows: 1,
+        chunk_tokens: 16,
+        corpus: vec![fixture("gpl-3.txt")],
+    };
+    let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s).unwrap();
+    assert_eq!(rows.iter().map(|r| r.plan.as_str()).collect::<Vec<_>>(), ["int8", "q2", "mix:0.75"]);
+    assert!((rows[0].top1_agreement - 1.0).abs() < 1e-12 && rows[0].ppl_vs_int8_pct.abs() < 1e-9);
+    assert!(rows[1].bytes_vs_int8 < rows[2].bytes_vs_int8 && rows[2].bytes_vs_int8 < 1.0);
+    assert!(rows[1].ppl > rows[0].ppl, "2-bit KV costs perplexity");
+    let dir = tempfile::tempdir().unwrap();
+    for f in tools::experiment::write_accuracy(dir.path(), "acc", &s, &rows).unwrap() {
+        assert!(std::fs::metadata(&f).unwrap().len() > 100, "{}", f.display());
+    }
+}

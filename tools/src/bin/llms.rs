@@ -435,6 +435,24 @@ fn chat_turns(turn: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
 
 #[derive(Subcommand, Debug)]
 enum ExperimentCmd {
+    /// Fig. 12: perplexity and greedy agreement vs KV memory, uniform levels vs the mix.
+    AccuracyVsMemory {
+        #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string(), "mix:0.75".to_string(), "mix:0.5".to_string(), "mix:0.375".to_string()])]
+        plans: Vec<String>,
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        #[arg(long, default_value_t = 8)]
+        windows: usize,
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
+        /// Text files [default: /usr/share/common-licenses/*].
+        #[arg(long)]
+        corpus: Vec<PathBuf>,
+        #[arg(long, default_value = "docs/results")]
+        out_dir: PathBuf,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
     /// Fig. 9: average switch latency vs active contexts, per policy and pattern.
     SwitchVsContexts {
         #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8, 12, 16])]
@@ -467,6 +485,29 @@ enum ExperimentCmd {
 
 fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
     match cmd {
+        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, out_dir, m } => {
+            if !(8..=4096).contains(&ctx) || chunk_tokens == 0 || chunk_tokens > ctx || windows == 0 {
+                bail!("--ctx must be 8-4096, --chunk-tokens 1..=ctx, --windows at least 1");
+            }
+            let corpus = if corpus.is_empty() { tools::trace::default_corpus() } else { corpus };
+            let s = tools::experiment::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus };
+            let (model, pool) = load(&m)?;
+            let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s)?;
+            println!("{:<10} {:>10} {:>10} {:>9} {:>10}", "plan", "bytes/int8", "ppl", "vs int8", "agreement");
+            for r in &rows {
+                println!(
+                    "{:<10} {:>10.3} {:>10.4} {:>+8.2}% {:>9.1}%",
+                    r.plan,
+                    r.bytes_vs_int8,
+                    r.ppl,
+                    r.ppl_vs_int8_pct,
+                    r.top1_agreement * 100.0
+                );
+            }
+            for f in tools::experiment::write_accuracy(&out_dir, "accuracy_vs_memory", &s, &rows)? {
+                println!("wrote {}", f.display());
+            }
+        }
         ExperimentCmd::SwitchVsContexts {
             contexts,
             policies,
@@ -941,13 +982,9 @@ fn run(cli: Cli) -> Result<()> {
                         bail!("--chunk-tokens must be between 1 and --ctx");
                     }
                     // The mix's levels are mm's policy (eq. 2-3), over {int8, q4, q2}.
-                    let codec = tools::kvmm::EngineCodec::new(&model, chunk_tokens);
-                    let levels = [engine::kv::KvFormat::Int8, engine::kv::KvFormat::Q4, engine::kv::KvFormat::Q2];
-                    let sizes = levels.map(|f| codec.geom.chunk_bytes(f) as f64);
-                    let losses = levels.map(|f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, tools::kvmm::code(f))));
                     let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-                    let choose = |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect();
-                    let (r, ratio) = engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose)?;
+                    let choose = tools::kvmm::mix_chooser(&model, chunk_tokens, ratio);
+                    let (r, ratio) = engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
                     (r, Some(ratio))
                 }
             };
