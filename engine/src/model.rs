@@ -247,6 +247,18 @@ impl Model {
     pub fn chat_template(&self) -> Option<&str> {
         self.file.get("tokenizer.chat_template").and_then(Value::as_str)
     }
+
+    /// Renders `messages` with this model's chat template and its BOS/EOS texts;
+    /// `add_generation_prompt` opens the assistant's turn at the end.
+    pub fn render_chat(
+        &self,
+        messages: &[crate::chat::Message],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, minijinja::Error> {
+        let tk = &self.tokenizer;
+        let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
+        crate::chat::render_with(self.chat_template(), messages, &name(tk.bos), &name(tk.eos), add_generation_prompt)
+    }
 }
 
 fn check_shape(t: &TensorInfo, cols: usize, rows: usize) -> Result<()> {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use engine::chat::{self, Message};
+use engine::chat::Message;
 use engine::kv::KvFormat;
 use engine::model::{AttentionStats, Scratch, SessionOptions};
 use engine::{Logits, Model, Sampler, SamplerConfig, Session, ThreadPool, Utf8Stream};
@@ -95,11 +95,7 @@ impl Turns {
     /// appending turn by turn must give the same text as rendering the whole conversation.
     fn new(model: &Model) -> Result<Self> {
         const MARK: &str = "\u{1}LLMS\u{1}";
-        let tk = &model.tokenizer;
-        let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
-        let (bos, eos) = (name(tk.bos), name(tk.eos));
-        let r =
-            |m: &[Message], g: bool| chat::render_with(model.chat_template(), m, &bos, &eos, g).map_err(|e| anyhow!("chat template: {e}"));
+        let r = |m: &[Message], g: bool| model.render_chat(m, g).map_err(|e| anyhow!("chat template: {e}"));
         let sys = Message::new("system", "S");
         let split = |s: &str| -> Result<(String, String)> {
             let (a, b) = s.split_once(MARK).context("chat template drops message content")?;
@@ -121,11 +117,8 @@ impl Turns {
         Ok(Self { first_open, open, close_user, close_assistant })
     }
 
-    fn system(&self, model: &Model, text: &str) -> Result<String> {
-        let tk = &model.tokenizer;
-        let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
-        chat::render_with(model.chat_template(), &[Message::new("system", text)], &name(tk.bos), &name(tk.eos), false)
-            .map_err(|e| anyhow!("chat template: {e}"))
+    fn system(model: &Model, text: &str) -> Result<String> {
+        model.render_chat(&[Message::new("system", text)], false).map_err(|e| anyhow!("chat template: {e}"))
     }
 }
 
@@ -324,7 +317,7 @@ impl Service {
     fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>) -> Result<String, Refusal> {
         let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, format!("{e:#}"));
         let pending = match system_prompt {
-            Some(p) => self.turns.system(&self.model, p).map_err(fail)?,
+            Some(p) => Turns::system(&self.model, p).map_err(fail)?,
             None => String::new(),
         };
         let mut reg = lock(&self.registry);
@@ -663,6 +656,7 @@ impl Service {
         let tk = &self.model.tokenizer;
         let mut utf8 = Utf8Stream::default();
         let mut text = String::new();
+        let mut bytes = Vec::new();
         let mut sent = 0;
         let mut n_out = 0u32;
         stats.finish = "length".into();
@@ -671,14 +665,18 @@ impl Service {
                 stats.finish = "eog".into();
                 break;
             }
-            let mut bytes = Vec::new();
+            bytes.clear();
             tk.token_bytes(next, false, &mut bytes);
+            let before = text.len();
             text.push_str(&utf8.push(&bytes));
             n_out += 1;
             // The token joins the context whatever happens to the output.
             grow(s, s.n_past() + 1)?;
             let logits = s.eval(&[next], Logits::Last).map_err(|e| fail(&e))?;
-            if let Some(at) = c.stop.iter().filter_map(|p| text.find(p.as_str())).min() {
+            // Only a match ending in the new piece is new: search from one stop string's
+            // length before it, not the whole output at every token.
+            let from = |p: &String| floor_boundary(&text, before.saturating_sub(p.len()));
+            if let Some(at) = c.stop.iter().filter_map(|p| text[from(p)..].find(p.as_str()).map(|i| i + from(p))).min() {
                 text.truncate(at);
                 stats.finish = "stop".into();
                 break;
@@ -937,6 +935,14 @@ fn peer_gone(stream: &UnixStream) -> bool {
     n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// The largest char boundary of `s` at or before `i`.
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
 /// Bytes at the end of `text` that are the start of `stop` (they may yet become it).
 fn held_back(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1)).rev().find(|&k| text.as_bytes().ends_with(&stop.as_bytes()[..k])).unwrap_or(0)
@@ -1004,6 +1010,8 @@ mod tests {
         assert_eq!(held_back("hello", "world"), 0);
         assert_eq!(held_back("w", "world"), 1);
         assert_eq!(held_back("", "world"), 0);
+        assert_eq!(floor_boundary("aé", 2), 1);
+        assert_eq!(floor_boundary("aé", 3), 3);
         assert!(valid_ctx_id(&new_ctx_id().unwrap().0));
         assert!(!valid_ctx_id("../../etc/passwd"));
         assert!(valid_app("com.example-app_1") && !valid_app("") && !valid_app("a/b"));

@@ -409,7 +409,7 @@ fn hostile_clients_do_not_take_the_service_down() {
     // A half-sent frame is dropped after the I/O timeout; others are served meanwhile.
     let mut slow = UnixStream::connect(&d.socket).unwrap();
     slow.write_all(&[0, 0, 0, 50, b'{']).unwrap();
-    call(&mut good, &ctx, "Hi.", 4);
+    let (_, before) = call(&mut good, &ctx, "Hi.", 4);
     slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut buf = [0u8; 1];
     assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "the slow client was hung up on");
@@ -420,6 +420,20 @@ fn hostile_clients_do_not_take_the_service_down() {
         let c = Call { ctx: ctx.clone(), prompt: "Count from one to one hundred.".into(), max_tokens: 100, ..base_call() };
         v.request(&Request::Call(c)).unwrap();
     }
+    // It queued ahead of this call; had it run to its 100 tokens, the context would have grown
+    // by more than 100 tokens.
+    let (_, after) = call(&mut good, &ctx, "Go on.", 1);
+    assert!(
+        after.context_tokens > before.context_tokens && after.context_tokens < before.context_tokens + 100,
+        "the vanished client's call was not cancelled: {} -> {} tokens",
+        before.context_tokens,
+        after.context_tokens
+    );
+    // Stop strings end the output before them.
+    let c = Call { ctx: ctx.clone(), prompt: "Tell me about the sea.".into(), max_tokens: 40, stop: vec![" ".into()], ..base_call() };
+    let (text, st) = good.call(&c, &mut |_| {}).unwrap();
+    assert_eq!(st.finish, "stop", "{text:?}");
+    assert!(!text.contains(' '), "{text:?}");
     // A prompt longer than the context window slides it.
     let long = "the quick brown fox jumps over the lazy dog ".repeat(40);
     let (_, st) = call(&mut good, &ctx, &long, 8);

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use engine::chat::{self, Message};
+use engine::chat::Message;
 use engine::{Logits, Model, Sampler, SamplerConfig, Session, ThreadPool, Utf8Stream};
 use serde_json::json;
 
@@ -1015,9 +1015,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn render_chat(model: &Model, msgs: &[Message]) -> Result<String> {
-    let tk = &model.tokenizer;
-    let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
-    Ok(chat::render(model.chat_template(), msgs, &name(tk.bos), &name(tk.eos))?)
+    Ok(model.render_chat(msgs, true)?)
 }
 
 #[allow(clippy::cast_precision_loss)]
