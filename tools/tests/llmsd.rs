@@ -409,20 +409,24 @@ fn hostile_clients_do_not_take_the_service_down() {
     // A half-sent frame is dropped after the I/O timeout; others are served meanwhile.
     let mut slow = UnixStream::connect(&d.socket).unwrap();
     slow.write_all(&[0, 0, 0, 50, b'{']).unwrap();
-    let (_, before) = call(&mut good, &ctx, "Hi.", 4);
+    call(&mut good, &ctx, "Hi.", 4);
     slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut buf = [0u8; 1];
     assert_eq!(slow.read(&mut buf).unwrap_or(0), 0, "the slow client was hung up on");
 
-    // A client that vanishes mid-call: the call is cancelled, what it made is kept.
+    // A client that vanishes mid-call: the call is cancelled, what it made is kept. (A
+    // context of its own: the 256-token window must not slide during the check.)
+    let quit = good.new_ctx(None).unwrap();
+    let (_, before) = call(&mut good, &quit, "Hi.", 4);
     {
         let mut v = d.client("good");
-        let c = Call { ctx: ctx.clone(), prompt: "Count from one to one hundred.".into(), max_tokens: 100, ..base_call() };
+        let c = Call { ctx: quit.clone(), prompt: "1, 2, 3, 4, 5, 6, 7, 8,".into(), max_tokens: 100, raw: true, ..base_call() };
         v.request(&Request::Call(c)).unwrap();
     }
     // It queued ahead of this call; had it run to its 100 tokens, the context would have grown
     // by more than 100 tokens.
-    let (_, after) = call(&mut good, &ctx, "Go on.", 1);
+    let (_, after) = call(&mut good, &quit, "Go on.", 1);
+    eprintln!("vanished call: context {} -> {} tokens", before.context_tokens, after.context_tokens);
     assert!(
         after.context_tokens > before.context_tokens && after.context_tokens < before.context_tokens + 100,
         "the vanished client's call was not cancelled: {} -> {} tokens",
