@@ -19,6 +19,7 @@ pub mod quant;
 pub mod repack;
 pub mod sampler;
 pub mod tokenizer;
+pub mod weights;
 
 pub use gguf::{GgufError, GgufFile, GgufHeader, TensorInfo, Value};
 pub use model::{Config, Logits, Model, ModelError, Session};
@@ -26,3 +27,4 @@ pub use pool::ThreadPool;
 pub use quant::GgmlType;
 pub use sampler::{Sampler, SamplerConfig};
 pub use tokenizer::{Tokenizer, Utf8Stream};
+pub use weights::{WeightLayout, WeightMemory};

@@ -19,6 +19,7 @@ use crate::pool::ThreadPool;
 use crate::quant::{self, GgmlType};
 use crate::repack::{self, PackedWeight};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::weights::{Piece, WeightLayout, WeightMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -65,13 +66,16 @@ impl Config {
     }
 }
 
+/// A weight tensor: its type, shape, and where its bytes are (`offset` into the GGUF file, or
+/// into the weight image when `in_image`).
 #[derive(Debug, Clone, Copy)]
-struct W {
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    offset: usize,
-    len: usize,
+pub(crate) struct W {
+    pub(crate) ty: GgmlType,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) in_image: bool,
 }
 
 /// A matrix the forward pass multiplies by: where its GGUF bytes are, and its repacked copy
@@ -93,6 +97,22 @@ impl Mat {
         }
         Self { raw, packed }
     }
+
+    /// The matrix as the weight image holds it (`piece`), read in place from `image`.
+    fn in_image(raw: W, piece: &Piece, image: &[u8]) -> Result<Self> {
+        let bytes = &image[piece.offset..piece.offset + piece.len];
+        if !piece.packed {
+            return Ok(Self { raw: W { offset: piece.offset, in_image: true, ..raw }, packed: None });
+        }
+        // SAFETY: the image outlives the model's matrices (the model holds its Arc) and is
+        // read-only.
+        let packed = unsafe { PackedWeight::borrow(raw.ty, raw.rows, raw.cols, bytes) }.ok_or_else(|| ModelError::Tensor {
+            name: piece.name.clone(),
+            what: "weight image piece has the wrong size or alignment".into(),
+        })?;
+        Ok(Self { raw, packed: Some(packed) })
+    }
+
     fn act_kind(&self) -> ActKind {
         if self.packed.is_some() {
             ActKind::Q8
@@ -126,10 +146,14 @@ pub struct Model {
     pub file: GgufFile,
     layers: Vec<Layer>,
     tok_embd: W,
-    output: Mat,
+    /// The output projection; in a weight image it is cut by rows into parts (groups), so a
+    /// pager can stream it like the layers.
+    output: Vec<Mat>,
     output_norm: Vec<f32>,
     /// RoPE: `base^(-2/rope_dims)`, the ratio between successive pair frequencies.
     theta_scale: f32,
+    /// The weight image the matrices are read from, when they are not packed on the heap.
+    image: Option<Arc<dyn WeightMemory>>,
 }
 
 fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
@@ -140,8 +164,35 @@ fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
         .ok_or_else(|| ModelError::Metadata { key: key.into(), what: "missing or not a sane positive integer".into() })
 }
 
-impl Model {
-    pub fn load(path: &Path) -> Result<Self> {
+/// The small tensors of a layer (always resident) and where its matrices are in the file.
+#[derive(Debug)]
+pub(crate) struct RawLayer {
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    /// q, k, v, o, gate, up, down: the order of [`MATRIX_NAMES`].
+    pub(crate) mats: [W; 7],
+}
+
+/// The matrices of a layer, in the order the forward pass reads them.
+pub(crate) const MATRIX_NAMES: [&str; 7] = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"];
+
+/// A GGUF file checked and read up to its large matrices, which are only located.
+#[derive(Debug)]
+pub(crate) struct Parsed {
+    pub(crate) file: GgufFile,
+    config: Config,
+    tokenizer: Tokenizer,
+    pub(crate) layers: Vec<RawLayer>,
+    pub(crate) tok_embd: W,
+    pub(crate) output: W,
+    output_norm: Vec<f32>,
+}
+
+impl Parsed {
+    pub(crate) fn open(path: &Path) -> Result<Self> {
         let mut file = GgufFile::open(path)?;
         let arch = file.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
         if arch != "llama" && arch != "qwen2" {
@@ -184,7 +235,7 @@ impl Model {
         let get = |name: &str, cols: usize, rows: usize| -> Result<W> {
             let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
             check_shape(t, cols, rows)?;
-            Ok(W { ty: t.ty, rows, cols, offset: (file.header.data_offset + t.offset) as usize, len: t.size as usize })
+            Ok(W { ty: t.ty, rows, cols, offset: (file.header.data_offset + t.offset) as usize, len: t.size as usize, in_image: false })
         };
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
             let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
@@ -198,25 +249,25 @@ impl Model {
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
-            layers.push(Layer {
+            let shapes =
+                [(c.dim, c.dim), (c.dim, kv), (c.dim, kv), (c.dim, c.dim), (c.dim, c.ffn_dim), (c.dim, c.ffn_dim), (c.ffn_dim, c.dim)];
+            let mut mats = [W { ty: GgmlType::F32, rows: 0, cols: 0, offset: 0, len: 0, in_image: false }; 7];
+            for ((m, name), (cols, rows)) in mats.iter_mut().zip(MATRIX_NAMES).zip(shapes) {
+                *m = get(&p(&format!("{name}.weight")), cols, rows)?;
+            }
+            layers.push(RawLayer {
                 attn_norm: vec(&p("attn_norm.weight"), c.dim)?,
                 ffn_norm: vec(&p("ffn_norm.weight"), c.dim)?,
-                wq: Mat::new(get(&p("attn_q.weight"), c.dim, c.dim)?, &file),
-                wk: Mat::new(get(&p("attn_k.weight"), c.dim, kv)?, &file),
-                wv: Mat::new(get(&p("attn_v.weight"), c.dim, kv)?, &file),
-                wo: Mat::new(get(&p("attn_output.weight"), c.dim, c.dim)?, &file),
-                w_gate: Mat::new(get(&p("ffn_gate.weight"), c.dim, c.ffn_dim)?, &file),
-                w_up: Mat::new(get(&p("ffn_up.weight"), c.dim, c.ffn_dim)?, &file),
-                w_down: Mat::new(get(&p("ffn_down.weight"), c.ffn_dim, c.dim)?, &file),
                 bq: opt_vec(&p("attn_q.bias"), c.dim)?,
                 bk: opt_vec(&p("attn_k.bias"), kv)?,
                 bv: opt_vec(&p("attn_v.bias"), kv)?,
+                mats,
             });
         }
         let tok_embd = get("token_embd.weight", c.dim, c.vocab)?;
-        let output = Mat::new(if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd }, &file);
+        let output = if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd };
         let output_norm = vec("output_norm.weight", c.dim)?;
-        for w in layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]).chain([&output]).map(|m| m.raw) {
+        for w in layers.iter().flat_map(|l| l.mats.iter()).chain([&output]) {
             if w.cols % w.ty.block_size() != 0 || (kernels::act_kind(w.ty) != ActKind::F32 && w.cols % 32 != 0) {
                 return Err(ModelError::Tensor {
                     name: format!("{:?} weight", w.ty),
@@ -230,12 +281,92 @@ impl Model {
                 what: format!("{} is not an even number up to 512", config.rope_dims),
             });
         }
+        Ok(Self { file, config, tokenizer, layers, tok_embd, output, output_norm })
+    }
+
+    /// Builds the model, its matrices made by `mat` from their file locations.
+    fn into_model(
+        self,
+        image: Option<Arc<dyn WeightMemory>>,
+        mat: &mut dyn FnMut(&GgufFile, W) -> Result<Mat>,
+        split_head: bool,
+    ) -> Result<Model> {
+        let Parsed { file, config, tokenizer, layers: raw, tok_embd, output, output_norm } = self;
+        let mut layers = Vec::with_capacity(raw.len());
+        for l in raw {
+            let [wq, wk, wv, wo, w_gate, w_up, w_down] = l.mats;
+            layers.push(Layer {
+                attn_norm: l.attn_norm,
+                ffn_norm: l.ffn_norm,
+                wq: mat(&file, wq)?,
+                wk: mat(&file, wk)?,
+                wv: mat(&file, wv)?,
+                wo: mat(&file, wo)?,
+                w_gate: mat(&file, w_gate)?,
+                w_up: mat(&file, w_up)?,
+                w_down: mat(&file, w_down)?,
+                bq: l.bq,
+                bk: l.bk,
+                bv: l.bv,
+            });
+        }
+        let output = if split_head {
+            crate::weights::head_parts(output).into_iter().map(|w| mat(&file, w)).collect::<Result<Vec<Mat>>>()?
+        } else {
+            vec![mat(&file, output)?]
+        };
         let theta_scale = config.rope_base.powf(-2.0 / config.rope_dims as f32);
-        Ok(Self { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale })
+        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale, image })
+    }
+}
+
+impl Model {
+    /// Loads a model with its matrices packed on the heap (fully resident).
+    pub fn load(path: &Path) -> Result<Self> {
+        Parsed::open(path)?.into_model(None, &mut |file, w| Ok(Mat::new(w, file)), false)
+    }
+
+    /// Loads a model whose matrices and embedding table are read in place from `image`, a
+    /// weight image of this file laid out by [`WeightLayout::for_file`] with `align` (see
+    /// [`crate::weights`]). Only the metadata, tokenizer and norms are read from the file.
+    pub fn load_with_image(path: &Path, image: Arc<dyn WeightMemory>, align: usize) -> Result<Self> {
+        let parsed = Parsed::open(path)?;
+        let layout = WeightLayout::of(&parsed, align);
+        if image.bytes().len() < layout.total {
+            return Err(ModelError::Tensor {
+                name: "weight image".into(),
+                what: format!("{} bytes, the layout needs {}", image.bytes().len(), layout.total),
+            });
+        }
+        let bytes = image.bytes();
+        let mut pieces = layout.pieces.iter();
+        let mut model = parsed.into_model(
+            Some(Arc::clone(&image)),
+            &mut |_, w| {
+                let piece = pieces.next().expect("one piece per matrix, in load order");
+                Mat::in_image(w, piece, bytes)
+            },
+            true,
+        )?;
+        let emb = layout.pieces.last().expect("the embedding piece");
+        model.tok_embd = W { offset: emb.offset, in_image: true, ..model.tok_embd };
+        // Nothing else is read from the mapped file's tensor data: drop its pages from this
+        // process (metadata lookups fault the header back in).
+        model.file.release_pages(0, model.file.bytes().len());
+        Ok(model)
     }
 
     fn view(&self, w: &W) -> WeightView<'_> {
-        WeightView { ty: w.ty, rows: w.rows, cols: w.cols, data: &self.file.bytes()[w.offset..w.offset + w.len] }
+        let src = match (&self.image, w.in_image) {
+            (Some(img), true) => img.bytes(),
+            _ => self.file.bytes(),
+        };
+        WeightView { ty: w.ty, rows: w.rows, cols: w.cols, data: &src[w.offset..w.offset + w.len] }
+    }
+
+    /// Whether the matrices are read from a weight image rather than packed on the heap.
+    pub fn uses_image(&self) -> bool {
+        self.image.is_some()
     }
 
     /// Bytes of the model file (weights dominate).
@@ -531,6 +662,9 @@ impl Session {
 
         for (li, l) in model.layers.iter().enumerate() {
             before_layer(li);
+            if let Some(img) = &model.image {
+                img.advise(li);
+            }
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
             matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
@@ -581,7 +715,14 @@ impl Session {
             rmsnorm(&s.x[r * dim..(r + 1) * dim], &model.output_norm, c.norm_eps, &mut xn[i * dim..(i + 1) * dim]);
         }
         s.logits.resize(m * c.vocab, 0.0);
-        matmul_multi(&pool, &model, &[&model.output], &xn, m, &mut s.acts, &mut s.logits);
+        let mut col0 = 0;
+        for (part, head) in model.output.iter().enumerate() {
+            if let Some(img) = &model.image {
+                img.advise(model.layers.len() + part);
+            }
+            matmul_cols(&pool, &model, &[head], &xn, m, &mut s.acts, &mut s.logits, c.vocab, col0);
+            col0 += head.raw.rows;
+        }
     }
 }
 
@@ -590,11 +731,28 @@ impl Session {
 /// input, one parallel dispatch; work is handed out in units of 8 rows (a packed group).
 #[allow(clippy::too_many_arguments)]
 fn matmul_multi(pool: &ThreadPool, model: &Model, ms: &[&Mat], x: &[f32], n: usize, acts: &mut Acts, out: &mut [f32]) {
+    let ldo: usize = ms.iter().map(|m| m.raw.rows).sum();
+    matmul_cols(pool, model, ms, x, n, acts, out, ldo, 0);
+}
+
+/// As [`matmul_multi`], writing the outputs from column `col0` of rows `ldo` long (one part of
+/// a matrix cut by rows).
+#[allow(clippy::too_many_arguments)]
+fn matmul_cols(
+    pool: &ThreadPool,
+    model: &Model,
+    ms: &[&Mat],
+    x: &[f32],
+    n: usize,
+    acts: &mut Acts,
+    out: &mut [f32],
+    ldo: usize,
+    col0: usize,
+) {
     let cols = ms[0].raw.cols;
     let kinds: Vec<ActKind> = ms.iter().map(|m| m.act_kind()).collect();
     acts.prepare(x, n, cols, &kinds, pool);
-    let ldo: usize = ms.iter().map(|m| m.raw.rows).sum();
-    let outp = OutPtr::new(&mut out[..n * ldo]);
+    let outp = OutPtr::new(&mut out[..n * ldo]).offset(col0);
     let acts = &*acts;
     let mut starts = Vec::with_capacity(ms.len());
     let (mut units, mut rows) = (0, 0);

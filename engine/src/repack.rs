@@ -43,8 +43,41 @@ const _: () = assert!(std::mem::size_of::<BlockQ8x8>() == 272);
 /// (`[group][block]`). Rows past `rows` in the last group are zero (scale 0).
 #[derive(Debug)]
 pub enum Packed {
-    Q4(Vec<BlockQ4x8>),
-    Q8(Vec<BlockQ8x8>),
+    Q4(Blocks<BlockQ4x8>),
+    Q8(Blocks<BlockQ8x8>),
+}
+
+/// Where packed blocks live: the heap (packed at load), or memory someone else owns, such as
+/// a weight image mapped into a paged region (see `model::WeightMemory`), which the model
+/// keeps alive as long as the blocks.
+pub enum Blocks<T> {
+    Owned(Vec<T>),
+    Borrowed { ptr: *const T, len: usize },
+}
+
+// SAFETY: the borrowed form points at read-only memory the model keeps alive (an
+// `Arc<dyn WeightMemory>`, itself Send + Sync); nothing writes through it.
+unsafe impl<T: Send> Send for Blocks<T> {}
+// SAFETY: see Send.
+unsafe impl<T: Sync> Sync for Blocks<T> {}
+
+impl<T> std::ops::Deref for Blocks<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Blocks::Owned(v) => v,
+            // SAFETY: `ptr` is aligned and valid for `len` elements while the owner lives
+            // (checked when borrowed, see `PackedWeight::borrow`).
+            Blocks::Borrowed { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Blocks<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if matches!(self, Blocks::Owned(_)) { "owned" } else { "borrowed" };
+        write!(f, "Blocks({kind}, {} blocks)", self.len())
+    }
 }
 
 #[derive(Debug)]
@@ -62,10 +95,46 @@ impl PackedWeight {
         self.cols / QK
     }
     pub fn bytes(&self) -> usize {
+        self.as_bytes().len()
+    }
+
+    /// The packed blocks as bytes (what a weight image stores).
+    pub fn as_bytes(&self) -> &[u8] {
         match &self.data {
-            Packed::Q4(v) => std::mem::size_of_val(v.as_slice()),
-            Packed::Q8(v) => std::mem::size_of_val(v.as_slice()),
+            Packed::Q4(v) => bytemuck::cast_slice(v),
+            Packed::Q8(v) => bytemuck::cast_slice(v),
         }
+    }
+
+    /// Bytes a packed `ty` matrix of this shape takes; `None` for types that are not packed.
+    pub fn packed_len(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
+        let blocks = rows.div_ceil(ROWS) * (cols / QK);
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
+            GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
+            _ => None,
+        }
+    }
+
+    /// A packed matrix over bytes produced by [`PackedWeight::as_bytes`] for the same type and
+    /// shape, without copying them; `None` if the type is not packed or the length or
+    /// alignment is wrong.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unchanged for as long as the returned value is used.
+    pub unsafe fn borrow(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
+        if Self::packed_len(ty, rows, cols)? != bytes.len() {
+            return None;
+        }
+        fn cast<T: Pod>(b: &[u8]) -> Option<Blocks<T>> {
+            let s: &[T] = bytemuck::try_cast_slice(b).ok()?;
+            Some(Blocks::Borrowed { ptr: s.as_ptr(), len: s.len() })
+        }
+        let data = match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
+            _ => Packed::Q8(cast(bytes)?),
+        };
+        Some(Self { rows, cols, data })
     }
 
     /// Repacks a row-major weight of a supported type; `None` for other types.
@@ -95,7 +164,7 @@ impl PackedWeight {
                         }
                     }
                 }
-                Packed::Q4(out)
+                Packed::Q4(Blocks::Owned(out))
             }
             GgmlType::Q8_0 => {
                 let mut out = vec![BlockQ8x8::zeroed(); groups * nb];
@@ -110,7 +179,7 @@ impl PackedWeight {
                         }
                     }
                 }
-                Packed::Q8(out)
+                Packed::Q8(Blocks::Owned(out))
             }
             _ => return None,
         };

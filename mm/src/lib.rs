@@ -14,6 +14,7 @@ mod planner;
 mod profile;
 pub mod ring;
 pub mod store;
+pub mod weights;
 
 pub use context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};

@@ -11,3 +11,4 @@ pub mod replay;
 pub mod service;
 pub mod switchbench;
 pub mod trace;
+pub mod weights;

@@ -572,9 +572,9 @@ thread_local! {
 
 /// Fills a slot that the caller has put in `Loading`: from the source (or `given` bytes),
 /// installed whole in one ioctl; on failure the slot is poisoned. Wakes every waiter.
-fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
+fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize, usize)>) -> Result<()> {
     let result = match given {
-        Some((staging, len)) => install(p, r, slot, staging, len, p.caps.r#move),
+        Some((staging, offset, len)) => install(p, r, slot, staging, offset, len, p.caps.r#move),
         None => STAGING.with(|cell| {
             let mut cell = cell.borrow_mut();
             if cell.as_ref().is_none_or(|s| s.len() < r.slot_size) {
@@ -592,7 +592,7 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
                     // COPY, not MOVE: moving would take the pages out of this reused buffer, and
                     // getting them back (even with one MADV_POPULATE_WRITE) costs more than
                     // the copy saves (measured: `llms bench-uffd`).
-                    install(p, r, slot, staging, n, false)
+                    install(p, r, slot, staging, 0, n, false)
                 }
                 Ok(Ok(n)) => Err(UffdError::TooLong { region: r.id, slot, len: n, slot_size: r.slot_size }),
                 Ok(Err(e)) => Err(UffdError::Source { region: r.id, slot, reason: e.to_string() }),
@@ -630,25 +630,33 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
     outcome
 }
 
-/// Installs `len` bytes (rounded up to pages) of `staging` into the slot: UFFDIO_MOVE when
+/// Installs `len` bytes (rounded up to pages) of `staging` from `offset` into the slot: UFFDIO_MOVE when
 /// asked (no copy; the staging pages move out of the buffer), else UFFDIO_COPY. Returns the
 /// page count.
 /// Nobody is woken here (DONTWAKE): the caller first records the slot as resident, then
 /// wakes the waiters, so a woken thread never sees a half-installed slot, and never writes a
 /// moved page before it is write-protected (that write would escape dirty tracking).
-fn install(p: &PagerInner, r: &RegionInner, slot: usize, staging: &mut Staging, len: usize, use_move: bool) -> Result<usize> {
+fn install(
+    p: &PagerInner,
+    r: &RegionInner,
+    slot: usize,
+    staging: &mut Staging,
+    offset: usize,
+    len: usize,
+    use_move: bool,
+) -> Result<usize> {
     let pages = len.div_ceil(PAGE);
     if pages == 0 {
         return Ok(0);
     }
     let dst = r.slot_addr(slot);
-    let src = staging.ptr.as_ptr() as u64;
+    let src = staging.ptr.as_ptr() as u64 + offset as u64;
     let bytes = (pages * PAGE) as u64;
     let fd = p.uffd.as_raw_fd();
     if use_move {
         // MOVE needs the source pages present and exclusively ours: touch them (they are, the
         // source just wrote them; pages it did not write are zero-filled now).
-        let buf = &mut staging.as_mut_slice()[..pages * PAGE];
+        let buf = &mut staging.as_mut_slice()[offset..offset + pages * PAGE];
         for pg in buf.chunks_mut(PAGE) {
             // SAFETY: a volatile read-modify-write of our own buffer forces the page in.
             unsafe { std::ptr::write_volatile(pg.as_mut_ptr(), std::ptr::read_volatile(pg.as_ptr())) };
@@ -774,13 +782,20 @@ impl Region {
     /// ahead of time); the staging pages are moved, not copied, where the kernel allows.
     /// Returns Ok without using the bytes if the slot is already resident.
     pub fn populate_from(&self, slot: usize, staging: &mut Staging, len: usize) -> Result<()> {
-        if len > self.inner.slot_size || len > staging.len() {
-            return Err(UffdError::TooLong { region: self.inner.id, slot, len, slot_size: self.inner.slot_size });
-        }
-        self.populate_inner(slot, Some((staging, len)))
+        self.populate_from_at(slot, staging, 0, len)
     }
 
-    fn populate_inner(&self, slot: usize, given: Option<(&mut Staging, usize)>) -> Result<()> {
+    /// As [`Region::populate_from`], with the slot's bytes at page-aligned `offset` of the
+    /// staging buffer (one large read staged for many slots).
+    pub fn populate_from_at(&self, slot: usize, staging: &mut Staging, offset: usize, len: usize) -> Result<()> {
+        let fits = offset.is_multiple_of(PAGE) && offset.checked_add(len).is_some_and(|end| end <= staging.len());
+        if len > self.inner.slot_size || !fits {
+            return Err(UffdError::TooLong { region: self.inner.id, slot, len, slot_size: self.inner.slot_size });
+        }
+        self.populate_inner(slot, Some((staging, offset, len)))
+    }
+
+    fn populate_inner(&self, slot: usize, given: Option<(&mut Staging, usize, usize)>) -> Result<()> {
         self.inner.check(slot)?;
         let r = &self.inner;
         let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());

@@ -29,7 +29,32 @@ struct ModelArgs {
     /// Worker threads [default: number of cores]
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Where the weights live: `resident` (packed in memory) or `paged` (served from a weight
+    /// image on flash under --weights-budget; docs/weights.md) [default: resident, paged when
+    /// --weights-budget is given]
+    #[arg(long, global = true, value_enum)]
+    weights: Option<WeightsMode>,
+    /// Weight budget with paged weights: bytes (48M) or a share of the weight bytes (50%)
+    /// [default: 100%]
+    #[arg(long, global = true)]
+    weights_budget: Option<tools::weights::Budget>,
+    /// The weight image [default: next to the model, MODEL.llms-weights; built when missing
+    /// or stale]
+    #[arg(long, global = true)]
+    weights_image: Option<PathBuf>,
+    /// Paged weights without read-ahead: every miss is a fault.
+    #[arg(long, global = true)]
+    no_preload: bool,
 }
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightsMode {
+    Resident,
+    Paged,
+}
+
+/// The paged weights of the model `load` loaded, if any (for their statistics).
+static PAGED: std::sync::OnceLock<Arc<tools::weights::PagedWeights>> = std::sync::OnceLock::new();
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
@@ -878,12 +903,46 @@ fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     if !path.exists() {
         bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
     }
-    let model = Model::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 || threads > 256 {
         bail!("--threads must be between 1 and 256");
     }
-    Ok((Arc::new(model), Arc::new(ThreadPool::new(threads))))
+    let paged = m.weights == Some(WeightsMode::Paged) || (m.weights.is_none() && m.weights_budget.is_some());
+    if !paged && (m.weights_budget.is_some() || m.weights_image.is_some() || m.no_preload) {
+        bail!("--weights-budget, --weights-image and --no-preload go with --weights paged");
+    }
+    let model = if paged {
+        let opts = tools::weights::PagedOptions {
+            budget: m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0)),
+            image: m.weights_image.clone(),
+            preload: !m.no_preload,
+        };
+        let (model, pw) = tools::weights::load_paged(&path, &opts)?;
+        let _ = PAGED.set(pw);
+        model
+    } else {
+        Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?)
+    };
+    Ok((model, Arc::new(ThreadPool::new(threads))))
+}
+
+/// One line about the paged weights (budget, residency, reads, hit rate), if weights are paged.
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+fn weights_line(tokens: usize) -> Option<String> {
+    let pw = PAGED.get()?;
+    let s = pw.stats();
+    Some(format!(
+        "weights: paged, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots",
+        mib(s.budget as usize),
+        mib(pw.weight_bytes),
+        100.0 * s.budget as f64 / pw.weight_bytes as f64,
+        mib(s.resident_bytes as usize),
+        mib(s.hot_bytes as usize),
+        mib(s.bytes_read as usize) / tokens.max(1) as f64,
+        100.0 * s.hit_rate(),
+        s.fault_slots,
+        s.preload_slots,
+    ))
 }
 
 fn read_text(p: &Path) -> Result<String> {
@@ -949,6 +1008,9 @@ fn run(cli: Cli) -> Result<()> {
             }
             if stats {
                 eprintln!("{}", r.speed_line());
+                if let Some(l) = weights_line(ids.len() + r.tokens.len()) {
+                    eprintln!("{l}");
+                }
                 eprintln!(
                     "memory: model file {:.1} MiB, KV cache {:.1} MiB, resident now {} (peak {})",
                     mib(model.file_bytes()),

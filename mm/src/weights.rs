@@ -1,0 +1,787 @@
+//! Flash-resident weights: a weight image on flash, served into a userfaultfd region under a
+//! byte budget, with read-ahead of the groups the reader is about to need.
+//!
+//! mm does not know what the image holds: it is a sequence of **groups** (byte ranges starting
+//! on slot boundaries) that a reader walks in a fixed **cycle** each pass (for a model: its
+//! layers, then its output head), plus groups read only where touched (the embedding rows).
+//! The policy follows ActiveFlow's hot cache for a reader that touches everything it reads:
+//! within the budget, a fixed **hot** set stays resident (every pass reads all of it, so the
+//! bytes kept are the bytes not re-read); the rest streams through a **window**: when the reader
+//! announces group `g` ([`WeightPager::advise`]), a preload thread reads the groups from `g` on
+//! with large O_DIRECT io_uring reads, dropping the oldest streamed slots to stay within the
+//! window. A slot the reader touches before it is loaded is filled on the fault path, so a
+//! misprediction is slow, never wrong.
+//!
+//! The image file: the groups' bytes from offset 0 (each slot's CRC-32C recorded), then a
+//! trailer naming the source it was built from (length and CRC-32C of the model file), the
+//! slot size and the group table. Every slot read from flash is checked against its CRC: a
+//! modified or truncated image poisons the slot (readers get a SIGBUS naming it) rather than
+//! handing out wrong weights, and a stale or damaged image is refused at open.
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)] // sizes are checked against limits far below 2^32 slots
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, Staging, UffdError};
+
+use crate::ring::{Op, Ring};
+
+const MAGIC: &[u8; 8] = b"LLMSWIM1";
+const VERSION: u32 = 1;
+/// Trailer sanity limits, checked before anything is allocated.
+const MAX_GROUPS: usize = 1 << 16;
+const MAX_SLOTS: usize = 1 << 24;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("weight image {path}: {what}")]
+    Format { path: PathBuf, what: String },
+    #[error("weight image {path} was built from another model file ({what}); rebuild it")]
+    Stale { path: PathBuf, what: String },
+    #[error("weight budget: {0}")]
+    Budget(String),
+    #[error(transparent)]
+    Uffd(#[from] UffdError),
+}
+
+pub type Result<T> = std::result::Result<T, WeightError>;
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightError + '_ {
+    move |source| WeightError::Io { path: path.to_path_buf(), source }
+}
+
+/// Identity of the model file an image was built from: its length and CRC-32C.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    pub len: u64,
+    pub crc: u32,
+}
+
+impl Fingerprint {
+    /// Reads the whole file once (then asks the kernel to drop it from the page cache: the
+    /// point of paging weights is not to hold them twice).
+    pub fn of(path: &Path) -> Result<Self> {
+        let mut f = File::open(path).map_err(io_err(path))?;
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut crc, mut len) = (0u32, 0u64);
+        loop {
+            let n = f.read(&mut buf).map_err(io_err(path))?;
+            if n == 0 {
+                break;
+            }
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            len += n as u64;
+        }
+        drop_cache(&f);
+        Ok(Self { len, crc })
+    }
+}
+
+fn drop_cache(f: &File) {
+    // SAFETY: advisory call on our own open file.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
+/// A group of the image: `len` bytes at `offset` (a multiple of the slot size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSpan {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// What an image's trailer says.
+#[derive(Debug, Clone)]
+pub struct ImageInfo {
+    pub source: Fingerprint,
+    pub slot_size: usize,
+    pub groups: Vec<GroupSpan>,
+    /// Bytes of group data (a multiple of the slot size).
+    pub data_len: usize,
+    pub slot_crc: Vec<u32>,
+}
+
+impl ImageInfo {
+    pub fn n_slots(&self) -> usize {
+        self.slot_crc.len()
+    }
+    fn slots_of(&self, g: usize) -> std::ops::Range<usize> {
+        let s = self.groups[g];
+        let (a, b) = (s.offset as usize, (s.offset + s.len) as usize);
+        a / self.slot_size..b.div_ceil(self.slot_size)
+    }
+
+    /// Reads and checks the trailer of the image at `path`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let bad = |what: String| WeightError::Format { path: path.to_path_buf(), what };
+        let f = File::open(path).map_err(io_err(path))?;
+        let file_len = f.metadata().map_err(io_err(path))?.len();
+        if file_len < 16 {
+            return Err(bad(format!("{file_len} bytes: too short for a trailer")));
+        }
+        let mut tail = [0u8; 16];
+        f.read_exact_at(&mut tail, file_len - 16).map_err(io_err(path))?;
+        if &tail[8..] != MAGIC {
+            return Err(bad("no trailer magic at the end (truncated, or not an image)".into()));
+        }
+        let tlen = u64::from_le_bytes(tail[..8].try_into().expect("8 bytes"));
+        if tlen < 44 || tlen > file_len - 16 || tlen > (MAX_SLOTS * 4 + MAX_GROUPS * 16 + 64) as u64 {
+            return Err(bad(format!("trailer length {tlen} does not fit the file ({file_len} bytes)")));
+        }
+        let mut t = vec![0u8; tlen as usize];
+        let start = file_len - 16 - tlen;
+        f.read_exact_at(&mut t, start).map_err(io_err(path))?;
+        let (body, crc) = t.split_at(t.len() - 4);
+        if crc32c::crc32c(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+            return Err(bad("trailer checksum mismatch (damaged)".into()));
+        }
+        let mut r = body;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            if r.len() < n {
+                return Err(bad("trailer is short".into()));
+            }
+            let (a, b) = r.split_at(n);
+            r = b;
+            Ok(a)
+        };
+        let u32_ = |b: &[u8]| u32::from_le_bytes(b.try_into().expect("4 bytes"));
+        let u64_ = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let version = u32_(take(4)?);
+        if version != VERSION {
+            return Err(bad(format!("version {version}, this build reads {VERSION}")));
+        }
+        let slot_size = u32_(take(4)?) as usize;
+        let source = Fingerprint { len: u64_(take(8)?), crc: u32_(take(4)?) };
+        let data_len = u64_(take(8)?);
+        let n_groups = u32_(take(4)?) as usize;
+        let n_slots = u32_(take(4)?) as usize;
+        if slot_size == 0 || !slot_size.is_multiple_of(uffd_handler::PAGE) || slot_size > 1 << 26 {
+            return Err(bad(format!("slot size {slot_size} is not a page multiple up to 64 MiB")));
+        }
+        if n_groups > MAX_GROUPS || n_slots > MAX_SLOTS || data_len != (n_slots * slot_size) as u64 || data_len != start {
+            return Err(bad(format!("{n_slots} slots of {slot_size} bytes, {data_len} data bytes, trailer at {start}: inconsistent")));
+        }
+        let mut groups = Vec::with_capacity(n_groups);
+        for _ in 0..n_groups {
+            let g = GroupSpan { offset: u64_(take(8)?), len: u64_(take(8)?) };
+            if !g.offset.is_multiple_of(slot_size as u64) || g.offset.checked_add(g.len).is_none_or(|e| e > data_len) {
+                return Err(bad(format!("group {g:?} is not slot-aligned inside the data")));
+            }
+            groups.push(g);
+        }
+        let slot_crc = (0..n_slots).map(|_| take(4).map(u32_)).collect::<Result<Vec<u32>>>()?;
+        Ok(Self { source, slot_size, groups, data_len: data_len as usize, slot_crc })
+    }
+}
+
+/// Writes an image: groups in increasing offset order, then [`ImageWriter::finish`]. The file
+/// appears under its name only when complete (written to a temporary name, synced, renamed).
+#[derive(Debug)]
+pub struct ImageWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    out: std::io::BufWriter<File>,
+    slot_size: usize,
+    source: Fingerprint,
+    groups: Vec<GroupSpan>,
+    pos: usize,
+    crc: u32,
+    slot_crc: Vec<u32>,
+}
+
+impl ImageWriter {
+    pub fn create(path: &Path, slot_size: usize, source: Fingerprint) -> Result<Self> {
+        if slot_size == 0 || !slot_size.is_multiple_of(uffd_handler::PAGE) {
+            return Err(WeightError::Budget(format!("slot size {slot_size} is not a page multiple")));
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let f = File::create(&tmp).map_err(io_err(&tmp))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tmp,
+            out: std::io::BufWriter::with_capacity(1 << 20, f),
+            slot_size,
+            source,
+            groups: Vec::new(),
+            pos: 0,
+            crc: 0,
+            slot_crc: Vec::new(),
+        })
+    }
+
+    fn put(&mut self, mut b: &[u8]) -> Result<()> {
+        while !b.is_empty() {
+            let room = self.slot_size - self.pos % self.slot_size;
+            let (now, rest) = b.split_at(room.min(b.len()));
+            self.out.write_all(now).map_err(io_err(&self.tmp))?;
+            self.crc = crc32c::crc32c_append(self.crc, now);
+            self.pos += now.len();
+            if self.pos.is_multiple_of(self.slot_size) {
+                self.slot_crc.push(std::mem::take(&mut self.crc));
+            }
+            b = rest;
+        }
+        Ok(())
+    }
+
+    fn pad_to(&mut self, at: usize) -> Result<()> {
+        let zeros = [0u8; 4096];
+        while self.pos < at {
+            let n = (at - self.pos).min(zeros.len());
+            self.put(&zeros[..n])?;
+        }
+        Ok(())
+    }
+
+    /// Appends a group at `offset` (slot-aligned, not before the end of the previous one).
+    pub fn group(&mut self, offset: usize, bytes: &[u8]) -> Result<()> {
+        if !offset.is_multiple_of(self.slot_size) || offset < self.pos {
+            return Err(WeightError::Format { path: self.path.clone(), what: format!("group at {offset} is out of order or unaligned") });
+        }
+        self.pad_to(offset)?;
+        self.groups.push(GroupSpan { offset: offset as u64, len: bytes.len() as u64 });
+        self.put(bytes)
+    }
+
+    pub fn finish(mut self) -> Result<ImageInfo> {
+        let end = self.pos.next_multiple_of(self.slot_size);
+        self.pad_to(end)?;
+        let mut t = Vec::new();
+        t.extend_from_slice(&VERSION.to_le_bytes());
+        t.extend_from_slice(&(self.slot_size as u32).to_le_bytes());
+        t.extend_from_slice(&self.source.len.to_le_bytes());
+        t.extend_from_slice(&self.source.crc.to_le_bytes());
+        t.extend_from_slice(&(self.pos as u64).to_le_bytes());
+        t.extend_from_slice(&(self.groups.len() as u32).to_le_bytes());
+        t.extend_from_slice(&(self.slot_crc.len() as u32).to_le_bytes());
+        for g in &self.groups {
+            t.extend_from_slice(&g.offset.to_le_bytes());
+            t.extend_from_slice(&g.len.to_le_bytes());
+        }
+        for c in &self.slot_crc {
+            t.extend_from_slice(&c.to_le_bytes());
+        }
+        t.extend_from_slice(&crc32c::crc32c(&t).to_le_bytes());
+        t.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        t.extend_from_slice(MAGIC);
+        self.out.write_all(&t).map_err(io_err(&self.tmp))?;
+        self.out.flush().map_err(io_err(&self.tmp))?;
+        let f = self.out.get_ref();
+        f.sync_all().map_err(io_err(&self.tmp))?;
+        drop_cache(f);
+        std::fs::rename(&self.tmp, &self.path).map_err(io_err(&self.path))?;
+        if let Some(dir) = self.path.parent() {
+            let _ = File::open(dir).and_then(|d| d.sync_all());
+        }
+        Ok(ImageInfo {
+            source: self.source,
+            slot_size: self.slot_size,
+            groups: std::mem::take(&mut self.groups),
+            data_len: self.pos,
+            slot_crc: std::mem::take(&mut self.slot_crc),
+        })
+    }
+}
+
+impl Drop for ImageWriter {
+    fn drop(&mut self) {
+        // A writer dropped before `finish` (an error) leaves no partial file behind.
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
+
+/// Counters of a weight pager.
+#[derive(Debug, Default)]
+struct Counters {
+    fault_slots: AtomicU64,
+    preload_slots: AtomicU64,
+    bytes_read: AtomicU64,
+    evicted_slots: AtomicU64,
+    crc_failures: AtomicU64,
+    advised_slots: AtomicU64,
+    advised_resident: AtomicU64,
+}
+
+/// A snapshot of a weight pager's counters.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct WeightStats {
+    /// Slots filled on the fault path (touched before any preload brought them).
+    pub fault_slots: u64,
+    /// Slots brought in by preloading.
+    pub preload_slots: u64,
+    /// Bytes read from the image, both paths.
+    pub bytes_read: u64,
+    pub evicted_slots: u64,
+    pub crc_failures: u64,
+    /// Slots of announced groups, and how many were already resident when announced.
+    pub advised_slots: u64,
+    pub advised_resident: u64,
+    pub resident_bytes: u64,
+    pub hot_bytes: u64,
+    pub budget: u64,
+}
+
+impl WeightStats {
+    /// Share of the slots the reader announced that were resident when it got there.
+    pub fn hit_rate(&self) -> f64 {
+        if self.advised_slots == 0 {
+            1.0
+        } else {
+            self.advised_resident as f64 / self.advised_slots as f64
+        }
+    }
+}
+
+/// Reads slots from the image with O_DIRECT and checks their CRC (the fault path).
+struct ImageSource {
+    path: PathBuf,
+    file: File,
+    info: Arc<ImageInfo>,
+    counters: Arc<Counters>,
+    /// Slots filled by faults since the policy last looked (it must account them).
+    faulted: Mutex<Vec<usize>>,
+}
+
+impl SlotSource for ImageSource {
+    fn fill(&self, _region: RegionId, slot: usize, buf: &mut [u8]) -> std::result::Result<usize, SourceError> {
+        let ss = self.info.slot_size;
+        let off = (slot * ss) as u64;
+        let mut done = 0;
+        while done < ss {
+            match self.file.read_at(&mut buf[done..ss], off + done as u64) {
+                Ok(0) => return Err(format!("{}: slot {slot}: image truncated at byte {}", self.path.display(), off + done as u64).into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("{}: slot {slot}: {e}", self.path.display()).into()),
+            }
+        }
+        self.counters.bytes_read.fetch_add(ss as u64, Ordering::Relaxed);
+        if crc32c::crc32c(&buf[..ss]) != self.info.slot_crc[slot] {
+            self.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(format!("{}: slot {slot}: checksum mismatch (the image was modified)", self.path.display()).into());
+        }
+        self.counters.fault_slots.fetch_add(1, Ordering::Relaxed);
+        self.faulted.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        Ok(ss)
+    }
+}
+
+/// How to page an image.
+#[derive(Debug, Clone)]
+pub struct WeightOptions {
+    /// Resident bytes allowed (hot set + streaming window).
+    pub budget: usize,
+    /// Groups the reader walks, in order, every pass; groups not listed are read only where
+    /// touched (fault path).
+    pub cycle: Vec<usize>,
+    /// Read ahead of the reader (else every miss is a fault).
+    pub preload: bool,
+}
+
+struct Policy {
+    budget: usize,
+    window: usize,
+    hot: Vec<bool>,
+    hot_bytes: usize,
+    /// Non-hot resident slots, oldest first.
+    streamed: VecDeque<usize>,
+}
+
+struct Shared {
+    region: Region,
+    src: Arc<ImageSource>,
+    info: Arc<ImageInfo>,
+    cycle: Vec<usize>,
+    /// Position of each group in the cycle.
+    pos_in_cycle: Vec<Option<usize>>,
+    policy: Mutex<Policy>,
+    counters: Arc<Counters>,
+    preload: bool,
+    /// Sequence number of the last announcement whose own group the preloader has dealt with.
+    served: Mutex<u64>,
+    served_cv: Condvar,
+}
+
+/// A weight image served from flash into a userfaultfd region under a budget.
+pub struct WeightPager {
+    shared: Arc<Shared>,
+    tx: Mutex<Option<Sender<(u64, usize)>>>,
+    seq: AtomicU64,
+    thread: Option<JoinHandle<()>>,
+    _pager: Pager,
+}
+
+impl std::fmt::Debug for WeightPager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightPager").field("path", &self.shared.src.path).field("stats", &self.stats()).finish()
+    }
+}
+
+impl WeightPager {
+    /// Opens the image at `path`, built from the model file with fingerprint `source`, and
+    /// maps it into a fresh userfaultfd region (nothing resident yet).
+    pub fn open(path: &Path, source: Fingerprint, opts: WeightOptions) -> Result<Self> {
+        let info = Arc::new(ImageInfo::read(path)?);
+        if info.source != source {
+            return Err(WeightError::Stale {
+                path: path.to_path_buf(),
+                what: format!(
+                    "image from {} bytes crc {:08x}, model file is {} bytes crc {:08x}",
+                    info.source.len, info.source.crc, source.len, source.crc
+                ),
+            });
+        }
+        if let Some(&g) = opts.cycle.iter().find(|&&g| g >= info.groups.len()) {
+            return Err(WeightError::Budget(format!("cycle names group {g}, the image has {}", info.groups.len())));
+        }
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(io_err(path))?;
+        let counters = Arc::new(Counters::default());
+        let src = Arc::new(ImageSource {
+            path: path.to_path_buf(),
+            file,
+            info: Arc::clone(&info),
+            counters: Arc::clone(&counters),
+            faulted: Mutex::new(Vec::new()),
+        });
+        let pager = Pager::new()?;
+        let region = pager.region_with(info.slot_size, info.n_slots().max(1), Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
+        let mut pos_in_cycle = vec![None; info.groups.len()];
+        for (i, &g) in opts.cycle.iter().enumerate() {
+            pos_in_cycle[g] = Some(i);
+        }
+        let policy = Policy { budget: 0, window: 0, hot: vec![false; info.n_slots()], hot_bytes: 0, streamed: VecDeque::new() };
+        let shared = Arc::new(Shared {
+            region,
+            src,
+            info,
+            cycle: opts.cycle,
+            pos_in_cycle,
+            policy: Mutex::new(policy),
+            counters,
+            preload: opts.preload,
+            served: Mutex::new(0),
+            served_cv: Condvar::new(),
+        });
+        shared.set_budget(opts.budget)?;
+        let (tx, rx) = channel();
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("llms-weights".into())
+            .spawn(move || preloader(&s, &rx))
+            .map_err(|e| WeightError::Io { path: path.to_path_buf(), source: e })?;
+        Ok(Self { shared, tx: Mutex::new(Some(tx)), seq: AtomicU64::new(0), thread: Some(thread), _pager: pager })
+    }
+
+    /// The image's bytes as the reader sees them (paged on access).
+    pub fn bytes(&self) -> &[u8] {
+        let len = self.shared.info.data_len;
+        // SAFETY: the region maps at least `data_len` bytes for as long as `self` lives; its
+        // contents are read-only image bytes served by the pager (or SIGBUS if unreadable).
+        unsafe { std::slice::from_raw_parts(self.shared.region.slot_ptr(0), len) }
+    }
+
+    pub fn info(&self) -> &ImageInfo {
+        &self.shared.info
+    }
+
+    /// The reader is about to read group `g`: counts what is already resident, lets the
+    /// preload thread read ahead from there and, with preloading, waits until `g` itself is in
+    /// (one large read beats the reader faulting its slots in one by one; the groups after it
+    /// keep loading while the reader computes).
+    pub fn advise(&self, g: usize) {
+        let Some(span) = self.shared.info.groups.get(g) else { return };
+        if span.len == 0 {
+            return;
+        }
+        let slots = self.shared.info.slots_of(g);
+        let resident = slots.clone().filter(|&s| self.shared.is_resident(s)).count();
+        self.shared.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
+        self.shared.counters.advised_resident.fetch_add(resident as u64, Ordering::Relaxed);
+        // Nothing to load or to account: this group and the next are in and no fault added a
+        // slot. (The common case when the cycle fits: keep the preload thread asleep, it would
+        // take a core from the reader.)
+        let sh = &self.shared;
+        if resident == slots.len() {
+            let next = sh.pos_in_cycle[g].map(|i| sh.cycle[(i + 1) % sh.cycle.len()]);
+            let next_in = next.is_none_or(|n| sh.info.slots_of(n).all(|x| sh.is_resident(x)));
+            if next_in && sh.src.faulted.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+                return;
+            }
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|tx| tx.send((seq, g)).is_ok());
+        if !sent || !self.shared.preload || resident == slots.len() || self.shared.pos_in_cycle[g].is_none() {
+            return;
+        }
+        let mut served = self.shared.served.lock().unwrap_or_else(|e| e.into_inner());
+        while *served < seq {
+            let (s, timeout) =
+                self.shared.served_cv.wait_timeout(served, std::time::Duration::from_millis(200)).unwrap_or_else(|e| e.into_inner());
+            served = s;
+            // A preloader that died (it never should) must not hang the reader: faults serve.
+            if timeout.timed_out() && self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+                return;
+            }
+        }
+    }
+
+    /// Changes the budget (pressure): the hot set is re-chosen and the excess dropped now.
+    pub fn set_budget(&self, budget: usize) -> Result<()> {
+        self.shared.set_budget(budget)
+    }
+
+    pub fn resident_bytes(&self) -> usize {
+        self.shared.region.resident_bytes()
+    }
+
+    pub fn stats(&self) -> WeightStats {
+        let c = &self.shared.counters;
+        let p = self.shared.policy.lock().unwrap_or_else(|e| e.into_inner());
+        WeightStats {
+            fault_slots: c.fault_slots.load(Ordering::Relaxed),
+            preload_slots: c.preload_slots.load(Ordering::Relaxed),
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            evicted_slots: c.evicted_slots.load(Ordering::Relaxed),
+            crc_failures: c.crc_failures.load(Ordering::Relaxed),
+            advised_slots: c.advised_slots.load(Ordering::Relaxed),
+            advised_resident: c.advised_resident.load(Ordering::Relaxed),
+            resident_bytes: self.shared.region.resident_bytes() as u64,
+            hot_bytes: p.hot_bytes as u64,
+            budget: p.budget as u64,
+        }
+    }
+}
+
+impl Drop for WeightPager {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn group_bytes(&self, g: usize) -> usize {
+        self.info.slots_of(g).len() * self.info.slot_size
+    }
+
+    /// Hot set and window for `budget`. When the whole cycle fits (with room for a few slots
+    /// of the touched-only groups), all of it is hot. Otherwise the window holds the two
+    /// largest consecutive cycle groups (the one being read and the one being loaded) plus a
+    /// few slots, and the rest of the budget is the hot set, taken from the start of the cycle.
+    fn set_budget(&self, budget: usize) -> Result<()> {
+        let ss = self.info.slot_size;
+        if budget < ss {
+            return Err(WeightError::Budget(format!("{budget} bytes cannot hold one {ss}-byte slot")));
+        }
+        let n = self.cycle.len();
+        let cycle_bytes: usize = self.cycle.iter().map(|&g| self.group_bytes(g)).sum();
+        let spare = 4 * ss;
+        let window = if cycle_bytes <= budget {
+            // Touched-only slots (embedding rows) live in what is left, possibly nothing: then
+            // each is dropped at the next announcement (one slot over budget at most).
+            budget - cycle_bytes
+        } else {
+            let pair = (0..n).map(|i| self.group_bytes(self.cycle[i]) + self.group_bytes(self.cycle[(i + 1) % n])).max().unwrap_or(0);
+            (pair + spare).min(budget)
+        };
+        let mut p = self.policy.lock().unwrap_or_else(|e| e.into_inner());
+        p.budget = budget;
+        p.window = window;
+        p.hot.iter_mut().for_each(|h| *h = false);
+        let mut left = budget - window;
+        'pick: for &g in &self.cycle {
+            for s in self.info.slots_of(g) {
+                if left < ss {
+                    break 'pick;
+                }
+                p.hot[s] = true;
+                left -= ss;
+            }
+        }
+        p.hot_bytes = budget - window - left;
+        // Slots that were resident and are no longer hot become streamed (oldest first).
+        let was_hot: Vec<usize> =
+            (0..self.info.n_slots()).filter(|&s| !p.hot[s] && !p.streamed.contains(&s) && self.is_resident(s)).collect();
+        for s in was_hot.into_iter().rev() {
+            p.streamed.push_front(s);
+        }
+        let Policy { hot, streamed, .. } = &mut *p;
+        streamed.retain(|&s| !hot[s]);
+        self.shrink(&mut p, 0, &[]);
+        Ok(())
+    }
+
+    fn is_resident(&self, s: usize) -> bool {
+        self.region.state(s).is_ok_and(|st| st == SlotState::Resident)
+    }
+
+    /// Takes in the slots faults filled, then drops the oldest streamed slots (not in `keep`)
+    /// until `incoming` more bytes fit the window.
+    fn shrink(&self, p: &mut Policy, incoming: usize, keep: &[std::ops::Range<usize>]) {
+        let faulted = std::mem::take(&mut *self.src.faulted.lock().unwrap_or_else(|e| e.into_inner()));
+        for s in faulted {
+            if !p.hot[s] {
+                p.streamed.push_back(s);
+            }
+        }
+        let ss = self.info.slot_size;
+        let mut skipped = VecDeque::new();
+        while (p.streamed.len() + skipped.len()) * ss + incoming > p.window {
+            let Some(s) = p.streamed.pop_front() else { break };
+            if keep.iter().any(|r| r.contains(&s)) {
+                skipped.push_back(s);
+                continue;
+            }
+            // An error means a fault is filling it right now: the fault path reports it.
+            if self.region.evict(s).is_ok() {
+                self.counters.evicted_slots.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        while let Some(s) = skipped.pop_back() {
+            p.streamed.push_front(s);
+        }
+    }
+}
+
+/// The preload thread: for each announced group, makes the window's worth of groups from it
+/// on resident, in cycle order, with one O_DIRECT read per run of missing slots.
+fn preloader(s: &Shared, rx: &Receiver<(u64, usize)>) {
+    let ss = s.info.slot_size;
+    let max_group = s.cycle.iter().map(|&g| s.group_bytes(g)).max().unwrap_or(ss).max(ss);
+    let Ok(mut staging) = Staging::new(max_group) else { return };
+    let Ok(mut ring) = Ring::new(64) else { return };
+    let latest = |mut g: (u64, usize)| {
+        while let Ok(next) = rx.try_recv() {
+            g = next;
+        }
+        g
+    };
+    let mut next = None;
+    loop {
+        // Only the latest announcement matters.
+        let (seq, g) = match next.take() {
+            Some(m) => latest(m),
+            None => match rx.recv() {
+                Ok(m) => latest(m),
+                Err(_) => return,
+            },
+        };
+        let serve = |s: &Shared| {
+            let mut served = s.served.lock().unwrap_or_else(|e| e.into_inner());
+            *served = (*served).max(seq);
+            s.served_cv.notify_all();
+        };
+        let Some(at) = s.pos_in_cycle.get(g).copied().flatten() else {
+            // Not a cycle group: just keep the window.
+            let mut p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
+            s.shrink(&mut p, 0, &[]);
+            drop(p);
+            serve(s);
+            continue;
+        };
+        // The groups to have resident: from `g` on while their streamed bytes fit the window.
+        let mut targets = Vec::new();
+        {
+            let p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
+            let mut bytes = 0;
+            for i in 0..s.cycle.len() {
+                let tg = s.cycle[(at + i) % s.cycle.len()];
+                let need: usize = s.info.slots_of(tg).filter(|&x| !p.hot[x]).count() * ss;
+                if i > 0 && bytes + need > p.window {
+                    break;
+                }
+                bytes += need;
+                targets.push(tg);
+                if !s.preload {
+                    break;
+                }
+            }
+        }
+        let keep: Vec<std::ops::Range<usize>> = targets.iter().map(|&t| s.info.slots_of(t)).collect();
+        for (i, &tg) in targets.iter().enumerate() {
+            let missing: Vec<usize> = s.info.slots_of(tg).filter(|&x| !s.is_resident(x)).collect();
+            {
+                let mut p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
+                let incoming = missing.iter().filter(|&&x| !p.hot[x]).count() * ss;
+                s.shrink(&mut p, incoming, &keep[..=i]);
+            }
+            if s.preload && !missing.is_empty() {
+                load_runs(s, &mut ring, &mut staging, &missing);
+            }
+            if i == 0 {
+                serve(s);
+            }
+            // A newer announcement: start over from there.
+            if let Ok(n) = rx.try_recv() {
+                next = Some(n);
+                break;
+            }
+        }
+    }
+}
+
+/// Reads runs of consecutive missing slots into `staging` (io_uring, O_DIRECT, one op per
+/// run), checks each slot's CRC and installs it; a slot that fails is left to the fault path
+/// (which poisons it with a message).
+fn load_runs(s: &Shared, ring: &mut Ring, staging: &mut Staging, slots: &[usize]) {
+    let ss = s.info.slot_size;
+    let base = slots[0];
+    let fd = s.src.file.as_raw_fd();
+    let mut ops = Vec::new();
+    let mut i = 0;
+    while i < slots.len() {
+        let mut j = i + 1;
+        while j < slots.len() && slots[j] == slots[j - 1] + 1 {
+            j += 1;
+        }
+        let off = (slots[i] - base) * ss;
+        let len = (j - i) * ss;
+        if off + len > staging.len() {
+            break;
+        }
+        // One op per MiB so the device sees several requests at once.
+        let buf = staging.as_mut_slice()[off..off + len].as_mut_ptr();
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(1 << 20);
+            // SAFETY: pointer inside the staging buffer, valid until the wait below.
+            ops.push(Op { fd, offset: (slots[i] * ss + done) as u64, buf: unsafe { buf.add(done) }, len: n as u32, write: false });
+            done += n;
+        }
+        i = j;
+    }
+    // SAFETY: the staging buffer outlives the wait and nothing else touches it meanwhile.
+    if unsafe { ring.submit(0, &ops) }.is_err() || ring.wait(0).is_err() {
+        return;
+    }
+    for &slot in slots {
+        let off = (slot - base) * ss;
+        if off + ss > staging.len() {
+            break;
+        }
+        s.counters.bytes_read.fetch_add(ss as u64, Ordering::Relaxed);
+        if crc32c::crc32c(&staging.as_mut_slice()[off..off + ss]) != s.info.slot_crc[slot] {
+            s.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        if s.region.populate_from_at(slot, staging, off, ss).is_ok() {
+            s.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
+            let mut p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
+            if !p.hot[slot] {
+                p.streamed.push_back(slot);
+            }
+        }
+    }
+}
