@@ -1,0 +1,248 @@
+//! Paged weights on the real model: any budget computes exactly what resident weights compute,
+//! the budget holds (smaps of the weight region), and a stale, truncated or modified image is
+//! an error or a poisoned slot, never wrong weights.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use engine::{Logits, Model, Session, ThreadPool};
+use llms_tests::{fixture, model_path, require_kernel};
+use mm::weights::{Fingerprint, ImageInfo, WeightError, WeightOptions, WeightPager};
+use tools::weights::{load_paged, Budget, PagedOptions, PagedWeights, SLOT};
+
+const PROMPT_TOKENS: usize = 40;
+const DECODE: usize = 12;
+
+fn uffd_ok() -> bool {
+    require_kernel("userfaultfd", uffd_handler::Pager::new()).is_some()
+}
+
+fn prompt(model: &Model) -> Vec<u32> {
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
+    model.tokenizer.encode(&text, true, false).unwrap()[..PROMPT_TOKENS].to_vec()
+}
+
+/// Logits of every prompt position, then of a greedy decode: everything the forward pass makes.
+fn run(model: &Arc<Model>) -> Vec<f32> {
+    let ids = prompt(model);
+    let mut s = Session::new(Arc::clone(model), Arc::new(ThreadPool::new(2)), 256);
+    let mut out = s.eval(&ids, Logits::All).unwrap().to_vec();
+    let mut tok = engine::sampler::argmax(&out[out.len() - model.config.vocab..]);
+    for _ in 0..DECODE {
+        let l = s.eval(&[tok], Logits::Last).unwrap();
+        tok = engine::sampler::argmax(l);
+        out.extend_from_slice(l);
+    }
+    out
+}
+
+fn resident_logits() -> &'static Vec<f32> {
+    static R: OnceLock<Vec<f32>> = OnceLock::new();
+    R.get_or_init(|| run(&Arc::new(Model::load(&model_path()).unwrap())))
+}
+
+/// One image for the tests of this file (built on first use).
+fn image_dir() -> &'static Path {
+    static D: OnceLock<tempfile::TempDir> = OnceLock::new();
+    D.get_or_init(|| tempfile::tempdir().unwrap()).path()
+}
+
+fn paged(budget: Budget, preload: bool) -> (Arc<Model>, Arc<PagedWeights>) {
+    let opts = PagedOptions { budget, image: Some(image_dir().join("w.img")), preload };
+    load_paged(&model_path(), &opts).unwrap()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn paged_weights_give_the_resident_logits_at_any_budget() {
+    if !uffd_ok() {
+        return;
+    }
+    let want = resident_logits();
+    for (budget, preload) in
+        [(Budget::Percent(100.0), true), (Budget::Percent(40.0), true), (Budget::Percent(15.0), true), (Budget::Percent(30.0), false)]
+    {
+        let (model, pw) = paged(budget, preload);
+        let got = run(&model);
+        let s = pw.stats();
+        assert!(same_bits(&got, want), "{budget:?} preload {preload}: logits differ from resident weights");
+        assert_eq!(s.crc_failures, 0);
+        if budget != Budget::Percent(100.0) {
+            // Below the model's size the weights really streamed: more read than the image.
+            assert!(s.bytes_read > pw.weight_bytes as u64, "{budget:?}: only {} bytes read", s.bytes_read);
+            assert!(s.evicted_slots > 0);
+        }
+        if preload {
+            assert!(s.preload_slots > 0, "{budget:?}: nothing preloaded");
+        } else {
+            assert_eq!(s.preload_slots, 0);
+            assert!(s.fault_slots > 0);
+        }
+    }
+}
+
+/// Rss of the mapping that starts at `addr`, from /proc/self/smaps.
+fn smaps_rss(addr: usize) -> usize {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut in_it = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((a, _)) = range.split_once('-') {
+                if a.chars().all(|c| c.is_ascii_hexdigit()) && !a.is_empty() {
+                    in_it = usize::from_str_radix(a, 16).unwrap() == addr;
+                    continue;
+                }
+            }
+        }
+        if in_it {
+            if let Some(kb) = line.strip_prefix("Rss:") {
+                return kb.trim().trim_end_matches("kB").trim().parse::<usize>().unwrap() * 1024;
+            }
+        }
+    }
+    panic!("no mapping at {addr:#x}");
+}
+
+#[test]
+fn resident_weight_bytes_stay_within_the_budget() {
+    if !uffd_ok() {
+        return;
+    }
+    let (model, pw) = paged(Budget::Percent(35.0), true);
+    let budget = usize::try_from(pw.stats().budget).unwrap();
+    let info = pw.pager.info();
+    // The largest group read in the cycle (layers, head parts; the last group is the
+    // embedding table, read row by row).
+    let largest =
+        info.groups[..info.groups.len() - 1].iter().map(|g| usize::try_from(g.len).unwrap().next_multiple_of(SLOT)).max().unwrap();
+    let addr = pw.pager.bytes().as_ptr() as usize;
+    // Sample the region's Rss from another thread while the model runs.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (peak, samples) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sampler = {
+        let (stop, peak, samples) = (Arc::clone(&stop), Arc::clone(&peak), Arc::clone(&samples));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(smaps_rss(addr), Ordering::Relaxed);
+                samples.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let got = run(&model);
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    assert!(same_bits(&got, resident_logits()));
+    let peak = peak.load(Ordering::Relaxed);
+    eprintln!(
+        "weight region Rss peak {peak} bytes over {} samples; budget {budget}, largest group {largest}",
+        samples.load(Ordering::Relaxed)
+    );
+    assert!(samples.load(Ordering::Relaxed) > 10);
+    assert!(peak > budget / 2, "the region was barely used: peak {peak} of budget {budget}");
+    assert!(peak <= budget + largest, "weight region Rss peaked at {peak} bytes: over the budget {budget} + one group {largest}");
+    assert!(pw.pager.resident_bytes() <= budget + largest);
+}
+
+fn copy_model(dir: &Path) -> PathBuf {
+    let p = dir.join("m.gguf");
+    std::fs::copy(model_path(), &p).unwrap();
+    p
+}
+
+fn opts(budget: usize) -> WeightOptions {
+    WeightOptions { budget, cycle: vec![0, 1, 2], preload: true }
+}
+
+#[test]
+fn stale_truncated_and_damaged_images_are_refused() {
+    if !uffd_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = copy_model(dir.path());
+    let img = dir.path().join("m.img");
+    let fp = Fingerprint::of(&gguf).unwrap();
+    tools::weights::build(&gguf, &img, fp).unwrap();
+    assert!(WeightPager::open(&img, fp, opts(1 << 24)).is_ok());
+
+    // The model file changes (one byte of the last tensor's data): the image is stale.
+    let mut bytes = std::fs::read(&gguf).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x40;
+    std::fs::write(&gguf, &bytes).unwrap();
+    let fp2 = Fingerprint::of(&gguf).unwrap();
+    assert!(matches!(WeightPager::open(&img, fp2, opts(1 << 24)), Err(WeightError::Stale { .. })));
+    // Loading through the tools rebuilds it, and computes with the file as it is now.
+    let po = PagedOptions { budget: Budget::Percent(50.0), image: Some(img.clone()), preload: true };
+    let (m, _pw) = load_paged(&gguf, &po).unwrap();
+    assert!(same_bits(&run(&m), &run(&Arc::new(Model::load(&gguf).unwrap()))));
+    drop(m);
+    let fp = fp2;
+
+    // Truncated: the trailer is gone.
+    let full = std::fs::read(&img).unwrap();
+    std::fs::write(&img, &full[..full.len() - 10]).unwrap();
+    let e = ImageInfo::read(&img).unwrap_err();
+    assert!(matches!(e, WeightError::Format { .. }), "{e}");
+    // Cut inside the data, trailer re-appended: lengths no longer agree.
+    let tlen = usize::try_from(u64::from_le_bytes(full[full.len() - 16..full.len() - 8].try_into().unwrap())).unwrap();
+    let info_len = full.len() - 16 - tlen; // where the trailer starts
+    let mut cut = full[..SLOT].to_vec();
+    cut.extend_from_slice(&full[info_len..]);
+    std::fs::write(&img, &cut).unwrap();
+    assert!(matches!(WeightPager::open(&img, fp, opts(1 << 24)), Err(WeightError::Format { .. })));
+    // A flipped trailer byte.
+    let mut bad = full.clone();
+    bad[info_len + 5] ^= 1;
+    std::fs::write(&img, &bad).unwrap();
+    assert!(matches!(WeightPager::open(&img, fp, opts(1 << 24)), Err(WeightError::Format { .. })));
+    // Not an image at all.
+    std::fs::write(&img, b"hello").unwrap();
+    assert!(matches!(ImageInfo::read(&img), Err(WeightError::Format { .. })));
+}
+
+/// Child of the test below: computes over an image whose first layer was modified on flash.
+#[test]
+#[ignore = "run by modified_image_data_poisons_the_slot_not_the_logits"]
+fn modified_image_child() {
+    let Ok(dir) = std::env::var("LLMS_WEIGHTS_CHILD") else { return };
+    let img = Path::new(&dir).join("m.img");
+    let po = PagedOptions { budget: Budget::Percent(100.0), image: Some(img), preload: std::env::var("LLMS_PRELOAD").is_ok() };
+    let (m, _pw) = load_paged(&model_path(), &po).unwrap();
+    let _ = run(&m);
+    println!("COMPUTED");
+}
+
+#[test]
+fn modified_image_data_poisons_the_slot_not_the_logits() {
+    use std::os::unix::process::ExitStatusExt;
+    if !uffd_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("m.img");
+    let gguf = model_path();
+    tools::weights::build(&gguf, &img, Fingerprint::of(&gguf).unwrap()).unwrap();
+    // One byte of layer 0's q projection, rewritten in place (the trailer still describes the
+    // original: as if the flash copy were modified behind our back).
+    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0x5a], 1000).unwrap();
+    drop(f);
+    for preload in [true, false] {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--ignored", "--exact", "modified_image_child", "--nocapture", "--test-threads=1"]).env("LLMS_WEIGHTS_CHILD", dir.path());
+        if preload {
+            cmd.env("LLMS_PRELOAD", "1");
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.signal(), Some(libc::SIGBUS), "preload {preload}: child ended {:?}; stderr: {stderr}", out.status);
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("COMPUTED"));
+        assert!(stderr.contains("checksum mismatch"), "preload {preload}: stderr names no checksum failure: {stderr}");
+    }
+}
