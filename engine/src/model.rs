@@ -663,7 +663,10 @@ impl Session {
         for (li, l) in model.layers.iter().enumerate() {
             before_layer(li);
             if let Some(img) = &model.image {
-                img.advise(li);
+                if !img.advise(li) {
+                    pool.rest();
+                    img.wait(li);
+                }
             }
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
@@ -718,7 +721,10 @@ impl Session {
         let mut col0 = 0;
         for (part, head) in model.output.iter().enumerate() {
             if let Some(img) = &model.image {
-                img.advise(model.layers.len() + part);
+                if !img.advise(model.layers.len() + part) {
+                    pool.rest();
+                    img.wait(model.layers.len() + part);
+                }
             }
             matmul_cols(&pool, &model, &[head], &xn, m, &mut s.acts, &mut s.logits, c.vocab, col0);
             col0 += head.raw.rows;

@@ -34,6 +34,8 @@ struct Shared {
     panicked: AtomicBool,
     shutdown: AtomicBool,
     sleepers: AtomicUsize,
+    /// Set by [`ThreadPool::rest`]: idle workers park at once instead of spinning.
+    rest: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -65,6 +67,7 @@ impl ThreadPool {
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
+            rest: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -101,6 +104,7 @@ impl ThreadPool {
         let gen = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
         // Open the job (SeqCst pairs with parking workers: either they see the new word or we
         // see them counted as sleepers).
+        s.rest.store(false, Ordering::Relaxed);
         s.state.store(gen << 32, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -131,6 +135,12 @@ impl ThreadPool {
         if s.panicked.swap(false, Ordering::Relaxed) {
             panic!("a worker thread panicked");
         }
+    }
+
+    /// The caller is about to block (on I/O, say): idle workers park now rather than spin out
+    /// their spin time on cores the blocking work may need. The next job wakes them.
+    pub fn rest(&self) {
+        self.shared.rest.store(true, Ordering::Relaxed);
     }
 
     /// Splits `0..n` into chunks of `chunk` and hands them out dynamically (an atomic counter),
@@ -181,7 +191,7 @@ fn worker(s: &Shared, idx: usize) {
             }
             std::hint::spin_loop();
             spins += 1;
-            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && (start.elapsed() > SPIN || s.rest.load(Ordering::Relaxed)) {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
                 while s.state.load(Ordering::SeqCst) >> 32 == seen_gen && !s.shutdown.load(Ordering::Acquire) {

@@ -17,9 +17,15 @@ use crate::repack::PackedWeight;
 pub trait WeightMemory: Send + Sync + std::fmt::Debug {
     /// The whole image. It may be paged: reading any byte must return the image's byte.
     fn bytes(&self) -> &[u8];
-    /// The forward pass is about to read group `group` (a layer, or `n_layers` for the output
-    /// head): a provider that pages may load it, and read ahead, now.
-    fn advise(&self, _group: usize) {}
+    /// The forward pass is about to read group `group` (a layer, or `n_layers + i` for part
+    /// `i` of the output head): a provider that pages may start loading it, and read ahead.
+    /// Returns false if reading the group now would wait for it: the engine then lets its
+    /// worker threads sleep and calls [`WeightMemory::wait`].
+    fn advise(&self, _group: usize) -> bool {
+        true
+    }
+    /// Blocks until `group` (announced by `advise`) is ready to read.
+    fn wait(&self, _group: usize) {}
 }
 
 /// One matrix in the image.

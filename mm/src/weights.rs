@@ -453,7 +453,10 @@ impl WeightPager {
             counters: Arc::clone(&counters),
             faulted: Mutex::new(Vec::new()),
         });
-        let pager = Pager::new()?;
+        // UFFDIO_COPY, not MOVE: a moved page leaves the staging buffer, and the next read
+        // into it must fault in and zero a fresh page (and MOVE flushes TLBs across the
+        // reader's cores); copying from a staging buffer that stays populated costs less.
+        let pager = Pager::with_options(uffd_handler::PagerOptions { allow_move: false })?;
         let region = pager.region_with(info.slot_size, info.n_slots().max(1), Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
         let mut pos_in_cycle = vec![None; info.groups.len()];
         for (i, &g) in opts.cycle.iter().enumerate() {
@@ -494,39 +497,42 @@ impl WeightPager {
         &self.shared.info
     }
 
-    /// The reader is about to read group `g`: counts what is already resident, lets the
-    /// preload thread read ahead from there and, with preloading, waits until `g` itself is in
-    /// (one large read beats the reader faulting its slots in one by one; the groups after it
-    /// keep loading while the reader computes).
-    pub fn advise(&self, g: usize) {
-        let Some(span) = self.shared.info.groups.get(g) else { return };
+    /// The reader is about to read group `g`: counts what is already resident and lets the
+    /// preload thread read ahead from there. Returns false when `g` is not all in yet and is
+    /// being preloaded: the reader should [`WeightPager::wait`] for it (one large read beats
+    /// faulting its slots in one by one; the groups after it keep loading while it computes).
+    pub fn advise(&self, g: usize) -> bool {
+        let sh = &self.shared;
+        let Some(span) = sh.info.groups.get(g) else { return true };
         if span.len == 0 {
-            return;
+            return true;
         }
-        let slots = self.shared.info.slots_of(g);
-        let resident = slots.clone().filter(|&s| self.shared.is_resident(s)).count();
-        self.shared.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
-        self.shared.counters.advised_resident.fetch_add(resident as u64, Ordering::Relaxed);
+        let slots = sh.info.slots_of(g);
+        let resident = slots.clone().filter(|&s| sh.is_resident(s)).count();
+        sh.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
+        sh.counters.advised_resident.fetch_add(resident as u64, Ordering::Relaxed);
         // Nothing to load or to account: this group and the next are in and no fault added a
         // slot. (The common case when the cycle fits: keep the preload thread asleep, it would
         // take a core from the reader.)
-        let sh = &self.shared;
         if resident == slots.len() {
             let next = sh.pos_in_cycle[g].map(|i| sh.cycle[(i + 1) % sh.cycle.len()]);
             let next_in = next.is_none_or(|n| sh.info.slots_of(n).all(|x| sh.is_resident(x)));
             if next_in && sh.src.faulted.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
-                return;
+                return true;
             }
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|tx| tx.send((seq, g)).is_ok());
-        if !sent || !self.shared.preload || resident == slots.len() || self.shared.pos_in_cycle[g].is_none() {
-            return;
-        }
-        let mut served = self.shared.served.lock().unwrap_or_else(|e| e.into_inner());
+        !sent || !sh.preload || resident == slots.len() || sh.pos_in_cycle[g].is_none()
+    }
+
+    /// Waits until the preload thread has dealt with the last announced group.
+    pub fn wait(&self, _g: usize) {
+        let seq = self.seq.load(Ordering::Relaxed);
+        let sh = &self.shared;
+        let mut served = sh.served.lock().unwrap_or_else(|e| e.into_inner());
         while *served < seq {
-            let (s, timeout) =
-                self.shared.served_cv.wait_timeout(served, std::time::Duration::from_millis(200)).unwrap_or_else(|e| e.into_inner());
+            let (s, timeout) = sh.served_cv.wait_timeout(served, std::time::Duration::from_millis(200)).unwrap_or_else(|e| e.into_inner());
             served = s;
             // A preloader that died (it never should) must not hang the reader: faults serve.
             if timeout.timed_out() && self.thread.as_ref().is_none_or(JoinHandle::is_finished) {

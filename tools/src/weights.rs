@@ -57,8 +57,11 @@ impl WeightMemory for PagedWeights {
     fn bytes(&self) -> &[u8] {
         self.pager.bytes()
     }
-    fn advise(&self, group: usize) {
-        self.pager.advise(group);
+    fn advise(&self, group: usize) -> bool {
+        self.pager.advise(group)
+    }
+    fn wait(&self, group: usize) {
+        self.pager.wait(group);
     }
 }
 
@@ -118,4 +121,147 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
     let model = Model::load_with_image(model, Arc::clone(&paged) as Arc<dyn WeightMemory>, SLOT)
         .with_context(|| format!("loading {}", model.display()))?;
     Ok((Arc::new(model), paged))
+}
+
+/// One row of `llms bench-weights`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchRow {
+    /// "resident", or the budget as a share of the weight bytes.
+    pub weights: String,
+    pub budget_mib: f64,
+    pub preload: bool,
+    /// Median decode speed, and its ratio to resident weights measured in the same rounds.
+    pub tg_tok_s: f64,
+    pub vs_resident: f64,
+    pub read_mib_per_token: f64,
+    pub hit_rate: f64,
+    pub faults_per_token: f64,
+    /// Decode speed if every byte read came at the image's sequential read bandwidth and
+    /// computing were free (the flash floor); resident weights have none.
+    pub floor_tok_s: Option<f64>,
+    pub ppl: Option<f64>,
+}
+
+/// Sequential O_DIRECT read bandwidth of `path` in bytes/s (median of 3 passes).
+pub fn read_bandwidth(path: &Path) -> Result<f64> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)?;
+    let len = usize::try_from(f.metadata()?.len())?;
+    let mut buf = mm::store::AlignedBuf::new(4 << 20);
+    let mut rates = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let mut off = 0;
+        while off + buf.len() <= len {
+            std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, off as u64)?;
+            off += buf.len();
+        }
+        #[allow(clippy::cast_precision_loss)]
+        rates.push(off as f64 / t.elapsed().as_secs_f64());
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[1])
+}
+
+/// Settings of `llms bench-weights`.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub budgets: Vec<f64>,
+    pub tg: usize,
+    pub reps: usize,
+    pub threads: usize,
+    pub image: Option<PathBuf>,
+    /// Also without read-ahead at each budget below 100%.
+    pub no_preload_too: bool,
+    /// Perplexity windows of 512 tokens to score on this text (0: skip).
+    pub ppl_text: Option<(String, usize)>,
+}
+
+/// Decode speed, flash reads and hit rate with weights resident and paged at each budget,
+/// the runs interleaved round by round so every ratio compares like with like.
+#[allow(clippy::cast_precision_loss)]
+pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
+    use engine::{Logits, Session, ThreadPool};
+    if o.tg == 0 || o.reps == 0 || o.budgets.iter().any(|&b| !(b > 0.0 && b <= 100.0)) {
+        bail!("--tg and --reps must be positive and budgets in (0, 100]");
+    }
+    let pool = Arc::new(ThreadPool::new(o.threads));
+    let resident = Arc::new(Model::load(model_path)?);
+    // (label, preload, model, its paged weights)
+    type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>);
+    let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None)];
+    for &b in &o.budgets {
+        let mut modes = vec![true];
+        if o.no_preload_too && b < 100.0 {
+            modes.push(false);
+        }
+        for preload in modes {
+            let opts = PagedOptions { budget: Budget::Percent(b), image: o.image.clone(), preload };
+            let (m, pw) = load_paged(model_path, &opts)?;
+            cases.push((format!("{b}%"), preload, m, Some(pw)));
+        }
+    }
+    let vocab = u32::try_from(cases[0].2.config.vocab)?;
+    let prompt: Vec<u32> = (0..8u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let mut rates = vec![Vec::new(); cases.len()];
+    let mut reads = vec![(0u64, 0u64, 0u64, 0u64, 0usize); cases.len()];
+    for rep in 0..=o.reps {
+        for (i, (_, _, model, pw)) in cases.iter().enumerate() {
+            let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), prompt.len() + o.tg + 1);
+            s.eval(&prompt, Logits::Last)?;
+            let before = pw.as_ref().map(|p| p.stats());
+            let mut tok = prompt[0];
+            let t = std::time::Instant::now();
+            for _ in 0..o.tg {
+                tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
+            }
+            let secs = t.elapsed().as_secs_f64();
+            if rep == 0 {
+                continue; // warm-up: the first pass fills the hot set
+            }
+            rates[i].push(o.tg as f64 / secs);
+            if let (Some(b), Some(p)) = (before, pw) {
+                let a = p.stats();
+                let r = &mut reads[i];
+                r.0 += a.bytes_read - b.bytes_read;
+                r.1 += a.advised_slots - b.advised_slots;
+                r.2 += a.advised_resident - b.advised_resident;
+                r.3 += a.fault_slots - b.fault_slots;
+                r.4 += o.tg;
+            }
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = med(&mut rates[0].clone());
+    let bw = cases.iter().find_map(|c| c.3.as_ref()).map(|p| read_bandwidth(&p.image)).transpose()?;
+    let ppl_ids = match &o.ppl_text {
+        Some((text, windows)) if *windows > 0 => Some((cases[0].2.tokenizer.encode(text, false, false)?, *windows)),
+        _ => None,
+    };
+    let mut rows = Vec::new();
+    for (i, (label, preload, model, pw)) in cases.iter().enumerate() {
+        let tg = med(&mut rates[i]);
+        let r = reads[i];
+        let per_tok = r.0 as f64 / r.4.max(1) as f64;
+        let ppl = match &ppl_ids {
+            Some((ids, w)) if ids.len() >= 512 => Some(engine::eval::perplexity(model, Arc::clone(&pool), ids, 512, *w)?.ppl),
+            _ => None,
+        };
+        rows.push(BenchRow {
+            weights: label.clone(),
+            budget_mib: pw.as_ref().map_or(0.0, |p| p.stats().budget as f64 / f64::from(1 << 20)),
+            preload: *preload,
+            tg_tok_s: tg,
+            vs_resident: tg / base,
+            read_mib_per_token: per_tok / f64::from(1 << 20),
+            hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
+            faults_per_token: r.3 as f64 / r.4.max(1) as f64,
+            floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
+            ppl,
+        });
+    }
+    Ok(rows)
 }

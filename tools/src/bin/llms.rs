@@ -214,6 +214,29 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ExperimentCmd,
     },
+    /// Decode speed with weights resident and paged under budgets (shares of the weight
+    /// bytes), flash bytes read per token, hit rate, and the flash floor; runs interleaved.
+    BenchWeights {
+        /// Budgets in percent of the weight bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = [100.0f64, 75.0, 50.0, 25.0])]
+        budgets: Vec<f64>,
+        #[arg(long, default_value_t = 32)]
+        tg: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Also run each budget below 100% without read-ahead.
+        #[arg(long)]
+        no_preload_too: bool,
+        /// Score perplexity (windows of 512 tokens) on this text with each configuration.
+        #[arg(long)]
+        ppl_text: Option<PathBuf>,
+        #[arg(long, default_value_t = 2)]
+        ppl_windows: usize,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
     /// userfaultfd mechanism costs next to their floors (memcpy, kernel anonymous faults).
     BenchUffd {
         #[arg(long, default_value_t = 51)]
@@ -1065,6 +1088,9 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Bench { kv, depth, pp, tg, reps, json, m } => bench(&m, &kv, depth, pp, tg, reps, json)?,
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
+        Cmd::BenchWeights { budgets, tg, reps, no_preload_too, ppl_text, ppl_windows, json, m } => {
+            bench_weights(&m, budgets, tg, reps, no_preload_too, ppl_text, ppl_windows, json)?;
+        }
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
         Cmd::BenchSwitch { tokens, reps, state_dir, json, m } => bench_switch(&m, &tokens, reps, state_dir, json)?,
@@ -1216,6 +1242,49 @@ fn bench_switch(m: &ModelArgs, tokens: &[usize], reps: usize, state_dir: Option<
         println!(
             "{:>7} {:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.0} {:>8.0}",
             r.tokens, r.scenario, r.switch_ms, r.ttft_ms, r.missing_chunks, r.read_chunks, r.recomputed_chunks
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_weights(
+    m: &ModelArgs,
+    budgets: Vec<f64>,
+    tg: usize,
+    reps: usize,
+    no_preload_too: bool,
+    ppl_text: Option<PathBuf>,
+    ppl_windows: usize,
+    json: bool,
+) -> Result<()> {
+    let path = model_path(m);
+    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let ppl_text = ppl_text.map(|p| read_text(&p).map(|t| (t, ppl_windows))).transpose()?;
+    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text };
+    let rows = tools::weights::bench(&path, &o)?;
+    if json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    println!("model {} | threads {threads} | tg{tg}, median of {reps}", path.display());
+    println!(
+        "{:<9} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>8}",
+        "weights", "budget", "preload", "tg tok/s", "vs res", "MiB read/t", "hit", "faults/t", "floor t/s", "ppl"
+    );
+    for r in &rows {
+        println!(
+            "{:<9} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9.1} {:>9} {:>8}",
+            r.weights,
+            r.budget_mib,
+            if r.preload { "yes" } else { "no" },
+            r.tg_tok_s,
+            r.vs_resident,
+            r.read_mib_per_token,
+            100.0 * r.hit_rate,
+            r.faults_per_token,
+            r.floor_tok_s.map_or("-".into(), |f| format!("{f:.1}")),
+            r.ppl.map_or("-".into(), |p| format!("{p:.4}")),
         );
     }
     Ok(())
