@@ -43,6 +43,10 @@ demo: model build
 	@echo
 	@echo "== the service: llmsd with a small KV budget, three apps, nine contexts, interleaved calls"
 	tools/demo/service
+	@echo
+	@echo "== paged weights: the model computing with half of its weight bytes in memory (docs/weights.md)"
+	./target/release/llms generate --chat --stats --max-tokens 48 --weights-budget 50% \
+		--prompt "In one sentence, what is a page fault?"
 
 # The engine alone: streaming generation and llama-bench-style speed.
 demo-engine: model build

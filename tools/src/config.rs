@@ -19,9 +19,16 @@ pub struct Config {
     pub socket_mode: String,
     /// Where the swap store, contexts and profiles live (on flash, not tmpfs).
     pub state_dir: PathBuf,
-    /// Memory for KV chunks: bytes, or with a suffix (`256MiB`, `1GiB`, `512k`).
+    /// Memory for KV chunks — and for the weights when they are paged: bytes, or with a suffix
+    /// (`256MiB`, `1GiB`, `512k`).
     #[serde(deserialize_with = "size_or_string")]
     pub budget: String,
+    /// Page the model's weights from flash under this share of `budget` (bytes, or a
+    /// percentage of the weight bytes such as `50%`); the KV chunks get the rest. Unset: the
+    /// weights are resident, outside the budget.
+    pub weights_budget: Option<String>,
+    /// The weight image (default: next to the model, `<model>.llms-weights`).
+    pub weights_image: Option<PathBuf>,
     /// Follow memory pressure: the pressure monitor's budget target lowers the budget.
     pub pressure: bool,
     /// Monitor this cgroup (v2 or v1 directory) instead of the service's own.
@@ -66,6 +73,8 @@ impl Default for Config {
             socket_mode: "0660".into(),
             state_dir: crate::loadbench::state_dir(),
             budget: "256MiB".into(),
+            weights_budget: None,
+            weights_image: None,
             pressure: true,
             cgroup: None,
             policy: "llms".into(),
@@ -95,6 +104,11 @@ impl Config {
 
     pub fn budget_bytes(&self) -> Result<usize> {
         parse_bytes(&self.budget).with_context(|| format!("budget {:?}", self.budget))
+    }
+
+    /// The weight budget, when weights are paged.
+    pub fn weights_budget(&self) -> Result<Option<crate::weights::Budget>> {
+        self.weights_budget.as_deref().map(|s| s.parse().with_context(|| format!("weights_budget {s:?}"))).transpose()
     }
 
     pub fn policy(&self) -> Result<Policy> {
@@ -132,6 +146,7 @@ impl Config {
     /// Checks every setting; the service refuses to start on the first bad one.
     pub fn validate(&self) -> Result<()> {
         self.budget_bytes()?;
+        self.weights_budget()?;
         self.policy()?;
         self.level_formats()?;
         self.socket_mode_bits()?;

@@ -152,6 +152,14 @@ pub struct ServiceStats {
     pub pressure: String,
     /// The caller's contexts.
     pub mine: Vec<CtxInfo>,
+    /// Paged weights (0 when the weights are resident, outside the budget): their share of
+    /// the budget, what is resident, and bytes read from flash so far.
+    #[serde(default)]
+    pub weights_budget_bytes: u64,
+    #[serde(default)]
+    pub weights_resident_bytes: u64,
+    #[serde(default)]
+    pub weights_read_bytes: u64,
 }
 
 /// A frame from the service.

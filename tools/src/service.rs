@@ -154,6 +154,9 @@ pub struct Service {
     metrics: Mutex<Metrics>,
     pressure: Mutex<String>,
     budget: usize,
+    /// Paged weights and their share of `budget` as configured (the rest is mm's).
+    weights: Option<Arc<crate::weights::PagedWeights>>,
+    weights_share: usize,
     ctx_dir: PathBuf,
 }
 
@@ -192,7 +195,20 @@ impl Service {
         if !cfg.model.exists() {
             bail!("model {} not found (run `make model`, or set `model` in the configuration)", cfg.model.display());
         }
-        let model = Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?);
+        let total = cfg.budget_bytes()?;
+        let (model, weights) = match cfg.weights_budget()? {
+            None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None),
+            Some(wb) => {
+                let opts = crate::weights::PagedOptions { budget: wb, image: cfg.weights_image.clone(), preload: true };
+                let (m, pw) = crate::weights::load_paged(&cfg.model, &opts)?;
+                let w = usize::try_from(pw.stats().budget).unwrap_or(usize::MAX);
+                if w >= total {
+                    bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
+                }
+                info!(weights = w, kv = total - w, image = %pw.image.display(), "weights paged under the budget");
+                (m, Some(pw))
+            }
+        };
         if cfg.max_context_tokens > model.config.ctx_len {
             bail!("max_context_tokens {} is over the model's context length {}", cfg.max_context_tokens, model.config.ctx_len);
         }
@@ -210,8 +226,9 @@ impl Service {
         let max_chunks = cfg.max_context_tokens.div_ceil(cfg.chunk_tokens) + 1;
         let store_dir = cfg.state_dir.join("store");
         let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, policy, &levels, cfg.ratio, max_chunks, profile)?;
-        let budget = cfg.budget_bytes()?;
-        mm.set_budget(budget)?;
+        let budget = total;
+        let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
+        mm.set_budget(budget - weights_share)?;
         let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]));
         mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
         let ctx_dir = cfg.state_dir.join("contexts");
@@ -232,6 +249,8 @@ impl Service {
             metrics: Mutex::new(Metrics::default()),
             pressure: Mutex::new("unknown".into()),
             budget,
+            weights,
+            weights_share,
             ctx_dir,
         };
         svc.restore()?;
@@ -430,7 +449,7 @@ impl Service {
         };
         ServiceStats {
             policy: mm.config().policy.name().into(),
-            budget_bytes: mm.config().budget as u64,
+            budget_bytes: mm.config().budget as u64 + self.weights.as_ref().map_or(0, |w| w.stats().budget),
             configured_budget_bytes: self.budget as u64,
             resident_bytes: mm.resident_bytes() as u64,
             contexts: u32::try_from(n_ctx).unwrap_or(u32::MAX),
@@ -444,6 +463,9 @@ impl Service {
             written_aot: mm.stats.written_aot,
             written_sync: mm.stats.written_sync,
             faults,
+            weights_budget_bytes: self.weights.as_ref().map_or(0, |w| w.stats().budget),
+            weights_resident_bytes: self.weights.as_ref().map_or(0, |w| w.stats().resident_bytes),
+            weights_read_bytes: self.weights.as_ref().map_or(0, |w| w.stats().bytes_read),
             pressure: lock(&self.pressure).clone(),
             mine,
         }
@@ -724,6 +746,15 @@ impl Service {
                 continue;
             }
             last = target;
+            // One budget covers both: the weights keep their configured share of it.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+            let w = (self.weights_share as f64 * target as f64 / self.budget.max(1) as f64) as usize;
+            if let Some(pw) = &self.weights {
+                if let Err(err) = pw.pager.set_budget(w.max(crate::weights::SLOT)) {
+                    warn!("setting the weight budget to {w}: {err}");
+                }
+            }
+            let target = target.saturating_sub(w);
             match lock(&self.mm).set_budget(target) {
                 Ok(freed) if freed > 0 => info!(freed, budget = target, level = ?e.level, need = e.need_to_free, "reclaim under pressure"),
                 Ok(_) => info!(budget = target, level = ?e.level, "budget follows pressure"),

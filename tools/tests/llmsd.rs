@@ -514,3 +514,37 @@ fn pressure_on_the_services_cgroup_lowers_the_budget_and_reclaims() {
     d.stop();
     assert!(std::fs::read_to_string(dir.path().join("p.log")).unwrap().contains("reclaim under pressure"), "the reclaim was logged");
 }
+
+#[test]
+fn paged_weights_share_the_budget_and_change_no_output() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exact = "levels = [\"int8\"]\nratio = 1.0\n";
+    let run = |name: &str, settings: &str| {
+        let d = Daemon::start(dir.path(), name, &dir.path().join(name), settings);
+        let mut c = d.client("app");
+        let ids = new_contexts(&mut c, 3);
+        let out: Vec<String> = rounds(&mut c, &ids, 0..2).into_iter().flatten().map(|(t, _)| t).collect();
+        let peak = uffd_rss(d.child.id());
+        let st = c.stats().unwrap();
+        d.stop();
+        (out, st, peak)
+    };
+    let (resident, st0, _) = run("resident", &format!("budget = \"64MiB\"\n{exact}"));
+    assert_eq!(st0.weights_budget_bytes, 0);
+    let total: u64 = 48 << 20;
+    let image = dir.path().join("w.img");
+    let (paged, st, peak) = run("paged", &format!("budget = {total}\nweights_budget = \"40%\"\nweights_image = {image:?}\n{exact}"));
+    assert_eq!(resident, paged, "paged weights changed the output");
+    // One budget: the weights' share plus mm's KV budget is the configured total.
+    assert_eq!(st.budget_bytes, total, "{st:?}");
+    assert!(st.weights_budget_bytes > 0 && st.weights_budget_bytes < total);
+    assert!(st.weights_resident_bytes <= st.weights_budget_bytes + (3 << 20), "{st:?}");
+    // 40% of the weights cannot hold them: they streamed from the image.
+    assert!(st.weights_read_bytes > 2 * st.weights_budget_bytes, "{st:?}");
+    // userfaultfd-resident memory (weights and KV) within the budget plus one weight group in
+    // flight and the running context's chunks.
+    assert!(peak <= total + (3 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
+}

@@ -431,6 +431,14 @@ fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
         "calls {}  switch latency p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  faults {}  evicted chunks {}  AoT writes {}  sync writes {}",
         s.calls, s.switch_p50_ms, s.switch_p90_ms, s.switch_p99_ms, s.faults, s.evicted_chunks, s.written_aot, s.written_sync
     );
+    if s.weights_budget_bytes > 0 {
+        println!(
+            "weights paged: {:.1} MiB of the budget, {:.1} MiB resident, {:.1} MiB read from flash",
+            s.weights_budget_bytes as f64 / 1048576.0,
+            s.weights_resident_bytes as f64 / 1048576.0,
+            s.weights_read_bytes as f64 / 1048576.0
+        );
+    }
     print_contexts(&s.mine);
     Ok(())
 }

@@ -27,6 +27,12 @@ struct Cli {
     /// Memory for KV chunks, e.g. 64MiB.
     #[arg(long)]
     budget: Option<String>,
+    /// Page the weights under this part of the budget: bytes or a share of the weights (50%).
+    #[arg(long)]
+    weights_budget: Option<String>,
+    /// The weight image file (default: next to the model).
+    #[arg(long)]
+    weights_image: Option<PathBuf>,
     /// Do not follow memory pressure (keep the configured budget).
     #[arg(long)]
     no_pressure: bool,
@@ -84,6 +90,12 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
     );
     if cli.cgroup.is_some() {
         c.cgroup = cli.cgroup;
+    }
+    if cli.weights_budget.is_some() {
+        c.weights_budget = cli.weights_budget;
+    }
+    if cli.weights_image.is_some() {
+        c.weights_image = cli.weights_image;
     }
     if cli.no_pressure {
         c.pressure = false;
