@@ -55,9 +55,22 @@ pub fn perplexity(
     ctx: usize,
     max_windows: usize,
 ) -> Result<Perplexity, ModelError> {
+    perplexity_sparse(model, pool, ids, ctx, max_windows, None)
+}
+
+/// [`perplexity`] computed with Top-K activation sparsity (`None`: dense).
+pub fn perplexity_sparse(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    sparsity: Option<Arc<crate::sparsity::Sparsity>>,
+) -> Result<Perplexity, ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
     let vocab = model.config.vocab;
     let mut s = Session::new(Arc::clone(model), pool, ctx);
+    s.set_sparsity(sparsity)?;
     let (mut nll, mut count) = (0.0f64, 0usize);
     for win in &wins {
         s.truncate(0);

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod quant;
 pub mod repack;
 pub mod sampler;
+pub mod sparsity;
 pub mod tokenizer;
 pub mod weights;
 

@@ -494,6 +494,10 @@ pub struct Session {
     pub attention: Option<AttentionStats>,
     sliding_window: Option<usize>,
     scratch: Scratch,
+    /// Top-K activation sparsity applied to the projections' inputs.
+    sparsity: Option<Arc<crate::sparsity::Sparsity>>,
+    /// Collects input magnitudes for calibrating sparsity.
+    pub(crate) calibrator: Option<crate::sparsity::Calibrator>,
 }
 
 impl Session {
@@ -509,11 +513,46 @@ impl Session {
             KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens: opts.chunk_tokens.max(1) };
         let kv = ChunkedKv::new(geom, capacity, opts.base);
         let attention = opts.observe_attention.then(AttentionStats::default);
-        Self { model, pool, kv, tokens: Vec::new(), attention, sliding_window: opts.sliding_window, scratch: Scratch::default() }
+        Self {
+            model,
+            pool,
+            kv,
+            tokens: Vec::new(),
+            attention,
+            sliding_window: opts.sliding_window,
+            scratch: Scratch::default(),
+            sparsity: None,
+            calibrator: None,
+        }
     }
 
     pub fn n_past(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Computes with Top-K activation sparsity (or dense again with `None`). The thresholds
+    /// must be calibrated for this model's layer count.
+    pub fn set_sparsity(&mut self, sparsity: Option<Arc<crate::sparsity::Sparsity>>) -> Result<()> {
+        if let Some(sp) = &sparsity {
+            if sp.thresholds.len() != self.model.config.n_layers {
+                return Err(ModelError::Metadata {
+                    key: "sparsity".into(),
+                    what: format!("{} layers of thresholds for a {}-layer model", sp.thresholds.len(), self.model.config.n_layers),
+                });
+            }
+        }
+        self.sparsity = sparsity;
+        Ok(())
+    }
+
+    /// Collects the magnitudes of the projections' inputs in the forward passes that follow
+    /// (for calibrating sparsity).
+    pub fn set_calibrator(&mut self, c: Option<crate::sparsity::Calibrator>) {
+        self.calibrator = c;
+    }
+
+    pub fn take_calibrator(&mut self) -> Option<crate::sparsity::Calibrator> {
+        self.calibrator.take()
     }
 
     /// Takes the session's working memory out (it gets an empty one, which grows on use).
@@ -670,6 +709,7 @@ impl Session {
             }
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 0, &mut s.xb[..n * dim]);
             matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
             let ld = dim + 2 * kvd;
             for (t, &pos) in positions.iter().enumerate() {
@@ -685,11 +725,13 @@ impl Session {
                 self.kv.write(li, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
             }
             attention(&pool, c, &self.kv, li, &s.qkv, ld, positions, &mut s.att, self.attention.as_mut());
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 1, &mut s.att[..n * dim]);
             matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
             // Feed-forward block.
             rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 2, &mut s.xb[..n * dim]);
             matmul_multi(&pool, &model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
             let f = c.ffn_dim;
             for t in 0..n {
@@ -703,6 +745,7 @@ impl Session {
             for t in 0..n {
                 s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
             }
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 3, &mut s.ffn[..n * f]);
             matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
@@ -786,6 +829,23 @@ fn matmul_cols(
             }
         }
     });
+}
+
+/// Top-K sparsity at one site of a layer: records the input's magnitudes when calibrating,
+/// zeroes its small entries when sparsity is on.
+fn sparsify(
+    sp: Option<&crate::sparsity::Sparsity>,
+    cal: Option<&mut crate::sparsity::Calibrator>,
+    layer: usize,
+    site: usize,
+    x: &mut [f32],
+) {
+    if let Some(c) = cal {
+        c.add(layer, site, x);
+    }
+    if let Some(sp) = sp {
+        sp.apply(layer, site, x);
+    }
 }
 
 fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

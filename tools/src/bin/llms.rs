@@ -154,6 +154,14 @@ enum Cmd {
         /// Tokens per KV chunk (with --kv).
         #[arg(long, default_value_t = 16)]
         chunk_tokens: usize,
+        /// Top-K activation sparsity: this share of the projections' input entries (weighted
+        /// by the weight bytes they select) is zeroed; per-site levels and thresholds are
+        /// calibrated on --calib-text (docs/weights.md).
+        #[arg(long)]
+        sparsity: Option<f32>,
+        /// Calibration text for --sparsity [default: /usr/share/common-licenses/Apache-2.0].
+        #[arg(long)]
+        calib_text: Option<PathBuf>,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -976,6 +984,14 @@ fn weights_line(tokens: usize) -> Option<String> {
     ))
 }
 
+/// Top-K sparsity for `target`, calibrated on `text` (the Apache license by default: plain
+/// English prose that is not the usual evaluation text).
+fn calibrate(model: &Arc<Model>, pool: &Arc<ThreadPool>, target: f32, text: Option<&Path>) -> Result<Arc<engine::sparsity::Sparsity>> {
+    let path = text.map_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"), Path::to_path_buf);
+    let ids = model.tokenizer.encode(&read_text(&path)?, false, false)?;
+    Ok(Arc::new(engine::sparsity::calibrate(model, Arc::clone(pool), &ids, target).context("--sparsity")?))
+}
+
 fn read_text(p: &Path) -> Result<String> {
     std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
 }
@@ -1057,7 +1073,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Chat { ctx: None, max_tokens, temperature, seed, system, m, .. } => chat_loop(&m, max_tokens, temperature, seed, system)?,
         Cmd::Ctx { cmd } => ctx_cmd(cmd)?,
         Cmd::Stats { json, d } => stats_cmd(json, &d)?,
-        Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, json, m } => {
+        Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, sparsity, calib_text, json, m } => {
             let (model, pool) = load(&m)?;
             if ctx < 8 || ctx > model.config.ctx_len {
                 bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
@@ -1066,8 +1082,15 @@ fn run(cli: Cli) -> Result<()> {
             if ids.len() < ctx {
                 bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
             }
+            let sp = sparsity.map(|t| calibrate(&model, &pool, t, calib_text.as_deref())).transpose()?;
+            if sp.is_some() && kv.is_some() {
+                bail!("--sparsity and --kv: one at a time");
+            }
+            if let (Some(sp), false) = (&sp, json) {
+                println!("sparsity {}: per-site levels {}", sp.target, sp.describe());
+            }
             let (r, ratio) = match kv {
-                None => (engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
+                None => (engine::eval::perplexity_sparse(&model, pool, &ids, ctx, chunks, sp)?, None),
                 Some(k) => {
                     let plan = engine::eval::KvPlan::parse(&k)
                         .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;

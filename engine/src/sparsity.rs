@@ -1,0 +1,242 @@
+//! Training-free Top-K activation sparsity (TEAL; ActiveFlow §3): the inputs of a layer's linear
+//! projections keep only their largest-magnitude entries, so the weight columns of the other
+//! input channels are not needed for this token.
+//!
+//! Per layer there are four sites — the attention input (Q, K, V), the attention output (O),
+//! the feed-forward input (gate, up) and the gated hidden state (down). Each gets a magnitude
+//! threshold calibrated on a text so that a target share of its entries falls below it:
+//! entries under the threshold are treated as zero.
+
+use std::sync::Arc;
+
+use crate::model::{Logits, ModelError, Session};
+use crate::{Model, ThreadPool};
+
+/// The sites of a layer whose inputs are sparsified.
+pub const SITES: usize = 4;
+pub const SITE_NAMES: [&str; SITES] = ["attn_in", "attn_out", "ffn_in", "ffn_hidden"];
+
+/// Calibrated thresholds: `thresholds[layer][site]`; inputs with `|x| < t` are zeroed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sparsity {
+    /// Share of the weight bytes whose input is zeroed, on average over the sites.
+    pub target: f32,
+    /// The share of each site's entries zeroed (the same in every layer).
+    pub levels: [f32; SITES],
+    pub thresholds: Vec<[f32; SITES]>,
+}
+
+impl Sparsity {
+    /// `attn_in 0.50, attn_out 0.70, ...`
+    pub fn describe(&self) -> String {
+        SITE_NAMES.iter().zip(self.levels).map(|(n, l)| format!("{n} {l:.2}")).collect::<Vec<_>>().join(", ")
+    }
+
+    /// Zeroes the entries of `x` below the threshold of `(layer, site)`; returns how many
+    /// stayed non-zero.
+    pub fn apply(&self, layer: usize, site: usize, x: &mut [f32]) -> usize {
+        let t = self.thresholds[layer][site];
+        let mut kept = 0;
+        for v in x.iter_mut() {
+            if v.abs() < t {
+                *v = 0.0;
+            } else {
+                kept += 1;
+            }
+        }
+        kept
+    }
+}
+
+/// Log-spaced histogram of magnitudes: bounded memory however long the calibration text.
+#[derive(Debug, Clone)]
+pub(crate) struct Hist {
+    bins: Vec<u64>,
+    total: u64,
+}
+
+const BINS: usize = 4096;
+const LO: f32 = -24.0; // log2 of the smallest magnitude binned apart from zero
+const HI: f32 = 16.0;
+
+impl Hist {
+    fn new() -> Self {
+        Self { bins: vec![0; BINS + 1], total: 0 }
+    }
+    fn bin_of(v: f32) -> usize {
+        let a = v.abs();
+        if a == 0.0 || !a.is_finite() {
+            return 0;
+        }
+        let l = a.log2().clamp(LO, HI);
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let b = ((l - LO) / (HI - LO) * (BINS - 1) as f32) as usize;
+        1 + b.min(BINS - 1)
+    }
+    fn add(&mut self, x: &[f32]) {
+        for &v in x {
+            self.bins[Self::bin_of(v)] += 1;
+        }
+        self.total += x.len() as u64;
+    }
+    /// The magnitude below which a share `q` of the entries lies (the upper edge of its bin).
+    #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    fn quantile(&self, q: f32) -> f32 {
+        if q <= 0.0 || self.total == 0 {
+            return 0.0;
+        }
+        let want = (f64::from(q) * self.total as f64).ceil() as u64;
+        let mut seen = 0;
+        for (b, &n) in self.bins.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                if b == 0 {
+                    return f32::MIN_POSITIVE;
+                }
+                return (LO + b as f32 * (HI - LO) / (BINS - 1) as f32).exp2();
+            }
+        }
+        f32::INFINITY
+    }
+}
+
+/// Magnitude statistics of every site, filled by a session's forward passes.
+#[derive(Debug, Clone)]
+pub struct Calibrator {
+    pub(crate) hists: Vec<[Hist; SITES]>,
+}
+
+impl Calibrator {
+    pub fn new(n_layers: usize) -> Self {
+        Self { hists: (0..n_layers).map(|_| std::array::from_fn(|_| Hist::new())).collect() }
+    }
+    pub(crate) fn add(&mut self, layer: usize, site: usize, x: &[f32]) {
+        self.hists[layer][site].add(x);
+    }
+
+    /// Share of the entries seen at `site` (over all layers) that `sp` would zero.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn share_below(&self, site: usize, sp: &Sparsity) -> f64 {
+        let (mut below, mut total) = (0u64, 0u64);
+        for (h, t) in self.hists.iter().zip(&sp.thresholds) {
+            let h = &h[site];
+            let edge = Hist::bin_of(t[site]);
+            below += h.bins[..edge.min(h.bins.len())].iter().sum::<u64>();
+            total += h.total;
+        }
+        if total == 0 {
+            0.0
+        } else {
+            below as f64 / total as f64
+        }
+    }
+    /// Thresholds that zero a share `levels[site]` of each site's entries.
+    pub fn thresholds(&self, target: f32, levels: [f32; SITES]) -> Sparsity {
+        Sparsity { target, levels, thresholds: self.hists.iter().map(|h| std::array::from_fn(|s| h[s].quantile(levels[s]))).collect() }
+    }
+}
+
+/// Levels tried per site when allocating.
+const LEVELS: [f32; 7] = [0.0, 0.25, 0.4, 0.5, 0.6, 0.7, 0.85];
+/// Tokens of calibration text: statistics, then one window to score each site's levels.
+const CALIB_TOKENS: usize = 2048;
+const CALIB_WINDOW: usize = 512;
+
+/// Weights each site's input selects, per layer (Q+K+V, O, gate+up, down).
+fn site_weights(c: &crate::Config) -> [f64; SITES] {
+    #[allow(clippy::cast_precision_loss)]
+    let f = |x: usize| x as f64;
+    [f(c.dim * (c.dim + 2 * c.kv_dim())), f(c.dim * c.dim), f(2 * c.dim * c.ffn_dim), f(c.ffn_dim * c.dim)]
+}
+
+/// Calibrates Top-K sparsity for `target` (0 <= target < 1: the share of weight bytes whose
+/// input entry is zero) on `ids`. Sites differ in how much they tolerate, so, as TEAL
+/// allocates sparsity across a block's projections, each site's level is chosen: every site
+/// is scored alone at each level of [`LEVELS`] (the perplexity of a calibration window), and
+/// the combination with the least summed loss whose byte-weighted average reaches `target`
+/// is taken. Thresholds are the magnitude quantiles of each site's inputs over the text.
+#[allow(clippy::cast_possible_truncation)]
+pub fn calibrate(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], target: f32) -> Result<Sparsity, ModelError> {
+    if !(0.0..1.0).contains(&target) {
+        return Err(ModelError::Metadata { key: "sparsity".into(), what: format!("{target} is not in [0, 1)") });
+    }
+    if ids.len() < CALIB_WINDOW {
+        return Err(ModelError::Metadata {
+            key: "sparsity".into(),
+            what: format!("the calibration text has {} tokens; at least {CALIB_WINDOW} are needed", ids.len()),
+        });
+    }
+    let ids = &ids[..ids.len().min(CALIB_TOKENS)];
+    let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), CALIB_WINDOW);
+    s.calibrator = Some(Calibrator::new(model.config.n_layers));
+    for win in ids.chunks(CALIB_WINDOW) {
+        s.truncate(0);
+        s.eval(win, Logits::None)?;
+    }
+    let cal = s.calibrator.take().expect("set above");
+    if target == 0.0 {
+        return Ok(cal.thresholds(0.0, [0.0; SITES]));
+    }
+    let score = |levels: [f32; SITES]| -> Result<f64, ModelError> {
+        let sp = Arc::new(cal.thresholds(target, levels));
+        Ok(crate::eval::perplexity_sparse(model, Arc::clone(&pool), &ids[..CALIB_WINDOW], CALIB_WINDOW, 1, Some(sp))?.ppl.ln())
+    };
+    let base = score([0.0; SITES])?;
+    // loss[site][level]: the calibration window's log-perplexity increase with only that site
+    // sparse at that level.
+    let mut loss = [[0.0f64; LEVELS.len()]; SITES];
+    for (site, row) in loss.iter_mut().enumerate() {
+        for (li, &l) in LEVELS.iter().enumerate().skip(1) {
+            let mut levels = [0.0; SITES];
+            levels[site] = l;
+            row[li] = (score(levels)? - base).max(0.0);
+        }
+    }
+    let w = site_weights(&model.config);
+    let total: f64 = w.iter().sum();
+    let mut best: Option<(f64, [usize; SITES])> = None;
+    let n = LEVELS.len();
+    for code in 0..n.pow(SITES as u32) {
+        let pick: [usize; SITES] = std::array::from_fn(|i| code / n.pow(i as u32) % n);
+        let avg: f64 = pick.iter().zip(&w).map(|(&p, &wt)| f64::from(LEVELS[p]) * wt).sum::<f64>() / total;
+        if avg + 1e-9 < f64::from(target) {
+            continue;
+        }
+        let l: f64 = pick.iter().enumerate().map(|(s, &p)| loss[s][p]).sum();
+        if best.is_none_or(|(b, _)| l < b) {
+            best = Some((l, pick));
+        }
+    }
+    let levels = match best {
+        Some((_, pick)) => pick.map(|p| LEVELS[p]),
+        // Above what the grid reaches: every site at the target.
+        None => [target; SITES],
+    };
+    Ok(cal.thresholds(target, levels))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_split_the_entries_as_asked() {
+        let mut h = Hist::new();
+        let xs: Vec<f32> = (1..=10_000).map(|i| i as f32 / 1000.0).collect();
+        h.add(&xs);
+        for q in [0.1f32, 0.5, 0.7, 0.9] {
+            let t = h.quantile(q);
+            let below = xs.iter().filter(|&&x| x < t).count() as f32 / xs.len() as f32;
+            assert!((below - q).abs() < 0.01, "q {q}: threshold {t} puts {below} below");
+        }
+        assert_eq!(h.quantile(0.0), 0.0);
+    }
+
+    #[test]
+    fn apply_zeroes_below_the_threshold_only() {
+        let sp = Sparsity { target: 0.5, levels: [0.5; SITES], thresholds: vec![[0.5; SITES]] };
+        let mut x = vec![0.1, -0.6, 0.49, -0.2, 2.0];
+        assert_eq!(sp.apply(0, 1, &mut x), 2);
+        assert_eq!(x, vec![0.0, -0.6, 0.0, 0.0, 2.0]);
+    }
+}
