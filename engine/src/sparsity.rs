@@ -152,7 +152,7 @@ fn site_weights(c: &crate::Config) -> [f64; SITES] {
 /// Calibrates Top-K sparsity for `target` (0 <= target < 1: the share of weight bytes whose
 /// input entry is zero) on `ids`. Sites differ in how much they tolerate, so, as TEAL
 /// allocates sparsity across a block's projections, each site's level is chosen: every site
-/// is scored alone at each level of [`LEVELS`] (the perplexity of a calibration window), and
+/// is scored alone at each of a grid of levels (the perplexity of a calibration window), and
 /// the combination with the least summed loss whose byte-weighted average reaches `target`
 /// is taken. Thresholds are the magnitude quantiles of each site's inputs over the text.
 #[allow(clippy::cast_possible_truncation)]
