@@ -204,7 +204,10 @@ impl ImageWriter {
         if slot_size == 0 || !slot_size.is_multiple_of(uffd_handler::PAGE) {
             return Err(WeightError::Budget(format!("slot size {slot_size} is not a page multiple")));
         }
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // Unique per writer: two threads (or processes) building the same image must not
+        // share a temporary file; the rename makes whichever finishes last the image.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let tmp = path.with_extension(format!("tmp{}.{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
         let f = File::create(&tmp).map_err(io_err(&tmp))?;
         Ok(Self {
             path: path.to_path_buf(),
