@@ -511,7 +511,7 @@ impl WeightPager {
             return true;
         }
         let slots = sh.info.slots_of(g);
-        let resident = slots.clone().filter(|&s| sh.is_resident(s)).count();
+        let resident = sh.region.resident_in(slots.clone());
         sh.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
         sh.counters.advised_resident.fetch_add(resident as u64, Ordering::Relaxed);
         // Nothing to load or to account: this group and the next are in and no fault added a
@@ -519,7 +519,10 @@ impl WeightPager {
         // take a core from the reader.)
         if resident == slots.len() {
             let next = sh.pos_in_cycle[g].map(|i| sh.cycle[(i + 1) % sh.cycle.len()]);
-            let next_in = next.is_none_or(|n| sh.info.slots_of(n).all(|x| sh.is_resident(x)));
+            let next_in = next.is_none_or(|n| {
+                let r = sh.info.slots_of(n);
+                sh.region.resident_in(r.clone()) == r.len()
+            });
             if next_in && sh.src.faulted.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
                 return true;
             }

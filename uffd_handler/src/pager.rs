@@ -816,6 +816,14 @@ impl Region {
         }
     }
 
+    /// How many slots of `range` are resident, under one lock (a reader checking a whole
+    /// group before it reads it, on its hot path).
+    pub fn resident_in(&self, range: std::ops::Range<usize>) -> usize {
+        let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let end = range.end.min(slots.len());
+        slots[range.start.min(end)..end].iter().filter(|s| s.state == SlotState::Resident).count()
+    }
+
     /// Pins a slot (populating it first): it will not be evicted until unpinned.
     pub fn pin(&self, slot: usize) -> Result<()> {
         self.populate(slot)?;
