@@ -151,25 +151,7 @@ pub fn perplexity_kv(
                     t.push(crate::sampler::argmax(row));
                 }
             }
-            let full = end / chunk_tokens;
-            match plan {
-                KvPlan::Uniform(f) => {
-                    for c in 0..full {
-                        s.kv.set_format(c, f)?;
-                    }
-                }
-                KvPlan::Mix(_) => {
-                    let a = s.attention.as_ref().expect("observer on for the mix");
-                    let d: Vec<f64> = (0..full).map(|c| a.density(c * chunk_tokens..(c + 1) * chunk_tokens)).collect();
-                    let lv = choose(&d);
-                    for (c, &l) in lv.iter().enumerate() {
-                        let cur = s.kv.format(c);
-                        if level_rank(l) > level_rank(cur) {
-                            s.kv.set_format(c, l)?;
-                        }
-                    }
-                }
-            }
+            lower(&mut s, plan, end / chunk_tokens, chunk_tokens, choose)?;
         }
         for c in 0..ctx / chunk_tokens {
             bytes_sum += g.chunk_bytes(s.kv.format(c)) as f64 / sizes[0];
@@ -177,6 +159,87 @@ pub fn perplexity_kv(
         }
     }
     Ok((Perplexity { ppl: (nll / count as f64).exp(), scored: count }, bytes_sum / bytes_n.max(1) as f64))
+}
+
+/// Lowers the first `full` chunks of `s` as `plan` says (levels only go down).
+fn lower(
+    s: &mut Session,
+    plan: KvPlan,
+    full: usize,
+    chunk_tokens: usize,
+    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
+) -> Result<(), ModelError> {
+    match plan {
+        KvPlan::Uniform(f) => {
+            for c in 0..full {
+                s.kv.set_format(c, f)?;
+            }
+        }
+        KvPlan::Mix(_) => {
+            let a = s.attention.as_ref().expect("observer on for the mix");
+            let d: Vec<f64> = (0..full).map(|c| a.density(c * chunk_tokens..(c + 1) * chunk_tokens)).collect();
+            let lv = choose(&d);
+            for (c, &l) in lv.iter().enumerate() {
+                let cur = s.kv.format(c);
+                if level_rank(l) > level_rank(cur) {
+                    s.kv.set_format(c, l)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Free-running greedy generation with the KV cache compressed as `plan` says (as in
+/// [`perplexity_kv`]: the prompt is fed a chunk at a time and every full chunk is lowered
+/// before the next is computed; generated tokens fill chunks that are lowered in turn). For
+/// each of up to `max_windows` windows of the text, the first `prompt` tokens are the prompt
+/// and `gen` tokens are generated; returns the generated ids per window.
+#[allow(clippy::too_many_arguments)]
+pub fn greedy_kv(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    prompt: usize,
+    gen: usize,
+    max_windows: usize,
+    plan: KvPlan,
+    chunk_tokens: usize,
+    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
+) -> Result<Vec<Vec<u32>>, ModelError> {
+    let wins = windows(model, ids, prompt, max_windows)?;
+    let base = match plan {
+        KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
+        _ => KvFormat::Int8,
+    };
+    let cap = prompt + gen;
+    let opts =
+        SessionOptions { capacity: cap, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)), sliding_window: None };
+    let mut s = Session::with_options(Arc::clone(model), pool, opts);
+    let mut out = Vec::with_capacity(wins.len());
+    for win in &wins {
+        s.truncate(0);
+        if let Some(a) = &mut s.attention {
+            *a = AttentionStats::default();
+        }
+        let mut next = 0;
+        for start in (0..prompt).step_by(chunk_tokens) {
+            let end = (start + chunk_tokens).min(prompt);
+            next = crate::sampler::argmax(s.eval(&win[start..end], Logits::Last)?);
+            lower(&mut s, plan, end / chunk_tokens, chunk_tokens, choose)?;
+        }
+        let mut toks = Vec::with_capacity(gen);
+        for _ in 0..gen {
+            toks.push(next);
+            next = crate::sampler::argmax(s.eval(&[next], Logits::Last)?);
+            let n = s.n_past();
+            if n.is_multiple_of(chunk_tokens) {
+                lower(&mut s, plan, n / chunk_tokens, chunk_tokens, choose)?;
+            }
+        }
+        out.push(toks);
+    }
+    Ok(out)
 }
 
 fn level_rank(f: KvFormat) -> u8 {

@@ -64,6 +64,25 @@ pub struct MmConfig {
     pub levels: Vec<Format>,
     /// Chunks per context (its slots).
     pub max_chunks: usize,
+    /// Parts of the `llms` policy that can be switched off for ablation studies.
+    pub features: Features,
+}
+
+/// Parts of the `llms` policy, all on by default; switching one off measures what it brings
+/// (the paper's Fig. 13). Compression and the recompute pipeline are switched off by the
+/// caller: one level, and no profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    /// Reclaim by LCTRU (heaviest level first); off: one LRU queue over all levels.
+    pub lctru: bool,
+    /// Write modified chunks when a call returns (AoT); off: write them when reclaimed.
+    pub aot: bool,
+}
+
+impl Default for Features {
+    fn default() -> Self {
+        Self { lctru: true, aot: true }
+    }
 }
 
 /// Errors of the manager.
@@ -329,8 +348,8 @@ impl Manager {
         let pager = Pager::new()?;
         let max = cfg.levels.iter().map(|&f| codec.chunk_bytes(f)).max().unwrap_or(0);
         let slot_size = max.max(1).div_ceil(PAGE) * PAGE;
-        let n_levels = if cfg.policy == Policy::Llms { cfg.levels.len() } else { 1 };
-        let writer = (cfg.policy == Policy::Llms).then(|| Writer::spawn(Arc::clone(&store)));
+        let n_levels = if cfg.policy == Policy::Llms && cfg.features.lctru { cfg.levels.len() } else { 1 };
+        let writer = (cfg.policy == Policy::Llms && cfg.features.aot).then(|| Writer::spawn(Arc::clone(&store)));
         Ok(Self {
             lctru: Lctru::new(n_levels),
             cfg,

@@ -141,7 +141,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
 fn run(policy: Policy, ops: &[Op]) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
-    let cfg = MmConfig { policy, budget: 100_000, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS };
+    let cfg =
+        MmConfig { policy, budget: 100_000, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features: mm::Features::default() };
     let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return Ok(()) };
     let mut kvs: Vec<FakeKv> = (0..3).map(|_| FakeKv::default()).collect();
     for c in 0..3 {
@@ -219,7 +220,14 @@ proptest! {
 fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
-    let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.5, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS };
+    let cfg = MmConfig {
+        policy: Policy::Llms,
+        budget: 1 << 30,
+        ratio: 0.5,
+        levels: vec![0, 1, 2],
+        max_chunks: MAX_CHUNKS,
+        features: mm::Features::default(),
+    };
     let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
     mm.create(9).unwrap();
     let mut kv = FakeKv::default();
@@ -251,4 +259,48 @@ fn levels_follow_density_and_shrink_pages() {
     mm.end(9, &mut kv).unwrap();
     mm.flush();
     assert_eq!(mm.stats.written_aot, 10, "clean chunks are never rewritten");
+}
+
+/// Two contexts of 10 chunks each at mixed levels, context 1 used before context 2; then the
+/// budget drops to what context 2 holds. Returns the manager and the chunk states.
+fn two_contexts_then_squeeze(features: mm::Features) -> Option<(Manager, Vec<mm::ChunkInfo>, Vec<mm::ChunkInfo>, tempfile::TempDir)> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
+    let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.5, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features };
+    let mut mm = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))?;
+    for ctx in [1, 2] {
+        mm.create(ctx).unwrap();
+        let mut kv = FakeKv::default();
+        mm.prepare(ctx, &mut kv, 10 * CT).unwrap();
+        mm.begin(ctx, &mut kv, Load::Planned).unwrap();
+        kv.tokens = (0..10 * CT as u32).map(|t| t + 1000 * ctx as u32).collect();
+        for i in 0..10 {
+            kv.write(i);
+        }
+        mm.end(ctx, &mut kv).unwrap();
+        mm.flush();
+    }
+    let two = mm.context_bytes(2);
+    mm.set_budget(two).unwrap();
+    let info = |mm: &Manager, ctx| (0..10).map(|i| mm.chunk_info(ctx, i).unwrap()).collect::<Vec<_>>();
+    let (a, b) = (info(&mm, 1), info(&mm, 2));
+    Some((mm, a, b, dir))
+}
+
+#[test]
+fn ablations_switch_off_lctru_order_and_aot_writes() {
+    use uffd_handler::SlotState::Resident;
+    // All on: LCTRU takes the heaviest level first, from both contexts; AoT wrote everything.
+    let Some((mm, one, two, _d)) = two_contexts_then_squeeze(mm::Features::default()) else { return };
+    assert_eq!(mm.stats.written_aot, 20);
+    assert!(two.iter().any(|c| c.state != Resident), "LCTRU evicted heavy chunks of the recent context too");
+    assert!(one.iter().any(|c| c.state == Resident), "and kept light chunks of the older one");
+    // LRU: the older context goes first, whatever its levels; the recent one stays whole.
+    // Without AoT nothing is written when calls return, only what reclaim evicts.
+    let Some((mm, one, two, _d)) = two_contexts_then_squeeze(mm::Features { lctru: false, aot: false }) else { return };
+    assert_eq!(mm.stats.written_aot, 0, "no AoT writer");
+    assert!(two.iter().all(|c| c.state == Resident), "plain LRU keeps the most recent context: {two:?}");
+    assert!(one.iter().all(|c| c.state != Resident), "and evicts the older one whole: {one:?}");
+    assert!(one.iter().all(|c| c.on_flash) && two.iter().all(|c| !c.on_flash), "evicted chunks were written at reclaim, kept ones not");
+    assert_eq!(mm.stats.written_sync, 10);
 }

@@ -41,6 +41,10 @@ pub struct Config {
     pub levels: Vec<String>,
     /// Global compression ratio (KV bytes relative to the base level), 0 < ratio <= 1.
     pub ratio: f64,
+    /// Parts of the llms policy to switch off, for ablation studies: `lctru` (reclaim by plain
+    /// LRU), `compression` (every chunk at the base level), `pipeline` (read every chunk, never
+    /// recompute), `aot` (write chunks when reclaimed, not when a call returns).
+    pub ablate: Vec<String>,
     /// Contexts one app may hold.
     pub max_contexts_per_app: usize,
     /// Contexts the service holds in all.
@@ -81,6 +85,7 @@ impl Default for Config {
             chunk_tokens: 16,
             levels: vec!["int8".into(), "q4".into(), "q2".into()],
             ratio: 0.75,
+            ablate: Vec::new(),
             max_contexts_per_app: 16,
             max_contexts: 256,
             max_context_tokens: 2048,
@@ -134,6 +139,38 @@ impl Config {
         Ok(v)
     }
 
+    /// The ablations asked for, checked.
+    pub fn ablations(&self) -> Result<Ablations> {
+        let mut a = Ablations::default();
+        for x in &self.ablate {
+            match x.as_str() {
+                "lctru" => a.lctru = true,
+                "compression" => a.compression = true,
+                "pipeline" => a.pipeline = true,
+                "aot" => a.aot = true,
+                _ => bail!("ablate {x:?}: expected lctru, compression, pipeline or aot"),
+            }
+        }
+        if a != Ablations::default() && self.policy()? != Policy::Llms {
+            bail!("ablate switches off parts of the llms policy; policy is {:?}", self.policy);
+        }
+        Ok(a)
+    }
+
+    /// mm's configuration: the policy, levels and ratio less what is ablated.
+    pub fn mm_config(&self, max_chunks: usize) -> Result<mm::MmConfig> {
+        let a = self.ablations()?;
+        let mut levels = self.level_formats()?;
+        let mut ratio = self.ratio;
+        if a.compression {
+            levels.truncate(1);
+            ratio = 1.0;
+        }
+        let mut c = crate::loadbench::mm_config(self.policy()?, &levels, ratio, max_chunks);
+        c.features = mm::Features { lctru: !a.lctru, aot: !a.aot };
+        Ok(c)
+    }
+
     pub fn socket_mode_bits(&self) -> Result<u32> {
         let bits = u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8)
             .with_context(|| format!("socket_mode {:?}: expected octal such as 0660", self.socket_mode))?;
@@ -149,6 +186,7 @@ impl Config {
         self.weights_budget()?;
         self.policy()?;
         self.level_formats()?;
+        self.ablations()?;
         self.socket_mode_bits()?;
         if !(self.ratio > 0.0 && self.ratio <= 1.0) {
             bail!("ratio {} must be in (0, 1]", self.ratio);
@@ -177,6 +215,15 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Parts of the llms policy switched off (`ablate`): true means off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ablations {
+    pub lctru: bool,
+    pub compression: bool,
+    pub pipeline: bool,
+    pub aot: bool,
 }
 
 /// A size written as a number of bytes or as a string with a unit.
@@ -233,7 +280,15 @@ mod tests {
         let c: Config = toml::from_str("budget = 3145728").unwrap();
         assert_eq!(c.budget_bytes().unwrap(), 3 << 20);
         assert!(toml::from_str::<Config>("bugdet = \"1M\"").is_err(), "unknown keys are errors");
-        for bad in ["levels = [\"q4\"]", "ratio = 0.0", "policy = \"lru\"", "socket_mode = \"999\"", "chunk_tokens = 0"] {
+        for bad in [
+            "levels = [\"q4\"]",
+            "ratio = 0.0",
+            "policy = \"lru\"",
+            "ablate = [\"lru\"]",
+            "policy = \"swap\"\nablate = [\"aot\"]",
+            "socket_mode = \"999\"",
+            "chunk_tokens = 0",
+        ] {
             let c: Config = toml::from_str(bad).unwrap();
             assert!(c.validate().is_err(), "{bad}");
         }

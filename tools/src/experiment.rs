@@ -1,18 +1,32 @@
 //! Experiments over traces (issue #7, the paper's §5): each runs the real service on
-//! synthetic traces and writes a table (Markdown and JSON) and a plot (SVG and PNG).
+//! synthetic traces (or the engine on real text) and writes a table (Markdown and JSON) and a
+//! plot (SVG and PNG) through [`crate::figure`]; `llms report` gathers them into
+//! docs/RESULTS.md.
 //!
-//! `switch-vs-contexts` (Fig. 9): average switch latency against the number of active contexts
-//! for each policy and switching pattern, at one memory budget.
+//! - `switch-vs-contexts` (Fig. 9): average switch latency against active contexts, per
+//!   policy and switching pattern.
+//! - `contexts-vs-budget`, `contexts-vs-length` (Fig. 10, 11): the most active contexts each
+//!   policy keeps under an average switch latency bound, against the budget or the maximum
+//!   context length.
+//! - `accuracy-vs-memory` (Fig. 12): perplexity and greedy agreement against KV bytes.
+//! - `ablation` (Fig. 13): the llms policy with one technique switched off at a time.
+//! - `chunk-size` (Fig. 14): switch latency against tokens per chunk.
+//! - `inference` (Fig. 15a): prefill and decode speed with the KV cache in mm's userfaultfd
+//!   regions against the engine's own memory.
+//! - `call-rate` (Fig. 15b): switch latency against the call rate, calls paced in real time.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::replay::{replay, summarize};
+use crate::figure::{ensure_font, Figure, Panel, Series, COLORS};
+use crate::replay::{replay_paced, summarize, Pace, Summary};
 use crate::service::Local;
 use crate::trace::{generate, GenParams, Pattern};
 
@@ -55,6 +69,50 @@ pub struct Point {
     pub recomputed_chunks: u64,
 }
 
+/// The trace of `n` contexts with `calls_per_context` calls each.
+fn trace_params(
+    n: usize,
+    calls_per_context: usize,
+    pattern: &str,
+    rate: f64,
+    scale: f64,
+    seed: u64,
+    corpus: &[PathBuf],
+) -> Result<GenParams> {
+    let pattern = Pattern::parse(pattern).with_context(|| format!("pattern {pattern:?}: random, markov or gaussian"))?;
+    Ok(GenParams {
+        contexts: n,
+        apps: n.min(4),
+        calls: n * calls_per_context,
+        pattern,
+        rate,
+        seed,
+        scale,
+        markov_decay: 0.5,
+        corpus: corpus.to_vec(),
+    })
+}
+
+/// Replays the trace of `p` against a fresh service run with `cfg` (its socket and state
+/// directory go under `work`, seeded with the load profiles in `profiles`) and summarizes the
+/// switches back to a context: the first call of each context has nothing to switch in.
+pub fn run_trace(cfg: &Config, p: &GenParams, pace: Pace, work: &Path, profiles: &Path) -> Result<Summary> {
+    static RUN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let (h, recs) = generate(p)?;
+    let state = work.join(format!("run-{}", RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    crate::loadbench::fresh_state(&state, profiles)?;
+    let cfg = Config { socket: state.join("llmsd.sock"), state_dir: state.clone(), pressure: false, ..cfg.clone() };
+    let local = Local::start(cfg)?;
+    let t = Instant::now();
+    let r = replay_paced(&local.socket, &h, &recs, pace, &mut |_| {});
+    let secs = t.elapsed().as_secs_f64();
+    local.stop()?;
+    let _ = std::fs::remove_dir_all(&state);
+    let mut seen = std::collections::HashSet::new();
+    let back: Vec<_> = r?.into_iter().filter(|x| !seen.insert(x.ctx)).collect();
+    Ok(summarize(&back, secs))
+}
+
 /// Runs it; `base` gives the model, threads, chunk size and maximum context length; every run
 /// gets a fresh store under `work` seeded with the profiles in `profiles`.
 pub fn switch_vs_contexts(
@@ -66,40 +124,11 @@ pub fn switch_vs_contexts(
 ) -> Result<Vec<Point>> {
     let mut out = Vec::new();
     for pattern in &s.patterns {
-        let pat = Pattern::parse(pattern).with_context(|| format!("pattern {pattern:?}"))?;
         for &n in &s.contexts {
-            let p = GenParams {
-                contexts: n,
-                apps: n.min(4),
-                calls: n * s.calls_per_context,
-                pattern: pat,
-                rate: 1.0,
-                seed: s.seed,
-                scale: s.scale,
-                markov_decay: 0.5,
-                corpus: s.corpus.clone(),
-            };
-            let (h, recs) = generate(&p)?;
+            let p = trace_params(n, s.calls_per_context, pattern, 1.0, s.scale, s.seed, &s.corpus)?;
             for policy in &s.policies {
-                let state = work.join(format!("{pattern}-{n}-{policy}"));
-                crate::loadbench::fresh_state(&state, profiles)?;
-                let cfg = Config {
-                    socket: state.join("llmsd.sock"),
-                    state_dir: state.clone(),
-                    budget: s.budget.clone(),
-                    pressure: false,
-                    ..policy_config(base, policy)
-                };
-                let local = Local::start(cfg)?;
-                let r = replay(&local.socket, &h, &recs, &mut |_| {});
-                local.stop()?;
-                let _ = std::fs::remove_dir_all(&state);
-                let results = r?;
-                // The first call of each context has nothing to switch in: the figure is
-                // about switches back to a context.
-                let mut seen = std::collections::HashSet::new();
-                let back: Vec<_> = results.into_iter().filter(|x| !seen.insert(x.ctx)).collect();
-                let sum = summarize(&back, 0.0);
+                let cfg = Config { budget: s.budget.clone(), ..policy_config(base, policy) };
+                let sum = run_trace(&cfg, &p, Pace::Compressed, work, profiles)?;
                 let pt = Point {
                     pattern: pattern.clone(),
                     policy: policy.clone(),
@@ -118,101 +147,496 @@ pub fn switch_vs_contexts(
     Ok(out)
 }
 
-/// Writes `<dir>/<name>.md`, `.json`, `.svg` and `.png`: the table and one chart per pattern.
-pub fn write_switch_vs_contexts(dir: &Path, name: &str, s: &SwitchVsContexts, points: &[Point]) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut md = format!(
-        "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}.\n",
-        s.budget, s.calls_per_context, s.scale, s.seed
-    );
-    for pattern in &s.patterns {
-        md.push_str(&format!("\n**{pattern}**\n\n| policy |"));
-        for n in &s.contexts {
-            md.push_str(&format!(" {n} |"));
+/// Series of `rows` grouped by `label`, x and y picked by `xy`, in first-seen order.
+fn series<T>(rows: &[T], label: impl Fn(&T) -> String, xy: impl Fn(&T) -> (f64, f64)) -> Vec<Series> {
+    let mut out: Vec<Series> = Vec::new();
+    for r in rows {
+        let l = label(r);
+        let pt = xy(r);
+        match out.iter_mut().find(|s| s.label == l) {
+            Some(s) => s.points.push(pt),
+            None => out.push(Series { label: l, points: vec![pt] }),
         }
-        md.push_str("\n|---|");
-        md.push_str(&"---|".repeat(s.contexts.len()));
-        md.push('\n');
-        for policy in &s.policies {
-            md.push_str(&format!("| {policy} |"));
-            for &n in &s.contexts {
-                match points.iter().find(|p| &p.pattern == pattern && &p.policy == policy && p.contexts == n) {
-                    Some(p) => md.push_str(&format!(" {:.2} |", p.switch_mean_ms)),
-                    None => md.push_str(" - |"),
+    }
+    out
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn x_of(n: usize) -> f64 {
+    n as f64
+}
+
+/// Writes the figure of `switch-vs-contexts`: a panel per pattern.
+pub fn write_switch_vs_contexts(dir: &Path, name: &str, s: &SwitchVsContexts, points: &[Point]) -> Result<Vec<PathBuf>> {
+    let fig = Figure {
+        caption: format!(
+            "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}.",
+            s.budget, s.calls_per_context, s.scale, s.seed
+        ),
+        x_desc: "active contexts".into(),
+        log_x: false,
+        log_y: true,
+        decimals: 2,
+        panels: s
+            .patterns
+            .iter()
+            .map(|pat| Panel {
+                title: format!("{pat} pattern"),
+                y_desc: "avg switch latency (ms)".into(),
+                series: series(
+                    &points.iter().filter(|p| &p.pattern == pat).collect::<Vec<_>>(),
+                    |p| p.policy.clone(),
+                    |p| (x_of(p.contexts), p.switch_mean_ms),
+                ),
+            })
+            .collect(),
+    };
+    fig.write(dir, name, s, &points)
+}
+
+/// Settings of `contexts-vs-budget` and `contexts-vs-length` (Fig. 10, 11): for every budget
+/// and maximum context length, each policy runs traces of a growing number of active contexts
+/// until its average switch latency passes the largest bound.
+#[derive(Debug, Clone, Serialize)]
+pub struct MaxContexts {
+    pub budgets: Vec<String>,
+    pub lengths: Vec<usize>,
+    pub bounds_ms: Vec<f64>,
+    /// Active contexts tried, ascending.
+    pub contexts: Vec<usize>,
+    pub policies: Vec<String>,
+    pub pattern: String,
+    pub calls_per_context: usize,
+    pub scale: f64,
+    pub seed: u64,
+    pub corpus: Vec<PathBuf>,
+}
+
+/// One run of `MaxContexts`.
+#[derive(Debug, Clone, Serialize)]
+pub struct MaxRun {
+    pub budget: String,
+    pub length: usize,
+    pub policy: String,
+    pub contexts: usize,
+    pub switch_mean_ms: f64,
+}
+
+/// The most contexts under one bound, for one (budget, length, policy).
+#[derive(Debug, Clone, Serialize)]
+pub struct MaxRow {
+    pub budget: String,
+    pub length: usize,
+    pub policy: String,
+    pub bound_ms: f64,
+    /// Interpolated between the last count under the bound and the first over it.
+    pub max_contexts: f64,
+    /// The bound was never passed: `max_contexts` is the largest count tried, a lower bound.
+    pub at_least: bool,
+}
+
+/// The active-context count at which the mean latency crosses `bound`, interpolated linearly
+/// between measured counts (one context never switches: (1, 0) starts the curve). Returns the
+/// count and whether the bound was never crossed.
+pub fn crossing(runs: &[(usize, f64)], bound: f64) -> (f64, bool) {
+    let mut prev = (1.0, 0.0);
+    for &(n, y) in runs {
+        let x = x_of(n);
+        if y > bound {
+            let f = if y > prev.1 { (bound - prev.1) / (y - prev.1) } else { 0.0 };
+            return (prev.0 + f.clamp(0.0, 1.0) * (x - prev.0), false);
+        }
+        prev = (x, y);
+    }
+    (prev.0, true)
+}
+
+/// Runs it (see [`MaxContexts`]).
+pub fn max_contexts(
+    base: &Config,
+    s: &MaxContexts,
+    work: &Path,
+    profiles: &Path,
+    log: &mut dyn FnMut(&MaxRun),
+) -> Result<(Vec<MaxRun>, Vec<MaxRow>)> {
+    let top = s.bounds_ms.iter().copied().fold(0.0, f64::max);
+    let (mut runs, mut rows) = (Vec::new(), Vec::new());
+    for budget in &s.budgets {
+        for &length in &s.lengths {
+            for policy in &s.policies {
+                let cfg = Config { budget: budget.clone(), max_context_tokens: length, ..policy_config(base, policy) };
+                cfg.validate()?;
+                let mut curve = Vec::new();
+                for &n in &s.contexts {
+                    let p = trace_params(n, s.calls_per_context, &s.pattern, 1.0, s.scale, s.seed, &s.corpus)?;
+                    let sum = run_trace(&cfg, &p, Pace::Compressed, work, profiles)?;
+                    let r =
+                        MaxRun { budget: budget.clone(), length, policy: policy.clone(), contexts: n, switch_mean_ms: sum.switch_mean_ms };
+                    log(&r);
+                    curve.push((n, r.switch_mean_ms));
+                    runs.push(r);
+                    if sum.switch_mean_ms > top {
+                        break;
+                    }
+                }
+                for &b in &s.bounds_ms {
+                    let (max_contexts, at_least) = crossing(&curve, b);
+                    rows.push(MaxRow { budget: budget.clone(), length, policy: policy.clone(), bound_ms: b, max_contexts, at_least });
                 }
             }
-            md.push('\n');
         }
     }
-    let md_path = dir.join(format!("{name}.md"));
-    std::fs::write(&md_path, md)?;
-    let json_path = dir.join(format!("{name}.json"));
-    std::fs::write(&json_path, serde_json::to_string_pretty(&serde_json::json!({"settings": s, "points": points}))?)?;
-    let svg = dir.join(format!("{name}.svg"));
-    let png = dir.join(format!("{name}.png"));
-    ensure_font()?;
-    let w = 420 * u32::try_from(s.patterns.len().max(1)).unwrap_or(1);
-    chart(SVGBackend::new(&svg, (w, 360)).into_drawing_area(), s, points)?;
-    chart(BitMapBackend::new(&png, (w, 360)).into_drawing_area(), s, points)?;
-    Ok(vec![md_path, json_path, svg, png])
+    Ok((runs, rows))
 }
 
-/// The plots' font: DejaVu Sans (Debian's fonts-dejavu-core, which `make` installs).
-fn ensure_font() -> Result<()> {
-    static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
-    DONE.get_or_init(|| {
-        let path = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"]
-            .into_iter()
-            .find(|p| Path::new(p).exists())
-            .ok_or("no DejaVuSans.ttf: install fonts-dejavu-core (make does)")?;
-        let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
-        plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
-            .map_err(|_| format!("{path} is not a usable font"))
-    })
-    .clone()
-    .map_err(|e| anyhow!(e))
-}
-
-const COLORS: [RGBColor; 5] =
-    [RGBColor(214, 39, 40), RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(255, 127, 14), RGBColor(148, 103, 189)];
-
-fn chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, s: &SwitchVsContexts, points: &[Point]) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("plotting: {x:?}");
-    root.fill(&WHITE).map_err(e)?;
-    let panels = root.split_evenly((1, s.patterns.len().max(1)));
-    let xmax = s.contexts.iter().copied().max().unwrap_or(1) as f64 + 1.0;
-    let ymax = points.iter().map(|p| p.switch_mean_ms).fold(1.0, f64::max) * 2.0;
-    let ymin = points.iter().map(|p| p.switch_mean_ms).filter(|&v| v > 0.0).fold(ymax, f64::min).max(1e-3) / 2.0;
-    for (panel, pattern) in panels.iter().zip(&s.patterns) {
-        let mut ch = ChartBuilder::on(panel)
-            .caption(format!("{pattern} pattern"), ("sans-serif", 18))
-            .margin(8)
-            .x_label_area_size(32)
-            .y_label_area_size(56)
-            .build_cartesian_2d(0f64..xmax, (ymin..ymax).log_scale())
-            .map_err(e)?;
-        ch.configure_mesh().x_desc("active contexts").y_desc("avg switch latency (ms)").draw().map_err(e)?;
-        for (k, policy) in s.policies.iter().enumerate() {
-            let c = COLORS[k % COLORS.len()];
+/// Writes the figure of a `MaxContexts` run: a panel per bound; x is the maximum context
+/// length when only it varies, else the budget (MiB).
+pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRun], rows: &[MaxRow]) -> Result<Vec<PathBuf>> {
+    let by_length = s.budgets.len() == 1 && s.lengths.len() > 1;
+    let x = |r: &MaxRow| -> f64 {
+        if by_length {
+            x_of(r.length)
+        } else {
             #[allow(clippy::cast_precision_loss)]
-            let pts: Vec<(f64, f64)> = points
-                .iter()
-                .filter(|p| &p.pattern == pattern && &p.policy == policy)
-                .map(|p| (p.contexts as f64, p.switch_mean_ms.max(ymin)))
-                .collect();
-            ch.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-                .map_err(e)?
-                .label(policy.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
-            ch.draw_series(pts.into_iter().map(|(x, y)| Circle::new((x, y), 3, c.filled()))).map_err(e)?;
+            crate::config::parse_bytes(&r.budget).map_or(0.0, |b| b as f64 / f64::from(1 << 20))
         }
-        ch.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(e)?;
+    };
+    let fixed = if by_length {
+        format!("budget {}", s.budgets.join(","))
+    } else {
+        format!("max context {} tokens", s.lengths.iter().map(ToString::to_string).collect::<Vec<_>>().join(","))
+    };
+    let caption = format!(
+        "Most active contexts under an average switch latency bound ({} pattern, {} calls per context, delta scale {}, seed {}; {fixed}), interpolated between the counts tried ({}).",
+        s.pattern,
+        s.calls_per_context,
+        s.scale,
+        s.seed,
+        s.contexts.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+    );
+    let fig = Figure {
+        caption,
+        x_desc: if by_length { "max context length (tokens)".into() } else { "budget (MiB)".into() },
+        log_x: false,
+        log_y: false,
+        decimals: 1,
+        panels: s
+            .bounds_ms
+            .iter()
+            .map(|&b| Panel {
+                title: format!("under {b} ms"),
+                y_desc: "max active contexts".into(),
+                series: series(
+                    &rows.iter().filter(|r| r.bound_ms == b).collect::<Vec<_>>(),
+                    |r| r.policy.clone(),
+                    |r| (x(r), r.max_contexts),
+                ),
+            })
+            .collect(),
+    };
+    let files = fig.write(dir, name, s, &serde_json::json!({"runs": runs, "max": rows}))?;
+    // Say which values are lower bounds (the bound was never passed).
+    let starred: Vec<String> = rows
+        .iter()
+        .filter(|r| r.at_least)
+        .map(|r| format!("{} ({}, {} tokens, {} ms)", r.policy, r.budget, r.length, r.bound_ms))
+        .collect();
+    if !starred.is_empty() {
+        let mut md = fig.markdown();
+        md.push_str(&format!("\nNever over the bound up to the largest count tried (a lower bound): {}.\n", starred.join("; ")));
+        std::fs::write(&files[0], md)?;
     }
-    root.present().map_err(e)?;
-    Ok(())
+    Ok(files)
+}
+
+/// Settings of `ablation` (Fig. 13): the llms policy with each technique switched off in turn
+/// (`Config::ablate`), on one trace per context count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ablation {
+    /// `llms`, `no-<part>` for a part of `Config::ablate`, or a baseline policy.
+    pub variants: Vec<String>,
+    pub contexts: Vec<usize>,
+    pub pattern: String,
+    pub calls_per_context: usize,
+    pub budget: String,
+    pub scale: f64,
+    pub seed: u64,
+    pub corpus: Vec<PathBuf>,
+}
+
+/// One run of a sweep: a line's label, the x it was run at, what the replay saw.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepRun {
+    pub label: String,
+    pub x: f64,
+    pub summary: Summary,
+}
+
+/// The service configuration of an ablation variant.
+pub fn variant_config(base: &Config, v: &str) -> Result<Config> {
+    if let Some(part) = v.strip_prefix("no-") {
+        let c = Config { ablate: vec![part.to_string()], ..policy_config(base, "llms") };
+        c.ablations()?;
+        return Ok(c);
+    }
+    mm::Policy::parse(v).with_context(|| format!("variant {v:?}: llms, no-lctru, no-compression, no-pipeline, no-aot or a policy"))?;
+    Ok(policy_config(base, v))
+}
+
+/// Runs it.
+pub fn ablation(base: &Config, s: &Ablation, work: &Path, profiles: &Path, log: &mut dyn FnMut(&SweepRun)) -> Result<Vec<SweepRun>> {
+    let mut out = Vec::new();
+    for &n in &s.contexts {
+        let p = trace_params(n, s.calls_per_context, &s.pattern, 1.0, s.scale, s.seed, &s.corpus)?;
+        for v in &s.variants {
+            let cfg = Config { budget: s.budget.clone(), ..variant_config(base, v)? };
+            let r = SweepRun { label: v.clone(), x: x_of(n), summary: run_trace(&cfg, &p, Pace::Compressed, work, profiles)? };
+            log(&r);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+/// A one-panel figure of average switch latency from sweep runs.
+fn sweep_figure(caption: String, x_desc: &str, log_x: bool, runs: &[SweepRun]) -> Figure {
+    Figure {
+        caption,
+        x_desc: x_desc.into(),
+        log_x,
+        log_y: true,
+        decimals: 2,
+        panels: vec![Panel {
+            title: "average switch latency".into(),
+            y_desc: "avg switch latency (ms)".into(),
+            series: series(runs, |r| r.label.clone(), |r| (r.x, r.summary.switch_mean_ms)),
+        }],
+    }
+}
+
+pub fn write_ablation(dir: &Path, name: &str, s: &Ablation, runs: &[SweepRun]) -> Result<Vec<PathBuf>> {
+    let caption = format!(
+        "Ablation: average switch latency (ms) of the llms policy with one technique off ({} pattern, budget {}, {} calls per context, delta scale {}, seed {}).",
+        s.pattern, s.budget, s.calls_per_context, s.scale, s.seed
+    );
+    sweep_figure(caption, "active contexts", false, runs).write(dir, name, s, &runs)
+}
+
+/// Settings of `chunk-size` (Fig. 14).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChunkSize {
+    pub chunk_tokens: Vec<usize>,
+    pub policies: Vec<String>,
+    pub contexts: usize,
+    pub pattern: String,
+    pub calls_per_context: usize,
+    pub budget: String,
+    pub scale: f64,
+    pub seed: u64,
+    pub corpus: Vec<PathBuf>,
+}
+
+/// Runs it: the llms policy's load profile is measured for every chunk size first (saved in
+/// `profiles`, as the service would at its first start).
+pub fn chunk_size(base: &Config, s: &ChunkSize, work: &Path, profiles: &Path, log: &mut dyn FnMut(&SweepRun)) -> Result<Vec<SweepRun>> {
+    if s.policies.iter().any(|p| p == "llms") && base.load_profile {
+        let model = Arc::new(engine::Model::load(&base.model).with_context(|| format!("loading {}", base.model.display()))?);
+        let threads = if base.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { base.threads };
+        let pool = Arc::new(engine::ThreadPool::new(threads));
+        for &ct in &s.chunk_tokens {
+            crate::loadbench::load_or_measure(profiles, &model, &pool, ct, false)?;
+        }
+    }
+    let p = trace_params(s.contexts, s.calls_per_context, &s.pattern, 1.0, s.scale, s.seed, &s.corpus)?;
+    let mut out = Vec::new();
+    for &ct in &s.chunk_tokens {
+        for policy in &s.policies {
+            let cfg = Config { budget: s.budget.clone(), chunk_tokens: ct, ..policy_config(base, policy) };
+            cfg.validate()?;
+            let r = SweepRun { label: policy.clone(), x: x_of(ct), summary: run_trace(&cfg, &p, Pace::Compressed, work, profiles)? };
+            log(&r);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+pub fn write_chunk_size(dir: &Path, name: &str, s: &ChunkSize, runs: &[SweepRun]) -> Result<Vec<PathBuf>> {
+    let caption = format!(
+        "Average switch latency (ms) vs tokens per chunk ({} active contexts, {} pattern, budget {}, {} calls per context, delta scale {}, seed {}).",
+        s.contexts, s.pattern, s.budget, s.calls_per_context, s.scale, s.seed
+    );
+    sweep_figure(caption, "tokens per chunk", true, runs).write(dir, name, s, &runs)
+}
+
+/// Settings of `call-rate` (Fig. 15b).
+#[derive(Debug, Clone, Serialize)]
+pub struct CallRate {
+    /// Calls per second (Poisson arrivals), replayed in real time.
+    pub rates: Vec<f64>,
+    pub policies: Vec<String>,
+    pub contexts: usize,
+    pub pattern: String,
+    pub calls_per_context: usize,
+    pub budget: String,
+    pub scale: f64,
+    pub seed: u64,
+    pub corpus: Vec<PathBuf>,
+}
+
+/// Runs it: the same seed at every rate, so the calls are the same and only the gaps change.
+pub fn call_rate(base: &Config, s: &CallRate, work: &Path, profiles: &Path, log: &mut dyn FnMut(&SweepRun)) -> Result<Vec<SweepRun>> {
+    let mut out = Vec::new();
+    for &rate in &s.rates {
+        let p = trace_params(s.contexts, s.calls_per_context, &s.pattern, rate, s.scale, s.seed, &s.corpus)?;
+        for policy in &s.policies {
+            let cfg = Config { budget: s.budget.clone(), ..policy_config(base, policy) };
+            let r = SweepRun { label: policy.clone(), x: rate, summary: run_trace(&cfg, &p, Pace::Realtime, work, profiles)? };
+            log(&r);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+pub fn write_call_rate(dir: &Path, name: &str, s: &CallRate, runs: &[SweepRun]) -> Result<Vec<PathBuf>> {
+    let caption = format!(
+        "Average switch latency (ms) vs call rate, calls replayed at their trace times ({} active contexts, {} pattern, budget {}, {} calls per context, delta scale {}, seed {}).",
+        s.contexts, s.pattern, s.budget, s.calls_per_context, s.scale, s.seed
+    );
+    sweep_figure(caption, "calls per second", true, runs).write(dir, name, s, &runs)
+}
+
+/// Settings of `inference` (Fig. 15a).
+#[derive(Debug, Clone, Serialize)]
+pub struct Inference {
+    /// Context lengths (prompt tokens) measured.
+    pub lengths: Vec<usize>,
+    /// Tokens decoded after each prompt.
+    pub decode: usize,
+    pub reps: usize,
+    pub chunk_tokens: usize,
+}
+
+/// Speeds of one way of holding the KV cache at one length (medians over the repetitions).
+#[derive(Debug, Clone, Serialize)]
+pub struct InferenceRow {
+    /// `engine` (the session's own memory) or `llms` (mm's userfaultfd regions).
+    pub memory: String,
+    pub length: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs it: the same token ids through a session whose KV cache is its own memory and through
+/// one whose chunks live in mm's slots (llms policy, int8 chunks, a budget that holds them, so
+/// what differs is where the memory is and mm's per-call work), alternating, in one process;
+/// the two must generate the same tokens (an error otherwise). mm's stores go under `dir`.
+pub fn inference(
+    model: &Arc<engine::Model>,
+    pool: &Arc<engine::ThreadPool>,
+    s: &Inference,
+    dir: &Path,
+    log: &mut dyn FnMut(&InferenceRow),
+) -> Result<Vec<InferenceRow>> {
+    use crate::kvmm::SessionKv;
+    use engine::kv::KvFormat;
+    use engine::model::SessionOptions;
+    use engine::{Logits, Session};
+    let ct = s.chunk_tokens;
+    if s.reps == 0 || s.decode == 0 || ct == 0 {
+        bail!("reps, decode and chunk_tokens must be at least 1");
+    }
+    let mut out = Vec::new();
+    for &len in &s.lengths {
+        let toks = crate::loadbench::synthetic_tokens(model, len);
+        let cap = len + s.decode + ct;
+        if len == 0 || cap > model.config.ctx_len {
+            bail!("length {len} + {} decoded tokens must fit the model's context length {}", s.decode, model.config.ctx_len);
+        }
+        let opts = SessionOptions { capacity: cap, chunk_tokens: ct, base: KvFormat::Int8, observe_attention: false, sliding_window: None };
+        let run = dir.join(format!("inference-{}-{len}", std::process::id()));
+        let cfg = crate::loadbench::mm_config(mm::Policy::Llms, &[KvFormat::Int8], 1.0, cap.div_ceil(ct) + 1);
+        let mut mgr = crate::loadbench::manager(&run, model, ct, cfg, None)?;
+        let mut times: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+        let mut outputs: [Vec<u32>; 2] = Default::default();
+        for rep in 0..s.reps {
+            // Alternate which goes first: neither always runs on a warmer machine.
+            for which in [rep % 2, 1 - rep % 2] {
+                let mut sess = Session::with_options(Arc::clone(model), Arc::clone(pool), opts);
+                let id = u64::try_from(rep).unwrap_or(0);
+                if which == 1 {
+                    mgr.create(id)?;
+                    mgr.prepare(id, &mut SessionKv(&mut sess), cap)?;
+                    mgr.begin(id, &mut SessionKv(&mut sess), mm::Strategy::Planned)?;
+                }
+                let t = Instant::now();
+                let mut next = engine::sampler::argmax(sess.eval(&toks, Logits::Last)?);
+                let pre = t.elapsed().as_secs_f64();
+                let mut got = Vec::with_capacity(s.decode);
+                let t = Instant::now();
+                for _ in 0..s.decode {
+                    got.push(next);
+                    next = engine::sampler::argmax(sess.eval(&[next], Logits::Last)?);
+                }
+                let dec = t.elapsed().as_secs_f64();
+                // Where the memory lives must not change what is computed.
+                if !outputs[1 - which].is_empty() && outputs[1 - which] != got {
+                    bail!("length {len}: greedy output with the KV cache in mm's regions differs from the engine's own memory");
+                }
+                outputs[which] = got;
+                if which == 1 {
+                    mgr.end(id, &mut SessionKv(&mut sess))?;
+                    mgr.flush();
+                    mgr.delete(id)?;
+                }
+                #[allow(clippy::cast_precision_loss)]
+                {
+                    times[which].0.push(len as f64 / pre.max(1e-9));
+                    times[which].1.push(s.decode as f64 / dec.max(1e-9));
+                }
+            }
+        }
+        drop(mgr);
+        let _ = std::fs::remove_dir_all(&run);
+        for (which, (p, d)) in times.into_iter().enumerate() {
+            let r = InferenceRow {
+                memory: if which == 0 { "engine" } else { "llms" }.into(),
+                length: len,
+                prefill_tok_s: median(p),
+                decode_tok_s: median(d),
+            };
+            log(&r);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+pub fn write_inference(dir: &Path, name: &str, s: &Inference, rows: &[InferenceRow]) -> Result<Vec<PathBuf>> {
+    let caption = format!(
+        "Inference speed (tokens/s) with the KV cache in the engine's own memory (w/o LLMS) and in mm's userfaultfd regions (w/ LLMS); medians of {} repetitions, {} tokens decoded, chunks of {} tokens.",
+        s.reps, s.decode, s.chunk_tokens
+    );
+    let panel = |title: &str, f: fn(&InferenceRow) -> f64| Panel {
+        title: title.into(),
+        y_desc: "tokens/s".into(),
+        series: series(rows, |r| r.memory.clone(), |r| (x_of(r.length), f(r))),
+    };
+    let fig = Figure {
+        caption,
+        x_desc: "context tokens".into(),
+        log_x: false,
+        log_y: false,
+        decimals: 1,
+        panels: vec![panel("prefill", |r| r.prefill_tok_s), panel("decode", |r| r.decode_tok_s)],
+    };
+    fig.write(dir, name, s, &rows)
 }
 
 /// Settings of `accuracy-vs-memory` (Fig. 12).
@@ -224,6 +648,9 @@ pub struct AccuracyVsMemory {
     pub windows: usize,
     pub chunk_tokens: usize,
     pub corpus: Vec<PathBuf>,
+    /// Free-running greedy generation: tokens generated after a prompt of `ctx / 2` tokens,
+    /// in each window (0: skip).
+    pub generate: usize,
 }
 
 /// One plan's quality.
@@ -238,6 +665,10 @@ pub struct Accuracy {
     /// Scored positions where the most likely token equals int8's (teacher-forced greedy
     /// agreement).
     pub top1_agreement: f64,
+    /// Free-running greedy generation: the share of generated tokens equal to int8's at the
+    /// same position, and the mean share generated before the first difference.
+    pub greedy_agreement: f64,
+    pub greedy_prefix: f64,
 }
 
 /// Perplexity (llama.cpp's method, KV compressed chunk by chunk as the plan says) and greedy
@@ -260,6 +691,7 @@ pub fn accuracy_vs_memory(
     plans.extend(s.plans.iter().filter(|p| p.as_str() != "int8").cloned());
     let mut out = Vec::new();
     let mut reference: Vec<u32> = Vec::new();
+    let mut greedy_ref: Vec<Vec<u32>> = Vec::new();
     let mut ref_ppl = 0.0;
     for name in &plans {
         let plan = engine::eval::KvPlan::parse(name).with_context(|| format!("plan {name:?}: f16, int8, q4, q2 or mix:R"))?;
@@ -283,38 +715,70 @@ pub fn accuracy_vs_memory(
         }
         #[allow(clippy::cast_precision_loss)]
         let agree = top.iter().zip(&reference).filter(|(a, b)| a == b).count() as f64 / reference.len().max(1) as f64;
+        let (mut greedy_agreement, mut greedy_prefix) = (1.0, 1.0);
+        if s.generate > 0 {
+            let runs =
+                engine::eval::greedy_kv(model, Arc::clone(pool), &ids, s.ctx / 2, s.generate, s.windows, plan, s.chunk_tokens, &choose)?;
+            if greedy_ref.is_empty() {
+                greedy_ref.clone_from(&runs);
+            }
+            (greedy_agreement, greedy_prefix) = sequence_agreement(&runs, &greedy_ref);
+        }
         out.push(Accuracy {
             plan: name.clone(),
             bytes_vs_int8: bytes,
             ppl: p.ppl,
             ppl_vs_int8_pct: (p.ppl / ref_ppl - 1.0) * 100.0,
             top1_agreement: agree,
+            greedy_agreement,
+            greedy_prefix,
         });
     }
     Ok(out)
+}
+
+/// Agreement of generated sequences with reference ones: the share of equal tokens at equal
+/// positions, and the mean share of each sequence before its first difference.
+#[allow(clippy::cast_precision_loss)]
+pub fn sequence_agreement(runs: &[Vec<u32>], reference: &[Vec<u32>]) -> (f64, f64) {
+    let (mut same, mut total, mut prefix) = (0usize, 0usize, 0.0);
+    for (a, b) in runs.iter().zip(reference) {
+        let n = a.len().min(b.len());
+        same += a.iter().zip(b).filter(|(x, y)| x == y).count();
+        total += n;
+        prefix += a.iter().zip(b).take_while(|(x, y)| x == y).count() as f64 / n.max(1) as f64;
+    }
+    (same as f64 / total.max(1) as f64, prefix / reference.len().max(1) as f64)
 }
 
 /// Writes `<dir>/<name>.md`, `.json`, `.svg`, `.png`: the table and perplexity vs KV bytes.
 pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accuracy]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut md = format!(
-        "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk) and teacher-forced greedy agreement with int8.\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | greedy agreement |\n|---|---|---|---|---|\n",
-        s.ctx, s.windows, s.chunk_tokens
+        "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk), teacher-forced greedy agreement with int8 (share of scored positions with int8's most likely token) and free-running greedy agreement ({} tokens generated after a {}-token prompt per window: equal tokens at equal positions, and the share before the first difference).\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | teacher-forced agreement | free-running agreement | before first difference |\n|---|---|---|---|---|---|---|\n",
+        s.ctx,
+        s.windows,
+        s.chunk_tokens,
+        s.generate,
+        s.ctx / 2
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {:.3} | {:.4} | {:+.2}% | {:.1}% |\n",
+            "| {} | {:.3} | {:.4} | {:+.2}% | {:.1}% | {:.1}% | {:.1}% |\n",
             r.plan,
             r.bytes_vs_int8,
             r.ppl,
             r.ppl_vs_int8_pct,
-            r.top1_agreement * 100.0
+            r.top1_agreement * 100.0,
+            r.greedy_agreement * 100.0,
+            r.greedy_prefix * 100.0
         ));
     }
     let md_path = dir.join(format!("{name}.md"));
     std::fs::write(&md_path, md)?;
     let json_path = dir.join(format!("{name}.json"));
-    std::fs::write(&json_path, serde_json::to_string_pretty(&serde_json::json!({"settings": s, "rows": rows}))?)?;
+    let json = serde_json::json!({"command": crate::figure::command_line(), "settings": s, "rows": rows});
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
     let svg = dir.join(format!("{name}.svg"));
     let png = dir.join(format!("{name}.png"));
     ensure_font()?;

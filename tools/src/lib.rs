@@ -4,6 +4,7 @@
 pub mod client;
 pub mod config;
 pub mod experiment;
+pub mod figure;
 pub mod kvmm;
 pub mod loadbench;
 pub mod proto;

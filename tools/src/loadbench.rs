@@ -42,23 +42,24 @@ pub fn fresh_state(dir: &Path, profiles: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A manager over a store in `dir` for `model` (int8 base), with the given policy and levels.
-#[allow(clippy::too_many_arguments)]
-pub fn manager(
-    dir: &Path,
-    model: &Model,
-    chunk_tokens: usize,
-    policy: Policy,
-    levels: &[KvFormat],
-    ratio: f64,
-    max_chunks: usize,
-    profile: Option<Profile>,
-) -> Result<Manager> {
+/// A manager over a store in `dir` for `model` (int8 base) with chunks of `chunk_tokens`.
+pub fn manager(dir: &Path, model: &Model, chunk_tokens: usize, cfg: MmConfig, profile: Option<Profile>) -> Result<Manager> {
     let codec = EngineCodec::new(model, chunk_tokens);
     let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
     let store = Arc::new(Store::open(dir, codec.fingerprint(), geom, false)?);
-    let cfg = MmConfig { policy, budget: usize::MAX / 2, ratio, levels: levels.iter().map(|&f| code(f)).collect(), max_chunks };
     Ok(Manager::new(cfg, Arc::new(codec), store, profile)?)
+}
+
+/// mm's configuration for `policy` over `levels` at `ratio`, unbounded budget, all features.
+pub fn mm_config(policy: Policy, levels: &[KvFormat], ratio: f64, max_chunks: usize) -> MmConfig {
+    MmConfig {
+        policy,
+        budget: usize::MAX / 2,
+        ratio,
+        levels: levels.iter().map(|&f| code(f)).collect(),
+        max_chunks,
+        features: mm::Features::default(),
+    }
 }
 
 /// Token ids for measuring: cost does not depend on which tokens, so no text is needed.
@@ -132,12 +133,13 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Measures `T_re(x)` and `T_io(m)` through real loads of a 512-token context (recompute x
-/// chunks; read x chunks) and fits them.
+/// Measures `T_re(x)` and `T_io(m)` through real loads of a context of at least 512 tokens and
+/// 32 chunks (recompute x chunks; read x chunks, x up to 32) and fits them.
 pub fn measure_profile(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, chunk_tokens: usize) -> Result<Profile> {
     let tmp = dir.join(format!("profile-run-{}", std::process::id()));
-    let mut mm = manager(&tmp, model, chunk_tokens, Policy::Llms, &[KvFormat::Int8], 1.0, 64, None)?;
-    let toks = synthetic_tokens(model, 512);
+    let n_tok = (32 * chunk_tokens).max(512);
+    let mut mm = manager(&tmp, model, chunk_tokens, mm_config(Policy::Llms, &[KvFormat::Int8], 1.0, n_tok / chunk_tokens + 2), None)?;
+    let toks = synthetic_tokens(model, n_tok);
     let mut s = build_context(&mut mm, 1, model, pool, &toks, chunk_tokens)?;
     let (mut re, mut io) = (Vec::new(), Vec::new());
     for x in [1usize, 2, 4, 8, 16, 32] {

@@ -93,10 +93,28 @@ pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
     }
 }
 
-/// Replays `recs` against the service at `socket`; `each` sees every result as it comes.
-/// The trace's contexts are created on first use (one connection per app) and deleted at the
-/// end.
+/// How the replayer spaces the calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// Back to back, each call once the AoT writer is idle (the gap's work done, its time not
+    /// waited).
+    Compressed,
+    /// At the trace's times (a call that comes due while the last one runs goes as soon as it
+    /// returns, as from one app thread): the AoT writer races the next call.
+    Realtime,
+}
+
+/// Replays `recs` against the service at `socket`, compressing idle gaps; `each` sees every
+/// result as it comes. The trace's contexts are created on first use (one connection per app)
+/// and deleted at the end.
 pub fn replay(socket: &Path, h: &Header, recs: &[Record], each: &mut dyn FnMut(&CallResult)) -> Result<Vec<CallResult>> {
+    replay_paced(socket, h, recs, Pace::Compressed, each)
+}
+
+/// [`replay`] with a choice of pacing.
+pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each: &mut dyn FnMut(&CallResult)) -> Result<Vec<CallResult>> {
+    let start = Instant::now();
+    let t0 = recs.first().map_or(0.0, |r| r.t);
     let mut clients: HashMap<String, Client> = HashMap::new();
     let mut ids: HashMap<usize, (String, String)> = HashMap::new();
     let mut out = Vec::with_capacity(recs.len());
@@ -119,13 +137,23 @@ pub fn replay(socket: &Path, h: &Header, recs: &[Record], each: &mut dyn FnMut(&
                     id
                 }
             };
-            // The gap: let the AoT writer finish what the last call left.
-            let t = Instant::now();
-            while c.stats()?.aot_pending > 0 {
-                if t.elapsed() > Duration::from_secs(60) {
-                    bail!("the service's AoT writer did not go idle in 60 s");
+            match pace {
+                // The gap: let the AoT writer finish what the last call left.
+                Pace::Compressed => {
+                    let t = Instant::now();
+                    while c.stats()?.aot_pending > 0 {
+                        if t.elapsed() > Duration::from_secs(60) {
+                            bail!("the service's AoT writer did not go idle in 60 s");
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                 }
-                std::thread::sleep(Duration::from_millis(1));
+                Pace::Realtime => {
+                    let due = Duration::try_from_secs_f64((r.t - t0).max(0.0)).unwrap_or(Duration::MAX);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
             }
             let call = Call {
                 ctx: id.clone(),

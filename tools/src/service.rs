@@ -218,14 +218,14 @@ impl Service {
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         let policy = cfg.policy()?;
         let levels = cfg.level_formats()?;
-        let profile = if policy == Policy::Llms && cfg.load_profile {
+        let profile = if policy == Policy::Llms && cfg.load_profile && !cfg.ablations()?.pipeline {
             Some(crate::loadbench::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
         } else {
             None
         };
         let max_chunks = cfg.max_context_tokens.div_ceil(cfg.chunk_tokens) + 1;
         let store_dir = cfg.state_dir.join("store");
-        let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, policy, &levels, cfg.ratio, max_chunks, profile)?;
+        let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile)?;
         let budget = total;
         let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
         mm.set_budget(budget - weights_share)?;
@@ -269,7 +269,7 @@ impl Service {
             chunk_tokens: self.cfg.chunk_tokens,
             base: levels[0],
             // Densities are only needed to pick compression levels.
-            observe_attention: policy == Policy::Llms && levels.len() > 1,
+            observe_attention: policy == Policy::Llms && levels.len() > 1 && !self.cfg.ablations().is_ok_and(|a| a.compression),
             sliding_window: None,
         };
         Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts)

@@ -32,7 +32,14 @@ fn manager(s: &Setup, policy: Policy, levels: &[KvFormat], ratio: f64, profile: 
     let codec = EngineCodec::new(&s.model, CT);
     let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
     let store = Arc::new(Store::open(s._dir.path(), mm::Codec::fingerprint(&codec), geom, false).expect("store"));
-    let cfg = MmConfig { policy, budget: 1 << 30, ratio, levels: levels.iter().map(|&f| code(f)).collect(), max_chunks: 64 };
+    let cfg = MmConfig {
+        policy,
+        budget: 1 << 30,
+        ratio,
+        levels: levels.iter().map(|&f| code(f)).collect(),
+        max_chunks: 64,
+        features: mm::Features::default(),
+    };
     require_kernel("userfaultfd", Manager::new(cfg, Arc::new(codec), store, profile))
 }
 

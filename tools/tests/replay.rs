@@ -102,9 +102,9 @@ fn a_tiny_experiment_writes_its_table_and_plots() {
         assert!(std::fs::metadata(f).unwrap().len() > 100, "{} is empty", f.display());
     }
     let md = std::fs::read_to_string(&files[0]).unwrap();
-    assert!(md.contains("| llms |") && md.contains("| lmk |") && md.contains("**markov**"), "{md}");
+    assert!(md.contains("| llms |") && md.contains("| lmk |") && md.contains("**markov pattern**"), "{md}");
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[1]).unwrap()).unwrap();
-    assert_eq!(json["points"].as_array().unwrap().len(), 4);
+    assert_eq!(json["rows"].as_array().unwrap().len(), 4);
     assert!(std::fs::read_to_string(&files[2]).unwrap().starts_with("<svg"));
     assert_eq!(&std::fs::read(&files[3]).unwrap()[1..4], b"PNG");
 }
@@ -119,14 +119,144 @@ fn the_accuracy_experiment_compares_plans_with_int8() {
         windows: 1,
         chunk_tokens: 16,
         corpus: vec![fixture("gpl-3.txt")],
+        generate: 24,
     };
     let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s).unwrap();
     assert_eq!(rows.iter().map(|r| r.plan.as_str()).collect::<Vec<_>>(), ["int8", "q2", "mix:0.75"]);
     assert!((rows[0].top1_agreement - 1.0).abs() < 1e-12 && rows[0].ppl_vs_int8_pct.abs() < 1e-9);
+    assert!(rows[0].greedy_agreement == 1.0 && rows[0].greedy_prefix == 1.0, "int8 agrees with itself when free-running");
+    assert!(rows[1].greedy_prefix < 1.0, "2-bit KV changes what the model generates: {:?}", rows[1]);
+    assert!(rows[1].greedy_prefix <= rows[1].greedy_agreement);
     assert!(rows[1].bytes_vs_int8 < rows[2].bytes_vs_int8 && rows[2].bytes_vs_int8 < 1.0);
     assert!(rows[1].ppl > rows[0].ppl, "2-bit KV costs perplexity");
     let dir = tempfile::tempdir().unwrap();
     for f in tools::experiment::write_accuracy(dir.path(), "acc", &s, &rows).unwrap() {
         assert!(std::fs::metadata(&f).unwrap().len() > 100, "{}", f.display());
     }
+}
+
+#[test]
+fn agreement_of_generated_sequences() {
+    let (a, p) = tools::experiment::sequence_agreement(&[vec![1, 2, 3, 4], vec![5, 6]], &[vec![1, 2, 9, 4], vec![5, 6]]);
+    assert!((a - 5.0 / 6.0).abs() < 1e-12, "{a}");
+    assert!((p - (0.5 + 1.0) / 2.0).abs() < 1e-12, "{p}");
+}
+
+#[test]
+fn the_latency_bound_crossing_is_interpolated() {
+    use tools::experiment::crossing;
+    assert_eq!(crossing(&[(2, 1.0), (4, 5.0), (8, 15.0)], 10.0), (6.0, false));
+    assert_eq!(crossing(&[(2, 1.0), (4, 5.0)], 10.0), (4.0, true), "never over: the largest count, a lower bound");
+    assert_eq!(crossing(&[(2, 20.0)], 10.0), (1.5, false), "over at once: between one context (no switch) and two");
+}
+
+/// Every other experiment, tiny: it runs against real services and writes its figure.
+#[test]
+fn the_other_experiments_run_and_write_their_figures() {
+    use tools::experiment as ex;
+    if require_kernel("userfaultfd", uffd_handler::Pager::new()).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (work, out) = (dir.path().join("work"), dir.path().join("out"));
+    let corpus = vec![fixture("gpl-3.txt")];
+    let base = Config { model: model_path(), threads: 2, load_profile: false, ..Config::default() };
+    let check = |files: Vec<PathBuf>, want: &[&str]| {
+        assert_eq!(files.len(), 4);
+        for f in &files {
+            assert!(std::fs::metadata(f).unwrap().len() > 100, "{} is empty", f.display());
+        }
+        let md = std::fs::read_to_string(&files[0]).unwrap();
+        for w in want {
+            assert!(md.contains(w), "{w} not in {md}");
+        }
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[1]).unwrap()).unwrap();
+        assert!(json["command"].is_string() && json["settings"].is_object(), "{json}");
+    };
+
+    let s = ex::Ablation {
+        variants: vec!["llms".into(), "no-aot".into(), "no-lctru".into()],
+        contexts: vec![3],
+        pattern: "markov".into(),
+        calls_per_context: 2,
+        budget: "1MiB".into(),
+        scale: 0.05,
+        seed: 1,
+        corpus: corpus.clone(),
+    };
+    assert!(ex::variant_config(&base, "no-such").is_err() && ex::variant_config(&base, "no-lctru").is_ok());
+    let runs = ex::ablation(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
+    assert_eq!(runs.len(), 3);
+    assert!(runs.iter().all(|r| r.summary.calls == 3 && r.summary.switch_mean_ms > 0.0), "{runs:?}");
+    check(ex::write_ablation(&out, "ablation", &s, &runs).unwrap(), &["| no-aot |", "| no-lctru |"]);
+
+    let s = ex::ChunkSize {
+        chunk_tokens: vec![8, 32],
+        policies: vec!["vllm-sq".into()],
+        contexts: 3,
+        pattern: "random".into(),
+        calls_per_context: 2,
+        budget: "1MiB".into(),
+        scale: 0.05,
+        seed: 1,
+        corpus: corpus.clone(),
+    };
+    let runs = ex::chunk_size(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
+    assert_eq!(runs.iter().map(|r| r.x).collect::<Vec<_>>(), [8.0, 32.0]);
+    check(ex::write_chunk_size(&out, "chunk", &s, &runs).unwrap(), &["| vllm-sq |", " 32 |"]);
+
+    // Real-time pacing: at 4 calls/s the replay takes about as long as the trace says.
+    let s = ex::CallRate {
+        rates: vec![4.0],
+        policies: vec!["llms".into()],
+        contexts: 2,
+        pattern: "random".into(),
+        calls_per_context: 3,
+        budget: "1MiB".into(),
+        scale: 0.05,
+        seed: 1,
+        corpus: corpus.clone(),
+    };
+    let runs = ex::call_rate(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
+    let (h, recs) = generate(&GenParams {
+        contexts: 2,
+        apps: 2,
+        calls: 6,
+        pattern: Pattern::Random,
+        rate: 4.0,
+        seed: 1,
+        scale: 0.05,
+        markov_decay: 0.5,
+        corpus: corpus.clone(),
+    })
+    .unwrap();
+    assert_eq!(h.generator.rate, 4.0);
+    let span = recs.last().unwrap().t - recs[0].t;
+    assert!(runs[0].summary.seconds >= span, "paced: {} s for a trace of {span} s", runs[0].summary.seconds);
+    check(ex::write_call_rate(&out, "rate", &s, &runs).unwrap(), &["| llms |"]);
+
+    let s = ex::MaxContexts {
+        budgets: vec!["1MiB".into()],
+        lengths: vec![256, 512],
+        bounds_ms: vec![1e-6],
+        contexts: vec![2, 3],
+        policies: vec!["lmk".into()],
+        pattern: "random".into(),
+        calls_per_context: 2,
+        scale: 0.05,
+        seed: 1,
+        corpus,
+    };
+    let (runs, rows) = ex::max_contexts(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
+    assert_eq!(runs.len(), 2, "lmk passes a bound of 1 ns at once: one run per length");
+    assert!(rows.iter().all(|r| !r.at_least && r.max_contexts < 2.0), "{rows:?}");
+    check(ex::write_max_contexts(&out, "maxctx", &s, &runs, &rows).unwrap(), &["under 0.000001 ms", " 512 |"]);
+
+    let model = std::sync::Arc::new(engine::Model::load(&model_path()).unwrap());
+    let pool = std::sync::Arc::new(engine::ThreadPool::new(2));
+    let s = ex::Inference { lengths: vec![40], decode: 6, reps: 2, chunk_tokens: 16 };
+    let rows = ex::inference(&model, &pool, &s, dir.path(), &mut |_| {}).unwrap();
+    assert_eq!(rows.iter().map(|r| r.memory.as_str()).collect::<Vec<_>>(), ["engine", "llms"]);
+    assert!(rows.iter().all(|r| r.prefill_tok_s > 0.0 && r.decode_tok_s > 0.0));
+    check(ex::write_inference(&out, "inference", &s, &rows).unwrap(), &["| engine |", "| llms |", "**decode**"]);
 }

@@ -497,11 +497,38 @@ fn chat_turns(turn: &mut dyn FnMut(&str) -> Result<()>) -> Result<()> {
     }
 }
 
+/// What every trace experiment shares.
+#[derive(clap::Args, Debug)]
+struct TraceExp {
+    /// Calls per context in each trace.
+    #[arg(long, default_value_t = 3)]
+    calls_per_context: usize,
+    /// Scale of Table 3's delta lengths [default: the experiment's, see docs/traces.md].
+    #[arg(long)]
+    scale: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Text files for the prompts [default: /usr/share/common-licenses/*].
+    #[arg(long)]
+    corpus: Vec<PathBuf>,
+    #[arg(long, default_value = "docs/results")]
+    out_dir: PathBuf,
+    /// Where the load profiles are (measured there if missing); runs use fresh stores under it.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    #[command(flatten)]
+    m: ModelArgs,
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| (*s).to_string()).collect()
+}
+
 #[derive(Subcommand, Debug)]
 enum ExperimentCmd {
-    /// Fig. 12: perplexity and greedy agreement vs KV memory, uniform levels vs the mix.
+    /// Fig. 12: perplexity, teacher-forced and free-running greedy agreement vs KV memory.
     AccuracyVsMemory {
-        #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string(), "mix:0.75".to_string(), "mix:0.5".to_string(), "mix:0.375".to_string()])]
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["int8", "q4", "q2", "mix:0.75", "mix:0.5", "mix:0.375"]))]
         plans: Vec<String>,
         #[arg(long, default_value_t = 512)]
         ctx: usize,
@@ -509,6 +536,9 @@ enum ExperimentCmd {
         windows: usize,
         #[arg(long, default_value_t = 16)]
         chunk_tokens: usize,
+        /// Tokens generated greedily after a prompt of ctx/2 tokens per window (0: skip).
+        #[arg(long, default_value_t = 64)]
+        generate: usize,
         /// Text files [default: /usr/share/common-licenses/*].
         #[arg(long)]
         corpus: Vec<PathBuf>,
@@ -517,29 +547,98 @@ enum ExperimentCmd {
         #[command(flatten)]
         m: ModelArgs,
     },
-    /// Fig. 9: average switch latency vs active contexts, per policy and pattern.
+    /// Fig. 9: average switch latency vs active contexts, per policy and pattern [scale 0.1].
     SwitchVsContexts {
         #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8, 12, 16])]
         contexts: Vec<usize>,
-        #[arg(long, value_delimiter = ',', default_values_t = ["llms".to_string(), "vllm-sq".to_string(), "vllm-s".to_string(), "swap".to_string(), "lmk".to_string()])]
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
         policies: Vec<String>,
-        #[arg(long, value_delimiter = ',', default_values_t = ["random".to_string(), "markov".to_string(), "gaussian".to_string()])]
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["random", "markov", "gaussian"]))]
         patterns: Vec<String>,
-        #[arg(long, default_value_t = 3)]
-        calls_per_context: usize,
         #[arg(long, default_value = "8MiB")]
         budget: String,
-        /// Scale of Table 3's delta lengths.
-        #[arg(long, default_value_t = 0.1)]
-        scale: f64,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Text files for the prompts [default: /usr/share/common-licenses/*].
-        #[arg(long)]
-        corpus: Vec<PathBuf>,
+        #[command(flatten)]
+        t: TraceExp,
+    },
+    /// Fig. 10: most active contexts under switch latency bounds, for several budgets [scale 0.5].
+    ContextsVsBudget {
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["8MiB", "16MiB", "32MiB"]))]
+        budgets: Vec<String>,
+        /// Maximum context length (tokens).
+        #[arg(long, default_value_t = 1024)]
+        length: usize,
+        #[command(flatten)]
+        x: MaxArgs,
+    },
+    /// Fig. 11: most active contexts under switch latency bounds, for several maximum context
+    /// lengths [scale 0.5].
+    ContextsVsLength {
+        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048])]
+        lengths: Vec<usize>,
+        #[arg(long, default_value = "16MiB")]
+        budget: String,
+        #[command(flatten)]
+        x: MaxArgs,
+    },
+    /// Fig. 13: the llms policy with one technique off at a time (lctru, compression, pipeline,
+    /// aot) [scale 0.1].
+    Ablation {
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "no-lctru", "no-compression", "no-pipeline", "no-aot", "vllm-sq"]))]
+        variants: Vec<String>,
+        #[arg(long, value_delimiter = ',', default_values_t = [4usize, 8, 16])]
+        contexts: Vec<usize>,
+        #[arg(long, default_value = "markov")]
+        pattern: String,
+        #[arg(long, default_value = "8MiB")]
+        budget: String,
+        #[command(flatten)]
+        t: TraceExp,
+    },
+    /// Fig. 14: average switch latency vs tokens per chunk [scale 0.1].
+    ChunkSize {
+        #[arg(long, value_delimiter = ',', default_values_t = [4usize, 8, 16, 32, 64])]
+        chunk_tokens: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq"]))]
+        policies: Vec<String>,
+        #[arg(long, default_value_t = 8)]
+        contexts: usize,
+        #[arg(long, default_value = "markov")]
+        pattern: String,
+        #[arg(long, default_value = "8MiB")]
+        budget: String,
+        #[command(flatten)]
+        t: TraceExp,
+    },
+    /// Fig. 15b: average switch latency vs call rate, calls replayed in real time [scale 0.1].
+    CallRate {
+        /// Calls per second.
+        #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 1.0, 2.0, 4.0, 8.0])]
+        rates: Vec<f64>,
+        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq"]))]
+        policies: Vec<String>,
+        #[arg(long, default_value_t = 8)]
+        contexts: usize,
+        #[arg(long, default_value = "markov")]
+        pattern: String,
+        #[arg(long, default_value = "8MiB")]
+        budget: String,
+        #[command(flatten)]
+        t: TraceExp,
+    },
+    /// Fig. 15a: prefill and decode speed with the KV cache in mm's userfaultfd regions vs the
+    /// engine's own memory.
+    Inference {
+        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048])]
+        lengths: Vec<usize>,
+        #[arg(long, default_value_t = 32)]
+        decode: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
         #[arg(long, default_value = "docs/results")]
         out_dir: PathBuf,
-        /// Where the load profile is (measured there if missing); runs use fresh stores under it.
+        /// Where the runs' stores go.
         #[arg(long)]
         state_dir: Option<PathBuf>,
         #[command(flatten)]
@@ -547,74 +646,238 @@ enum ExperimentCmd {
     },
 }
 
+/// What `contexts-vs-budget` and `contexts-vs-length` share.
+#[derive(clap::Args, Debug)]
+struct MaxArgs {
+    /// Average switch latency bounds, ms.
+    #[arg(long, value_delimiter = ',', default_values_t = [10.0f64, 25.0])]
+    bounds: Vec<f64>,
+    /// Active contexts tried, ascending (a policy stops at the first count over every bound).
+    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 6, 8, 12, 16, 24, 32])]
+    contexts: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
+    policies: Vec<String>,
+    #[arg(long, default_value = "markov")]
+    pattern: String,
+    #[command(flatten)]
+    t: TraceExp,
+}
+
+/// A trace experiment's setting up: the corpus, the base configuration, the load profile of
+/// 16-token chunks measured (or found) in the state directory, and a work directory under it.
+struct ExpEnv {
+    corpus: Vec<PathBuf>,
+    base: tools::config::Config,
+    profiles: PathBuf,
+    work: PathBuf,
+}
+
+impl ExpEnv {
+    fn new(t: &TraceExp, policies: &[String]) -> Result<Self> {
+        for p in policies {
+            mm::Policy::parse(p).with_context(|| format!("policy {p:?}: llms, vllm-sq, vllm-s, swap or lmk"))?;
+        }
+        if t.calls_per_context < 2 {
+            bail!("--calls-per-context must be at least 2: the first call of a context is not a switch");
+        }
+        let corpus = if t.corpus.is_empty() { tools::trace::default_corpus() } else { t.corpus.clone() };
+        let profiles = t.state_dir.clone().unwrap_or_else(tools::loadbench::state_dir);
+        std::fs::create_dir_all(&profiles).with_context(|| format!("creating {}", profiles.display()))?;
+        let (model, pool) = load(&t.m)?;
+        tools::loadbench::load_or_measure(&profiles, &model, &pool, 16, false)?;
+        let base = tools::config::Config { model: model_path(&t.m), threads: t.m.threads.unwrap_or(0), ..tools::config::Config::default() };
+        let work = profiles.join(format!("experiment-{}", std::process::id()));
+        Ok(Self { corpus, base, profiles, work })
+    }
+
+    fn done(&self, files: Result<Vec<PathBuf>>) -> Result<()> {
+        let _ = std::fs::remove_dir_all(&self.work);
+        for f in files? {
+            println!("wrote {}", f.display());
+        }
+        Ok(())
+    }
+}
+
+fn print_sweep(r: &tools::experiment::SweepRun) {
+    let s = &r.summary;
+    println!(
+        "{:<16} {:>8} {:>12.2} {:>12.2} {:>10.1} {:>8} {:>8}",
+        r.label, r.x, s.switch_mean_ms, s.switch_p90_ms, s.ttft_mean_ms, s.read_chunks, s.recomputed_chunks
+    );
+}
+
+fn sweep_header(x: &str) {
+    println!("{:<16} {:>8} {:>12} {:>12} {:>10} {:>8} {:>8}", "run", x, "switch_ms", "p90_ms", "ttft_ms", "read", "recomp");
+}
+
+#[allow(clippy::too_many_lines)]
 fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
+    use tools::experiment as ex;
     match cmd {
-        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, out_dir, m } => {
-            if !(8..=4096).contains(&ctx) || chunk_tokens == 0 || chunk_tokens > ctx || windows == 0 {
-                bail!("--ctx must be 8-4096, --chunk-tokens 1..=ctx, --windows at least 1");
+        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, generate, corpus, out_dir, m } => {
+            if !(8..=4096).contains(&ctx) || chunk_tokens == 0 || chunk_tokens > ctx || windows == 0 || generate > 4096 {
+                bail!("--ctx must be 8-4096, --chunk-tokens 1..=ctx, --windows at least 1, --generate at most 4096");
             }
             let corpus = if corpus.is_empty() { tools::trace::default_corpus() } else { corpus };
-            let s = tools::experiment::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus };
+            let s = ex::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, generate };
             let (model, pool) = load(&m)?;
-            let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s)?;
-            println!("{:<10} {:>10} {:>10} {:>9} {:>10}", "plan", "bytes/int8", "ppl", "vs int8", "agreement");
+            let rows = ex::accuracy_vs_memory(&model, &pool, &s)?;
+            println!(
+                "{:<10} {:>10} {:>10} {:>9} {:>10} {:>10} {:>8}",
+                "plan", "bytes/int8", "ppl", "vs int8", "teacher", "greedy", "prefix"
+            );
             for r in &rows {
                 println!(
-                    "{:<10} {:>10.3} {:>10.4} {:>+8.2}% {:>9.1}%",
+                    "{:<10} {:>10.3} {:>10.4} {:>+8.2}% {:>9.1}% {:>9.1}% {:>7.1}%",
                     r.plan,
                     r.bytes_vs_int8,
                     r.ppl,
                     r.ppl_vs_int8_pct,
-                    r.top1_agreement * 100.0
+                    r.top1_agreement * 100.0,
+                    r.greedy_agreement * 100.0,
+                    r.greedy_prefix * 100.0
                 );
             }
-            for f in tools::experiment::write_accuracy(&out_dir, "accuracy_vs_memory", &s, &rows)? {
+            for f in ex::write_accuracy(&out_dir, "accuracy_vs_memory", &s, &rows)? {
                 println!("wrote {}", f.display());
             }
         }
-        ExperimentCmd::SwitchVsContexts {
-            contexts,
-            policies,
-            patterns,
-            calls_per_context,
-            budget,
-            scale,
-            seed,
-            corpus,
-            out_dir,
-            state_dir,
-            m,
-        } => {
-            for p in &policies {
-                mm::Policy::parse(p).with_context(|| format!("policy {p:?}"))?;
-            }
-            let corpus = if corpus.is_empty() { tools::trace::default_corpus() } else { corpus };
-            let s = tools::experiment::SwitchVsContexts { contexts, policies, patterns, calls_per_context, budget, scale, seed, corpus };
-            let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
-            std::fs::create_dir_all(&dir)?;
-            let (model, pool) = load(&m)?;
-            tools::loadbench::load_or_measure(&dir, &model, &pool, 16, false)?;
-            drop((model, pool));
-            let base = tools::config::Config { model: model_path(&m), threads: m.threads.unwrap_or(0), ..tools::config::Config::default() };
-            let work = dir.join(format!("experiment-{}", std::process::id()));
+        ExperimentCmd::SwitchVsContexts { contexts, policies, patterns, budget, t } => {
+            let env = ExpEnv::new(&t, &policies)?;
+            let s = ex::SwitchVsContexts {
+                contexts,
+                policies,
+                patterns,
+                calls_per_context: t.calls_per_context,
+                budget,
+                scale: t.scale.unwrap_or(0.1),
+                seed: t.seed,
+                corpus: env.corpus.clone(),
+            };
             println!(
                 "{:<9} {:<8} {:>8} {:>12} {:>12} {:>10} {:>6} {:>7}",
                 "pattern", "policy", "contexts", "switch_ms", "p90_ms", "ttft_ms", "read", "recomp"
             );
-            let pts = tools::experiment::switch_vs_contexts(&base, &s, &work, &dir, &mut |p| {
+            let pts = ex::switch_vs_contexts(&env.base, &s, &env.work, &env.profiles, &mut |p| {
                 println!(
                     "{:<9} {:<8} {:>8} {:>12.2} {:>12.2} {:>10.1} {:>6} {:>7}",
                     p.pattern, p.policy, p.contexts, p.switch_mean_ms, p.switch_p90_ms, p.ttft_mean_ms, p.read_chunks, p.recomputed_chunks
                 );
             });
-            let _ = std::fs::remove_dir_all(&work);
-            let files = tools::experiment::write_switch_vs_contexts(&out_dir, "switch_vs_contexts", &s, &pts?)?;
-            for f in files {
+            env.done(pts.and_then(|pts| ex::write_switch_vs_contexts(&t.out_dir, "switch_vs_contexts", &s, &pts)))?;
+        }
+        ExperimentCmd::ContextsVsBudget { budgets, length, x } => max_contexts_cmd(budgets, vec![length], x, "contexts_vs_budget")?,
+        ExperimentCmd::ContextsVsLength { lengths, budget, x } => max_contexts_cmd(vec![budget], lengths, x, "contexts_vs_length")?,
+        ExperimentCmd::Ablation { variants, contexts, pattern, budget, t } => {
+            let env = ExpEnv::new(&t, &[])?;
+            for v in &variants {
+                ex::variant_config(&env.base, v)?;
+            }
+            let s = ex::Ablation {
+                variants,
+                contexts,
+                pattern,
+                calls_per_context: t.calls_per_context,
+                budget,
+                scale: t.scale.unwrap_or(0.1),
+                seed: t.seed,
+                corpus: env.corpus.clone(),
+            };
+            sweep_header("contexts");
+            let runs = ex::ablation(&env.base, &s, &env.work, &env.profiles, &mut print_sweep);
+            env.done(runs.and_then(|r| ex::write_ablation(&t.out_dir, "ablation", &s, &r)))?;
+        }
+        ExperimentCmd::ChunkSize { chunk_tokens, policies, contexts, pattern, budget, t } => {
+            let env = ExpEnv::new(&t, &policies)?;
+            let s = ex::ChunkSize {
+                chunk_tokens,
+                policies,
+                contexts,
+                pattern,
+                calls_per_context: t.calls_per_context,
+                budget,
+                scale: t.scale.unwrap_or(0.1),
+                seed: t.seed,
+                corpus: env.corpus.clone(),
+            };
+            sweep_header("chunk");
+            let runs = ex::chunk_size(&env.base, &s, &env.work, &env.profiles, &mut print_sweep);
+            env.done(runs.and_then(|r| ex::write_chunk_size(&t.out_dir, "chunk_size", &s, &r)))?;
+        }
+        ExperimentCmd::CallRate { rates, policies, contexts, pattern, budget, t } => {
+            if rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+                bail!("--rates must be positive");
+            }
+            let env = ExpEnv::new(&t, &policies)?;
+            let s = ex::CallRate {
+                rates,
+                policies,
+                contexts,
+                pattern,
+                calls_per_context: t.calls_per_context,
+                budget,
+                scale: t.scale.unwrap_or(0.1),
+                seed: t.seed,
+                corpus: env.corpus.clone(),
+            };
+            sweep_header("calls/s");
+            let runs = ex::call_rate(&env.base, &s, &env.work, &env.profiles, &mut print_sweep);
+            env.done(runs.and_then(|r| ex::write_call_rate(&t.out_dir, "call_rate", &s, &r)))?;
+        }
+        ExperimentCmd::Inference { lengths, decode, reps, chunk_tokens, out_dir, state_dir, m } => {
+            let dir = state_dir.unwrap_or_else(tools::loadbench::state_dir);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let (model, pool) = load(&m)?;
+            let s = ex::Inference { lengths, decode, reps, chunk_tokens };
+            println!("{:<8} {:>8} {:>12} {:>12}", "memory", "tokens", "prefill t/s", "decode t/s");
+            let rows = ex::inference(&model, &pool, &s, &dir, &mut |r| {
+                println!("{:<8} {:>8} {:>12.1} {:>12.1}", r.memory, r.length, r.prefill_tok_s, r.decode_tok_s);
+            })?;
+            for f in ex::write_inference(&out_dir, "inference", &s, &rows)? {
                 println!("wrote {}", f.display());
             }
         }
     }
     Ok(())
+}
+
+fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, name: &str) -> Result<()> {
+    use tools::experiment as ex;
+    if x.contexts.is_empty() || x.contexts.windows(2).any(|w| w[0] >= w[1]) || x.bounds.iter().any(|b| !(b.is_finite() && *b > 0.0)) {
+        bail!("--contexts must be ascending and non-empty, --bounds positive");
+    }
+    let env = ExpEnv::new(&x.t, &x.policies)?;
+    let s = ex::MaxContexts {
+        budgets,
+        lengths,
+        bounds_ms: x.bounds,
+        contexts: x.contexts,
+        policies: x.policies,
+        pattern: x.pattern,
+        calls_per_context: x.t.calls_per_context,
+        scale: x.t.scale.unwrap_or(0.5),
+        seed: x.t.seed,
+        corpus: env.corpus.clone(),
+    };
+    println!("{:<8} {:>8} {:<8} {:>8} {:>12}", "budget", "length", "policy", "contexts", "switch_ms");
+    let r = ex::max_contexts(&env.base, &s, &env.work, &env.profiles, &mut |r| {
+        println!("{:<8} {:>8} {:<8} {:>8} {:>12.2}", r.budget, r.length, r.policy, r.contexts, r.switch_mean_ms);
+    });
+    env.done(r.and_then(|(runs, rows)| {
+        for r in &rows {
+            println!(
+                "{} {} {} under {} ms: {}{:.1}",
+                r.budget,
+                r.length,
+                r.policy,
+                r.bound_ms,
+                if r.at_least { ">= " } else { "" },
+                r.max_contexts
+            );
+        }
+        ex::write_max_contexts(&x.t.out_dir, name, &s, &runs, &rows)
+    }))
 }
 
 #[derive(Subcommand, Debug)]
@@ -1486,10 +1749,7 @@ fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, 
             &run_dir,
             &model,
             chunk_tokens,
-            mm::Policy::Llms,
-            &[engine::kv::KvFormat::Int8],
-            1.0,
-            max_chunks,
+            lb::mm_config(mm::Policy::Llms, &[engine::kv::KvFormat::Int8], 1.0, max_chunks),
             Some(profile.clone()),
         )?;
         let toks = lb::synthetic_tokens(&model, n);

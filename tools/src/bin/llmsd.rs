@@ -50,6 +50,9 @@ struct Cli {
     /// Global compression ratio (KV bytes relative to the base level).
     #[arg(long)]
     ratio: Option<f64>,
+    /// Switch off parts of the llms policy (ablation studies): lctru, compression, pipeline, aot.
+    #[arg(long, value_delimiter = ',')]
+    ablate: Option<Vec<String>>,
     #[arg(long)]
     max_contexts_per_app: Option<usize>,
     #[arg(long)]
@@ -84,6 +87,7 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
         chunk_tokens,
         levels,
         ratio,
+        ablate,
         max_contexts_per_app,
         max_context_tokens,
         threads
