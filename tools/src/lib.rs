@@ -9,6 +9,7 @@ pub mod kvmm;
 pub mod loadbench;
 pub mod proto;
 pub mod replay;
+pub mod report;
 pub mod service;
 pub mod switchbench;
 pub mod trace;
