@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One line of a panel.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Series {
     pub label: String,
     /// (x, y) in x order; a missing x is a gap in the table.
@@ -17,7 +17,7 @@ pub struct Series {
 }
 
 /// One chart of a figure, with its own y axis.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Panel {
     pub title: String,
     pub y_desc: String,
@@ -25,7 +25,7 @@ pub struct Panel {
 }
 
 /// A figure: panels side by side over one x axis.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Figure {
     /// The sentence above the tables: what is measured, and under which settings.
     pub caption: String,
@@ -80,13 +80,19 @@ impl Figure {
         let json_path = dir.join(format!("{name}.json"));
         let json = serde_json::json!({"command": command_line(), "settings": settings, "rows": rows, "figure": self});
         std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
+        let [svg, png] = self.plot(dir, name)?;
+        Ok(vec![md_path, json_path, svg, png])
+    }
+
+    /// Draws `<dir>/<name>.svg` and `.png`.
+    pub fn plot(&self, dir: &Path, name: &str) -> Result<[PathBuf; 2]> {
         let svg = dir.join(format!("{name}.svg"));
         let png = dir.join(format!("{name}.png"));
         ensure_font()?;
         let w = 420 * u32::try_from(self.panels.len().max(1)).unwrap_or(1);
         self.chart(SVGBackend::new(&svg, (w, 360)).into_drawing_area())?;
         self.chart(BitMapBackend::new(&png, (w, 360)).into_drawing_area())?;
-        Ok(vec![md_path, json_path, svg, png])
+        Ok([svg, png])
     }
 
     fn chart<DB: DrawingBackend>(&self, root: DrawingArea<DB, Shift>) -> Result<()>
@@ -112,28 +118,64 @@ impl Figure {
                 let bottom = ys.iter().copied().filter(|&v| v > 0.0).fold(top, f64::min).max(1e-3) / 2.0;
                 if self.log_x {
                     let mut ch = b.build_cartesian_2d((x0..x1).log_scale(), (bottom..top).log_scale()).map_err(e)?;
-                    ch.configure_mesh().x_desc(&self.x_desc).y_desc(&p.y_desc).draw().map_err(e)?;
+                    ch.configure_mesh()
+                        .x_desc(&self.x_desc)
+                        .y_desc(&p.y_desc)
+                        .x_label_formatter(&fmt_tick)
+                        .y_label_formatter(&fmt_tick)
+                        .draw()
+                        .map_err(e)?;
                     draw_series(&mut ch, p, bottom).map_err(e)?;
                 } else {
                     let mut ch = b.build_cartesian_2d(x0..x1, (bottom..top).log_scale()).map_err(e)?;
-                    ch.configure_mesh().x_desc(&self.x_desc).y_desc(&p.y_desc).draw().map_err(e)?;
+                    ch.configure_mesh()
+                        .x_desc(&self.x_desc)
+                        .y_desc(&p.y_desc)
+                        .x_label_formatter(&fmt_tick)
+                        .y_label_formatter(&fmt_tick)
+                        .draw()
+                        .map_err(e)?;
                     draw_series(&mut ch, p, bottom).map_err(e)?;
                 }
             } else {
                 let top = ymax.max(1e-9) * 1.15;
                 if self.log_x {
                     let mut ch = b.build_cartesian_2d((x0..x1).log_scale(), 0.0..top).map_err(e)?;
-                    ch.configure_mesh().x_desc(&self.x_desc).y_desc(&p.y_desc).draw().map_err(e)?;
+                    ch.configure_mesh()
+                        .x_desc(&self.x_desc)
+                        .y_desc(&p.y_desc)
+                        .x_label_formatter(&fmt_tick)
+                        .y_label_formatter(&fmt_tick)
+                        .draw()
+                        .map_err(e)?;
                     draw_series(&mut ch, p, f64::NEG_INFINITY).map_err(e)?;
                 } else {
                     let mut ch = b.build_cartesian_2d(x0..x1, 0.0..top).map_err(e)?;
-                    ch.configure_mesh().x_desc(&self.x_desc).y_desc(&p.y_desc).draw().map_err(e)?;
+                    ch.configure_mesh()
+                        .x_desc(&self.x_desc)
+                        .y_desc(&p.y_desc)
+                        .x_label_formatter(&fmt_tick)
+                        .y_label_formatter(&fmt_tick)
+                        .draw()
+                        .map_err(e)?;
                     draw_series(&mut ch, p, f64::NEG_INFINITY).map_err(e)?;
                 }
             }
         }
         root.present().map_err(e)?;
         Ok(())
+    }
+}
+
+/// An axis label: integers without decimals, small values with what they need.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn fmt_tick(v: &f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}").trim_end_matches('0').to_string()
     }
 }
 
@@ -166,7 +208,11 @@ where
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
         ch.draw_series(pts.into_iter().map(|q| Circle::new(q, 3, c.filled())))?;
     }
-    ch.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    // The legend goes in the upper corner the lines leave free: left when they rise.
+    let rising = p.series.iter().filter(|s| s.points.len() > 1).filter(|s| s.points[s.points.len() - 1].1 > s.points[0].1).count() * 2
+        > p.series.len();
+    let pos = if rising { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::UpperRight };
+    ch.configure_series_labels().position(pos).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     Ok(())
 }
 

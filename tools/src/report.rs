@@ -1,7 +1,8 @@
 //! `llms report`: gathers the experiments' tables and plots (docs/results) into one page
 //! (docs/RESULTS.md) with the machine they ran on and the command that made each, so anyone can
 //! run every figure again. Text written by hand lives next to the figures and is kept: the
-//! page's introduction in `intro.md`, the analysis of a figure in `<name>.notes.md`.
+//! page's introduction in `intro.md`, the analysis of a figure in `<name>.notes.md`. Plots
+//! whose JSON holds their figure are drawn again, so a change of style needs no new run.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -103,11 +104,14 @@ pub fn write(results: &Path, out: &Path) -> Result<Report> {
             missing.push(format!("{title}: `{default_cmd}`"));
             continue;
         };
-        let cmd = std::fs::read_to_string(results.join(format!("{name}.json")))
+        let json = std::fs::read_to_string(results.join(format!("{name}.json")))
             .ok()
-            .and_then(|j| serde_json::from_str::<serde_json::Value>(&j).ok())
-            .and_then(|v| v["command"].as_str().map(str::to_string))
-            .unwrap_or_else(|| default_cmd.to_string());
+            .and_then(|j| serde_json::from_str::<serde_json::Value>(&j).ok());
+        let cmd = json.as_ref().and_then(|v| v["command"].as_str().map(str::to_string)).unwrap_or_else(|| default_cmd.to_string());
+        // Plots are drawn again from their data: a change of style needs no new measurement.
+        if let Some(fig) = json.and_then(|mut v| serde_json::from_value::<crate::figure::Figure>(v["figure"].take()).ok()) {
+            fig.plot(results, name)?;
+        }
         let _ = write!(md, "\n## {title}\n\n```sh\n{cmd}\n```\n\n");
         if results.join(format!("{name}.png")).exists() {
             let _ = writeln!(md, "![{title}]({rel}/{name}.png)\n");
@@ -147,10 +151,26 @@ mod tests {
         }
         std::fs::write(results.join("ablation.json"), r#"{"command": "llms experiment ablation --seed 3"}"#).unwrap();
         std::fs::write(results.join("ablation.notes.md"), "Why it came out so.\n").unwrap();
+        // A figure with its data: the report draws its plot again.
+        let fig = crate::figure::Figure {
+            caption: "c".into(),
+            x_desc: "x".into(),
+            log_x: true,
+            log_y: true,
+            decimals: 2,
+            panels: vec![crate::figure::Panel {
+                title: "t".into(),
+                y_desc: "y".into(),
+                series: vec![crate::figure::Series { label: "llms".into(), points: vec![(4.0, 0.5), (16.0, 0.2)] }],
+            }],
+        };
+        fig.write(&results, "chunk_size", &(), &()).unwrap();
+        std::fs::remove_file(results.join("chunk_size.png")).unwrap();
         let out = dir.path().join("docs/RESULTS.md");
         let r = write(&results, &out).unwrap();
-        assert_eq!(r.included, ["switch_vs_contexts", "ablation"], "the paper's order");
-        assert_eq!(r.missing.len(), EXPERIMENTS.len() - 2);
+        assert_eq!(r.included, ["switch_vs_contexts", "ablation", "chunk_size"], "the paper's order");
+        assert_eq!(r.missing.len(), EXPERIMENTS.len() - 3);
+        assert_eq!(&std::fs::read(results.join("chunk_size.png")).unwrap()[1..4], b"PNG", "drawn again from its JSON");
         let md = std::fs::read_to_string(&out).unwrap();
         let at = |s: &str| md.find(s).unwrap_or_else(|| panic!("{s:?} not in {md}"));
         assert!(at("Intro text.") < at("## Switch latency vs active contexts"));
