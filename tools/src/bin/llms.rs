@@ -939,6 +939,12 @@ enum TraceCmd {
         ratio: f64,
         #[arg(long, default_value_t = 2048)]
         max_context_tokens: usize,
+        /// Parts of the llms policy to switch off: lctru, compression, pipeline, aot.
+        #[arg(long, value_delimiter = ',')]
+        ablate: Vec<String>,
+        /// Send calls at their trace times instead of back to back (idle gaps compressed).
+        #[arg(long)]
+        realtime: bool,
         /// Where the load profile is (measured there if missing); runs use a fresh store under it.
         #[arg(long)]
         state_dir: Option<PathBuf>,
@@ -964,8 +970,26 @@ fn trace_cmd(cmd: TraceCmd) -> Result<()> {
             tools::trace::write(&out, &h, &recs)?;
             eprintln!("wrote {} calls over {contexts} contexts to {}", recs.len(), out.display());
         }
-        TraceCmd::Replay { trace, socket, policy, budget, chunk_tokens, levels, ratio, max_context_tokens, state_dir, out, json, m } => {
+        TraceCmd::Replay {
+            trace,
+            socket,
+            policy,
+            budget,
+            chunk_tokens,
+            levels,
+            ratio,
+            max_context_tokens,
+            ablate,
+            realtime,
+            state_dir,
+            out,
+            json,
+            m,
+        } => {
             let (h, recs) = tools::trace::read(&trace)?;
+            if socket.is_some() && !ablate.is_empty() {
+                bail!("--ablate configures a service this command starts; with --socket, set it in that llmsd's configuration");
+            }
             let mut local = None;
             let mut work = None;
             let socket = match socket {
@@ -989,6 +1013,7 @@ fn trace_cmd(cmd: TraceCmd) -> Result<()> {
                         levels,
                         ratio,
                         max_context_tokens,
+                        ablate,
                         pressure: false,
                         ..tools::config::Config::default()
                     };
@@ -1011,7 +1036,8 @@ fn trace_cmd(cmd: TraceCmd) -> Result<()> {
             }
             let t0 = Instant::now();
             let mut err = None;
-            let results = tools::replay::replay(&socket, &h, &recs, &mut |r| {
+            let pace = if realtime { tools::replay::Pace::Realtime } else { tools::replay::Pace::Compressed };
+            let results = tools::replay::replay_paced(&socket, &h, &recs, pace, &mut |r| {
                 if let Some(f) = &mut file {
                     if let Err(e) =
                         serde_json::to_writer(&mut *f, r).map_err(anyhow::Error::from).and_then(|()| writeln!(f).map_err(Into::into))
