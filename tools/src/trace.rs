@@ -170,10 +170,14 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
     let mut lru: Vec<usize> = (0..p.contexts).collect();
     let mut t = 0.0;
     let mut out = Vec::with_capacity(p.calls);
-    for _ in 0..p.calls {
+    for i in 0..p.calls {
         // Poisson arrivals: exponential gaps.
         t += -(1.0 - rng.gen::<f64>()).ln() / p.rate;
         let ctx = match p.pattern {
+            // Every context is active: its app creates it with a first call, in turn, before
+            // the pattern chooses. (Without this a Markov chain that favours recent contexts
+            // would never reach most of them, and "N active contexts" would be a handful.)
+            _ if i < p.contexts => i,
             Pattern::Random => rng.gen_range(0..p.contexts),
             Pattern::Markov => {
                 let w: Vec<f64> = (0..lru.len()).map(|d| p.markov_decay.powi(i32::try_from(d).unwrap_or(i32::MAX))).collect();
@@ -285,6 +289,20 @@ mod tests {
             assert!(r.prompt.starts_with(task.instruction));
         }
         assert!(count.iter().all(|&n| (400..600).contains(&n)), "{count:?}");
+    }
+
+    #[test]
+    fn every_context_is_created_first_whatever_the_pattern() {
+        for pattern in [Pattern::Random, Pattern::Markov, Pattern::Gaussian] {
+            let (_, recs) = generate(&GenParams { contexts: 32, calls: 96, markov_decay: 0.5, ..params(pattern) }).unwrap();
+            let first: Vec<usize> = recs.iter().take(32).map(|r| r.ctx).collect();
+            assert_eq!(first, (0..32).collect::<Vec<_>>(), "{pattern:?}");
+            // Markov then favours the most recently created: the last ones, not context 0.
+            if pattern == Pattern::Markov {
+                let later = |c: usize| recs[32..].iter().filter(|r| r.ctx == c).count();
+                assert!(later(31) + later(30) > later(0) + later(1), "{pattern:?}");
+            }
+        }
     }
 
     #[test]
