@@ -12,6 +12,7 @@ pub mod levels;
 mod manager;
 mod planner;
 mod profile;
+mod reaper;
 pub mod ring;
 pub mod store;
 pub mod weights;

@@ -494,14 +494,18 @@ impl Manager {
     /// Deletes a context: its memory and its records.
     pub fn delete(&mut self, ctx: u64) -> Result<()> {
         let c = self.ctxs.remove(&ctx).ok_or(MmError::NoContext(ctx))?;
+        // Only this context's writes must finish before its records go; other contexts'
+        // AoT writes carry on (a sliding window deletes on the switch path).
         if let Some(w) = &self.writer {
-            w.wait_idle();
+            w.wait_context(ctx);
         }
         for i in 0..c.chunks.len() {
             self.lctru.remove((ctx, chunk_u32(i)));
         }
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| k.0 != ctx);
-        drop(c);
+        // The region's pages go back to the kernel on the reaper's thread: unmapping a long
+        // context takes milliseconds. Its bytes left the budget's accounting with `ctxs`.
+        self.store.reaper().release(Box::new(c));
         self.store.remove_context(ctx)?;
         Ok(())
     }

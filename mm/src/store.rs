@@ -26,6 +26,8 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use crate::reaper::Reaper;
+
 use bytemuck::{Pod, Zeroable};
 
 use crate::ring::{Op, Ring};
@@ -188,6 +190,7 @@ pub struct Store {
     /// fdatasync after each batch of writes (durability against power loss, not only crashes).
     sync: bool,
     index: Mutex<Index>,
+    reaper: Reaper,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
@@ -223,13 +226,27 @@ impl Store {
         let align = dio_align(&dir);
         let header_len = round_up(size_of::<Header>(), AlignedBuf::ALIGN);
         let record_len = header_len + round_up(geom.n_layers * geom.max_layer_bytes, AlignedBuf::ALIGN);
-        let s = Self { dir, fingerprint, geom, align, header_len, record_len, sync, index: Mutex::new(Index::default()) };
+        let s = Self {
+            dir,
+            fingerprint,
+            geom,
+            align,
+            header_len,
+            record_len,
+            sync,
+            index: Mutex::new(Index::default()),
+            reaper: Reaper::default(),
+        };
         s.recover()?;
         Ok(s)
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+    /// Frees what deleted contexts held, off the caller's path.
+    pub(crate) fn reaper(&self) -> &Reaper {
+        &self.reaper
     }
     pub fn align(&self) -> usize {
         self.align
@@ -499,14 +516,21 @@ impl Store {
     pub fn remove_context(&self, ctx: u64) -> Result<()> {
         let mut ix = self.lock();
         ix.entries.retain(|k, _| k.0 != ctx);
-        ix.files.remove(&ctx);
+        let open = ix.files.remove(&ctx);
         drop(ix);
         let path = self.path(ctx);
-        match fs::remove_file(&path) {
+        // Unlink while a handle is open, so the unlink only drops the name and the blocks are
+        // freed when the reaper closes the handle; the path is free for a new context at once.
+        let handle = open.or_else(|| File::open(&path).ok().map(Arc::new));
+        let r = match fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(StoreError::Io { path, source: e }),
+        };
+        if let Some(f) = handle {
+            self.reaper.release(Box::new(f));
         }
+        r
     }
 
     /// Contexts with at least one record.

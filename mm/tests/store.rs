@@ -80,6 +80,33 @@ fn round_trip_every_format_and_restart() {
     assert!(s.entry(1, 0).is_none());
 }
 
+/// A sliding window removes a context and starts it again under the same id on the switch
+/// path: the old file's handle is closed in the background, and neither the running store nor
+/// a restarted one may serve the old records from the new file.
+#[test]
+fn a_context_removed_and_started_again_keeps_only_its_new_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ring = Ring::new(64).unwrap();
+    let s = Store::open(dir.path(), 7, GEOM, true).unwrap();
+    let old: Vec<Vec<u8>> = (0..4).map(|i| payload(6336, i)).collect();
+    let batch: Vec<(RecordMeta, &[u8])> = old.iter().enumerate().map(|(i, p)| (meta(3, i as u32, 1, 1), p.as_slice())).collect();
+    s.write_batch(&mut ring, &batch).unwrap();
+    s.remove_context(3).unwrap();
+    let new = payload(6336, 42);
+    s.write_batch(&mut ring, &[(meta(3, 0, 1, 1), &new)]).unwrap();
+    let mut out = vec![0u8; new.len()];
+    s.read(&meta(3, 0, 1, 1), &mut out).unwrap();
+    assert_eq!(out, new);
+    assert!(matches!(s.read(&meta(3, 1, 1, 1), &mut out), Err(StoreError::NotStored(3, 1))));
+    drop(s);
+    let s = Store::open(dir.path(), 7, GEOM, true).unwrap();
+    s.read(&meta(3, 0, 1, 1), &mut out).unwrap();
+    assert_eq!(out, new, "the new record survives a restart");
+    for i in 1..4 {
+        assert!(s.entry(3, i).is_none(), "chunk {i} of the removed context came back");
+    }
+}
+
 #[test]
 fn a_flipped_byte_is_detected_and_never_served() {
     let dir = tempfile::tempdir().unwrap();

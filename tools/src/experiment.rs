@@ -208,8 +208,26 @@ pub struct MaxContexts {
     pub pattern: String,
     pub calls_per_context: usize,
     pub scale: f64,
+    /// The delta scale is `scale` at the largest length and proportional to the length below
+    /// it: contexts fill the same share of every window. (With one scale, short windows are
+    /// overrun on nearly every call and the sliding window rebuilds the context: the figure
+    /// would time rebuilds, not switches.)
+    pub scale_with_length: bool,
     pub seed: u64,
     pub corpus: Vec<PathBuf>,
+}
+
+impl MaxContexts {
+    /// The delta scale of the traces for maximum context length `length`.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn scale_at(&self, length: usize) -> f64 {
+        let top = self.lengths.iter().copied().max().unwrap_or(length).max(1);
+        if self.scale_with_length {
+            self.scale * length as f64 / top as f64
+        } else {
+            self.scale
+        }
+    }
 }
 
 /// One run of `MaxContexts`.
@@ -219,7 +237,10 @@ pub struct MaxRun {
     pub length: usize,
     pub policy: String,
     pub contexts: usize,
+    pub scale: f64,
     pub switch_mean_ms: f64,
+    /// Calls whose context had to slide (see `CallResult::slid_tokens`).
+    pub slid_calls: usize,
 }
 
 /// The most contexts under one bound, for one (budget, length, policy).
@@ -268,10 +289,18 @@ pub fn max_contexts(
                 cfg.validate()?;
                 let mut curve = Vec::new();
                 for &n in &s.contexts {
-                    let p = trace_params(n, s.calls_per_context, &s.pattern, 1.0, s.scale, s.seed, &s.corpus)?;
+                    let scale = s.scale_at(length);
+                    let p = trace_params(n, s.calls_per_context, &s.pattern, 1.0, scale, s.seed, &s.corpus)?;
                     let sum = run_trace(&cfg, &p, Pace::Compressed, work, profiles)?;
-                    let r =
-                        MaxRun { budget: budget.clone(), length, policy: policy.clone(), contexts: n, switch_mean_ms: sum.switch_mean_ms };
+                    let r = MaxRun {
+                        budget: budget.clone(),
+                        length,
+                        policy: policy.clone(),
+                        contexts: n,
+                        scale,
+                        switch_mean_ms: sum.switch_mean_ms,
+                        slid_calls: sum.slid_calls,
+                    };
                     log(&r);
                     curve.push((n, r.switch_mean_ms));
                     runs.push(r);
@@ -307,10 +336,11 @@ pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRu
         format!("max context {} tokens", s.lengths.iter().map(ToString::to_string).collect::<Vec<_>>().join(","))
     };
     let caption = format!(
-        "Most active contexts under an average switch latency bound ({} pattern, {} calls per context, delta scale {}, seed {}; {fixed}), interpolated between the counts tried ({}).",
+        "Most active contexts under an average switch latency bound ({} pattern, {} calls per context, delta scale {}{}, seed {}; {fixed}), interpolated between the counts tried ({}).",
         s.pattern,
         s.calls_per_context,
         s.scale,
+        if s.scale_with_length { " at the largest length, proportional to the length below it" } else { "" },
         s.seed,
         s.contexts.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
     );

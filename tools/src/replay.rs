@@ -31,6 +31,9 @@ pub struct CallResult {
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     pub context_tokens: u32,
+    /// Positions the sliding window dropped before this call (the context was rebuilt from
+    /// its start and its most recent tokens: its prefill, not its switch, pays for that).
+    pub slid_tokens: u32,
     pub missing_chunks: u32,
     pub read_chunks: u32,
     pub recomputed_chunks: u32,
@@ -55,6 +58,8 @@ pub struct Summary {
     pub decode_tok_s: f64,
     pub read_chunks: u64,
     pub recomputed_chunks: u64,
+    /// Calls whose context slid (was rebuilt) before them.
+    pub slid_calls: usize,
     pub max_resident_bytes: u64,
     pub seconds: f64,
 }
@@ -88,6 +93,7 @@ pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
         decode_tok_s: if dec.is_empty() { 0.0 } else { dec.iter().sum::<f64>() / dec.len() as f64 },
         read_chunks: rs.iter().map(|r| u64::from(r.read_chunks)).sum(),
         recomputed_chunks: rs.iter().map(|r| u64::from(r.recomputed_chunks)).sum(),
+        slid_calls: rs.iter().filter(|r| r.slid_tokens > 0).count(),
         max_resident_bytes: rs.iter().map(|r| r.resident_bytes).max().unwrap_or(0),
         seconds,
     }
@@ -179,6 +185,7 @@ pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each
                 prompt_tokens: st.prompt_tokens,
                 output_tokens: st.output_tokens,
                 context_tokens: st.context_tokens,
+                slid_tokens: st.slid_tokens,
                 missing_chunks: st.missing_chunks,
                 read_chunks: st.read_chunks,
                 recomputed_chunks: st.recomputed_chunks,

@@ -244,9 +244,11 @@ fn the_other_experiments_run_and_write_their_figures() {
         pattern: "random".into(),
         calls_per_context: 2,
         scale: 0.05,
+        scale_with_length: true,
         seed: 1,
         corpus,
     };
+    assert!((s.scale_at(256) - 0.025).abs() < 1e-12 && (s.scale_at(512) - 0.05).abs() < 1e-12);
     let (runs, rows) = ex::max_contexts(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
     assert_eq!(runs.len(), 2, "lmk passes a bound of 1 ns at once: one run per length");
     assert!(rows.iter().all(|r| !r.at_least && r.max_contexts < 2.0), "{rows:?}");

@@ -580,9 +580,10 @@ enum ExperimentCmd {
         x: MaxArgs,
     },
     /// Fig. 11: most active contexts under switch latency bounds, for several maximum context
-    /// lengths [scale 0.2].
+    /// lengths [scale 0.2 at the largest length, proportional to the length below it, so
+    /// contexts fill a similar share of every window and few slide].
     ContextsVsLength {
-        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024])]
+        #[arg(long, value_delimiter = ',', default_values_t = [512usize, 1024, 2048])]
         lengths: Vec<usize>,
         #[arg(long, default_value = "8MiB")]
         budget: String,
@@ -777,8 +778,12 @@ fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
             });
             env.done(pts.and_then(|pts| ex::write_switch_vs_contexts(&t.out_dir, "switch_vs_contexts", &s, &pts)))?;
         }
-        ExperimentCmd::ContextsVsBudget { budgets, length, x } => max_contexts_cmd(budgets, vec![length], x, 0.1, "contexts_vs_budget")?,
-        ExperimentCmd::ContextsVsLength { lengths, budget, x } => max_contexts_cmd(vec![budget], lengths, x, 0.2, "contexts_vs_length")?,
+        ExperimentCmd::ContextsVsBudget { budgets, length, x } => {
+            max_contexts_cmd(budgets, vec![length], x, 0.1, false, "contexts_vs_budget")?
+        }
+        ExperimentCmd::ContextsVsLength { lengths, budget, x } => {
+            max_contexts_cmd(vec![budget], lengths, x, 0.2, true, "contexts_vs_length")?
+        }
         ExperimentCmd::Ablation { variants, contexts, pattern, budget, t } => {
             let env = ExpEnv::new(&t, &[])?;
             for v in &variants {
@@ -852,7 +857,7 @@ fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
     Ok(())
 }
 
-fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale: f64, name: &str) -> Result<()> {
+fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale: f64, scale_with_length: bool, name: &str) -> Result<()> {
     use tools::experiment as ex;
     if x.contexts.is_empty() || x.contexts.windows(2).any(|w| w[0] >= w[1]) || x.bounds.iter().any(|b| !(b.is_finite() && *b > 0.0)) {
         bail!("--contexts must be ascending and non-empty, --bounds positive");
@@ -867,12 +872,13 @@ fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale
         pattern: x.pattern,
         calls_per_context: x.t.calls_per_context,
         scale: x.t.scale.unwrap_or(scale),
+        scale_with_length,
         seed: x.t.seed,
         corpus: env.corpus.clone(),
     };
-    println!("{:<8} {:>8} {:<8} {:>8} {:>12}", "budget", "length", "policy", "contexts", "switch_ms");
+    println!("{:<8} {:>8} {:<8} {:>8} {:>12} {:>6}", "budget", "length", "policy", "contexts", "switch_ms", "slid");
     let r = ex::max_contexts(&env.base, &s, &env.work, &env.profiles, &mut |r| {
-        println!("{:<8} {:>8} {:<8} {:>8} {:>12.2}", r.budget, r.length, r.policy, r.contexts, r.switch_mean_ms);
+        println!("{:<8} {:>8} {:<8} {:>8} {:>12.2} {:>6}", r.budget, r.length, r.policy, r.contexts, r.switch_mean_ms, r.slid_calls);
     });
     env.done(r.and_then(|(runs, rows)| {
         for r in &rows {
@@ -1083,6 +1089,12 @@ fn trace_cmd(cmd: TraceCmd) -> Result<()> {
                     sum.calls, sum.contexts, sum.seconds, sum.switch_mean_ms, sum.switch_p50_ms, sum.switch_p90_ms, sum.switch_p99_ms,
                     sum.ttft_mean_ms, sum.decode_tok_s, sum.read_chunks, sum.recomputed_chunks, sum.max_resident_bytes as f64 / 1048576.0
                 );
+                if sum.slid_calls > 0 {
+                    println!(
+                        "{} call(s) found their context full: the sliding window rebuilt it (in their prefill, not their switch)",
+                        sum.slid_calls
+                    );
+                }
             }
         }
     }
