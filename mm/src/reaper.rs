@@ -34,11 +34,74 @@ impl Reaper {
 }
 
 impl Drop for Reaper {
-    /// Waits for everything released to be freed.
+    /// Waits for everything released to be freed — unless this is the reaper's own thread
+    /// (a released region can hold the last reference to the store that owns the reaper):
+    /// there the thread is left to finish the item at hand and end, its channel closed.
     fn drop(&mut self) {
         if let Some((tx, h)) = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             drop(tx);
-            let _ = h.join();
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    struct Owner {
+        reaper: Reaper,
+    }
+
+    /// Holds the last reference to the reaper's owner, dropped on the reaper's thread.
+    struct Holder {
+        owner: Option<Arc<Owner>>,
+        go: mpsc::Receiver<()>,
+        done: Arc<AtomicBool>,
+    }
+
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.go.recv();
+            self.owner.take();
+            self.done.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn the_reaper_may_free_its_own_owner() {
+        let owner = Arc::new(Owner { reaper: Reaper::default() });
+        let done = Arc::new(AtomicBool::new(false));
+        let (go_tx, go) = mpsc::channel();
+        owner.reaper.release(Box::new(Holder { owner: Some(Arc::clone(&owner)), go, done: Arc::clone(&done) }));
+        // The holder now has the last reference: the owner, and its reaper, drop on the
+        // reaper's thread, which must neither join itself nor panic.
+        drop(owner);
+        go_tx.send(()).unwrap();
+        let t = Instant::now();
+        while !done.load(Ordering::SeqCst) {
+            assert!(t.elapsed() < Duration::from_secs(30), "the reaper did not finish dropping its owner");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn released_items_are_dropped_by_the_time_the_reaper_is() {
+        let done = Arc::new(AtomicBool::new(false));
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let r = Reaper::default();
+        r.release(Box::new(Flag(Arc::clone(&done))));
+        drop(r);
+        assert!(done.load(Ordering::SeqCst));
     }
 }
