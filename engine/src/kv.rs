@@ -147,7 +147,9 @@ pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32
     }
 }
 
-/// Decodes `n` tokens of a head block to f32 `[token][head_dim]`.
+/// Decodes `n` tokens of a head block to f32 `[token][head_dim]`: `scale x code`, bit for bit
+/// what [`read_block_i8`] gives. This is on attention's path for every reduced chunk of every
+/// tile of every prefill, so it decodes in place, without allocating, whole bytes at a time.
 pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
     match f {
         KvFormat::F16 => {
@@ -155,18 +157,55 @@ pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize
                 *o = f16_at(blk, i);
             }
         }
-        _ => {
-            let mut codes = vec![0i8; n * hd];
-            let mut scales = vec![0.0f32; n];
-            read_block_i8(f, blk, t_cap, hd, n, &mut scales, &mut codes);
-            for t in 0..n {
-                for c in 0..hd {
-                    out[t * hd + c] = scales[t] * f32::from(codes[t * hd + c]);
+        KvFormat::Int8 => {
+            let codes = &blk[t_cap * 2..t_cap * 2 + n * hd];
+            for (t, (o, c)) in out[..n * hd].chunks_exact_mut(hd).zip(codes.chunks_exact(hd)).enumerate() {
+                let s = f16_at(blk, t);
+                for (o, &b) in o.iter_mut().zip(c) {
+                    *o = s * f32::from(b as i8);
+                }
+            }
+        }
+        KvFormat::Q4 | KvFormat::Q2 => {
+            let bits = f.bits();
+            let per_byte = 8 / bits;
+            if !hd.is_multiple_of(per_byte) || hd > MAX_FAST_HD {
+                // Rows that do not start on a byte (or unusually wide heads): the general path.
+                let (mut codes, mut scales) = (vec![0i8; n * hd], vec![0.0f32; n]);
+                read_block_i8(f, blk, t_cap, hd, n, &mut scales, &mut codes);
+                for (i, o) in out[..n * hd].iter_mut().enumerate() {
+                    *o = scales[i / hd] * f32::from(codes[i]);
+                }
+                return;
+            }
+            // Per channel: value(code) = clamp(lo + code * step, ±127); all small integers, so
+            // exact in f32.
+            let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
+            let (mut lo, mut step) = ([0.0f32; MAX_FAST_HD], [0.0f32; MAX_FAST_HD]);
+            for c in 0..hd {
+                lo[c] = f32::from(params[2 * c] as i8);
+                step[c] = f32::from(params[2 * c + 1]);
+            }
+            let data = &blk[t_cap * 2 + hd * 2..];
+            let row = hd / per_byte;
+            let mask = (1u8 << bits) - 1;
+            for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
+                let s = f16_at(blk, t);
+                for (j, &b) in data[t * row..(t + 1) * row].iter().enumerate() {
+                    for k in 0..per_byte {
+                        let c = j * per_byte + k;
+                        let code = f32::from((b >> (k * bits)) & mask);
+                        o[c] = s * (lo[c] + code * step[c]).clamp(-127.0, 127.0);
+                    }
                 }
             }
         }
     }
 }
+
+/// Widest head the byte-at-a-time decoder handles with its stack tables (Llama-family heads are
+/// 64-128 wide).
+const MAX_FAST_HD: usize = 256;
 
 /// Decodes `n` tokens of an Int8/Q4/Q2 head block to per-token scales and int8 codes.
 pub fn read_block_i8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, scales: &mut [f32], codes: &mut [i8]) {
@@ -316,6 +355,31 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The in-place decoder gives, bit for bit, each token's scale times the codes of the
+    /// general decoder, for every format and for head widths that do and do not fill whole
+    /// bytes (the fast and the general path).
+    #[test]
+    fn fast_decoding_equals_scale_times_codes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for hd in [64, 62, 60, 8] {
+            for f in [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2] {
+                let (t_cap, n) = (16, 13);
+                let mut blk: Vec<u8> = (0..t_cap * 2 + hd * 2 + t_cap * hd).map(|_| rng.gen()).collect();
+                for t in 0..t_cap {
+                    put_f16(&mut blk, t, rng.gen_range(-0.5..0.5));
+                }
+                let (mut scales, mut codes) = (vec![0.0f32; n], vec![0i8; n * hd]);
+                read_block_i8(f, &blk, t_cap, hd, n, &mut scales, &mut codes);
+                let mut out = vec![f32::NAN; n * hd];
+                read_block_f32(f, &blk, t_cap, hd, n, &mut out);
+                for (i, &o) in out.iter().enumerate() {
+                    let want = scales[i / hd] * f32::from(codes[i]);
+                    assert_eq!(o.to_bits(), want.to_bits(), "{f:?} hd {hd}: value {i}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -891,9 +891,12 @@ fn rope_by(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: f32, theta_sca
 
 /// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
 /// cache. A job is a tile of up to 8 tokens and a set of query heads sharing one KV head:
-/// each chunk's K (then V) block is decoded once per job and reused by every query in it.
-/// With enough jobs a set is the whole GQA group (one decode serves all its heads); for a
+/// each chunk's K (then V) block is read once per job and reused by every query in it.
+/// With enough jobs a set is the whole GQA group (one read serves all its heads); for a
 /// single token there would be too few jobs to keep the threads busy, so it is one head.
+/// Base-format blocks are read in place. Reduced ones (Q4/Q2) must be decoded: with several
+/// tiles they are decoded once for the layer before the jobs start (a 128-token prefill has
+/// 16 tiles, and decoding per job made attention over Q4 chunks twice as slow as over int8).
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
@@ -917,6 +920,33 @@ fn attention(
     let sets = nh / per_job;
     let outp = OutPtr::new(out);
     let obs = observer.map(std::sync::Mutex::new);
+    // Reduced chunks decoded up front: `slot_of[ch]` indexes `decoded` in blocks of
+    // [kvsel][kv head][ct * hd].
+    let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
+    let last = seen.div_ceil(ct);
+    let (mut slot_of, mut decoded) = (Vec::new(), Vec::new());
+    let per_chunk = 2 * c.n_kv_heads * ct * hd;
+    if tiles > 1 && (0..last).any(|ch| !kv.format(ch).is_base()) {
+        slot_of = vec![usize::MAX; last];
+        let mut n_red = 0;
+        for (ch, slot) in slot_of.iter_mut().enumerate() {
+            if !kv.format(ch).is_base() {
+                *slot = n_red;
+                n_red += 1;
+            }
+        }
+        decoded = vec![0.0f32; n_red * per_chunk];
+        let items: Vec<(usize, &mut [f32])> =
+            (0..last).filter(|&ch| slot_of[ch] != usize::MAX).zip(decoded.chunks_exact_mut(per_chunk)).collect();
+        pool.scatter(items, &|(ch, dst)| {
+            let f = kv.format(ch);
+            let n_c = ct.min(seen - ch * ct);
+            for (b, blk) in dst.chunks_exact_mut(ct * hd).enumerate() {
+                let off = kv.geom.block_offset(f, layer, b / c.n_kv_heads, b % c.n_kv_heads);
+                crate::kv::read_block_f32(f, &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)], ct, hd, n_c, blk);
+            }
+        });
+    }
     pool.for_chunks(sets * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
         let mut q = vec![0.0f32; TILE * per_job * hd];
@@ -965,6 +995,10 @@ fn attention(
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+                        _ if !slot_of.is_empty() => {
+                            let at = (slot_of[ch] * 2 * c.n_kv_heads + kvsel * c.n_kv_heads + kvh) * ct * hd;
+                            kernels::KvRows::F32(&decoded[at..at + ct * hd])
+                        }
                         _ => {
                             crate::kv::read_block_f32(f, bytes, ct, hd, n_c, &mut blk);
                             kernels::KvRows::F32(&blk)
@@ -1030,38 +1064,41 @@ mod tests {
         for (i, f) in [KvFormat::Q4, KvFormat::F16, KvFormat::Q2, KvFormat::Int8].into_iter().enumerate() {
             kv.set_format(i, f).unwrap();
         }
-        let positions: Vec<usize> = (n - 9..n).collect();
-        let ld = c.dim + 2 * kvd;
-        let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
-        let mut out = vec![0.0; positions.len() * c.dim];
-        let mut stats = AttentionStats::default();
-        attention(&ThreadPool::new(2), &c, &kv, 1, &qkv, ld, &positions, &mut out, Some(&mut stats));
-        // Reference: dequantize every chunk, then textbook attention.
-        let deq = |kvsel: usize, pos: usize, h: usize| -> Vec<f32> {
-            let ch = pos / 16;
-            let f = kv.format(ch);
-            let mut blk = vec![0.0; 16 * 64];
-            let off = geom.block_offset(f, 1, kvsel, h);
-            crate::kv::read_block_f32(f, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
-            blk[(pos % 16) * 64..(pos % 16 + 1) * 64].to_vec()
-        };
-        for (t, &pos) in positions.iter().enumerate() {
-            for h in 0..c.n_heads {
-                let q: Vec<f32> = qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
-                let mut sc: Vec<f32> = (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
-                kernels::softmax_f16(&mut sc);
-                let mut want = vec![0.0f32; 64];
-                for (p, &w) in sc.iter().enumerate() {
-                    for (o, x) in want.iter_mut().zip(deq(1, p, h / 3)) {
-                        *o += w * x;
+        // Two tiles (reduced chunks decoded once for the layer) and one token (decoded per job).
+        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1]] {
+            let ld = c.dim + 2 * kvd;
+            let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut out = vec![0.0; positions.len() * c.dim];
+            let mut stats = AttentionStats::default();
+            attention(&ThreadPool::new(2), &c, &kv, 1, &qkv, ld, &positions, &mut out, Some(&mut stats));
+            // Reference: dequantize every chunk, then textbook attention.
+            let deq = |kvsel: usize, pos: usize, h: usize| -> Vec<f32> {
+                let ch = pos / 16;
+                let f = kv.format(ch);
+                let mut blk = vec![0.0; 16 * 64];
+                let off = geom.block_offset(f, 1, kvsel, h);
+                crate::kv::read_block_f32(f, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
+                blk[(pos % 16) * 64..(pos % 16 + 1) * 64].to_vec()
+            };
+            for (t, &pos) in positions.iter().enumerate() {
+                for h in 0..c.n_heads {
+                    let q: Vec<f32> = qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                    let mut sc: Vec<f32> =
+                        (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
+                    kernels::softmax_f16(&mut sc);
+                    let mut want = vec![0.0f32; 64];
+                    for (p, &w) in sc.iter().enumerate() {
+                        for (o, x) in want.iter_mut().zip(deq(1, p, h / 3)) {
+                            *o += w * x;
+                        }
+                    }
+                    for (d, &w) in want.iter().enumerate() {
+                        let got = out[t * c.dim + h * 64 + d];
+                        assert!((got - w).abs() < 1e-4, "pos {pos} head {h} dim {d}: {got} vs {w}");
                     }
                 }
-                for (d, &w) in want.iter().enumerate() {
-                    let got = out[t * c.dim + h * 64 + d];
-                    assert!((got - w).abs() < 1e-4, "pos {pos} head {h} dim {d}: {got} vs {w}");
-                }
             }
+            assert_eq!(stats.count[0], positions.len() as u64 * 6, "every query row of every head saw position 0");
         }
-        assert_eq!(stats.count[0], 9 * 6, "every query row of every head saw position 0");
     }
 }
