@@ -183,7 +183,7 @@ enum Cmd {
     /// planned pipeline, next to the floor (bytes / the store's read bandwidth).
     BenchLoad {
         /// Context sizes in tokens.
-        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 1024, 4096])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [256usize, 1024, 4096])]
         tokens: Vec<usize>,
         #[arg(long, default_value_t = 3)]
         reps: usize,
@@ -200,7 +200,7 @@ enum Cmd {
     /// partly evicted, fully evicted, and recomputed whole (lmk), in process over a socket.
     BenchSwitch {
         /// Context sizes in tokens.
-        #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [1024usize, 4096])]
         tokens: Vec<usize>,
         #[arg(long, default_value_t = 5)]
         reps: usize,
@@ -235,7 +235,7 @@ enum Cmd {
     /// bytes), flash bytes read per token, hit rate, and the flash floor; runs interleaved.
     BenchWeights {
         /// Budgets in percent of the weight bytes.
-        #[arg(long, value_delimiter = ',', default_values_t = [100.0f64, 75.0, 50.0, 25.0])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [100.0f64, 75.0, 50.0, 25.0])]
         budgets: Vec<f64>,
         #[arg(long, default_value_t = 32)]
         tg: usize,
@@ -537,7 +537,7 @@ fn strings(v: &[&str]) -> Vec<String> {
 enum ExperimentCmd {
     /// Fig. 12: perplexity, teacher-forced and free-running greedy agreement vs KV memory.
     AccuracyVsMemory {
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["int8", "q4", "q2", "mix:0.75", "mix:0.5", "mix:0.375"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2", "mix:0.75", "mix:0.5", "mix:0.375"]))]
         plans: Vec<String>,
         #[arg(long, default_value_t = 512)]
         ctx: usize,
@@ -558,11 +558,11 @@ enum ExperimentCmd {
     },
     /// Fig. 9: average switch latency vs active contexts, per policy and pattern [scale 0.1].
     SwitchVsContexts {
-        #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8, 12, 16])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [2usize, 4, 8, 12, 16])]
         contexts: Vec<usize>,
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
         policies: Vec<String>,
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["random", "markov", "gaussian"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["random", "markov", "gaussian"]))]
         patterns: Vec<String>,
         #[arg(long, default_value = "8MiB")]
         budget: String,
@@ -571,7 +571,7 @@ enum ExperimentCmd {
     },
     /// Fig. 10: most active contexts under switch latency bounds, for several budgets [scale 0.1].
     ContextsVsBudget {
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["4MiB", "8MiB", "16MiB"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["4MiB", "8MiB", "16MiB"]))]
         budgets: Vec<String>,
         /// Maximum context length (tokens).
         #[arg(long, default_value_t = 2048)]
@@ -583,7 +583,7 @@ enum ExperimentCmd {
     /// lengths [scale 0.2 at the largest length, proportional to the length below it, so
     /// contexts fill a similar share of every window and few slide].
     ContextsVsLength {
-        #[arg(long, value_delimiter = ',', default_values_t = [512usize, 1024, 2048])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [512usize, 1024, 2048])]
         lengths: Vec<usize>,
         #[arg(long, default_value = "8MiB")]
         budget: String,
@@ -593,9 +593,9 @@ enum ExperimentCmd {
     /// Fig. 13: the llms policy with one technique off at a time (lctru, compression, pipeline,
     /// aot) [scale 0.1].
     Ablation {
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "no-lctru", "no-compression", "no-pipeline", "no-aot", "vllm-sq"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["llms", "no-lctru", "no-compression", "no-pipeline", "no-aot", "vllm-sq"]))]
         variants: Vec<String>,
-        #[arg(long, value_delimiter = ',', default_values_t = [4usize, 8, 16])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [4usize, 8, 16])]
         contexts: Vec<usize>,
         #[arg(long, default_value = "markov")]
         pattern: String,
@@ -606,9 +606,9 @@ enum ExperimentCmd {
     },
     /// Fig. 14: average switch latency vs tokens per chunk [scale 0.1].
     ChunkSize {
-        #[arg(long, value_delimiter = ',', default_values_t = [4usize, 8, 16, 32, 64])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [4usize, 8, 16, 32, 64])]
         chunk_tokens: Vec<usize>,
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["llms", "vllm-sq"]))]
         policies: Vec<String>,
         #[arg(long, default_value_t = 8)]
         contexts: usize,
@@ -622,9 +622,9 @@ enum ExperimentCmd {
     /// Fig. 15b: average switch latency vs call rate, calls replayed in real time [scale 0.1].
     CallRate {
         /// Calls per second.
-        #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 1.0, 2.0, 4.0, 8.0])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [0.5f64, 1.0, 2.0, 4.0, 8.0])]
         rates: Vec<f64>,
-        #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq"]))]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["llms", "vllm-sq"]))]
         policies: Vec<String>,
         #[arg(long, default_value_t = 8)]
         contexts: usize,
@@ -638,7 +638,7 @@ enum ExperimentCmd {
     /// Fig. 15a: prefill and decode speed with the KV cache in mm's userfaultfd regions vs the
     /// engine's own memory.
     Inference {
-        #[arg(long, value_delimiter = ',', default_values_t = [256usize, 512, 1024, 2048])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [256usize, 512, 1024, 2048])]
         lengths: Vec<usize>,
         #[arg(long, default_value_t = 32)]
         decode: usize,
@@ -661,12 +661,12 @@ enum ExperimentCmd {
 struct MaxArgs {
     /// Average switch latency bounds, ms: the paper's 10 and 25 ms for Llama2-7B, scaled by
     /// KV bytes per token (512 KiB there, 23 KiB in f16 for SmolLM2-135M: about 1/22).
-    #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 1.0])]
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [0.5f64, 1.0])]
     bounds: Vec<f64>,
     /// Active contexts tried, ascending (a policy stops at the first count over every bound).
-    #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 6, 8, 12, 16, 24, 32])]
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [2usize, 4, 6, 8, 12, 16, 24, 32])]
     contexts: Vec<usize>,
-    #[arg(long, value_delimiter = ',', default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["llms", "vllm-sq", "vllm-s", "swap", "lmk"]))]
     policies: Vec<String>,
     #[arg(long, default_value = "markov")]
     pattern: String,
@@ -939,14 +939,14 @@ enum TraceCmd {
         budget: String,
         #[arg(long, default_value_t = 16)]
         chunk_tokens: usize,
-        #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string()])]
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string()])]
         levels: Vec<String>,
         #[arg(long, default_value_t = 0.5)]
         ratio: f64,
         #[arg(long, default_value_t = 2048)]
         max_context_tokens: usize,
         /// Parts of the llms policy to switch off: lctru, compression, pipeline, aot.
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', num_args = 1..)]
         ablate: Vec<String>,
         /// Send calls at their trace times instead of back to back (idle gaps compressed).
         #[arg(long)]
@@ -1861,4 +1861,28 @@ fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, 
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    /// `--help` shows list defaults space-separated; both that form and commas are accepted.
+    #[test]
+    fn lists_take_spaces_or_commas() {
+        for args in [&["--variants", "llms", "no-aot", "--contexts", "4", "8"][..], &["--variants", "llms,no-aot", "--contexts", "4,8"]] {
+            let cli = Cli::try_parse_from(["llms", "experiment", "ablation"].iter().chain(args)).unwrap();
+            let Cmd::Experiment { cmd: ExperimentCmd::Ablation { variants, contexts, .. }, .. } = cli.cmd else {
+                panic!("parsed as {:?}", cli.cmd)
+            };
+            assert_eq!((variants, contexts), (vec!["llms".to_string(), "no-aot".to_string()], vec![4, 8]));
+        }
+        assert!(Cli::try_parse_from(["llms", "experiment", "ablation", "--contexts", "4", "x"]).is_err(), "a bad list item is an error");
+    }
 }
