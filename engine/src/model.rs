@@ -920,13 +920,19 @@ fn attention(
     let sets = nh / per_job;
     let outp = OutPtr::new(out);
     let obs = observer.map(std::sync::Mutex::new);
-    // Reduced chunks decoded up front: `slot_of[ch]` indexes `decoded` in blocks of
-    // [kvsel][kv head][ct * hd].
+    // Reduced chunks decoded up front, once for the layer: `slot_of[ch]` indexes `decoded` in
+    // blocks of [kvsel][kv head][ct * hd]. (Per job, a block was decoded by every tile and
+    // every head set that reads it: 16x for a 128-token prefill, 3x per decoded token.) The
+    // buffer is kept per thread, so decoding a token does not map fresh pages every layer.
+    thread_local! {
+        static DECODED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
     let last = seen.div_ceil(ct);
-    let (mut slot_of, mut decoded) = (Vec::new(), Vec::new());
+    let mut slot_of = Vec::new();
+    let mut decoded = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
     let per_chunk = 2 * c.n_kv_heads * ct * hd;
-    if tiles > 1 && (0..last).any(|ch| !kv.format(ch).is_base()) {
+    if (0..last).any(|ch| !kv.format(ch).is_base()) {
         slot_of = vec![usize::MAX; last];
         let mut n_red = 0;
         for (ch, slot) in slot_of.iter_mut().enumerate() {
@@ -935,7 +941,7 @@ fn attention(
                 n_red += 1;
             }
         }
-        decoded = vec![0.0f32; n_red * per_chunk];
+        decoded.resize(n_red * per_chunk, 0.0);
         let items: Vec<(usize, &mut [f32])> =
             (0..last).filter(|&ch| slot_of[ch] != usize::MAX).zip(decoded.chunks_exact_mut(per_chunk)).collect();
         pool.scatter(items, &|(ch, dst)| {
@@ -951,7 +957,6 @@ fn attention(
         let mut scores = Vec::new();
         let mut q = vec![0.0f32; TILE * per_job * hd];
         let mut o = vec![0.0f32; TILE * per_job * hd];
-        let mut blk = vec![0.0f32; ct * hd];
         let mut limits = vec![0usize; TILE * per_job];
         let mut visible = vec![0usize; TILE * per_job];
         for job in a..b {
@@ -995,13 +1000,10 @@ fn attention(
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
-                        _ if !slot_of.is_empty() => {
-                            let at = (slot_of[ch] * 2 * c.n_kv_heads + kvsel * c.n_kv_heads + kvh) * ct * hd;
-                            kernels::KvRows::F32(&decoded[at..at + ct * hd])
-                        }
                         _ => {
-                            crate::kv::read_block_f32(f, bytes, ct, hd, n_c, &mut blk);
-                            kernels::KvRows::F32(&blk)
+                            let at =
+                                (slot_of.get(ch).copied().unwrap_or(usize::MAX) * 2 * c.n_kv_heads + kvsel * c.n_kv_heads + kvh) * ct * hd;
+                            kernels::KvRows::F32(&decoded[at..at + ct * hd])
                         }
                     };
                     if kvsel == 0 {
@@ -1024,6 +1026,7 @@ fn attention(
             }
         }
     });
+    DECODED.with(|d| *d.borrow_mut() = decoded);
 }
 
 #[cfg(test)]
@@ -1064,7 +1067,8 @@ mod tests {
         for (i, f) in [KvFormat::Q4, KvFormat::F16, KvFormat::Q2, KvFormat::Int8].into_iter().enumerate() {
             kv.set_format(i, f).unwrap();
         }
-        // Two tiles (reduced chunks decoded once for the layer) and one token (decoded per job).
+        // Two tiles and one token (one head per job): both read the reduced chunks decoded once
+        // for the layer.
         for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1]] {
             let ld = c.dim + 2 * kvd;
             let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();

@@ -127,6 +127,11 @@ fn bench_at_depth_with_an_int8_cache() {
     assert_eq!(v["kv"], "int8");
     assert_eq!(v["depth"], 64);
     assert!(v["tg2_tok_s"].as_f64().unwrap() > 0.0);
+    let v = json_ok(&["bench", "--kv", "q4", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "1", "--json"]);
+    assert_eq!(v["kv"], "q4", "a compressed context at depth");
+    assert!(v["pp8_tok_s"].as_f64().unwrap() > 0.0);
+    let out = llms(&["bench", "--kv", "q3", "--reps", "1"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--kv"));
 }
 
 #[test]

@@ -273,11 +273,12 @@ enum Cmd {
     },
     /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
     Bench {
-        /// KV cache format: f16 or int8.
+        /// KV cache format: f16 or int8; q4 or q2: written as int8, the depth's full chunks
+        /// then lowered (the attention cost of compressed context).
         #[arg(long, default_value = "f16")]
         kv: String,
-        /// Context depth: decode tg tokens after a prefilled context of this many tokens
-        /// (like llama-bench -d).
+        /// Context depth: pp and tg run after a prefilled context of this many tokens (like
+        /// llama-bench -d).
         #[arg(short = 'd', long, default_value_t = 0)]
         depth: usize,
         #[arg(long, default_value_t = 512)]
@@ -1694,33 +1695,44 @@ fn doctor(json: bool) {
 #[allow(clippy::cast_precision_loss)]
 #[allow(clippy::too_many_arguments)]
 fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
+    use engine::kv::KvFormat;
     let (model, pool) = load(m)?;
-    if pp == 0 || tg == 0 || reps == 0 || depth.max(pp) + tg > model.config.ctx_len {
-        bail!("--pp, --tg and --reps must be positive and depth/pp + tg within the context");
+    if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
+        bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
-    let base = match engine::kv::KvFormat::parse(kv) {
-        Some(f) if f.is_base() => f,
-        _ => bail!("--kv must be f16 or int8 (the formats tokens are written in)"),
+    let (base, lower) = match KvFormat::parse(kv) {
+        Some(f) if f.is_base() => (f, None),
+        Some(f) => (KvFormat::Int8, Some(f)),
+        None => bail!("--kv must be f16, int8, q4 or q2"),
     };
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
-    let prompt: Vec<u32> = (0..u32::try_from(pp.max(depth))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
-    let opts = engine::model::SessionOptions { base, ..engine::model::SessionOptions::new(pp.max(depth) + tg) };
+    let prompt: Vec<u32> = (0..u32::try_from(depth + pp.max(tg))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let opts = engine::model::SessionOptions { base, ..engine::model::SessionOptions::new(depth + pp.max(tg)) };
     let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
-    let mut pp_rates = Vec::new();
-    let mut tg_rates = Vec::new();
-    for rep in 0..=reps {
-        s.truncate(0);
-        let t = Instant::now();
-        s.eval(&prompt[..pp], Logits::Last)?;
-        let pp_s = t.elapsed().as_secs_f64();
-        // tg: decode after `depth` tokens of context (0: from an empty context, as
-        // llama-bench's tg128 does).
+    // Both runs start from `depth` tokens of context (0: an empty one, as llama-bench's
+    // pp512/tg128), its full chunks lowered to the --kv level when that is q4/q2.
+    let at_depth = |s: &mut Session| -> Result<()> {
         s.truncate(0);
         if depth > 0 {
             s.eval(&prompt[..depth], Logits::None)?;
         }
-        let mut tok = prompt[0];
+        if let Some(f) = lower {
+            for i in 0..depth / s.kv.geom.chunk_tokens {
+                s.kv.set_format(i, f)?;
+            }
+        }
+        Ok(())
+    };
+    let mut pp_rates = Vec::new();
+    let mut tg_rates = Vec::new();
+    for rep in 0..=reps {
+        at_depth(&mut s)?;
+        let t = Instant::now();
+        s.eval(&prompt[depth..depth + pp], Logits::Last)?;
+        let pp_s = t.elapsed().as_secs_f64();
+        at_depth(&mut s)?;
+        let mut tok = prompt[depth];
         let t = Instant::now();
         for _ in 0..tg {
             tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
@@ -1740,7 +1752,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     if json {
         println!(
             "{}",
-            json!({"pp": pp, "tg": tg, "depth": depth, "kv": base.name(), "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
         );
     } else {
         println!(
@@ -1748,7 +1760,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
             model.file.path.display(),
             pool.threads(),
             engine::kernels::simd_name(),
-            base.name()
+            lower.unwrap_or(base).name()
         );
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
         println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
