@@ -82,6 +82,8 @@ pub struct Acts {
     pub q8: Q8Acts,
     pub q8k: Q8KActs,
     pub f32: Vec<f32>,
+    /// The non-zero inputs, for channel-major weights.
+    pub active: crate::colmajor::ActiveSet,
     pub cols: usize,
     pub rows: usize,
 }

@@ -8,6 +8,7 @@
 //! reads its KV cache and weights as plain memory; where that memory lives is `mm`'s business.
 
 pub mod chat;
+pub mod colmajor;
 pub mod eval;
 pub mod gguf;
 pub mod kernels;
@@ -23,7 +24,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use gguf::{GgufError, GgufFile, GgufHeader, TensorInfo, Value};
-pub use model::{Config, Logits, Model, ModelError, Session};
+pub use model::{Config, Logits, Model, ModelError, Session, WeightFormat};
 pub use pool::ThreadPool;
 pub use quant::GgmlType;
 pub use sampler::{Sampler, SamplerConfig};

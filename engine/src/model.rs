@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use half::f16;
 
+use crate::colmajor::{ActiveSet, ColWeight};
 use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
 use crate::kernels::{self, ActKind, Acts, OutPtr, WeightView};
 use crate::kv::{KvFormat, KvGeometry};
@@ -84,6 +85,8 @@ pub(crate) struct W {
 struct Mat {
     raw: W,
     packed: Option<PackedWeight>,
+    /// Stored by input channel instead (for sparse decoding), when the model was loaded so.
+    col: Option<ColWeight>,
 }
 
 impl Mat {
@@ -95,14 +98,25 @@ impl Mat {
             // the weights, not two, even while loading.
             file.release_pages(raw.offset, raw.len);
         }
-        Self { raw, packed }
+        Self { raw, packed, col: None }
+    }
+
+    /// The matrix stored channel-major when its type allows (4-bit), packed otherwise.
+    fn channel_major(raw: W, file: &GgufFile) -> Self {
+        match ColWeight::from_gguf(raw.ty, raw.rows, raw.cols, &file.bytes()[raw.offset..raw.offset + raw.len]) {
+            Some(col) => {
+                file.release_pages(raw.offset, raw.len);
+                Self { raw, packed: None, col: Some(col) }
+            }
+            None => Self::new(raw, file),
+        }
     }
 
     /// The matrix as the weight image holds it (`piece`), read in place from `image`.
     fn in_image(raw: W, piece: &Piece, image: &[u8]) -> Result<Self> {
         let bytes = &image[piece.offset..piece.offset + piece.len];
         if !piece.packed {
-            return Ok(Self { raw: W { offset: piece.offset, in_image: true, ..raw }, packed: None });
+            return Ok(Self { raw: W { offset: piece.offset, in_image: true, ..raw }, packed: None, col: None });
         }
         // SAFETY: the image outlives the model's matrices (the model holds its Arc) and is
         // read-only.
@@ -110,7 +124,7 @@ impl Mat {
             name: piece.name.clone(),
             what: "weight image piece has the wrong size or alignment".into(),
         })?;
-        Ok(Self { raw, packed: Some(packed) })
+        Ok(Self { raw, packed: Some(packed), col: None })
     }
 
     fn act_kind(&self) -> ActKind {
@@ -323,7 +337,31 @@ impl Parsed {
 impl Model {
     /// Loads a model with its matrices packed on the heap (fully resident).
     pub fn load(path: &Path) -> Result<Self> {
-        Parsed::open(path)?.into_model(None, &mut |file, w| Ok(Mat::new(w, file)), false)
+        Self::load_as(path, WeightFormat::Packed)
+    }
+
+    /// Loads a model with its matrices on the heap in `format`.
+    pub fn load_as(path: &Path, format: WeightFormat) -> Result<Self> {
+        let parsed = Parsed::open(path)?;
+        let (layers, mut n) = (parsed.layers.len(), 0);
+        parsed.into_model(
+            None,
+            &mut |file, w| {
+                // Matrices come in load order: the layers' 7 each, then the head, which every
+                // token reads whole and so stays packed.
+                n += 1;
+                Ok(match format {
+                    WeightFormat::ChannelMajor if n <= 7 * layers => Mat::channel_major(w, file),
+                    _ => Mat::new(w, file),
+                })
+            },
+            false,
+        )
+    }
+
+    /// The layers' matrices are stored channel-major (sparse decoding reads only active inputs).
+    pub fn is_channel_major(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.wq.col.is_some())
     }
 
     /// Loads a model whose matrices and embedding table are read in place from `image`, a
@@ -398,6 +436,17 @@ fn check_shape(t: &TensorInfo, cols: usize, rows: usize) -> Result<()> {
         return Err(ModelError::Tensor { name: t.name.clone(), what: format!("shape {:?}, expected [{cols}, {rows}]", t.dims) });
     }
     Ok(())
+}
+
+/// How a model holds its layers' matrices in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// Repacked 8-row blocks: the fastest dense kernels (prefill and decode).
+    #[default]
+    Packed,
+    /// By input channel ([`crate::colmajor`]), 4-bit types only: a token reads only the weight
+    /// columns of its non-zero inputs, so Top-K activation sparsity saves reads and time.
+    ChannelMajor,
 }
 
 /// Which positions of a batch need logits.
@@ -799,6 +848,9 @@ fn matmul_cols(
     col0: usize,
 ) {
     let cols = ms[0].raw.cols;
+    if ms.iter().all(|m| m.col.is_some()) {
+        return matmul_channel_major(pool, ms, x, n, &mut acts.active, out, ldo, col0);
+    }
     let kinds: Vec<ActKind> = ms.iter().map(|m| m.act_kind()).collect();
     acts.prepare(x, n, cols, &kinds, pool);
     let outp = OutPtr::new(&mut out[..n * ldo]).offset(col0);
@@ -826,6 +878,62 @@ fn matmul_cols(
                     let rows = ((lo - u0) * repack::ROWS, ((hi - u0) * repack::ROWS).min(m.raw.rows));
                     kernels::matmul_rows(&model.view(&m.raw), acts, o, ldo, rows.0, rows.1);
                 }
+            }
+        }
+    });
+}
+
+/// [`matmul_cols`] over channel-major matrices: the non-zero inputs are found once, then each
+/// thread reads only their columns. A batch is split by tiles of 64 rows (each tile's codes
+/// serve every token); one token by a share of the rows per thread, each reading its part of
+/// the columns in order. Both sum each row as the packed kernels do: the same bits.
+#[allow(clippy::too_many_arguments)]
+fn matmul_channel_major(
+    pool: &ThreadPool,
+    ms: &[&Mat],
+    x: &[f32],
+    n: usize,
+    active: &mut ActiveSet,
+    out: &mut [f32],
+    ldo: usize,
+    col0: usize,
+) {
+    active.prepare(x, n, ms[0].raw.cols);
+    let cws: Vec<&ColWeight> = ms.iter().filter_map(|m| m.col.as_ref()).collect();
+    let mut starts = Vec::with_capacity(ms.len());
+    let mut rows = 0;
+    for w in &cws {
+        starts.push(rows);
+        rows += w.rows;
+    }
+    if n == 1 {
+        // Each thread takes a share of each matrix's rows, reading that part of every active
+        // column in order (see `matvec_tiles`).
+        let parts = pool.threads();
+        let outp = OutPtr::new(&mut out[col0..col0 + rows]);
+        let active = &*active;
+        pool.for_chunks(cws.len() * parts, 1, &|a, b| {
+            for u in a..b {
+                let (w, r0) = (cws[u / parts], starts[u / parts]);
+                let (p, tiles) = (u % parts, w.tiles());
+                crate::colmajor::matvec_tiles(w, active, 0, p * tiles / parts, (p + 1) * tiles / parts, outp.offset(r0));
+            }
+        });
+        return;
+    }
+    let outp = OutPtr::new(&mut out[..n * ldo]).offset(col0);
+    let active = &*active;
+    let mut units = Vec::with_capacity(cws.len());
+    let mut total = 0;
+    for w in &cws {
+        units.push(total);
+        total += w.tiles();
+    }
+    pool.for_chunks(total, 1, &|a, b| {
+        for ((w, &u0), &r0) in cws.iter().zip(&units).zip(&starts) {
+            let (lo, hi) = (a.max(u0), b.min(u0 + w.tiles()));
+            if lo < hi {
+                crate::colmajor::matmul_col(w, active, outp.offset(r0), ldo, lo - u0, hi - u0);
             }
         }
     });

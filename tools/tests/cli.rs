@@ -167,3 +167,24 @@ fn pressure_watch_record_and_replay() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(":1: not a sample"));
     let _ = std::fs::remove_file(rec);
 }
+
+/// Channel-major weights generate what packed ones do (the kernels agree bit for bit); the
+/// sparsity flags go only where a session uses them, and channel-major only with resident
+/// weights.
+#[test]
+fn weight_formats_generate_alike_and_misplaced_flags_are_refused() {
+    let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12", "--json"];
+    let packed = json_ok(&args);
+    let cm = json_ok(&[&args[..], &["--weight-format", "channel-major"]].concat());
+    assert_eq!(packed["tokens"], cm["tokens"]);
+    for (bad, why) in [
+        (&["tokenize", "--text-file", "/dev/null", "--sparsity", "0.5"][..], "--sparsity and --calib-text go with"),
+        (&["generate", "--prompt", "x", "--calib-text", "/dev/null"][..], "--calib-text goes with --sparsity"),
+        (&["generate", "--prompt", "x", "--weights", "paged", "--weight-format", "channel-major"][..], "for resident weights"),
+    ] {
+        let out = llms(bad);
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{bad:?}: {err}");
+    }
+}

@@ -45,6 +45,25 @@ struct ModelArgs {
     /// Paged weights without read-ahead: every miss is a fault.
     #[arg(long, global = true)]
     no_preload: bool,
+    /// Top-K activation sparsity (generate, bench, perplexity, logits, chat): this share of
+    /// the projections' input entries (weighted by the weight bytes they select) is zeroed;
+    /// per-site levels and thresholds are calibrated on --calib-text (docs/weights.md).
+    #[arg(long, global = true)]
+    sparsity: Option<f32>,
+    /// Calibration text for --sparsity [default: /usr/share/common-licenses/Apache-2.0].
+    #[arg(long, global = true)]
+    calib_text: Option<PathBuf>,
+    /// How resident layer matrices are stored: `packed` (fastest dense kernels) or
+    /// `channel-major` (a token reads only the columns of its non-zero inputs, so sparsity
+    /// saves reads and time) [default: channel-major with --sparsity, else packed]
+    #[arg(long, global = true, value_enum)]
+    weight_format: Option<FormatArg>,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum FormatArg {
+    Packed,
+    ChannelMajor,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,14 +173,6 @@ enum Cmd {
         /// Tokens per KV chunk (with --kv).
         #[arg(long, default_value_t = 16)]
         chunk_tokens: usize,
-        /// Top-K activation sparsity: this share of the projections' input entries (weighted
-        /// by the weight bytes they select) is zeroed; per-site levels and thresholds are
-        /// calibrated on --calib-text (docs/weights.md).
-        #[arg(long)]
-        sparsity: Option<f32>,
-        /// Calibration text for --sparsity [default: /usr/share/common-licenses/Apache-2.0].
-        #[arg(long)]
-        calib_text: Option<PathBuf>,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -897,6 +908,8 @@ fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale
     }))
 }
 
+// Parsed once per run: the size of the variants that carry ModelArgs does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum TraceCmd {
     /// Writes a synthetic trace (JSON lines; docs/traces.md).
@@ -1250,6 +1263,24 @@ fn model_path(m: &ModelArgs) -> PathBuf {
 }
 
 fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
+    if m.sparsity.is_some() || m.calib_text.is_some() {
+        bail!("--sparsity and --calib-text go with generate, bench, perplexity, logits and chat");
+    }
+    load_model(m)
+}
+
+/// [`load`], with Top-K sparsity calibrated when --sparsity asks for it.
+type Sparsity = Option<Arc<engine::sparsity::Sparsity>>;
+fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)> {
+    if m.calib_text.is_some() && m.sparsity.is_none() {
+        bail!("--calib-text goes with --sparsity");
+    }
+    let (model, pool) = load_model(m)?;
+    let sp = m.sparsity.map(|t| calibrate(&model, &pool, t, m.calib_text.as_deref())).transpose()?;
+    Ok((model, pool, sp))
+}
+
+fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     let path = model_path(m);
     if !path.exists() {
         bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
@@ -1262,6 +1293,15 @@ fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     if !paged && (m.weights_budget.is_some() || m.weights_image.is_some() || m.no_preload) {
         bail!("--weights-budget, --weights-image and --no-preload go with --weights paged");
     }
+    let format = match m.weight_format {
+        Some(FormatArg::ChannelMajor) => engine::WeightFormat::ChannelMajor,
+        Some(FormatArg::Packed) => engine::WeightFormat::Packed,
+        None if m.sparsity.is_some() && !paged => engine::WeightFormat::ChannelMajor,
+        None => engine::WeightFormat::Packed,
+    };
+    if paged && format == engine::WeightFormat::ChannelMajor {
+        bail!("--weight-format channel-major is for resident weights: a paged image holds packed matrices");
+    }
     let model = if paged {
         let opts = tools::weights::PagedOptions {
             budget: m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0)),
@@ -1272,7 +1312,7 @@ fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
         let _ = PAGED.set(pw);
         model
     } else {
-        Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?)
+        Arc::new(Model::load_as(&path, format).with_context(|| format!("loading {}", path.display()))?)
     };
     Ok((model, Arc::new(ThreadPool::new(threads))))
 }
@@ -1329,12 +1369,13 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::to_string(&ids)?);
         }
         Cmd::Logits { prompt_file, top, m } => {
-            let (model, pool) = load(&m)?;
+            let (model, pool, sp) = load_sparse(&m)?;
             let ids = encode(&model, &read_text(&prompt_file)?, true)?;
             if ids.is_empty() {
                 bail!("the prompt has no tokens");
             }
             let mut s = Session::new(Arc::clone(&model), pool, ids.len());
+            s.set_sparsity(sp)?;
             let logits = s.eval(&ids, Logits::Last)?;
             let mut idx: Vec<usize> = (0..logits.len()).collect();
             idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -1347,7 +1388,7 @@ fn run(cli: Cli) -> Result<()> {
                 (None, Some(p)) => p,
                 _ => bail!("give exactly one of --prompt-file and --prompt"),
             };
-            let (model, pool) = load(&m)?;
+            let (model, pool, sp) = load_sparse(&m)?;
             let text = if chat { render_chat(&model, &[Message::new("user", &text)])? } else { text };
             let ids = encode(&model, &text, true)?;
             let cfg = SamplerConfig { temperature, top_k, top_p, seed };
@@ -1359,7 +1400,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Ok(())
             };
-            let r = generate(&model, pool, &ids, max_tokens, cfg, &mut sink)?;
+            let r = generate(&model, pool, sp, &ids, max_tokens, cfg, &mut sink)?;
             if json {
                 println!("{}", json!({"tokens": r.tokens, "text": r.text}));
             } else {
@@ -1385,8 +1426,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Chat { ctx: None, max_tokens, temperature, seed, system, m, .. } => chat_loop(&m, max_tokens, temperature, seed, system)?,
         Cmd::Ctx { cmd } => ctx_cmd(cmd)?,
         Cmd::Stats { json, d } => stats_cmd(json, &d)?,
-        Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, sparsity, calib_text, json, m } => {
-            let (model, pool) = load(&m)?;
+        Cmd::Perplexity { text_file, ctx, chunks, kv, chunk_tokens, json, m } => {
+            let (model, pool, sp) = load_sparse(&m)?;
             if ctx < 8 || ctx > model.config.ctx_len {
                 bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
             }
@@ -1394,7 +1435,6 @@ fn run(cli: Cli) -> Result<()> {
             if ids.len() < ctx {
                 bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
             }
-            let sp = sparsity.map(|t| calibrate(&model, &pool, t, calib_text.as_deref())).transpose()?;
             if sp.is_some() && kv.is_some() {
                 bail!("--sparsity and --kv: one at a time");
             }
@@ -1502,6 +1542,7 @@ impl GenResult {
 fn generate(
     model: &Arc<Model>,
     pool: Arc<ThreadPool>,
+    sparsity: Sparsity,
     ids: &[u32],
     max_tokens: usize,
     cfg: SamplerConfig,
@@ -1515,6 +1556,7 @@ fn generate(
         bail!("the prompt ({} tokens) does not fit the model's context of {}", ids.len(), model.config.ctx_len);
     }
     let mut s = Session::new(Arc::clone(model), pool, cap);
+    s.set_sparsity(sparsity)?;
     let mut sampler = Sampler::new(cfg);
     let mut utf8 = Utf8Stream::default();
     let t0 = Instant::now();
@@ -1542,7 +1584,7 @@ fn generate(
 }
 
 fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, system: Option<String>) -> Result<()> {
-    let (model, pool) = load(m)?;
+    let (model, pool, sp) = load_sparse(m)?;
     let mut msgs = Vec::new();
     if let Some(s) = system {
         msgs.push(Message::new("system", &s));
@@ -1559,7 +1601,7 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
         }
         let mut out = std::io::stdout().lock();
         let cfg = SamplerConfig { temperature, seed, ..SamplerConfig::default() };
-        let r = generate(&model, Arc::clone(&pool), &ids, max_tokens, cfg, &mut |p| {
+        let r = generate(&model, Arc::clone(&pool), sp.clone(), &ids, max_tokens, cfg, &mut |p| {
             out.write_all(p.as_bytes())?;
             out.flush()?;
             Ok(())
@@ -1696,7 +1738,7 @@ fn doctor(json: bool) {
 #[allow(clippy::too_many_arguments)]
 fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
     use engine::kv::KvFormat;
-    let (model, pool) = load(m)?;
+    let (model, pool, sp) = load_sparse(m)?;
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
@@ -1710,6 +1752,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     let prompt: Vec<u32> = (0..u32::try_from(depth + pp.max(tg))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
     let opts = engine::model::SessionOptions { base, ..engine::model::SessionOptions::new(depth + pp.max(tg)) };
     let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
+    s.set_sparsity(sp.clone())?;
     // Both runs start from `depth` tokens of context (0: an empty one, as llama-bench's
     // pp512/tg128), its full chunks lowered to the --kv level when that is q4/q2.
     let at_depth = |s: &mut Session| -> Result<()> {

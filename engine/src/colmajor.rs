@@ -1,0 +1,603 @@
+//! Channel-major 4-bit weights, for decoding with sparse activations (ActiveFlow §4, TEAL).
+//!
+//! With Top-K activation sparsity most input channels of a projection are zero for a token, so
+//! their weight columns need not be read at all. Row-major blocks mix 32 input channels in
+//! every block, so a sparse reader would still touch every byte; here the matrix is stored by
+//! input channel instead. It stays the GGUF block quantization, unchanged (lossless): for each
+//! block `b` of 32 input channels, the `d` and `m` scales of every row (`Rp` f16 each, `Rp` the
+//! rows rounded up to [`TILE`]), then the 32 columns, each `Rp / 2` bytes of the rows' 4-bit
+//! codes. A column is cut in tiles of 64 rows, 32 bytes each: byte `k` holds row `k` of the tile
+//! in its low nibble and row `32 + k` in its high one, so one 32-byte load feeds 64 rows.
+//!
+//! `y_r = Σ_b d_rb Σ_{j∈b} q_rj x_j + m_rb Σ_{j∈b} x_j`. As in the row-major kernels, each
+//! block of inputs is quantized to 8 bits (`x_j ≈ s_b x8_j`); the active columns are taken two
+//! at a time, their codes interleaved byte by byte with the two inputs broadcast alongside, so
+//! one `vpmaddubsw` gives `q_rj x8_j + q_rk x8_k` for 16 rows. A channel whose input is zero
+//! contributes exactly nothing and its column is never read; a block with no active channel
+//! does not read its scales either.
+#![allow(clippy::cast_possible_truncation)]
+
+use half::f16;
+
+use crate::kernels::OutPtr;
+use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, GgmlType, QK};
+use crate::repack::Blocks;
+
+/// Rows per tile: the unit of work handed to a thread, and the rows one column load covers.
+pub const TILE: usize = 64;
+
+/// A 4-bit matrix stored channel-major (see the module docs).
+#[derive(Debug)]
+pub struct ColWeight {
+    pub rows: usize,
+    pub cols: usize,
+    /// Rows rounded up to a whole tile; padding rows have zero codes and scales.
+    rows_p: usize,
+    data: Blocks<u8>,
+}
+
+impl ColWeight {
+    /// Bytes a channel-major `ty` matrix of this shape takes; `None` for other types.
+    pub fn len_for(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
+        if !matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1) || !cols.is_multiple_of(QK) {
+            return None;
+        }
+        Some(cols / QK * Self::block_bytes_for(rows.next_multiple_of(TILE)))
+    }
+    fn block_bytes_for(rows_p: usize) -> usize {
+        // Two f16 scales per row, then 32 columns of rows_p nibbles.
+        4 * rows_p + QK * rows_p / 2
+    }
+    fn block_bytes(&self) -> usize {
+        Self::block_bytes_for(self.rows_p)
+    }
+    pub fn tiles(&self) -> usize {
+        self.rows_p / TILE
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.data
+    }
+    /// Where column (input channel) `c` lives in [`Self::as_bytes`]: `(offset, len)`.
+    pub fn column_range(&self, c: usize) -> (usize, usize) {
+        let (b, j) = (c / QK, c % QK);
+        (b * self.block_bytes() + 4 * self.rows_p + j * self.rows_p / 2, self.rows_p / 2)
+    }
+
+    /// Transposes a row-major GGUF Q4_0/Q4_1 matrix; `None` for other types or shapes.
+    pub fn from_gguf(ty: GgmlType, rows: usize, cols: usize, src: &[u8]) -> Option<Self> {
+        let len = Self::len_for(ty, rows, cols)?;
+        let row_bytes = ty.row_bytes(cols);
+        if src.len() < rows * row_bytes {
+            return None;
+        }
+        let rows_p = rows.next_multiple_of(TILE);
+        let bb = Self::block_bytes_for(rows_p);
+        let mut out = vec![0u8; len];
+        for r in 0..rows {
+            let row = &src[r * row_bytes..(r + 1) * row_bytes];
+            let (tile, within) = (r / TILE, r % TILE);
+            for b in 0..cols / QK {
+                let (d, m, qs) = if ty == GgmlType::Q4_1 {
+                    let blk = &blocks::<BlockQ4_1>(row)[b];
+                    (blk.d, blk.m, blk.qs)
+                } else {
+                    let blk = &blocks::<BlockQ4_0>(row)[b];
+                    // q - 8 as q * d + m: -8d is exact in f16 (a power-of-two multiple).
+                    (blk.d, f16::from_f32(-8.0 * blk.d.to_f32()), blk.qs)
+                };
+                let base = b * bb;
+                out[base + 2 * r..base + 2 * r + 2].copy_from_slice(&d.to_le_bytes());
+                out[base + 2 * rows_p + 2 * r..base + 2 * rows_p + 2 * r + 2].copy_from_slice(&m.to_le_bytes());
+                for j in 0..QK {
+                    // GGUF: byte k holds element k (low nibble) and element 16 + k (high).
+                    let q = if j < QK / 2 { qs[j] & 0x0F } else { qs[j - QK / 2] >> 4 };
+                    let at = base + 4 * rows_p + j * rows_p / 2 + tile * TILE / 2 + within % (TILE / 2);
+                    out[at] |= if within < TILE / 2 { q } else { q << 4 };
+                }
+            }
+        }
+        Some(Self { rows, cols, rows_p, data: Blocks::Owned(out) })
+    }
+
+    /// A channel-major matrix over bytes produced by [`Self::as_bytes`] for the same type and
+    /// shape, without copying them; `None` if the length is wrong.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unchanged for as long as the returned value is used.
+    pub unsafe fn borrow(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
+        if Self::len_for(ty, rows, cols)? != bytes.len() {
+            return None;
+        }
+        let rows_p = rows.next_multiple_of(TILE);
+        Some(Self { rows, cols, rows_p, data: Blocks::Borrowed { ptr: bytes.as_ptr(), len: bytes.len() } })
+    }
+
+    /// The weight at (`r`, `c`), dequantized.
+    pub fn get(&self, r: usize, c: usize) -> f32 {
+        let (d, m) = self.scales(c / QK, r);
+        d * f32::from(self.code(r, c)) + m
+    }
+    fn scales(&self, b: usize, r: usize) -> (f32, f32) {
+        let base = b * self.block_bytes();
+        let f = |at: usize| f16::from_le_bytes([self.data[at], self.data[at + 1]]).to_f32();
+        (f(base + 2 * r), f(base + 2 * self.rows_p + 2 * r))
+    }
+    fn code(&self, r: usize, c: usize) -> u8 {
+        let (off, _) = self.column_range(c);
+        let (tile, within) = (r / TILE, r % TILE);
+        let byte = self.data[off + tile * TILE / 2 + within % (TILE / 2)];
+        if within < TILE / 2 {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        }
+    }
+}
+
+/// The non-zero inputs of a matmul, found once and shared by every matrix that reads them:
+/// per token and block of 32 channels, the active channels and the block's input sum.
+#[derive(Debug, Default)]
+pub struct ActiveSet {
+    n: usize,
+    nb: usize,
+    /// Active channel numbers within their block, token-major then block-major.
+    idx: Vec<u8>,
+    /// `idx[start[t * nb + b]..start[t * nb + b + 1]]` are token `t`'s active channels of block `b`.
+    start: Vec<u32>,
+    /// Σ x over each (token, block).
+    sums: Vec<f32>,
+    /// Each (token, block)'s scale: `x ≈ scale * x8`.
+    scales: Vec<f32>,
+    /// The inputs quantized to 8 bits per block, token-major.
+    x8: Vec<i8>,
+}
+
+impl ActiveSet {
+    /// Finds the non-zero entries of `n` rows of `cols` inputs.
+    pub fn prepare(&mut self, x: &[f32], n: usize, cols: usize) {
+        assert!(cols.is_multiple_of(QK) && x.len() >= n * cols, "inputs come in whole blocks");
+        let nb = cols / QK;
+        self.n = n;
+        self.nb = nb;
+        self.idx.clear();
+        self.start.clear();
+        self.sums.clear();
+        self.scales.clear();
+        self.x8.clear();
+        for blk in x[..n * cols].chunks_exact(QK) {
+            self.start.push(self.idx.len() as u32);
+            // The row-major kernels' quantization (Q8_0 codes, f16 scale, the codes' sum as
+            // Q8_1 keeps it: with Q4_1 `m Σx` cancels most of `d Σ q x`, as m ≈ -8d, which
+            // only holds if both terms see the same x), so both layouts compute alike.
+            let mut q = [0i8; QK];
+            let (scale, sum) = crate::quant::quantize_block_q8(blk, &mut q);
+            self.x8.extend_from_slice(&q);
+            // Zero (sparsified) inputs are skipped.
+            self.idx.extend((0..QK as u8).filter(|&j| blk[usize::from(j)] != 0.0));
+            self.sums.push(sum);
+            self.scales.push(scale);
+        }
+        self.start.push(self.idx.len() as u32);
+    }
+    /// Active channels in all, over every token.
+    pub fn active(&self) -> usize {
+        self.idx.len()
+    }
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+    /// Blocks of 32 inputs per token.
+    pub fn blocks(&self) -> usize {
+        self.nb
+    }
+    fn block(&self, t: usize, b: usize) -> &[u8] {
+        let i = t * self.nb + b;
+        &self.idx[self.start[i] as usize..self.start[i + 1] as usize]
+    }
+    /// The active channels of token `t` (numbers over the whole row).
+    pub fn channels(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.nb).flat_map(move |b| self.block(t, b).iter().map(move |&j| b * QK + usize::from(j)))
+    }
+}
+
+/// Computes `out[t * ldo + r] = W[r] · x_t` for the rows of tiles `t0..t1` and every token of
+/// `a`, reading only the active channels' columns. Threads may run disjoint tile ranges at once.
+/// For batches: each tile's codes are reused by every token. One token is better served by
+/// [`matvec_tiles`], which reads memory in order.
+pub fn matmul_col(w: &ColWeight, a: &ActiveSet, out: OutPtr, ldo: usize, t0: usize, t1: usize) {
+    assert_eq!(a.nb * QK, w.cols, "activation width does not match the weight");
+    assert!(t1 <= w.tiles());
+    // Tokens inside: a tile's column codes, read once from memory, serve every token.
+    for tile in t0..t1 {
+        for t in 0..a.n {
+            let mut y = [0.0f32; TILE];
+            #[cfg(target_arch = "x86_64")]
+            if crate::kernels::has_avx2() {
+                // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
+                unsafe { avx2::tile(w, a, t, tile, &mut y) };
+            } else {
+                tile_ref(w, a, t, tile, &mut y);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            tile_ref(w, a, t, tile, &mut y);
+            let r0 = tile * TILE;
+            for (i, &v) in y.iter().enumerate().take(w.rows.saturating_sub(r0)) {
+                out.write(t * ldo + r0 + i, v);
+            }
+        }
+    }
+}
+
+/// Computes token `t`'s rows of tiles `t0..t1`, `out[r] = W[r] · x_t` (rows past the matrix
+/// are not written): the columns are read front to back over those rows, a few at a time, so
+/// memory is read in order — one token reuses nothing, so the order is what counts. Each row
+/// sums its blocks in the order the row-major kernels do: the same result, bit for bit.
+/// Threads may run disjoint tile ranges at once.
+pub fn matvec_tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize, out: OutPtr) {
+    assert_eq!(a.nb * QK, w.cols, "activation width does not match the weight");
+    assert!(t1 <= w.tiles() && t0 <= t1 && t < a.n);
+    thread_local! {
+        static BUF: std::cell::RefCell<(Vec<f32>, Vec<i32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    BUF.with(|buf| {
+        let (y, acc) = &mut *buf.borrow_mut();
+        y.clear();
+        y.resize((t1 - t0) * TILE, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        let done = if crate::kernels::has_avx2() {
+            acc.resize((t1 - t0) * TILE, 0);
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
+            unsafe { avx2::tiles(w, a, t, t0, t1, y, acc) };
+            true
+        } else {
+            false
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = false;
+        if !done {
+            for tile in t0..t1 {
+                let mut part = [0.0; TILE];
+                tile_ref(w, a, t, tile, &mut part);
+                y[(tile - t0) * TILE..(tile - t0 + 1) * TILE].copy_from_slice(&part);
+            }
+        }
+        for (i, &v) in y.iter().enumerate().take(w.rows.saturating_sub(t0 * TILE)) {
+            out.write(t0 * TILE + i, v);
+        }
+    });
+}
+
+/// Portable version of one tile, the reference for the vector kernel.
+pub fn tile_ref(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
+    for b in 0..a.nb {
+        let act = a.block(t, b);
+        if act.is_empty() {
+            continue;
+        }
+        let mut acc = [0i32; TILE];
+        for &j in act {
+            let c = b * QK + usize::from(j);
+            let xv = i32::from(a.x8[t * w.cols + c]);
+            for (i, s) in acc.iter_mut().enumerate() {
+                *s += i32::from(w.code(tile * TILE + i, c)) * xv;
+            }
+        }
+        let (sum, scale) = (a.sums[t * a.nb + b], a.scales[t * a.nb + b]);
+        for (i, yv) in y.iter_mut().enumerate() {
+            let (d, m) = w.scales(b, tile * TILE + i);
+            #[allow(clippy::cast_precision_loss)]
+            let dot = acc[i] as f32;
+            *yv += d * scale * dot + m * sum;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    #![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+    use std::arch::x86_64::*;
+
+    use super::{ActiveSet, ColWeight, QK, TILE};
+
+    /// Adds `s16` (4 vectors of i16 row sums as [`pair`] leaves them) to the i32 sums of a
+    /// tile's 64 rows at `acc`, in row order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn flush(s16: &[__m256i; 4], acc: *mut i32) {
+        // s16[0]: rows 0..8 | 16..24, s16[1]: 8..16 | 24..32, s16[2..4] the same + 32.
+        for (h, s) in s16.iter().enumerate() {
+            let (lo, hi) = (_mm256_castsi256_si128(*s), _mm256_extracti128_si256(*s, 1));
+            for (half, r) in [(lo, 4 * (h / 2) + h % 2), (hi, 4 * (h / 2) + h % 2 + 2)] {
+                let p = acc.add(8 * r).cast::<__m256i>();
+                _mm256_storeu_si256(p, _mm256_add_epi32(_mm256_loadu_si256(p), _mm256_cvtepi16_epi32(half)));
+            }
+        }
+    }
+
+    /// One pair of columns at `pj`, `pk` (a tile's 32 bytes each) times their inputs `xs`,
+    /// added to `s16`: per 128-bit lane, unpacklo takes rows 0..8 (16..24 in the upper lane)
+    /// of the tile's 32, unpackhi rows 8..16 (24..32); low nibbles then high ones.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair(pj: *const u8, pk: *const u8, xs: __m256i, s16: &mut [__m256i; 4]) {
+        let mask = _mm256_set1_epi8(0x0F);
+        let vj = _mm256_loadu_si256(pj.cast());
+        let vk = _mm256_loadu_si256(pk.cast());
+        let (lj, lk) = (_mm256_and_si256(vj, mask), _mm256_and_si256(vk, mask));
+        let hj = _mm256_and_si256(_mm256_srli_epi16(vj, 4), mask);
+        let hk = _mm256_and_si256(_mm256_srli_epi16(vk, 4), mask);
+        let parts =
+            [_mm256_unpacklo_epi8(lj, lk), _mm256_unpackhi_epi8(lj, lk), _mm256_unpacklo_epi8(hj, hk), _mm256_unpackhi_epi8(hj, hk)];
+        for (s, p) in s16.iter_mut().zip(parts) {
+            *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(p, xs));
+        }
+    }
+
+    /// Both inputs of a pair broadcast as byte pairs; a lone last channel pairs with itself
+    /// times zero.
+    #[inline]
+    unsafe fn pair_inputs(xb: *const i8, pair: &[u8]) -> (usize, usize, __m256i) {
+        let j = usize::from(pair[0]);
+        let (k, xk) = match pair.get(1) {
+            Some(&k) => (usize::from(k), *xb.add(usize::from(k))),
+            None => (j, 0),
+        };
+        (j, k, _mm256_set1_epi16(i16::from_le_bytes([(*xb.add(j)).cast_unsigned(), xk.cast_unsigned()])))
+    }
+
+    /// Blocks fetched ahead: a block of 576 rows is 11.5 KB, two cover memory latency.
+    const AHEAD: usize = 2;
+
+    /// [`super::matvec_tiles`]: for each block and each group of up to 16 active columns,
+    /// the tiles in order, so each column is read front to back and only 16 are in flight.
+    /// `y` and `acc` hold the rows of tiles `t0..t1`.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize, y: &mut [f32], acc: &mut [i32]) {
+        let (bb, rp) = (w.block_bytes(), w.rows_p);
+        let (r0, r1) = (t0 * TILE, t1 * TILE);
+        let data = w.data.as_ptr();
+        let x8 = a.x8.as_ptr().add(t * w.cols);
+        let nb = a.nb;
+        let fetch = |b: usize| {
+            // The columns are many short runs, which the hardware prefetchers do not follow:
+            // fetch a later active block's lines while this one computes.
+            if b < nb && !a.block(t, b).is_empty() {
+                let base = data.add(b * bb);
+                for (start, len) in [(2 * r0, 2 * (r1 - r0)), (2 * rp + 2 * r0, 2 * (r1 - r0))] {
+                    for off in (start & !63..start + len).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(base.add(off).cast());
+                    }
+                }
+                for &j in a.block(t, b) {
+                    let col = 4 * rp + usize::from(j) * rp / 2 + r0 / 2;
+                    for off in (col & !63..col + (r1 - r0) / 2).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(base.add(off).cast());
+                    }
+                }
+            }
+        };
+        for b in 0..AHEAD.min(nb) {
+            fetch(b);
+        }
+        for b in 0..nb {
+            fetch(b + AHEAD);
+            let act = a.block(t, b);
+            if act.is_empty() {
+                continue;
+            }
+            acc.fill(0);
+            let base = data.add(b * bb);
+            let cols = base.add(4 * rp);
+            let xb = x8.add(b * QK);
+            // i16 sums hold at most 8 pairs: 8 * 2 * 15 * 127 < 2^15.
+            for group in act.chunks(16) {
+                let mut pairs = [(std::ptr::null::<u8>(), std::ptr::null::<u8>(), _mm256_setzero_si256()); 8];
+                for (p, pr) in pairs.iter_mut().zip(group.chunks(2)) {
+                    let (j, k, xs) = pair_inputs(xb, pr);
+                    *p = (cols.add(j * rp / 2), cols.add(k * rp / 2), xs);
+                }
+                let pairs = &pairs[..group.len().div_ceil(2)];
+                for tile in t0..t1 {
+                    let mut s16 = [_mm256_setzero_si256(); 4];
+                    for &(pj, pk, xs) in pairs {
+                        pair(pj.add(tile * TILE / 2), pk.add(tile * TILE / 2), xs, &mut s16);
+                    }
+                    flush(&s16, acc.as_mut_ptr().add((tile - t0) * TILE));
+                }
+            }
+            let sum = _mm256_set1_ps(a.sums[t * a.nb + b]);
+            let scale = _mm256_set1_ps(a.scales[t * a.nb + b]);
+            let (ds, ms) = (base.add(2 * r0), base.add(2 * rp + 2 * r0));
+            for r in (0..r1 - r0).step_by(8) {
+                let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(ds.add(2 * r).cast())), scale);
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(2 * r).cast()));
+                let yp = y.as_mut_ptr().add(r);
+                let dot = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(r).cast()));
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot, _mm256_loadu_ps(yp))));
+            }
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
+        let (bb, rp) = (w.block_bytes(), w.rows_p);
+        let data = w.data.as_ptr();
+        let x8 = a.x8.as_ptr().add(t * w.cols);
+        let mut yv = [_mm256_setzero_ps(); 8];
+        let mut acc = [0i32; TILE];
+        for b in 0..a.nb {
+            let act = a.block(t, b);
+            if act.is_empty() {
+                continue;
+            }
+            acc.fill(0);
+            let base = data.add(b * bb);
+            let cols = base.add(4 * rp + tile * TILE / 2);
+            let xb = x8.add(b * QK);
+            for group in act.chunks(16) {
+                let mut s16 = [_mm256_setzero_si256(); 4];
+                for pr in group.chunks(2) {
+                    let (j, k, xs) = pair_inputs(xb, pr);
+                    pair(cols.add(j * rp / 2), cols.add(k * rp / 2), xs, &mut s16);
+                }
+                flush(&s16, acc.as_mut_ptr());
+            }
+            let sum = _mm256_set1_ps(a.sums[t * a.nb + b]);
+            let scale = _mm256_set1_ps(a.scales[t * a.nb + b]);
+            let ds = base.add(2 * tile * TILE);
+            let ms = base.add(2 * rp + 2 * tile * TILE);
+            for (k, yk) in yv.iter_mut().enumerate() {
+                let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(ds.add(16 * k).cast())), scale);
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(16 * k).cast()));
+                let dot = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(8 * k).cast()));
+                *yk = _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot, *yk));
+            }
+        }
+        for (k, v) in yv.iter().enumerate() {
+            _mm256_storeu_ps(y.as_mut_ptr().add(8 * k), *v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::quant::dequantize_row;
+
+    fn random_q4(ty: GgmlType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u8> {
+        let rb = ty.row_bytes(cols);
+        let mut v = vec![0u8; rows * rb];
+        let bs = if ty == GgmlType::Q4_1 { 20 } else { 18 };
+        for blk in v.chunks_exact_mut(bs) {
+            blk[..2].copy_from_slice(&f16::from_f32(rng.gen_range(0.001..0.05)).to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                blk[2..4].copy_from_slice(&f16::from_f32(rng.gen_range(-0.4..0.0)).to_le_bytes());
+            }
+            let q0 = bs - 16;
+            blk[q0..].iter_mut().for_each(|b| *b = rng.gen());
+        }
+        v
+    }
+
+    #[test]
+    fn transposing_is_lossless() {
+        let mut rng = StdRng::seed_from_u64(1);
+        for (ty, rows, cols) in [(GgmlType::Q4_1, 100, 96), (GgmlType::Q4_0, 64, 64), (GgmlType::Q4_1, 192, 32)] {
+            let src = random_q4(ty, rows, cols, &mut rng);
+            let w = ColWeight::from_gguf(ty, rows, cols, &src).unwrap();
+            assert_eq!(w.as_bytes().len(), ColWeight::len_for(ty, rows, cols).unwrap());
+            let mut row = vec![0.0; cols];
+            let rb = ty.row_bytes(cols);
+            for r in 0..rows {
+                dequantize_row(ty, &src[r * rb..(r + 1) * rb], &mut row);
+                for (c, &v) in row.iter().enumerate() {
+                    assert_eq!(w.get(r, c), v, "{ty:?} ({r}, {c})");
+                }
+            }
+        }
+        assert!(ColWeight::from_gguf(GgmlType::Q8_0, 8, 32, &[0; 34 * 8]).is_none());
+        assert!(ColWeight::from_gguf(GgmlType::Q4_1, 8, 32, &[0; 20 * 7]).is_none(), "short input");
+    }
+
+    /// The kernels against an f64 product of the dequantized matrix, with half the inputs zero
+    /// and one block entirely zero.
+    #[test]
+    fn sparse_products_match_the_dense_reference() {
+        let mut rng = StdRng::seed_from_u64(2);
+        let (rows, cols, n) = (136, 128, 3);
+        let src = random_q4(GgmlType::Q4_1, rows, cols, &mut rng);
+        let w = ColWeight::from_gguf(GgmlType::Q4_1, rows, cols, &src).unwrap();
+        let mut x: Vec<f32> = (0..n * cols).map(|_| if rng.gen_bool(0.5) { rng.gen_range(-2.0..2.0) } else { 0.0 }).collect();
+        x[cols + 32..cols + 64].iter_mut().for_each(|v| *v = 0.0);
+        // The last token dense: whole blocks of 32 active channels (two groups of 8 pairs).
+        x[2 * cols..].iter_mut().for_each(|v| *v = rng.gen_range(0.5..2.0));
+        let mut a = ActiveSet::default();
+        a.prepare(&x, n, cols);
+        assert_eq!(a.active(), x.iter().filter(|v| **v != 0.0).count());
+        let ldo = rows + 5;
+        let mut out = vec![f32::NAN; n * ldo];
+        let o = OutPtr::new(&mut out);
+        matmul_col(&w, &a, o, ldo, 0, 1);
+        matmul_col(&w, &a, o, ldo, 1, w.tiles());
+        for t in 0..n {
+            for r in 0..rows {
+                // The inputs as the kernels see them: 8-bit codes times the block's scale.
+                let want: f64 = (0..a.nb)
+                    .map(|b| {
+                        let (d, m) = w.scales(b, r);
+                        let dot: f64 = (b * QK..(b + 1) * QK).map(|c| f64::from(w.code(r, c)) * f64::from(a.x8[t * cols + c])).sum();
+                        f64::from(d) * f64::from(a.scales[t * a.nb + b]) * dot + f64::from(m) * f64::from(a.sums[t * a.nb + b])
+                    })
+                    .sum();
+                let exact: f64 = (0..cols).map(|c| f64::from(w.get(r, c)) * f64::from(x[t * cols + c])).sum();
+                let got = f64::from(out[t * ldo + r]);
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "t{t} r{r}: {got} vs {want}");
+                assert!((got - exact).abs() <= 0.02 * (1.0 + exact.abs()), "t{t} r{r}: {got} vs exact {exact}");
+                let mut y = [0.0; TILE];
+                tile_ref(&w, &a, t, r / TILE, &mut y);
+                assert!((f64::from(y[r % TILE]) - want).abs() <= 1e-4 * (1.0 + want.abs()));
+            }
+            assert!(out[t * ldo + rows..(t + 1) * ldo].iter().all(|v| v.is_nan()), "padding rows are not written");
+            // Split by rows, in two parts, as one token's decode does: the same bits.
+            let mut y = vec![f32::NAN; rows + 1];
+            matvec_tiles(&w, &a, t, 0, 1, OutPtr::new(&mut y));
+            matvec_tiles(&w, &a, t, 1, w.tiles(), OutPtr::new(&mut y));
+            assert_eq!(&y[..rows], &out[t * ldo..t * ldo + rows], "token {t}");
+            assert!(y[rows].is_nan(), "padding rows are not written");
+        }
+    }
+
+    /// Inactive channels' columns are never read: they sit on pages with no access at all.
+    #[test]
+    fn inactive_columns_are_not_touched() {
+        let mut rng = StdRng::seed_from_u64(3);
+        // 8192 rows: each column is exactly one 4 KiB page, the scales 8 pages.
+        let (rows, cols) = (8192, 64);
+        let src = random_q4(GgmlType::Q4_1, rows, cols, &mut rng);
+        let w = ColWeight::from_gguf(GgmlType::Q4_1, rows, cols, &src).unwrap();
+        let len = w.as_bytes().len();
+        let page = 4096;
+        // SAFETY: a fresh private anonymous mapping, ours alone, unmapped at the end.
+        let map = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        // SAFETY: the mapping is `len` bytes and readable and writable.
+        let mem = unsafe { std::slice::from_raw_parts_mut(map.cast::<u8>(), len) };
+        mem.copy_from_slice(w.as_bytes());
+        let mut x = vec![0.0f32; cols];
+        for (c, xc) in x.iter_mut().enumerate() {
+            let (off, clen) = w.column_range(c);
+            assert_eq!((off % page, clen), (0, page));
+            if c % 3 == 0 {
+                *xc = rng.gen_range(-1.0..1.0);
+            } else {
+                // SAFETY: a page-aligned page inside our mapping.
+                assert_eq!(unsafe { libc::mprotect(map.byte_add(off), page, libc::PROT_NONE) }, 0);
+            }
+        }
+        // SAFETY: `mem` stays mapped and unchanged while `paged` is used.
+        let paged = unsafe { ColWeight::borrow(GgmlType::Q4_1, rows, cols, mem) }.unwrap();
+        let mut a = ActiveSet::default();
+        a.prepare(&x, 1, cols);
+        let mut out = vec![0.0; rows];
+        matmul_col(&paged, &a, OutPtr::new(&mut out), rows, 0, paged.tiles());
+        let mut want = vec![0.0; rows];
+        matmul_col(&w, &a, OutPtr::new(&mut want), rows, 0, w.tiles());
+        assert_eq!(out, want);
+        let mut y = vec![0.0; rows];
+        matvec_tiles(&paged, &a, 0, 0, paged.tiles(), OutPtr::new(&mut y));
+        assert_eq!(y, want);
+        drop((paged, w));
+        // SAFETY: nothing borrows the mapping any more.
+        assert_eq!(unsafe { libc::munmap(map, len) }, 0);
+    }
+}
