@@ -641,11 +641,11 @@ impl Manager {
 
         // Staging memory for every missing chunk: the engine reads and writes it during the
         // load; afterwards its pages move into the slots.
+        let levels: HashMap<usize, Format> = metas.iter().map(|(i, m)| (*i, m.format)).collect();
         let mut staging: HashMap<usize, Staging> = HashMap::new();
         for &i in missing {
             staging.insert(i, Staging::new(self.slot_size)?);
         }
-        let levels: HashMap<usize, Format> = metas.iter().map(|(i, m)| (*i, m.format)).collect();
         for (&i, s) in &mut staging {
             let f = if recompute.contains(&i) { base } else { levels[&i] };
             let ptr = NonNull::new(s.as_mut_slice().as_mut_ptr()).expect("mapped");
@@ -658,7 +658,18 @@ impl Manager {
         // per chunk (six times fewer, larger requests) is faster.
         let pieces = if recompute.is_empty() { 1 } else { PIECES };
         let mut reader = LayerReader::new(&self.store, ctx, &readable, &mut staging, nl, pieces)?;
-        if !recompute.is_empty() {
+        let mut installed = HashSet::new();
+        if recompute.is_empty() {
+            // All-read: each chunk is checked and installed as soon as its read lands, while
+            // the later reads are still in flight (checksums and page moves off the critical
+            // path). The reader no longer touches a chunk's staging once it was checked.
+            for (k, (i, _)) in readable.iter().enumerate() {
+                if reader.chunk(k)? {
+                    self.install(region, kv, staging.get_mut(i).expect("staged"), *i, levels[i])?;
+                    installed.insert(*i);
+                }
+            }
+        } else {
             kv.recompute(&recompute, &mut |l| reader.step(l)).map_err(engine)?;
         }
         let (ok, io_wait) = reader.finish()?;
@@ -692,16 +703,18 @@ impl Manager {
                 kv.convert(i, levels[&i]).map_err(engine)?;
             }
         }
-        // Install: the staged pages move into the slots, and the engine reads the slots.
-        for &i in missing {
-            let len = self.codec.chunk_bytes(levels[&i]);
-            let s = staging.get_mut(&i).expect("staged");
-            region.populate_from(i, s, len)?;
-            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
-            // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
-            unsafe { kv.attach(i, ptr, self.slot_size, levels[&i]) }.map_err(engine)?;
+        for &i in missing.iter().filter(|i| !installed.contains(*i)) {
+            self.install(region, kv, staging.get_mut(&i).expect("staged"), i, levels[&i])?;
         }
         Ok(())
+    }
+
+    /// Install: the staged pages move into the slot, and the engine reads the slot.
+    fn install(&self, region: &Region, kv: &mut dyn KvContext, staged: &mut Staging, i: usize, level: Format) -> Result<()> {
+        region.populate_from(i, staged, self.codec.chunk_bytes(level))?;
+        let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+        // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
+        unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)
     }
 
     /// Makes room for `positions` positions: new chunks get slots (claimed from the budget,
@@ -965,6 +978,9 @@ struct LayerReader {
     next: usize,
     io_wait: f64,
     error: Option<std::io::Error>,
+    /// One piece per chunk: each chunk's read has its own tag (see [`LayerReader::chunk`]),
+    /// and whether its payload held its CRC once checked.
+    checked: Option<Vec<Option<bool>>>,
 }
 
 const PIECES: usize = 6;
@@ -1000,10 +1016,16 @@ impl LayerReader {
             }
             ends.push(cuts[1..].to_vec());
         }
-        for (j, ops) in per_piece.iter().enumerate().filter(|(_, o)| !o.is_empty()) {
-            // SAFETY: the staging buffers are not touched by us until the piece is waited for,
+        if n_pieces == 1 {
+            let each: Vec<(u32, Op)> = per_piece[0].iter().enumerate().map(|(k, &op)| (tag(k), op)).collect();
+            // SAFETY: the staging buffers are not touched by us until the chunk is waited for,
             // and outlive the reader.
-            unsafe { ring.submit(tag(j), ops) }?;
+            unsafe { ring.submit_each(&each) }?;
+        } else {
+            for (j, ops) in per_piece.iter().enumerate().filter(|(_, o)| !o.is_empty()) {
+                // SAFETY: as above, per piece.
+                unsafe { ring.submit(tag(j), ops) }?;
+            }
         }
         Ok(Self {
             ring,
@@ -1016,7 +1038,38 @@ impl LayerReader {
             next: if readable.is_empty() { nl } else { 0 },
             io_wait: 0.0,
             error: None,
+            checked: (n_pieces == 1).then(|| vec![None; readable.len()]),
         })
+    }
+
+    /// With one piece per chunk: waits for chunk `k`'s read and returns whether its payload
+    /// holds its CRC. The reader does not touch the chunk's staging afterwards.
+    fn chunk(&mut self, k: usize) -> Result<bool> {
+        if let Some(ok) = self.checked.as_ref().and_then(|c| c[k]) {
+            return Ok(ok);
+        }
+        assert!(self.checked.is_some(), "per-chunk waits need one piece per chunk");
+        let t = Instant::now();
+        let r = self.ring.wait(tag(k));
+        self.io_wait += t.elapsed().as_secs_f64();
+        r.map_err(MmError::Io)?;
+        let ok = self.verify(k);
+        if let Some(c) = &mut self.checked {
+            c[k] = Some(ok);
+        }
+        Ok(ok)
+    }
+
+    /// Whether chunk `k`'s payload (read in full) holds its CRC; clears the aligned tail.
+    fn verify(&self, k: usize) -> bool {
+        let (len, _, crc) = self.payload[k];
+        let end = *self.ends[k].last().unwrap_or(&len);
+        // SAFETY: the staging buffer holds the read payload (and its aligned tail) and
+        // nothing else uses it until the chunk is installed.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.stage[k], end) };
+        // The aligned tail holds whatever followed the record on disk: clear it.
+        bytes[len..].fill(0);
+        crc32c::crc32c(&bytes[..len]) == crc
     }
 
     /// Before layer `l` is computed: its bytes must be in. Repeated calls (the engine runs
@@ -1046,6 +1099,10 @@ impl LayerReader {
 
     /// Waits for the rest; returns whether each chunk's payload holds its CRC, and the wait.
     fn finish(mut self) -> Result<(Vec<bool>, f64)> {
+        if self.checked.is_some() {
+            let ok = (0..self.payload.len()).map(|k| self.chunk(k)).collect::<Result<Vec<bool>>>()?;
+            return Ok((ok, self.io_wait));
+        }
         while self.next < self.nl && self.error.is_none() {
             self.step(self.next);
         }
@@ -1058,19 +1115,7 @@ impl LayerReader {
         if let Some(e) = self.error.take() {
             return Err(MmError::Io(e));
         }
-        let ok = self
-            .payload
-            .iter()
-            .zip(&self.stage)
-            .zip(&self.ends)
-            .map(|((&(len, _, crc), &p), ends)| {
-                // SAFETY: the staging buffer holds the read payload (and its aligned tail).
-                let bytes = unsafe { std::slice::from_raw_parts_mut(p, *ends.last().unwrap_or(&len)) };
-                // The aligned tail holds whatever followed the record on disk: clear it.
-                bytes[len..].fill(0);
-                crc32c::crc32c(&bytes[..len]) == crc
-            })
-            .collect();
+        let ok = (0..self.payload.len()).map(|k| self.verify(k)).collect();
         Ok((ok, self.io_wait))
     }
 }

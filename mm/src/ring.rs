@@ -50,20 +50,29 @@ impl Ring {
     /// Every buffer must be valid for its length (writable for reads) until `wait(tag)`
     /// returns, and must not be touched by anything else meanwhile.
     pub unsafe fn submit(&mut self, tag: u32, ops: &[Op]) -> io::Result<()> {
-        self.tags.entry(tag).or_default().left += ops.len();
-        for op in ops {
+        let tagged: Vec<(u32, Op)> = ops.iter().map(|&op| (tag, op)).collect();
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.submit_each(&tagged) }
+    }
+
+    /// Queues each op under its own tag and submits them all at once (one system call).
+    ///
+    /// # Safety
+    /// As [`Ring::submit`], for each op until its tag is waited for.
+    pub unsafe fn submit_each(&mut self, ops: &[(u32, Op)]) -> io::Result<()> {
+        for &(tag, op) in ops {
+            self.tags.entry(tag).or_default().left += 1;
+            let id = self.next;
+            self.next += 1;
+            self.ops.insert(id, (tag, op.len));
             let e = if op.write {
                 opcode::Write::new(types::Fd(op.fd), op.buf, op.len).offset(op.offset).build()
             } else {
                 opcode::Read::new(types::Fd(op.fd), op.buf, op.len).offset(op.offset).build()
             };
-            let id = self.next;
-            self.next += 1;
-            self.ops.insert(id, (tag, op.len));
             let e: squeue::Entry = e.user_data(id);
             // SAFETY: the caller keeps the buffer valid until the tag completes.
             while unsafe { self.ring.submission().push(&e) }.is_err() {
-                // Queue full: hand what we have to the kernel, reaping if completions pile up.
                 self.ring.submit()?;
                 self.reap(false)?;
             }
