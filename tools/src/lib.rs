@@ -11,6 +11,7 @@ pub mod proto;
 pub mod replay;
 pub mod report;
 pub mod service;
+pub mod sparsity;
 pub mod switchbench;
 pub mod trace;
 pub mod weights;

@@ -1276,7 +1276,11 @@ fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)>
         bail!("--calib-text goes with --sparsity");
     }
     let (model, pool) = load_model(m)?;
-    let sp = m.sparsity.map(|t| calibrate(&model, &pool, t, m.calib_text.as_deref())).transpose()?;
+    let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"));
+    let sp = m
+        .sparsity
+        .map(|t| tools::sparsity::calibrated(&model, &pool, &model_path(m), &tools::loadbench::state_dir(), t, &text))
+        .transpose()?;
     Ok((model, pool, sp))
 }
 
@@ -1334,14 +1338,6 @@ fn weights_line(tokens: usize) -> Option<String> {
         s.fault_slots,
         s.preload_slots,
     ))
-}
-
-/// Top-K sparsity for `target`, calibrated on `text` (the Apache license by default: plain
-/// English prose that is not the usual evaluation text).
-fn calibrate(model: &Arc<Model>, pool: &Arc<ThreadPool>, target: f32, text: Option<&Path>) -> Result<Arc<engine::sparsity::Sparsity>> {
-    let path = text.map_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"), Path::to_path_buf);
-    let ids = model.tokenizer.encode(&read_text(&path)?, false, false)?;
-    Ok(Arc::new(engine::sparsity::calibrate(model, Arc::clone(pool), &ids, target).context("--sparsity")?))
 }
 
 fn read_text(p: &Path) -> Result<String> {
