@@ -67,10 +67,24 @@ pub fn perplexity_sparse(
     max_windows: usize,
     sparsity: Option<Arc<crate::sparsity::Sparsity>>,
 ) -> Result<Perplexity, ModelError> {
+    Ok(perplexity_channel_use(model, pool, ids, ctx, max_windows, sparsity)?.0)
+}
+
+/// [`perplexity_sparse`], also counting how often each input channel is active over the
+/// scored windows.
+pub fn perplexity_channel_use(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    sparsity: Option<Arc<crate::sparsity::Sparsity>>,
+) -> Result<(Perplexity, crate::sparsity::ChannelUse), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
     let vocab = model.config.vocab;
     let mut s = Session::new(Arc::clone(model), pool, ctx);
     s.set_sparsity(sparsity)?;
+    s.set_channel_use(Some(crate::sparsity::ChannelUse::new(&model.config)));
     let (mut nll, mut count) = (0.0f64, 0usize);
     for win in &wins {
         s.truncate(0);
@@ -80,7 +94,8 @@ pub fn perplexity_sparse(
             count += 1;
         }
     }
-    Ok(Perplexity { ppl: (nll / count as f64).exp(), scored: count })
+    let uses = s.take_channel_use().expect("set above");
+    Ok((Perplexity { ppl: (nll / count as f64).exp(), scored: count }, uses))
 }
 
 /// How the KV cache is held while measuring quality: every chunk in one format, or the

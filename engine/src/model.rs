@@ -547,6 +547,8 @@ pub struct Session {
     sparsity: Option<Arc<crate::sparsity::Sparsity>>,
     /// Collects input magnitudes for calibrating sparsity.
     pub(crate) calibrator: Option<crate::sparsity::Calibrator>,
+    /// Counts active input channels (for sizing a hot-channel cache).
+    channel_use: Option<crate::sparsity::ChannelUse>,
 }
 
 impl Session {
@@ -572,6 +574,7 @@ impl Session {
             scratch: Scratch::default(),
             sparsity: None,
             calibrator: None,
+            channel_use: None,
         }
     }
 
@@ -602,6 +605,14 @@ impl Session {
 
     pub fn take_calibrator(&mut self) -> Option<crate::sparsity::Calibrator> {
         self.calibrator.take()
+    }
+
+    /// Counts how often each input channel is active in the forward passes from now on.
+    pub fn set_channel_use(&mut self, u: Option<crate::sparsity::ChannelUse>) {
+        self.channel_use = u;
+    }
+    pub fn take_channel_use(&mut self) -> Option<crate::sparsity::ChannelUse> {
+        self.channel_use.take()
     }
 
     /// Takes the session's working memory out (it gets an empty one, which grows on use).
@@ -758,7 +769,7 @@ impl Session {
             }
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 0, &mut s.xb[..n * dim]);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 0, &mut s.xb[..n * dim]);
             matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
             let ld = dim + 2 * kvd;
             for (t, &pos) in positions.iter().enumerate() {
@@ -774,13 +785,13 @@ impl Session {
                 self.kv.write(li, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
             }
             attention(&pool, c, &self.kv, li, &s.qkv, ld, positions, &mut s.att, self.attention.as_mut());
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 1, &mut s.att[..n * dim]);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 1, &mut s.att[..n * dim]);
             matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
             // Feed-forward block.
             rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 2, &mut s.xb[..n * dim]);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 2, &mut s.xb[..n * dim]);
             matmul_multi(&pool, &model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
             let f = c.ffn_dim;
             for t in 0..n {
@@ -794,7 +805,7 @@ impl Session {
             for t in 0..n {
                 s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
             }
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), li, 3, &mut s.ffn[..n * f]);
+            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 3, &mut s.ffn[..n * f]);
             matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
@@ -944,6 +955,7 @@ fn matmul_channel_major(
 fn sparsify(
     sp: Option<&crate::sparsity::Sparsity>,
     cal: Option<&mut crate::sparsity::Calibrator>,
+    uses: Option<&mut crate::sparsity::ChannelUse>,
     layer: usize,
     site: usize,
     x: &mut [f32],
@@ -953,6 +965,9 @@ fn sparsify(
     }
     if let Some(sp) = sp {
         sp.apply(layer, site, x);
+    }
+    if let Some(u) = uses {
+        u.add(layer, site, x);
     }
 }
 

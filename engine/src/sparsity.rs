@@ -48,6 +48,79 @@ impl Sparsity {
     }
 }
 
+/// How often each input channel of each site is active (non-zero after sparsity) per token:
+/// what a per-channel hot cache (ActiveFlow §4.2) ranks by.
+#[derive(Debug, Clone)]
+pub struct ChannelUse {
+    /// `counts[layer][site][channel]`: tokens for which the channel was active.
+    pub counts: Vec<[Vec<u32>; SITES]>,
+    /// Weight rows each channel's column spans at a site (Q, K and V together; gate and up):
+    /// the column's bytes, up to the quantization's constant.
+    pub rows: [usize; SITES],
+    /// Tokens counted.
+    pub tokens: u64,
+}
+
+impl ChannelUse {
+    pub fn new(c: &crate::Config) -> Self {
+        let widths = [c.dim, c.dim, c.dim, c.ffn_dim];
+        Self {
+            counts: (0..c.n_layers).map(|_| std::array::from_fn(|s| vec![0; widths[s]])).collect(),
+            rows: [c.dim + 2 * c.kv_dim(), c.dim, 2 * c.ffn_dim, c.dim],
+            tokens: 0,
+        }
+    }
+
+    pub(crate) fn add(&mut self, layer: usize, site: usize, x: &[f32]) {
+        let counts = &mut self.counts[layer][site];
+        let rows = x.chunks_exact(counts.len());
+        if layer == 0 && site == 0 {
+            self.tokens += rows.len() as u64;
+        }
+        for row in rows {
+            for (n, &v) in counts.iter_mut().zip(row) {
+                *n += u32::from(v != 0.0);
+            }
+        }
+    }
+
+    /// (column bytes, reads) of every (layer, site, channel), bytes in weight rows.
+    fn items(&self) -> impl Iterator<Item = (f64, f64)> + '_ {
+        self.counts
+            .iter()
+            .flat_map(move |l| l.iter().zip(self.rows).flat_map(|(cs, rows)| cs.iter().map(move |&n| (rows as f64, f64::from(n)))))
+    }
+
+    /// The share of the layers' weight bytes a token reads (its active columns).
+    pub fn read_share(&self) -> f64 {
+        let (all, read) = self.items().fold((0.0, 0.0), |(a, r), (w, n)| (a + w, r + w * n));
+        read / (all * self.tokens.max(1) as f64)
+    }
+
+    /// The share of the column bytes read that a cache would serve if it kept the most used
+    /// channels' columns, `share` of the layers' weight bytes, for the whole run (ranked on the
+    /// same run: what an online frequency cache converges to at best).
+    pub fn hit_rate(&self, share: f64) -> f64 {
+        let mut items: Vec<(f64, f64)> = self.items().collect();
+        items.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let all: f64 = items.iter().map(|i| i.0).sum();
+        let read: f64 = items.iter().map(|i| i.0 * i.1).sum();
+        let (mut kept, mut hit) = (0.0, 0.0);
+        for (w, n) in items {
+            if kept + w > share * all {
+                break;
+            }
+            kept += w;
+            hit += w * n;
+        }
+        if read > 0.0 {
+            hit / read
+        } else {
+            1.0
+        }
+    }
+}
+
 /// Log-spaced histogram of magnitudes: bounded memory however long the calibration text.
 #[derive(Debug, Clone)]
 pub(crate) struct Hist {
@@ -218,6 +291,57 @@ pub fn calibrate(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], target:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two layers; in layer 0 the attention input's channel 0 is always active and the rest
+    /// never; everything else is active half the time.
+    #[test]
+    fn channel_use_counts_reads_and_ranks_the_hot_columns() {
+        let c = crate::Config {
+            arch: "llama".into(),
+            n_layers: 2,
+            dim: 4,
+            ffn_dim: 8,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+            vocab: 10,
+            ctx_len: 16,
+            rope_base: 1e4,
+            rope_dims: 2,
+            norm_eps: 1e-5,
+        };
+        let mut u = ChannelUse::new(&c);
+        assert_eq!(u.rows, [4 + 2 * 2, 4, 16, 4]);
+        for t in 0..4 {
+            for layer in 0..2 {
+                for site in 0..SITES {
+                    let w = u.counts[layer][site].len();
+                    let x: Vec<f32> = (0..2 * w)
+                        .map(|i| {
+                            let ch = i % w;
+                            let on = if layer == 0 && site == 0 { ch == 0 } else { (ch + t).is_multiple_of(2) };
+                            f32::from(u8::from(on))
+                        })
+                        .collect();
+                    u.add(layer, site, &x);
+                }
+            }
+        }
+        assert_eq!(u.tokens, 8);
+        assert_eq!(u.counts[0][0], vec![8, 0, 0, 0]);
+        assert!(u.counts[1][3].iter().all(|&n| n == 4));
+        // Column bytes (rows): site 0 is 4 channels x 8 rows per layer; layer 0 reads 8 of its
+        // 32, the rest half of theirs.
+        let all = 2.0 * (4.0 * 8.0 + 4.0 * 4.0 + 4.0 * 16.0 + 8.0 * 4.0);
+        let read = 8.0 + (all - 32.0) / 2.0;
+        assert!((u.read_share() - read / all).abs() < 1e-12);
+        // Layer 0's channel 0 is the hottest column: a cache of just its bytes serves its reads.
+        assert!((u.hit_rate(8.0 / all) - 8.0 * 8.0 / (read * 8.0)).abs() < 1e-12);
+        assert!((u.hit_rate(1.0) - 1.0).abs() < 1e-12);
+        let rates: Vec<f64> = [0.0, 0.1, 0.3, 0.6, 0.9].iter().map(|&c| u.hit_rate(c)).collect();
+        assert!(rates.windows(2).all(|w| w[0] <= w[1]), "{rates:?}");
+        assert_eq!(rates[0], 0.0);
+    }
 
     #[test]
     fn quantiles_split_the_entries_as_asked() {

@@ -1437,8 +1437,13 @@ fn run(cli: Cli) -> Result<()> {
             if let (Some(sp), false) = (&sp, json) {
                 println!("sparsity {}: per-site levels {}", sp.target, sp.describe());
             }
+            let mut uses = None;
             let (r, ratio) = match kv {
-                None => (engine::eval::perplexity_sparse(&model, pool, &ids, ctx, chunks, sp)?, None),
+                None => {
+                    let (r, u) = engine::eval::perplexity_channel_use(&model, pool, &ids, ctx, chunks, sp)?;
+                    uses = Some(u);
+                    (r, None)
+                }
                 Some(k) => {
                     let plan = engine::eval::KvPlan::parse(&k)
                         .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
@@ -1452,16 +1457,29 @@ fn run(cli: Cli) -> Result<()> {
                     (r, Some(ratio))
                 }
             };
+            // What a per-channel hot cache could serve: the most used channels' columns kept
+            // (ranked over this run), as shares of the layers' weight bytes.
+            const CACHE_SHARES: [f64; 4] = [0.1, 0.25, 0.5, 0.75];
+            let cache = uses.filter(|_| m.sparsity.is_some()).map(|u| (u.read_share(), CACHE_SHARES.map(|c| u.hit_rate(c))));
             if json {
                 let mut v = json!({"ppl": r.ppl, "scored": r.scored});
                 if let Some(x) = ratio {
                     v["kv_bytes_vs_int8"] = json!(x);
+                }
+                if let Some((read, hits)) = cache {
+                    v["layer_bytes_read_share"] = json!(read);
+                    v["hot_cache_hit_rate"] = CACHE_SHARES.iter().zip(hits).map(|(c, h)| (format!("{c}"), json!(h))).collect();
                 }
                 println!("{v}");
             } else {
                 println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.ppl, r.scored);
                 if let Some(x) = ratio {
                     println!("KV bytes of full chunks: {:.3} x int8", x);
+                }
+                if let Some((read, hits)) = cache {
+                    let hits: Vec<String> =
+                        CACHE_SHARES.iter().zip(hits).map(|(c, h)| format!("{:.0}%: {:.1}%", 100.0 * c, 100.0 * h)).collect();
+                    println!("layer weight bytes read per token: {:.1}%; a hot-channel cache of the most used columns (share of layer bytes: share of reads served) {}", 100.0 * read, hits.join(", "));
                 }
             }
         }
