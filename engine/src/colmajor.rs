@@ -20,7 +20,7 @@
 use half::f16;
 
 use crate::kernels::OutPtr;
-use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, GgmlType, QK};
+use crate::quant::{q4_block, GgmlType, QK};
 use crate::repack::Blocks;
 
 /// Rows per tile: the unit of work handed to a thread, and the rows one column load covers.
@@ -77,14 +77,7 @@ impl ColWeight {
             let row = &src[r * row_bytes..(r + 1) * row_bytes];
             let (tile, within) = (r / TILE, r % TILE);
             for b in 0..cols / QK {
-                let (d, m, qs) = if ty == GgmlType::Q4_1 {
-                    let blk = &blocks::<BlockQ4_1>(row)[b];
-                    (blk.d, blk.m, blk.qs)
-                } else {
-                    let blk = &blocks::<BlockQ4_0>(row)[b];
-                    // q - 8 as q * d + m: -8d is exact in f16 (a power-of-two multiple).
-                    (blk.d, f16::from_f32(-8.0 * blk.d.to_f32()), blk.qs)
-                };
+                let (d, m, qs) = q4_block(ty, row, b);
                 let base = b * bb;
                 out[base + 2 * r..base + 2 * r + 2].copy_from_slice(&d.to_le_bytes());
                 out[base + 2 * rows_p + 2 * r..base + 2 * rows_p + 2 * r + 2].copy_from_slice(&m.to_le_bytes());

@@ -116,6 +116,19 @@ pub fn blocks<T: Pod>(bytes: &[u8]) -> &[T] {
     bytemuck::try_cast_slice(bytes).unwrap_or_else(|e| panic!("tensor bytes are not {}-blocks: {e:?}", std::any::type_name::<T>()))
 }
 
+/// Block `b` of a Q4_0 or Q4_1 row as `(d, m, codes)` with `w = q * d + m`: Q4_0's `q - 8`
+/// becomes `m = -8d`, exact in f16 (a power-of-two multiple). Codes as in GGUF: byte `k` holds
+/// element `k` (low nibble) and `16 + k` (high).
+pub fn q4_block(ty: GgmlType, row: &[u8], b: usize) -> (f16, f16, [u8; QK / 2]) {
+    if ty == GgmlType::Q4_1 {
+        let blk = &blocks::<BlockQ4_1>(row)[b];
+        (blk.d, blk.m, blk.qs)
+    } else {
+        let blk = &blocks::<BlockQ4_0>(row)[b];
+        (blk.d, f16::from_f32(-8.0 * blk.d.to_f32()), blk.qs)
+    }
+}
+
 /// Activations quantized to 8 bits in blocks of 32 (llama.cpp's Q8_0/Q8_1), one row per token.
 /// `d` is the block scale and `s = d * sum(qs)` (used by formats with an offset). Both are
 /// rounded through f16 as llama.cpp stores them, so results track llama.cpp's closely.

@@ -12,7 +12,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use crate::quant::{blocks, BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType, QK};
+use crate::quant::{blocks, BlockQ8_0, GgmlType, QK};
 
 /// Rows per packed group.
 pub const ROWS: usize = 8;
@@ -149,13 +149,7 @@ impl PackedWeight {
                     let row = &data[r * row_bytes..(r + 1) * row_bytes];
                     let (g, lane) = (r / ROWS, r % ROWS);
                     for b in 0..nb {
-                        let (d, m, qs) = if ty == GgmlType::Q4_1 {
-                            let blk = &blocks::<BlockQ4_1>(row)[b];
-                            (blk.d, blk.m, blk.qs)
-                        } else {
-                            let blk = &blocks::<BlockQ4_0>(row)[b];
-                            (blk.d, f16::from_f32(-8.0 * blk.d.to_f32()), blk.qs)
-                        };
+                        let (d, m, qs) = crate::quant::q4_block(ty, row, b);
                         let o = &mut out[g * nb + b];
                         o.d[lane] = d;
                         o.m[lane] = m;
