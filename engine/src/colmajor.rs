@@ -176,20 +176,9 @@ impl ActiveSet {
     pub fn active(&self) -> usize {
         self.idx.len()
     }
-    pub fn tokens(&self) -> usize {
-        self.n
-    }
-    /// Blocks of 32 inputs per token.
-    pub fn blocks(&self) -> usize {
-        self.nb
-    }
     fn block(&self, t: usize, b: usize) -> &[u8] {
         let i = t * self.nb + b;
         &self.idx[self.start[i] as usize..self.start[i + 1] as usize]
-    }
-    /// The active channels of token `t` (numbers over the whole row).
-    pub fn channels(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
-        (0..self.nb).flat_map(move |b| self.block(t, b).iter().map(move |&j| b * QK + usize::from(j)))
     }
 }
 
