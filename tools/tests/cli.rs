@@ -126,6 +126,7 @@ fn bench_at_depth_with_an_int8_cache() {
     let v = json_ok(&["bench", "--kv", "int8", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "1", "--json"]);
     assert_eq!(v["kv"], "int8");
     assert_eq!(v["depth"], 64);
+    assert_eq!((v["weight_format"].as_str(), v["sparsity"].is_null()), (Some("packed"), true));
     assert!(v["tg2_tok_s"].as_f64().unwrap() > 0.0);
     let v = json_ok(&["bench", "--kv", "q4", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "1", "--json"]);
     assert_eq!(v["kv"], "q4", "a compressed context at depth");

@@ -1806,18 +1806,26 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         v[v.len() / 2]
     };
     let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
+    let format_name = if model.uses_image() {
+        "paged"
+    } else if model.is_channel_major() {
+        "channel-major"
+    } else {
+        "packed"
+    };
     if json {
         println!(
             "{}",
-            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": engine::kernels::simd_name(), format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
         );
     } else {
         println!(
-            "model {} | threads {} | kernels {} | kv {} | depth {depth}",
+            "model {} | threads {} | kernels {} | kv {} | depth {depth} | weights {format_name}{}",
             model.file.path.display(),
             pool.threads(),
             engine::kernels::simd_name(),
-            lower.unwrap_or(base).name()
+            lower.unwrap_or(base).name(),
+            m.sparsity.map_or(String::new(), |s| format!(" | sparsity {s}"))
         );
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
         println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
