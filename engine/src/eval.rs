@@ -67,7 +67,9 @@ pub fn perplexity_sparse(
     max_windows: usize,
     sparsity: Option<Arc<crate::sparsity::Sparsity>>,
 ) -> Result<Perplexity, ModelError> {
-    Ok(perplexity_channel_use(model, pool, ids, ctx, max_windows, sparsity)?.0)
+    let mut s = Session::new(Arc::clone(model), pool, ctx);
+    s.set_sparsity(sparsity)?;
+    score_windows(&mut s, ids, ctx, max_windows)
 }
 
 /// [`perplexity_sparse`], also counting how often each input channel is active over the
@@ -80,11 +82,18 @@ pub fn perplexity_channel_use(
     max_windows: usize,
     sparsity: Option<Arc<crate::sparsity::Sparsity>>,
 ) -> Result<(Perplexity, crate::sparsity::ChannelUse), ModelError> {
-    let wins = windows(model, ids, ctx, max_windows)?;
-    let vocab = model.config.vocab;
     let mut s = Session::new(Arc::clone(model), pool, ctx);
     s.set_sparsity(sparsity)?;
     s.set_channel_use(Some(crate::sparsity::ChannelUse::new(&model.config)));
+    let p = score_windows(&mut s, ids, ctx, max_windows)?;
+    Ok((p, s.take_channel_use().expect("set above")))
+}
+
+/// llama.cpp's method over the session as configured: windows of `ctx`, the second half scored.
+fn score_windows(s: &mut Session, ids: &[u32], ctx: usize, max_windows: usize) -> Result<Perplexity, ModelError> {
+    let model = Arc::clone(&s.model);
+    let wins = windows(&model, ids, ctx, max_windows)?;
+    let vocab = model.config.vocab;
     let (mut nll, mut count) = (0.0f64, 0usize);
     for win in &wins {
         s.truncate(0);
@@ -94,8 +103,7 @@ pub fn perplexity_channel_use(
             count += 1;
         }
     }
-    let uses = s.take_channel_use().expect("set above");
-    Ok((Perplexity { ppl: (nll / count as f64).exp(), scored: count }, uses))
+    Ok(Perplexity { ppl: (nll / count as f64).exp(), scored: count })
 }
 
 /// How the KV cache is held while measuring quality: every chunk in one format, or the

@@ -1439,11 +1439,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             let mut uses = None;
             let (r, ratio) = match kv {
-                None => {
+                None if sp.is_some() => {
                     let (r, u) = engine::eval::perplexity_channel_use(&model, pool, &ids, ctx, chunks, sp)?;
                     uses = Some(u);
                     (r, None)
                 }
+                None => (engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
                 Some(k) => {
                     let plan = engine::eval::KvPlan::parse(&k)
                         .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
@@ -1460,7 +1461,7 @@ fn run(cli: Cli) -> Result<()> {
             // What a per-channel hot cache could serve: the most used channels' columns kept
             // (ranked over this run), as shares of the layers' weight bytes.
             const CACHE_SHARES: [f64; 4] = [0.1, 0.25, 0.5, 0.75];
-            let cache = uses.filter(|_| m.sparsity.is_some()).map(|u| (u.read_share(), CACHE_SHARES.map(|c| u.hit_rate(c))));
+            let cache = uses.map(|u| (u.read_share(), CACHE_SHARES.map(|c| u.hit_rate(c))));
             if json {
                 let mut v = json!({"ppl": r.ppl, "scored": r.scored});
                 if let Some(x) = ratio {
