@@ -328,12 +328,12 @@ pub struct Manager {
     ring: Ring,
     slot_size: usize,
     zero: Staging,
-    /// Staging kept between loads with its pages present and zeroed: an O_DIRECT read pins
-    /// its buffer at submission, and faulting fresh staging in there (~1.4 ms for 3 MB) sits
-    /// on the switch path. Loads take from `reserve`; their buffers (emptied by the page moves)
-    /// wait in `spent` until `end` gives them pages again, after the call.
-    reserve: Vec<Staging>,
-    spent: Vec<Staging>,
+    /// Load staging kept between loads, on huge pages with its pages present (see
+    /// [`Staging::huge`]): slot-sized buffers that reads land in and that are copied into
+    /// the slots. Faulting fresh staging in at an O_DIRECT submission (~1.4 ms for 3 MB) and
+    /// reading into scattered 4 KiB pages (reads complete in waves of five on this VM's disk)
+    /// would both sit on the switch path. Memory the service holds beyond the KV budget.
+    arena: Staging,
     pub stats: MmStats,
 }
 
@@ -370,23 +370,9 @@ impl Manager {
             ring: Ring::new(256)?,
             slot_size,
             zero: Staging::new(slot_size)?,
-            reserve: Vec::new(),
-            spent: (0..RESERVE_BYTES / slot_size.max(1)).map(|_| Staging::new(slot_size)).collect::<std::result::Result<_, _>>()?,
+            arena: Staging::huge((ARENA_BYTES / slot_size.max(1)).max(1) * slot_size)?,
             stats: MmStats::default(),
         })
-        .map(|mut m: Self| {
-            m.refill();
-            m
-        })
-    }
-
-    /// Gives spent staging its pages again, zeroed (an empty chunk is staged as zeros), and
-    /// returns it to the reserve.
-    fn refill(&mut self) {
-        for mut s in self.spent.drain(..) {
-            s.as_mut_slice().fill(0);
-            self.reserve.push(s);
-        }
     }
 
     pub fn config(&self) -> &MmConfig {
@@ -660,57 +646,49 @@ impl Manager {
         report.read = readable.len();
         report.recomputed = recompute.len();
 
-        // Staging memory for every missing chunk: the engine reads and writes it during the
-        // load; afterwards its pages move into the slots.
         let levels: HashMap<usize, Format> = metas.iter().map(|(i, m)| (*i, m.format)).collect();
-        let mut staging: HashMap<usize, Staging> = HashMap::new();
-        for &i in missing {
-            let s = self.reserve.pop().map_or_else(|| Staging::new(self.slot_size), Ok)?;
-            staging.insert(i, s);
-        }
-        for (&i, s) in &mut staging {
-            let f = if recompute.contains(&i) { base } else { levels[&i] };
-            let ptr = NonNull::new(s.as_mut_slice().as_mut_ptr()).expect("mapped");
-            // SAFETY: the staging buffer lives until the chunk is re-attached to its slot below.
-            unsafe { kv.attach(i, ptr, s.len(), f) }.map_err(engine)?;
-        }
-
-        // Reads in pieces of layers, so a recompute can start on layer l while later layers
-        // are in flight. With nothing to recompute there is nothing to overlap: one whole read
-        // per chunk (six times fewer, larger requests) is faster.
-        let pieces = if recompute.is_empty() { 1 } else { PIECES };
-        let mut reader = LayerReader::new(&self.store, ctx, &readable, &mut staging, nl, pieces)?;
+        let mut bad = Vec::new();
         let mut installed = HashSet::new();
         if recompute.is_empty() {
-            // All-read: each chunk is checked and installed as soon as its read lands, while
-            // the later reads are still in flight (checksums and page moves off the critical
-            // path). The reader no longer touches a chunk's staging once it was checked.
-            for (k, (i, _)) in readable.iter().enumerate() {
-                if reader.chunk(k)? {
-                    self.install(region, kv, staging.get_mut(i).expect("staged"), *i, levels[i])?;
-                    installed.insert(*i);
-                }
-            }
-        } else {
-            kv.recompute(&recompute, &mut |l| reader.step(l)).map_err(engine)?;
+            let (b, io_wait) = self.read_all(ctx, kv, region, &readable, &levels)?;
+            installed.extend(readable.iter().map(|(i, _)| *i).filter(|i| !b.contains(i)));
+            (bad, report.io_wait) = (b, io_wait);
         }
-        let (ok, io_wait) = reader.finish()?;
-        report.io_wait = io_wait;
+
+        // The rest is staged where the engine sees it during the load: chunks to recompute
+        // (and the reads they attend to, in a mixed load), empty chunks, and records that
+        // failed their checksum. Afterwards each staged chunk goes into its slot.
+        let rest: Vec<usize> = missing.iter().copied().filter(|i| !installed.contains(i)).collect();
+        let mut staging = self.stage(&rest)?;
+        for &i in &rest {
+            let f = if recompute.contains(&i) || bad.contains(&i) { base } else { levels[&i] };
+            let (ptr, len) = self.stage_buf(staging.get_mut(&i).expect("staged"));
+            // SAFETY: the staging buffer lives until the chunk is re-attached to its slot below.
+            unsafe { kv.attach(i, ptr, len, f) }.map_err(engine)?;
+        }
+        if !recompute.is_empty() {
+            // Reads in pieces of layers, so a recompute can start on layer l while later
+            // layers are in flight.
+            let bufs: Vec<*mut u8> = readable.iter().map(|(i, _)| self.stage_buf(staging.get_mut(i).expect("staged")).0.as_ptr()).collect();
+            let mut reader = LayerReader::new(&self.store, ctx, &readable, &bufs, nl, PIECES)?;
+            kv.recompute(&recompute, &mut |l| reader.step(l)).map_err(engine)?;
+            let (ok, io_wait) = reader.finish()?;
+            report.io_wait = io_wait;
+            bad = readable.iter().zip(&ok).filter(|(_, ok)| !**ok).map(|((i, _), _)| *i).collect();
+        }
         report.read_bytes = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).sum();
 
         // A read that failed its checksum is recomputed now, with every recomputed chunk
         // after it (they attended to the bad bytes).
-        let bad: Vec<usize> = readable.iter().zip(&ok).filter(|(_, ok)| !**ok).map(|((i, _), _)| *i).collect();
         if let Some(&first) = bad.iter().min() {
             eprintln!("llms: context {ctx}: {} chunk record(s) failed their checksum; recomputing", bad.len());
             let mut redo: Vec<usize> = bad.iter().copied().chain(recompute.iter().copied().filter(|&i| i > first)).collect();
             redo.sort_unstable();
             redo.dedup();
             for &i in &redo {
-                let s = staging.get_mut(&i).expect("staged");
-                let ptr = NonNull::new(s.as_mut_slice().as_mut_ptr()).expect("mapped");
+                let (ptr, len) = self.stage_buf(staging.get_mut(&i).expect("staged"));
                 // SAFETY: as above.
-                unsafe { kv.attach(i, ptr, s.len(), base) }.map_err(engine)?;
+                unsafe { kv.attach(i, ptr, len, base) }.map_err(engine)?;
                 self.store.invalidate(ctx, chunk_u32(i));
             }
             kv.recompute(&redo, &mut |_| {}).map_err(engine)?;
@@ -725,18 +703,169 @@ impl Manager {
                 kv.convert(i, levels[&i]).map_err(engine)?;
             }
         }
-        for &i in missing.iter().filter(|i| !installed.contains(*i)) {
+        for &i in &rest {
             self.install(region, kv, staging.get_mut(&i).expect("staged"), i, levels[&i])?;
         }
-        // The reads are all waited for (the reader is gone): the buffers can be kept.
-        let keep = (RESERVE_BYTES / self.slot_size.max(1)).saturating_sub(self.reserve.len() + self.spent.len());
-        self.spent.extend(staging.into_values().take(keep));
         Ok(())
     }
 
-    /// Install: the staged pages move into the slot, and the engine reads the slot.
-    fn install(&self, region: &Region, kv: &mut dyn KvContext, staged: &mut Staging, i: usize, level: Format) -> Result<()> {
-        region.populate_from(i, staged, self.codec.chunk_bytes(level))?;
+    /// All-read: the records stream through the arena. Up to one arena of reads is in flight,
+    /// each straight into a buffer (O_DIRECT: a record's payload is laid out as the chunk is
+    /// in memory); as each lands, in order, its checksum is checked and it is copied into its
+    /// slot while the later reads are in flight, and its buffer takes the next record. So a
+    /// load of any size needs no more staging than the arena. Checking and copying cost
+    /// ~75 us per 190 KB chunk, about what the disk takes to deliver it, and the disk
+    /// delivers in bursts: a helper thread takes every other chunk. Returns the chunks whose
+    /// record failed its checksum (not installed) and the time spent waiting for reads.
+    fn read_all(
+        &mut self,
+        ctx: u64,
+        kv: &mut dyn KvContext,
+        region: &Region,
+        readable: &[(usize, Entry)],
+        levels: &HashMap<usize, Format>,
+    ) -> Result<(Vec<usize>, f64)> {
+        let n = readable.len();
+        if n == 0 {
+            return Ok((Vec::new(), 0.0));
+        }
+        let (ss, nl) = (self.slot_size, self.codec.n_layers());
+        let n_buf = self.arena.len() / ss;
+        let store = &*self.store;
+        let file = store.file(ctx)?;
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&*file);
+        let arena = SendPtr(self.arena.as_mut_slice().as_mut_ptr());
+        let lens: Vec<usize> = readable.iter().map(|(i, _)| self.codec.chunk_bytes(levels[i])).collect();
+        let read = |k: usize| {
+            let (offset, len) = store.body_extent(&readable[k].1);
+            // SAFETY: buffer k % n_buf lies inside the arena; a body fits a slot.
+            let buf = arena.at(k % n_buf * ss);
+            (tag(k), Op { fd, offset, buf, len: u32::try_from(len).unwrap_or(u32::MAX), write: false })
+        };
+        // Chunk k, landed in buffer k % n_buf: checked, then copied into its slot.
+        let check = |k: usize| -> Result<bool> {
+            let (i, e) = &readable[k];
+            let (_, body) = store.body_extent(e);
+            // The slot takes whole pages; past the body the buffer holds an earlier chunk's
+            // bytes, which `payload_ok` clears with the record's aligned tail.
+            let end = body.max(lens[k].next_multiple_of(uffd_handler::PAGE)).min(ss);
+            // SAFETY: chunk k's read was waited for, and until it is reported done only the
+            // thread that was handed k touches its buffer (then the buffer takes a new read).
+            let buf = unsafe { std::slice::from_raw_parts_mut(arena.at(k % n_buf * ss), end) };
+            if !payload_ok(buf, nl * e.layer_len as usize, e.payload_crc) {
+                return Ok(false);
+            }
+            region.copy_from(*i, buf, lens[k])?;
+            Ok(true)
+        };
+        // Per chunk: its outcome once done, and whether its read was submitted.
+        let mut ok: Vec<Option<bool>> = vec![None; n];
+        let mut submitted = vec![false; n];
+        let mut wait = 0.0;
+        let stopped = || MmError::Engine("the load helper stopped".into());
+        std::thread::scope(|sc| -> Result<()> {
+            let (land_tx, land_rx) = mpsc::channel::<usize>();
+            let (done_tx, done_rx) = mpsc::channel::<(usize, Result<bool>)>();
+            let check = &check;
+            let helper = (n > 1).then(|| {
+                sc.spawn(move || {
+                    for k in land_rx {
+                        if done_tx.send((k, check(k))).is_err() {
+                            break;
+                        }
+                    }
+                })
+            });
+            // Dropped on every way out of here, the ring waits for what is still in flight:
+            // no read lands in the arena after this returns.
+            let mut ring = Ring::new(u32::try_from(n_buf.min(n) + 1).unwrap_or(u32::MAX))?;
+            let first: Vec<(u32, Op)> = (0..n_buf.min(n)).map(read).collect();
+            // SAFETY: a buffer is not touched until its read is waited for, and is given a
+            // new read only once its chunk is done; the arena outlives the ring.
+            unsafe { ring.submit_each(&first) }?;
+            submitted[..n_buf.min(n)].fill(true);
+            // Chunk k is done: its buffer takes chunk k + n_buf.
+            let mut finish = |k: usize, r: Result<bool>, ring: &mut Ring, submitted: &mut [bool]| -> Result<()> {
+                ok[k] = Some(r?);
+                if k + n_buf < n {
+                    // SAFETY: as above; chunk k was copied out of this buffer.
+                    unsafe { ring.submit_each(&[read(k + n_buf)]) }?;
+                    submitted[k + n_buf] = true;
+                }
+                Ok(())
+            };
+            let mut pending = 0;
+            for k in 0..n {
+                while !submitted[k] {
+                    let (j, r) = done_rx.recv().map_err(|_| stopped())?;
+                    pending -= 1;
+                    finish(j, r, &mut ring, &mut submitted)?;
+                }
+                let t = Instant::now();
+                ring.wait(tag(k)).map_err(MmError::Io)?;
+                wait += t.elapsed().as_secs_f64();
+                if helper.is_some() && k % 2 == 1 {
+                    land_tx.send(k).map_err(|_| stopped())?;
+                    pending += 1;
+                } else {
+                    finish(k, check(k), &mut ring, &mut submitted)?;
+                }
+            }
+            drop(land_tx);
+            for _ in 0..pending {
+                let (j, r) = done_rx.recv().map_err(|_| stopped())?;
+                finish(j, r, &mut ring, &mut submitted)?;
+            }
+            Ok(())
+        })?;
+        let mut bad = Vec::new();
+        for ((i, _), ok) in readable.iter().zip(ok) {
+            if ok == Some(true) {
+                let ptr = NonNull::new(region.slot_ptr(*i)).expect("mapped");
+                // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
+                unsafe { kv.attach(*i, ptr, self.slot_size, levels[i]) }.map_err(engine)?;
+            } else {
+                bad.push(*i);
+            }
+        }
+        Ok((bad, wait))
+    }
+
+    /// Staging for `chunks`, zeroed (an empty chunk is staged as zeros; a recomputed one
+    /// leaves the positions past its tokens untouched): the arena's buffers first, then
+    /// buffers of their own.
+    fn stage(&mut self, chunks: &[usize]) -> Result<HashMap<usize, Stage>> {
+        let ss = self.slot_size;
+        let n_buf = self.arena.len() / ss;
+        let mut out = HashMap::with_capacity(chunks.len());
+        for (k, &i) in chunks.iter().enumerate() {
+            let s = if k < n_buf {
+                self.arena.as_mut_slice()[k * ss..(k + 1) * ss].fill(0);
+                Stage::Arena(k * ss)
+            } else {
+                Stage::Own(Staging::new(ss)?)
+            };
+            out.insert(i, s);
+        }
+        Ok(out)
+    }
+
+    fn stage_buf(&mut self, s: &mut Stage) -> (NonNull<u8>, usize) {
+        let buf = match s {
+            Stage::Arena(off) => &mut self.arena.as_mut_slice()[*off..*off + self.slot_size],
+            Stage::Own(s) => s.as_mut_slice(),
+        };
+        (NonNull::new(buf.as_mut_ptr()).expect("mapped"), buf.len())
+    }
+
+    /// Install: the staged chunk goes into its slot (copied from the arena, whose pages stay;
+    /// moved from a buffer of its own), and the engine reads the slot.
+    fn install(&mut self, region: &Region, kv: &mut dyn KvContext, staged: &mut Stage, i: usize, level: Format) -> Result<()> {
+        let len = self.codec.chunk_bytes(level);
+        match staged {
+            Stage::Arena(off) => region.copy_from(i, &self.arena.as_mut_slice()[*off..*off + self.slot_size], len)?,
+            Stage::Own(s) => region.populate_from(i, s, len)?,
+        }
         let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
         // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
         unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)
@@ -787,7 +916,6 @@ impl Manager {
     /// After a call: take over chunks the engine created, re-pick levels, unlock, write what
     /// changed (AoT), and bring memory back within the budget.
     pub fn end(&mut self, ctx: u64, kv: &mut dyn KvContext) -> Result<()> {
-        self.refill();
         let ct = self.codec.chunk_tokens();
         let region = Arc::clone(&self.ctx(ctx)?.region);
         let n = kv.n_chunks();
@@ -986,10 +1114,10 @@ fn chunk_u32(i: usize) -> u32 {
     u32::try_from(i).expect("chunk index fits u32")
 }
 
-/// Reads the read set straight into its staging buffers (O_DIRECT: the record payload is
-/// laid out as the chunk is in memory and staging is page-aligned, so nothing is copied),
-/// each record in `PIECES` aligned pieces, every piece in flight from the start; before layer
-/// `l` is computed, the pieces holding layer `l` of every chunk must be in.
+/// A mixed load's reads: the read set straight into its staging buffers (O_DIRECT: the
+/// record payload is laid out as the chunk is in memory and staging is page-aligned), each
+/// record in `PIECES` aligned pieces, every piece in flight from the start; before layer `l`
+/// is computed, the pieces holding layer `l` of every chunk must be in.
 struct LayerReader {
     ring: Ring,
     /// Per read chunk: its payload length, layer length and CRC.
@@ -1004,34 +1132,24 @@ struct LayerReader {
     next: usize,
     io_wait: f64,
     error: Option<std::io::Error>,
-    /// One piece per chunk: each chunk's read has its own tag (see [`LayerReader::chunk`]),
-    /// and whether its payload held its CRC once checked.
-    checked: Option<Vec<Option<bool>>>,
 }
 
 const PIECES: usize = 6;
 
-/// Staging memory kept ready between loads (see `Manager::reserve`).
-const RESERVE_BYTES: usize = 8 << 20;
+/// The load staging arena (see `Manager::arena`): 42 chunks of the default model at int8.
+const ARENA_BYTES: usize = 8 << 20;
 
 impl LayerReader {
-    fn new(
-        store: &Store,
-        ctx: u64,
-        readable: &[(usize, Entry)],
-        staging: &mut HashMap<usize, Staging>,
-        nl: usize,
-        pieces: usize,
-    ) -> Result<Self> {
+    /// Submits the reads of `readable`, chunk k into `bufs[k]` (a slot-sized buffer each).
+    fn new(store: &Store, ctx: u64, readable: &[(usize, Entry)], bufs: &[*mut u8], nl: usize, pieces: usize) -> Result<Self> {
         let file = if readable.is_empty() { None } else { Some(store.file(ctx)?) };
         let fd = file.as_ref().map_or(-1, |f| std::os::fd::AsRawFd::as_raw_fd(&**f));
         let align = store.align();
         let n_pieces = pieces.min(nl).max(1);
         let mut ring = Ring::new(u32::try_from(n_pieces * readable.len() + 8).unwrap_or(u32::MAX))?;
-        let stage: Vec<*mut u8> = readable.iter().map(|(i, _)| staging.get_mut(i).expect("staged").as_mut_slice().as_mut_ptr()).collect();
         let mut ends = Vec::with_capacity(readable.len());
         let mut per_piece: Vec<Vec<Op>> = vec![Vec::new(); n_pieces];
-        for ((_, e), &dst) in readable.iter().zip(&stage) {
+        for ((_, e), &dst) in readable.iter().zip(bufs) {
             let (off, body) = store.body_extent(e);
             let mut cuts: Vec<usize> = (0..=n_pieces).map(|j| (body * j / n_pieces) / align * align).collect();
             cuts[n_pieces] = body;
@@ -1045,60 +1163,23 @@ impl LayerReader {
             }
             ends.push(cuts[1..].to_vec());
         }
-        if n_pieces == 1 {
-            let each: Vec<(u32, Op)> = per_piece[0].iter().enumerate().map(|(k, &op)| (tag(k), op)).collect();
-            // SAFETY: the staging buffers are not touched by us until the chunk is waited for,
-            // and outlive the reader.
-            unsafe { ring.submit_each(&each) }?;
-        } else {
-            for (j, ops) in per_piece.iter().enumerate().filter(|(_, o)| !o.is_empty()) {
-                // SAFETY: as above, per piece.
-                unsafe { ring.submit(tag(j), ops) }?;
-            }
+        for (j, ops) in per_piece.iter().enumerate().filter(|(_, o)| !o.is_empty()) {
+            // SAFETY: the staging buffers are not touched by us until their piece is waited
+            // for, and outlive the reader.
+            unsafe { ring.submit(tag(j), ops) }?;
         }
         Ok(Self {
             ring,
             payload: readable.iter().map(|(_, e)| (nl * e.layer_len as usize, e.layer_len as usize, e.payload_crc)).collect(),
             ends,
-            stage,
+            stage: bufs.to_vec(),
             waited: 0,
             n_pieces,
             nl,
             next: if readable.is_empty() { nl } else { 0 },
             io_wait: 0.0,
             error: None,
-            checked: (n_pieces == 1).then(|| vec![None; readable.len()]),
         })
-    }
-
-    /// With one piece per chunk: waits for chunk `k`'s read and returns whether its payload
-    /// holds its CRC. The reader does not touch the chunk's staging afterwards.
-    fn chunk(&mut self, k: usize) -> Result<bool> {
-        if let Some(ok) = self.checked.as_ref().and_then(|c| c[k]) {
-            return Ok(ok);
-        }
-        assert!(self.checked.is_some(), "per-chunk waits need one piece per chunk");
-        let t = Instant::now();
-        let r = self.ring.wait(tag(k));
-        self.io_wait += t.elapsed().as_secs_f64();
-        r.map_err(MmError::Io)?;
-        let ok = self.verify(k);
-        if let Some(c) = &mut self.checked {
-            c[k] = Some(ok);
-        }
-        Ok(ok)
-    }
-
-    /// Whether chunk `k`'s payload (read in full) holds its CRC; clears the aligned tail.
-    fn verify(&self, k: usize) -> bool {
-        let (len, _, crc) = self.payload[k];
-        let end = *self.ends[k].last().unwrap_or(&len);
-        // SAFETY: the staging buffer holds the read payload (and its aligned tail) and
-        // nothing else uses it until the chunk is installed.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.stage[k], end) };
-        // The aligned tail holds whatever followed the record on disk: clear it.
-        bytes[len..].fill(0);
-        crc32c::crc32c(&bytes[..len]) == crc
     }
 
     /// Before layer `l` is computed: its bytes must be in. Repeated calls (the engine runs
@@ -1128,10 +1209,6 @@ impl LayerReader {
 
     /// Waits for the rest; returns whether each chunk's payload holds its CRC, and the wait.
     fn finish(mut self) -> Result<(Vec<bool>, f64)> {
-        if self.checked.is_some() {
-            let ok = (0..self.payload.len()).map(|k| self.chunk(k)).collect::<Result<Vec<bool>>>()?;
-            return Ok((ok, self.io_wait));
-        }
         while self.next < self.nl && self.error.is_none() {
             self.step(self.next);
         }
@@ -1144,9 +1221,47 @@ impl LayerReader {
         if let Some(e) = self.error.take() {
             return Err(MmError::Io(e));
         }
-        let ok = (0..self.payload.len()).map(|k| self.verify(k)).collect();
+        let ok = (0..self.payload.len())
+            .map(|k| {
+                let (len, _, crc) = self.payload[k];
+                let end = *self.ends[k].last().unwrap_or(&len);
+                // SAFETY: the staging buffer holds the read payload (and its aligned tail), all
+                // waited for, and nothing else uses it until the chunk is installed.
+                payload_ok(unsafe { std::slice::from_raw_parts_mut(self.stage[k], end) }, len, crc)
+            })
+            .collect();
         Ok((ok, self.io_wait))
     }
+}
+
+/// Whether a record body read into `body` holds its CRC over the first `len` bytes; clears
+/// the aligned tail past them (whatever followed the record on disk).
+fn payload_ok(body: &mut [u8], len: usize, crc: u32) -> bool {
+    let len = len.min(body.len());
+    body[len..].fill(0);
+    crc32c::crc32c(&body[..len]) == crc
+}
+
+/// The arena's base, shared with the load helper (which touches only the buffers it is
+/// handed).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+impl SendPtr {
+    /// The address `off` bytes in (a method, so closures capture the whole `Send` value).
+    fn at(self, off: usize) -> *mut u8 {
+        self.0.wrapping_add(off)
+    }
+}
+// SAFETY: see `Manager::read_all`: each buffer is used by one thread at a time.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+/// Where a chunk is staged during a load: a buffer of the arena (copied into its slot) or,
+/// past the arena, a buffer of its own (its pages moved into the slot).
+enum Stage {
+    Arena(usize),
+    Own(Staging),
 }
 
 fn tag(l: usize) -> u32 {

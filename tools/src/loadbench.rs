@@ -181,30 +181,38 @@ pub fn load_or_measure(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, c
 }
 
 /// Read bandwidth of the store for a context's records, bytes per second: every record read
-/// whole (O_DIRECT, all in flight at once through io_uring). `bytes / this` is the load floor.
+/// whole (O_DIRECT, all in flight at once through io_uring) into one buffer on huge pages,
+/// the best case for the device (see `uffd_handler::Staging::huge`; loads stage the same
+/// way). `bytes / this` is the load floor.
 pub fn read_bandwidth(store: &Store, ctx: u64, n_chunks: usize) -> Result<f64> {
     use std::os::fd::AsRawFd;
     let f = store.file(ctx)?;
-    let entries: Vec<_> = (0..n_chunks).filter_map(|i| store.entry(ctx, u32::try_from(i).ok()?)).collect();
-    let lens: Vec<usize> = entries.iter().map(|e| store.body_extent(e).1).collect();
-    let mut bufs: Vec<mm::store::AlignedBuf> = lens.iter().map(|&l| mm::store::AlignedBuf::new(l)).collect();
-    let ops: Vec<mm::ring::Op> = entries
+    let extents: Vec<(u64, usize)> =
+        (0..n_chunks).filter_map(|i| store.entry(ctx, u32::try_from(i).ok()?)).map(|e| store.body_extent(&e)).collect();
+    let total: usize = extents.iter().map(|&(_, len)| len).sum();
+    let mut buf = uffd_handler::Staging::huge(total)?;
+    let base = buf.as_mut_slice().as_mut_ptr();
+    let mut at = 0;
+    let ops: Vec<mm::ring::Op> = extents
         .iter()
-        .zip(&mut bufs)
-        .zip(&lens)
-        .map(|((e, b), &len)| mm::ring::Op {
-            fd: f.as_raw_fd(),
-            offset: store.body_extent(e).0,
-            buf: b.as_ptr(),
-            len: u32::try_from(len).unwrap_or(u32::MAX),
-            write: false,
+        .map(|&(offset, len)| {
+            let op = mm::ring::Op {
+                fd: f.as_raw_fd(),
+                offset,
+                // SAFETY: the extents are laid end to end inside the `total` bytes of `buf`.
+                buf: unsafe { base.add(at) },
+                len: u32::try_from(len).unwrap_or(u32::MAX),
+                write: false,
+            };
+            at += len;
+            op
         })
         .collect();
     let mut ring = mm::ring::Ring::new(u32::try_from(ops.len() + 1).unwrap_or(u32::MAX))?;
     let t = std::time::Instant::now();
-    // SAFETY: the buffers outlive the wait below and nothing else touches them.
+    // SAFETY: the buffer outlives the wait below and nothing else touches it.
     unsafe { ring.submit(0, &ops) }?;
     ring.wait(0)?;
     let secs = t.elapsed().as_secs_f64().max(1e-9);
-    Ok(lens.iter().sum::<usize>() as f64 / secs)
+    Ok(total as f64 / secs)
 }

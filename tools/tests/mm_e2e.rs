@@ -140,6 +140,39 @@ fn evicted_contexts_come_back_exactly_by_read_recompute_and_mixed() {
     mm.delete(1).unwrap();
 }
 
+/// A context longer than the load's staging arena (8 MiB: 22 slots of this model) streams
+/// through it: buffers are reused while later reads are in flight, chunks are checked by the
+/// loading thread and its helper in turn, and damaged records on either side of the first
+/// pass are recomputed, never served.
+#[test]
+fn a_context_longer_than_the_staging_arena_reads_back_exactly() {
+    const LONG: usize = 60 * CT;
+    let s = setup();
+    let Some(mut mm) = manager(&s, Policy::VllmSq, &[KvFormat::Int8], 1.0, None) else { return };
+    let mut sess = session(&s, false);
+    hold(&mut mm, 4, &mut sess, &s.ids[..LONG]).unwrap();
+    let tok = s.ids[LONG];
+    let (reference, _) = next_logits(&mut mm, 4, &mut sess, tok, Strategy::Planned);
+    force_out(&mut mm, 4);
+    let (got, r) = next_logits(&mut mm, 4, &mut sess, tok, Strategy::AllRead);
+    assert_eq!((r.read, r.recomputed, r.unreadable), (60, 0, 0), "{r:?}");
+    assert_eq!(got, reference, "the logits changed after a streamed load");
+
+    force_out(&mut mm, 4);
+    let path = mm.store().dir().join(format!("ctx-{:016x}.kv", 4));
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    for chunk in [6u32, 41] {
+        let e = mm.store().entry(4, chunk).unwrap();
+        let (off, _) = mm.store().layer_extent(&e, 7);
+        std::os::unix::fs::FileExt::write_at(&f, &[0xa5; 32], off + 64).unwrap();
+    }
+    drop(f);
+    let (got, r) = next_logits(&mut mm, 4, &mut sess, tok, Strategy::AllRead);
+    assert_eq!(r.unreadable, 2, "{r:?}");
+    assert_eq!(got, reference, "the damaged chunks were recomputed exactly");
+    mm.delete(4).unwrap();
+}
+
 #[test]
 fn compressed_levels_survive_eviction_and_recompute_stays_close() {
     let s = setup();

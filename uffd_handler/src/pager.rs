@@ -512,6 +512,8 @@ fn fill_worker(p: &Arc<PagerInner>, rx: &Mutex<Receiver<FillJob>>) {
 pub struct Staging {
     ptr: NonNull<u8>,
     len: usize,
+    /// The whole mapping (`ptr`/`len` may be an aligned window of it).
+    map: (NonNull<u8>, usize),
 }
 
 // SAFETY: a private anonymous mapping owned by this value.
@@ -533,7 +535,37 @@ impl Staging {
         if p == libc::MAP_FAILED {
             return Err(UffdError::Map { len, source: Errno::last() });
         }
-        Ok(Self { ptr: NonNull::new(p.cast()).expect("non-null"), len })
+        let ptr = NonNull::new(p.cast()).expect("non-null");
+        Ok(Self { ptr, len, map: (ptr, len) })
+    }
+
+    /// A buffer on transparent huge pages where the kernel gives them, its pages present:
+    /// for reusable I/O staging. A read into 4 KiB pages scattered by the allocator is one
+    /// scatter-gather segment per page, and a virtqueue without indirect descriptors
+    /// (Firecracker's, this project's VMs) holds only a few such requests at once (five
+    /// reads of 192 KiB in 256 descriptors): reads then complete in waves. A huge page is
+    /// one segment. Without THP (or with it disabled) this is an ordinary buffer.
+    pub fn huge(len: usize) -> Result<Self> {
+        const HUGE: usize = 2 << 20;
+        let len = len.div_ceil(PAGE).max(1) * PAGE;
+        let map_len = len + HUGE;
+        // SAFETY: fresh private anonymous mapping, owned by the returned value.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(UffdError::Map { len: map_len, source: Errno::last() });
+        }
+        let map = (NonNull::new(p.cast::<u8>()).expect("non-null"), map_len);
+        let start = (p as usize).next_multiple_of(HUGE) - p as usize;
+        // SAFETY: start < HUGE, so [start, start + len) lies inside the mapping.
+        let ptr = unsafe { map.0.add(start) };
+        // SAFETY: advising our own mapping. Failure (THP compiled out or "never") only means
+        // 4 KiB pages: the buffer works the same, reads are just split into more segments.
+        unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        let mut s = Self { ptr, len, map };
+        s.repopulate();
+        Ok(s)
     }
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: we own len bytes of read-write mapping.
@@ -562,7 +594,7 @@ impl Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        unsafe { libc::munmap(self.map.0.as_ptr().cast(), self.map.1) };
     }
 }
 
@@ -572,9 +604,9 @@ thread_local! {
 
 /// Fills a slot that the caller has put in `Loading`: from the source (or `given` bytes),
 /// installed whole in one ioctl; on failure the slot is poisoned. Wakes every waiter.
-fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&mut Staging, usize, usize)>) -> Result<()> {
+fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Src<'_>>) -> Result<()> {
     let result = match given {
-        Some((staging, offset, len)) => install(p, r, slot, staging, offset, len, p.caps.r#move),
+        Some(src) => install(p, r, slot, src),
         None => STAGING.with(|cell| {
             let mut cell = cell.borrow_mut();
             if cell.as_ref().is_none_or(|s| s.len() < r.slot_size) {
@@ -592,7 +624,7 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
                     // COPY, not MOVE: moving would take the pages out of this reused buffer, and
                     // getting them back (even with one MADV_POPULATE_WRITE) costs more than
                     // the copy saves (measured: `llms bench-uffd`).
-                    install(p, r, slot, staging, 0, n, false)
+                    install(p, r, slot, Src::Copy(&buf[..end]))
                 }
                 Ok(Ok(n)) => Err(UffdError::TooLong { region: r.id, slot, len: n, slot_size: r.slot_size }),
                 Ok(Err(e)) => Err(UffdError::Source { region: r.id, slot, reason: e.to_string() }),
@@ -630,33 +662,34 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<(&
     outcome
 }
 
-/// Installs `len` bytes (rounded up to pages) of `staging` from `offset` into the slot: UFFDIO_MOVE when
-/// asked (no copy; the staging pages move out of the buffer), else UFFDIO_COPY. Returns the
-/// page count.
+/// Whole pages staged for a slot, from its first byte.
+enum Src<'a> {
+    /// Moved into the slot (UFFDIO_MOVE: no copy; the pages leave the buffer).
+    Move(&'a mut [u8]),
+    /// Copied into the slot (UFFDIO_COPY; the buffer keeps them).
+    Copy(&'a [u8]),
+}
+
+/// Installs the staged pages into the slot. Returns the page count.
 /// Nobody is woken here (DONTWAKE): the caller first records the slot as resident, then
 /// wakes the waiters, so a woken thread never sees a half-installed slot, and never writes a
 /// moved page before it is write-protected (that write would escape dirty tracking).
-fn install(
-    p: &PagerInner,
-    r: &RegionInner,
-    slot: usize,
-    staging: &mut Staging,
-    offset: usize,
-    len: usize,
-    use_move: bool,
-) -> Result<usize> {
-    let pages = len.div_ceil(PAGE);
+fn install(p: &PagerInner, r: &RegionInner, slot: usize, src: Src<'_>) -> Result<usize> {
+    let (src, bytes, buf) = match src {
+        Src::Move(b) => (b.as_ptr() as u64, b.len(), Some(b)),
+        Src::Copy(b) => (b.as_ptr() as u64, b.len(), None),
+    };
+    debug_assert!(src.is_multiple_of(PAGE as u64) && bytes.is_multiple_of(PAGE));
+    let pages = bytes / PAGE;
     if pages == 0 {
         return Ok(0);
     }
     let dst = r.slot_addr(slot);
-    let src = staging.ptr.as_ptr() as u64 + offset as u64;
-    let bytes = (pages * PAGE) as u64;
+    let bytes = bytes as u64;
     let fd = p.uffd.as_raw_fd();
-    if use_move {
+    if let Some(buf) = buf {
         // MOVE needs the source pages present and exclusively ours: touch them (they are, the
         // source just wrote them; pages it did not write are zero-filled now).
-        let buf = &mut staging.as_mut_slice()[offset..offset + pages * PAGE];
         for pg in buf.chunks_mut(PAGE) {
             // SAFETY: a volatile read-modify-write of our own buffer forces the page in.
             unsafe { std::ptr::write_volatile(pg.as_mut_ptr(), std::ptr::read_volatile(pg.as_ptr())) };
@@ -792,10 +825,24 @@ impl Region {
         if len > self.inner.slot_size || !fits {
             return Err(UffdError::TooLong { region: self.inner.id, slot, len, slot_size: self.inner.slot_size });
         }
-        self.populate_inner(slot, Some((staging, offset, len)))
+        let pages = &mut staging.as_mut_slice()[offset..offset + len.div_ceil(PAGE) * PAGE];
+        self.populate_inner(slot, Some(if self.pager.caps.r#move { Src::Move(pages) } else { Src::Copy(pages) }))
     }
 
-    fn populate_inner(&self, slot: usize, given: Option<(&mut Staging, usize, usize)>) -> Result<()> {
+    /// Makes a slot resident from the first `len` bytes of `src` (rounded up to pages; `src`
+    /// starts on a page and holds them), copied (UFFDIO_COPY): the buffer keeps its pages,
+    /// so a reused one (on huge pages, say) stays as it is, and threads can install from
+    /// disjoint parts of one buffer at once. Returns Ok without using the bytes if the slot
+    /// is already resident.
+    pub fn copy_from(&self, slot: usize, src: &[u8], len: usize) -> Result<()> {
+        let whole = len.div_ceil(PAGE) * PAGE;
+        if len > self.inner.slot_size || !(src.as_ptr() as usize).is_multiple_of(PAGE) || whole > src.len() {
+            return Err(UffdError::TooLong { region: self.inner.id, slot, len, slot_size: self.inner.slot_size });
+        }
+        self.populate_inner(slot, Some(Src::Copy(&src[..whole])))
+    }
+
+    fn populate_inner(&self, slot: usize, given: Option<Src<'_>>) -> Result<()> {
         self.inner.check(slot)?;
         let r = &self.inner;
         let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());

@@ -237,6 +237,53 @@ fn populate_from_a_staging_buffer_does_not_call_the_source() {
     assert!(matches!(r.populate_from(1, &mut st, SLOT + 1), Err(UffdError::TooLong { .. })));
 }
 
+/// The kilobytes of `AnonHugePages` of the mapping holding `addr` (from /proc/self/smaps).
+fn anon_huge_kb(addr: usize) -> Option<usize> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-').filter(|(a, _)| a.chars().all(|c| c.is_ascii_hexdigit())) {
+            let (a, b) = (usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?);
+            inside = (a..b).contains(&addr);
+        } else if inside {
+            if let Some(v) = line.strip_prefix("AnonHugePages:") {
+                return v.trim().trim_end_matches("kB").trim().parse().ok();
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn copying_from_a_huge_page_buffer_keeps_the_buffer() {
+    let Some(p) = pager() else { return };
+    let src = Arc::new(PatternSource::default());
+    let r = p.region(SLOT, 2, src.clone()).unwrap();
+    let mut st = Staging::huge(4 << 20).unwrap();
+    let base = st.as_mut_slice().as_ptr() as usize;
+    assert_eq!(base % (2 << 20), 0, "aligned to a huge page");
+    assert!(st.as_mut_slice().iter().all(|&b| b == 0), "a fresh buffer is zeros");
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if thp.contains("[always]") || thp.contains("[madvise]") {
+        assert!(anon_huge_kb(base).is_some_and(|kb| kb >= 2048), "THP is {thp:?} but the buffer has no huge page");
+    }
+    for slot in 0..2 {
+        for (i, w) in st.as_mut_slice()[SLOT..2 * SLOT].chunks_exact_mut(8).enumerate() {
+            w.copy_from_slice(&word(r.id(), slot, 9, i).to_le_bytes());
+        }
+        r.copy_from(slot, &st.as_mut_slice()[SLOT..], SLOT).unwrap();
+        check_slot(&r, slot, 9, SLOT / 8);
+        // The buffer kept its bytes (a MOVE would have left zeros behind).
+        assert_eq!(st.as_mut_slice()[SLOT..SLOT + 8], word(r.id(), slot, 9, 0).to_le_bytes());
+    }
+    assert_eq!(src.calls.load(Ordering::SeqCst), 0);
+    r.discard(0).unwrap();
+    let buf = st.as_mut_slice();
+    assert!(matches!(r.copy_from(0, &buf[100..], SLOT), Err(UffdError::TooLong { .. })), "sources start on a page");
+    assert!(matches!(r.copy_from(0, &buf[..SLOT], SLOT + 1), Err(UffdError::TooLong { .. })), "and hold whole pages");
+}
+
 /// Readers, writers, an evictor and a populator on random slots for a bounded time; every
 /// read matches what the source says the slot holds.
 #[test]
