@@ -88,6 +88,22 @@ fn smaps_rss((start, _len): (usize, usize)) -> usize {
     panic!("no mapping at {start:#x}");
 }
 
+/// Overwrites 64 bytes of chunk `chunk`'s record on flash, in the aligned block where layer
+/// `layer` starts, behind mm's back.
+fn damage(mm: &Manager, ctx: u64, chunk: u32, layer: usize) {
+    let path = mm.store().dir().join(format!("ctx-{ctx:016x}.kv"));
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let e = mm.store().entry(ctx, chunk).unwrap();
+    let (off, _) = mm.store().layer_extent(&e, layer);
+    std::os::unix::fs::FileExt::write_at(&f, &[0x5a; 64], off + 128).unwrap();
+}
+
+/// Bytes of one slot of context `ctx`'s region.
+fn len_of_one_slot(mm: &Manager, ctx: u64) -> usize {
+    let (_, len) = mm.region_range(ctx).unwrap();
+    len / 64
+}
+
 /// A profile under which recomputing a chunk costs as much as reading one: the planner
 /// splits the load.
 fn even_profile(fp: u64) -> Profile {
@@ -128,12 +144,7 @@ fn evicted_contexts_come_back_exactly_by_read_recompute_and_mixed() {
 
     // A damaged record is recomputed, never served.
     force_out(&mut mm, 1);
-    let dir = mm.store().dir().join(format!("ctx-{:016x}.kv", 1));
-    let f = std::fs::OpenOptions::new().write(true).open(&dir).unwrap();
-    let e = mm.store().entry(1, 3).unwrap();
-    let (off, _) = mm.store().layer_extent(&e, 5);
-    std::os::unix::fs::FileExt::write_at(&f, &[0x5a; 64], off + 128).unwrap();
-    drop(f);
+    damage(&mm, 1, 3, 5);
     let (got, r) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::AllRead);
     assert_eq!(r.unreadable, 1, "{r:?}");
     assert_eq!(got, reference, "the damaged chunk was recomputed exactly");
@@ -159,17 +170,20 @@ fn a_context_longer_than_the_staging_arena_reads_back_exactly() {
     assert_eq!(got, reference, "the logits changed after a streamed load");
 
     force_out(&mut mm, 4);
-    let path = mm.store().dir().join(format!("ctx-{:016x}.kv", 4));
-    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    for chunk in [6u32, 41] {
-        let e = mm.store().entry(4, chunk).unwrap();
-        let (off, _) = mm.store().layer_extent(&e, 7);
-        std::os::unix::fs::FileExt::write_at(&f, &[0xa5; 32], off + 64).unwrap();
-    }
-    drop(f);
+    damage(&mm, 4, 6, 7);
+    damage(&mm, 4, 41, 7);
     let (got, r) = next_logits(&mut mm, 4, &mut sess, tok, Strategy::AllRead);
     assert_eq!(r.unreadable, 2, "{r:?}");
     assert_eq!(got, reference, "the damaged chunks were recomputed exactly");
+
+    // The smallest arena (one slot: every read waits for the one before to be installed).
+    mm.set_load_staging(0).unwrap();
+    assert_eq!(mm.load_staging(), len_of_one_slot(&mm, 4));
+    force_out(&mut mm, 4);
+    let (got, r) = next_logits(&mut mm, 4, &mut sess, tok, Strategy::AllRead);
+    assert_eq!((r.read, r.unreadable), (60, 0), "{r:?}");
+    assert_eq!(got, reference, "the logits changed after a load through one buffer");
+    assert!(mm.set_load_staging(usize::MAX).is_err(), "an absurd arena is refused");
     mm.delete(4).unwrap();
 }
 

@@ -204,6 +204,10 @@ enum Cmd {
         state_dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
+        /// The load staging arena (docs/mm.md): more keeps more reads in flight; memory held
+        /// beyond the KV budget.
+        #[arg(long, default_value = "8MiB", value_parser = staging_arg)]
+        staging: usize,
         #[command(flatten)]
         m: ModelArgs,
     },
@@ -1490,7 +1494,9 @@ fn run(cli: Cli) -> Result<()> {
             bench_weights(&m, budgets, tg, reps, no_preload_too, ppl_text, ppl_windows, json)?;
         }
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
-        Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, m } => bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json)?,
+        Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, staging, m } => {
+            bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json, staging)?;
+        }
         Cmd::BenchSwitch { tokens, reps, state_dir, json, m } => bench_switch(&m, &tokens, reps, state_dir, json)?,
         Cmd::Trace { cmd } => trace_cmd(cmd)?,
         Cmd::Experiment { cmd } => experiment_cmd(cmd)?,
@@ -1859,7 +1865,19 @@ fn profile_cmd(m: &ModelArgs, chunk_tokens: usize, state_dir: Option<PathBuf>, j
     Ok(())
 }
 
-fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
+fn staging_arg(s: &str) -> Result<usize, String> {
+    tools::config::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+fn bench_load(
+    m: &ModelArgs,
+    sizes: &[usize],
+    reps: usize,
+    chunk_tokens: usize,
+    state_dir: Option<PathBuf>,
+    json: bool,
+    staging: usize,
+) -> Result<()> {
     use mm::Strategy;
     use tools::loadbench as lb;
     check_chunk_tokens(chunk_tokens)?;
@@ -1888,6 +1906,7 @@ fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, 
             lb::mm_config(mm::Policy::Llms, &[engine::kv::KvFormat::Int8], 1.0, max_chunks),
             Some(profile.clone()),
         )?;
+        mm.set_load_staging(staging)?;
         let toks = lb::synthetic_tokens(&model, n);
         let id = n as u64;
         let mut s = lb::build_context(&mut mm, id, &model, &pool, &toks, chunk_tokens)?;
@@ -1933,11 +1952,12 @@ fn bench_load(m: &ModelArgs, sizes: &[usize], reps: usize, chunk_tokens: usize, 
     }
     let _ = std::fs::remove_dir_all(&run_dir);
     if json {
-        println!("{}", serde_json::to_string(&json!({"reps": reps, "profile": profile, "sizes": rows}))?);
+        println!("{}", serde_json::to_string(&json!({"reps": reps, "staging_bytes": staging, "profile": profile, "sizes": rows}))?);
     } else {
         println!(
-            "medians of {reps} (the floor: of {} reads, before and after each read load); profile: T_re = {:.2} ms + {:.2} ms/chunk, T_io = {:.2} ms + {:.0} MB/s",
+            "medians of {reps} (the floor: of {} reads, before and after each read load); load staging {:.0} MiB; profile: T_re = {:.2} ms + {:.2} ms/chunk, T_io = {:.2} ms + {:.0} MB/s",
             2 * reps,
+            staging as f64 / f64::from(1u32 << 20),
             profile.recompute.fixed * 1e3,
             profile.recompute.per_unit * 1e3,
             profile.io.fixed * 1e3,
