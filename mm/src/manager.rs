@@ -756,91 +756,76 @@ impl Manager {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&*file);
         let arena = SendPtr(self.arena.as_mut_slice().as_mut_ptr());
         let lens: Vec<usize> = readable.iter().map(|(i, _)| self.codec.chunk_bytes(levels[i])).collect();
-        let read = |k: usize| {
-            let (offset, len) = store.body_extent(&readable[k].1);
-            // SAFETY: buffer k % n_buf lies inside the arena; a body fits a slot.
-            let buf = arena.at(k % n_buf * ss);
-            (tag(k), Op { fd, offset, buf, len: u32::try_from(len).unwrap_or(u32::MAX), write: false })
-        };
-        // Chunk k, landed in buffer k % n_buf: checked, then copied into its slot.
-        let check = |k: usize| -> Result<bool> {
-            let (i, e) = &readable[k];
-            let (_, body) = store.body_extent(e);
-            // The slot takes whole pages; past the body the buffer holds an earlier chunk's
-            // bytes, which `payload_ok` clears with the record's aligned tail.
-            let end = body.max(lens[k].next_multiple_of(uffd_handler::PAGE)).min(ss);
-            // SAFETY: chunk k's read was waited for, and until it is reported done only the
-            // thread that was handed k touches its buffer (then the buffer takes a new read).
-            let buf = unsafe { std::slice::from_raw_parts_mut(arena.at(k % n_buf * ss), end) };
-            if !payload_ok(buf, nl * e.layer_len as usize, e.payload_crc) {
-                return Ok(false);
-            }
-            region.copy_from(*i, buf, lens[k])?;
-            Ok(true)
-        };
-        // Per chunk: its outcome once done, and whether its read was submitted.
-        let mut ok: Vec<Option<bool>> = vec![None; n];
-        let mut submitted = vec![false; n];
-        let mut wait = 0.0;
-        let stopped = || MmError::Engine("the load helper stopped".into());
-        std::thread::scope(|sc| -> Result<()> {
-            let (land_tx, land_rx) = mpsc::channel::<usize>();
-            let (done_tx, done_rx) = mpsc::channel::<(usize, Result<bool>)>();
-            let check = &check;
-            let helper = (n > 1).then(|| {
-                sc.spawn(move || {
-                    for k in land_rx {
-                        if done_tx.send((k, check(k))).is_err() {
-                            break;
-                        }
-                    }
-                })
-            });
+        // Two lanes (this thread and a helper), each with its own ring and its own half of the
+        // arena, each taking every other chunk: read, wait, check, copy into the slot, and the
+        // buffer takes the lane's next read at once. Lanes share nothing, so a buffer is never
+        // left idle waiting for the other thread to notice it is free (one ring fed by both
+        // threads resubmitted the helper's buffers late and ran at half the disk's speed).
+        let n_lanes = if n > 1 && n_buf > 1 { 2 } else { 1 };
+        let per_lane = n_buf / n_lanes;
+        let lane = |l: usize| -> Result<LaneOut> {
+            let mine: Vec<usize> = (l..n).step_by(n_lanes).collect();
+            // The lane's j-th chunk lands in the lane's buffer j % per_lane.
+            let buf_of = |j: usize| arena.at((l + n_lanes * (j % per_lane)) * ss);
+            let read = |j: usize| {
+                let (offset, len) = store.body_extent(&readable[mine[j]].1);
+                (tag(j), Op { fd, offset, buf: buf_of(j), len: u32::try_from(len).unwrap_or(u32::MAX), write: false })
+            };
+            let in_flight = per_lane.min(mine.len());
             // Dropped on every way out of here, the ring waits for what is still in flight:
             // no read lands in the arena after this returns.
-            let mut ring = Ring::new(u32::try_from(n_buf.min(n) + 1).unwrap_or(u32::MAX))?;
-            let first: Vec<(u32, Op)> = (0..n_buf.min(n)).map(read).collect();
-            // SAFETY: a buffer is not touched until its read is waited for, and is given a
-            // new read only once its chunk is done; the arena outlives the ring.
+            let mut ring = Ring::new(u32::try_from(in_flight + 1).unwrap_or(u32::MAX))?;
+            let first: Vec<(u32, Op)> = (0..in_flight).map(read).collect();
+            // SAFETY: a buffer is touched only by this lane, not before its read is waited for,
+            // and is given a new read only once its chunk was copied out; the arena outlives
+            // the ring.
             unsafe { ring.submit_each(&first) }?;
-            submitted[..n_buf.min(n)].fill(true);
-            // Chunk k is done: its buffer takes chunk k + n_buf.
-            let mut finish = |k: usize, r: Result<bool>, ring: &mut Ring, submitted: &mut [bool]| -> Result<()> {
-                ok[k] = Some(r?);
-                if k + n_buf < n {
-                    // SAFETY: as above; chunk k was copied out of this buffer.
-                    unsafe { ring.submit_each(&[read(k + n_buf)]) }?;
-                    submitted[k + n_buf] = true;
-                }
-                Ok(())
-            };
-            let mut pending = 0;
-            for k in 0..n {
-                while !submitted[k] {
-                    let (j, r) = done_rx.recv().map_err(|_| stopped())?;
-                    pending -= 1;
-                    finish(j, r, &mut ring, &mut submitted)?;
-                }
+            let (mut out, mut wait) = (Vec::with_capacity(mine.len()), 0.0);
+            for (j, &k) in mine.iter().enumerate() {
                 let t = Instant::now();
-                ring.wait(tag(k)).map_err(MmError::Io)?;
+                ring.wait(tag(j)).map_err(MmError::Io)?;
                 wait += t.elapsed().as_secs_f64();
-                if helper.is_some() && k % 2 == 1 {
-                    land_tx.send(k).map_err(|_| stopped())?;
-                    pending += 1;
-                } else {
-                    finish(k, check(k), &mut ring, &mut submitted)?;
+                let (i, e) = &readable[k];
+                let (_, body) = store.body_extent(e);
+                // The slot takes whole pages; past the body the buffer holds an earlier chunk's
+                // bytes, which `payload_ok` clears with the record's aligned tail.
+                let end = body.max(lens[k].next_multiple_of(uffd_handler::PAGE)).min(ss);
+                // SAFETY: the read into this buffer was waited for; only this lane uses it.
+                let buf = unsafe { std::slice::from_raw_parts_mut(buf_of(j), end) };
+                let good = payload_ok(buf, nl * e.layer_len as usize, e.payload_crc);
+                if good {
+                    region.copy_from(*i, buf, lens[k])?;
+                }
+                out.push((k, good));
+                if j + per_lane < mine.len() {
+                    // SAFETY: as above; chunk k was copied out of this buffer.
+                    unsafe { ring.submit_each(&[read(j + per_lane)]) }?;
                 }
             }
-            drop(land_tx);
-            for _ in 0..pending {
-                let (j, r) = done_rx.recv().map_err(|_| stopped())?;
-                finish(j, r, &mut ring, &mut submitted)?;
+            Ok((out, wait))
+        };
+        let mut ok = vec![false; n];
+        let mut wait = 0.0;
+        let lanes: Vec<Result<LaneOut>> = std::thread::scope(|sc| {
+            let lane = &lane;
+            let helpers: Vec<_> = (1..n_lanes).map(|l| sc.spawn(move || lane(l))).collect();
+            let mut all = vec![lane(0)];
+            all.extend(helpers.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(MmError::Engine("the load helper panicked".into())))));
+            all
+        });
+        for (l, r) in lanes.into_iter().enumerate() {
+            let (out, w) = r?;
+            // This thread's lane: the time the caller itself sat waiting for the disk.
+            if l == 0 {
+                wait = w;
             }
-            Ok(())
-        })?;
+            for (k, good) in out {
+                ok[k] = good;
+            }
+        }
         let mut bad = Vec::new();
         for ((i, _), ok) in readable.iter().zip(ok) {
-            if ok == Some(true) {
+            if ok {
                 let ptr = NonNull::new(region.slot_ptr(*i)).expect("mapped");
                 // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
                 unsafe { kv.attach(*i, ptr, self.slot_size, levels[i]) }.map_err(engine)?;
@@ -1263,6 +1248,10 @@ fn payload_ok(body: &mut [u8], len: usize, crc: u32) -> bool {
     body[len..].fill(0);
     crc32c::crc32c(&body[..len]) == crc
 }
+
+/// What a load lane did: each of its chunks with whether it checked out, and how long the
+/// lane waited for the disk.
+type LaneOut = (Vec<(usize, bool)>, f64);
 
 /// The arena's base, shared with the load helper (which touches only the buffers it is
 /// handed).
