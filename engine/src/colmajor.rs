@@ -33,7 +33,38 @@ pub struct ColWeight {
     pub cols: usize,
     /// Rows rounded up to a whole tile; padding rows have zero codes and scales.
     rows_p: usize,
+    at: Placement,
     data: Blocks<u8>,
+}
+
+/// Where a channel-major matrix's parts lie in its bytes: block `b`'s scales (`d` of every
+/// row, then `m`) at `scales + b * scale_stride`, and column `c = 32 b + j` at
+/// `codes + b * block_stride + j * col_stride`. The plain layout (see the module docs) puts
+/// each block's columns right after its scales; a weight image may interleave the columns of
+/// several matrices and layers so that one input channel's columns lie together on flash
+/// (ActiveFlow's cross-layer groups, [`crate::weights`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub scales: usize,
+    pub scale_stride: usize,
+    pub codes: usize,
+    pub block_stride: usize,
+    pub col_stride: usize,
+}
+
+impl Placement {
+    /// The plain layout of a matrix with `rows_p` (padded) rows.
+    pub fn plain(rows_p: usize) -> Self {
+        let bb = ColWeight::block_bytes_for(rows_p);
+        Self { scales: 0, scale_stride: bb, codes: 4 * rows_p, block_stride: bb, col_stride: rows_p / 2 }
+    }
+    /// One past the last byte a matrix of `rows_p` rows and `nb` blocks placed so reads.
+    fn end(&self, rows_p: usize, nb: usize) -> Option<usize> {
+        let last = nb.checked_sub(1)?;
+        let s = self.scales.checked_add(last.checked_mul(self.scale_stride)?)?.checked_add(4 * rows_p)?;
+        let c = self.codes.checked_add(last.checked_mul(self.block_stride)?)?.checked_add((QK - 1).checked_mul(self.col_stride)?)?;
+        Some(s.max(c.checked_add(rows_p / 2)?))
+    }
 }
 
 impl ColWeight {
@@ -48,8 +79,13 @@ impl ColWeight {
         // Two f16 scales per row, then 32 columns of rows_p nibbles.
         4 * rows_p + QK * rows_p / 2
     }
-    fn block_bytes(&self) -> usize {
-        Self::block_bytes_for(self.rows_p)
+    /// Rows rounded up to a whole tile (a column is `rows_p / 2` bytes).
+    pub fn rows_padded(rows: usize) -> usize {
+        rows.next_multiple_of(TILE)
+    }
+    /// Where block `b`'s scales live: `(offset, len)` in [`Self::as_bytes`].
+    pub fn scales_range(&self, b: usize) -> (usize, usize) {
+        (self.at.scales + b * self.at.scale_stride, 4 * self.rows_p)
     }
     pub fn tiles(&self) -> usize {
         self.rows_p / TILE
@@ -60,7 +96,7 @@ impl ColWeight {
     /// Where column (input channel) `c` lives in [`Self::as_bytes`]: `(offset, len)`.
     pub fn column_range(&self, c: usize) -> (usize, usize) {
         let (b, j) = (c / QK, c % QK);
-        (b * self.block_bytes() + 4 * self.rows_p + j * self.rows_p / 2, self.rows_p / 2)
+        (self.at.codes + b * self.at.block_stride + j * self.at.col_stride, self.rows_p / 2)
     }
 
     /// Transposes a row-major GGUF Q4_0/Q4_1 matrix; `None` for other types or shapes.
@@ -89,7 +125,7 @@ impl ColWeight {
                 }
             }
         }
-        Some(Self { rows, cols, rows_p, data: Blocks::Owned(out) })
+        Some(Self { rows, cols, rows_p, at: Placement::plain(rows_p), data: Blocks::Owned(out) })
     }
 
     /// A channel-major matrix over bytes produced by [`Self::as_bytes`] for the same type and
@@ -101,8 +137,41 @@ impl ColWeight {
         if Self::len_for(ty, rows, cols)? != bytes.len() {
             return None;
         }
+        // SAFETY: as the caller promised.
+        unsafe { Self::borrow_placed(ty, rows, cols, bytes, Placement::plain(rows.next_multiple_of(TILE))) }
+    }
+
+    /// As [`Self::borrow`], with the parts placed as `at` says within `bytes`; `None` if a
+    /// part would lie outside them.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unchanged for as long as the returned value is used.
+    pub unsafe fn borrow_placed(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8], at: Placement) -> Option<Self> {
+        Self::len_for(ty, rows, cols)?;
         let rows_p = rows.next_multiple_of(TILE);
-        Some(Self { rows, cols, rows_p, data: Blocks::Borrowed { ptr: bytes.as_ptr(), len: bytes.len() } })
+        if at.end(rows_p, cols / QK)? > bytes.len() {
+            return None;
+        }
+        Some(Self { rows, cols, rows_p, at, data: Blocks::Borrowed { ptr: bytes.as_ptr(), len: bytes.len() } })
+    }
+
+    /// Copies this matrix into `dst` with its parts placed as `at` says (the bytes between
+    /// are left as they are). `None` if a part would fall outside `dst`.
+    pub fn place_into(&self, dst: &mut [u8], at: Placement) -> Option<()> {
+        let nb = self.cols / QK;
+        if at.end(self.rows_p, nb)? > dst.len() {
+            return None;
+        }
+        for b in 0..nb {
+            let ((from, len), to) = (self.scales_range(b), at.scales + b * at.scale_stride);
+            dst[to..to + len].copy_from_slice(&self.data[from..from + len]);
+        }
+        for c in 0..self.cols {
+            let (from, len) = self.column_range(c);
+            let to = at.codes + c / QK * at.block_stride + c % QK * at.col_stride;
+            dst[to..to + len].copy_from_slice(&self.data[from..from + len]);
+        }
+        Some(())
     }
 
     /// The weight at (`r`, `c`), dequantized.
@@ -111,7 +180,7 @@ impl ColWeight {
         d * f32::from(self.code(r, c)) + m
     }
     fn scales(&self, b: usize, r: usize) -> (f32, f32) {
-        let base = b * self.block_bytes();
+        let base = self.scales_range(b).0;
         let f = |at: usize| f16::from_le_bytes([self.data[at], self.data[at + 1]]).to_f32();
         (f(base + 2 * r), f(base + 2 * self.rows_p + 2 * r))
     }
@@ -338,7 +407,7 @@ mod avx2 {
     /// Needs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize, y: &mut [f32], acc: &mut [i32]) {
-        let (bb, rp) = (w.block_bytes(), w.rows_p);
+        let (at, rp) = (w.at, w.rows_p);
         let (r0, r1) = (t0 * TILE, t1 * TILE);
         let data = w.data.as_ptr();
         let x8 = a.x8.as_ptr().add(t * w.cols);
@@ -347,16 +416,16 @@ mod avx2 {
             // The columns are many short runs, which the hardware prefetchers do not follow:
             // fetch a later active block's lines while this one computes.
             if b < nb && !a.block(t, b).is_empty() {
-                let base = data.add(b * bb);
-                for (start, len) in [(2 * r0, 2 * (r1 - r0)), (2 * rp + 2 * r0, 2 * (r1 - r0))] {
+                let base = at.scales + b * at.scale_stride;
+                for (start, len) in [(base + 2 * r0, 2 * (r1 - r0)), (base + 2 * rp + 2 * r0, 2 * (r1 - r0))] {
                     for off in (start & !63..start + len).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(base.add(off).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(data.add(off).cast());
                     }
                 }
                 for &j in a.block(t, b) {
-                    let col = 4 * rp + usize::from(j) * rp / 2 + r0 / 2;
+                    let col = at.codes + b * at.block_stride + usize::from(j) * at.col_stride + r0 / 2;
                     for off in (col & !63..col + (r1 - r0) / 2).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(base.add(off).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(data.add(off).cast());
                     }
                 }
             }
@@ -371,15 +440,15 @@ mod avx2 {
                 continue;
             }
             acc.fill(0);
-            let base = data.add(b * bb);
-            let cols = base.add(4 * rp);
+            let base = data.add(at.scales + b * at.scale_stride);
+            let cols = data.add(at.codes + b * at.block_stride);
             let xb = x8.add(b * QK);
             // i16 sums hold at most 8 pairs: 8 * 2 * 15 * 127 < 2^15.
             for group in act.chunks(16) {
                 let mut pairs = [(std::ptr::null::<u8>(), std::ptr::null::<u8>(), _mm256_setzero_si256()); 8];
                 for (p, pr) in pairs.iter_mut().zip(group.chunks(2)) {
                     let (j, k, xs) = pair_inputs(xb, pr);
-                    *p = (cols.add(j * rp / 2), cols.add(k * rp / 2), xs);
+                    *p = (cols.add(j * at.col_stride), cols.add(k * at.col_stride), xs);
                 }
                 let pairs = &pairs[..group.len().div_ceil(2)];
                 for tile in t0..t1 {
@@ -407,7 +476,7 @@ mod avx2 {
     /// Needs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
-        let (bb, rp) = (w.block_bytes(), w.rows_p);
+        let (at, rp) = (w.at, w.rows_p);
         let data = w.data.as_ptr();
         let x8 = a.x8.as_ptr().add(t * w.cols);
         let mut yv = [_mm256_setzero_ps(); 8];
@@ -418,14 +487,14 @@ mod avx2 {
                 continue;
             }
             acc.fill(0);
-            let base = data.add(b * bb);
-            let cols = base.add(4 * rp + tile * TILE / 2);
+            let base = data.add(at.scales + b * at.scale_stride);
+            let cols = data.add(at.codes + b * at.block_stride + tile * TILE / 2);
             let xb = x8.add(b * QK);
             for group in act.chunks(16) {
                 let mut s16 = [_mm256_setzero_si256(); 4];
                 for pr in group.chunks(2) {
                     let (j, k, xs) = pair_inputs(xb, pr);
-                    pair(cols.add(j * rp / 2), cols.add(k * rp / 2), xs, &mut s16);
+                    pair(cols.add(j * at.col_stride), cols.add(k * at.col_stride), xs, &mut s16);
                 }
                 flush(&s16, acc.as_mut_ptr());
             }
@@ -534,6 +603,53 @@ mod tests {
             matvec_tiles(&w, &a, t, 1, w.tiles(), OutPtr::new(&mut y));
             assert_eq!(&y[..rows], &out[t * ldo..t * ldo + rows], "token {t}");
             assert!(y[rows].is_nan(), "padding rows are not written");
+        }
+    }
+
+    /// Two matrices interleaved column by column in one buffer (as a weight image groups an
+    /// input channel's columns across matrices and layers) compute what their plain copies do.
+    #[test]
+    fn placed_matrices_compute_like_plain_ones() {
+        let mut rng = StdRng::seed_from_u64(4);
+        let (cols, n) = (96, 2);
+        let shapes = [(GgmlType::Q4_1, 136), (GgmlType::Q4_0, 64)];
+        let plain: Vec<ColWeight> =
+            shapes.iter().map(|&(ty, rows)| ColWeight::from_gguf(ty, rows, cols, &random_q4(ty, rows, cols, &mut rng)).unwrap()).collect();
+        let rp: Vec<usize> = shapes.iter().map(|&(_, r)| ColWeight::rows_padded(r)).collect();
+        let nb = cols / QK;
+        let scales: usize = rp.iter().map(|r| 4 * r * nb).sum();
+        let run: usize = rp.iter().map(|r| r / 2).sum::<usize>() + 7; // odd padding: unaligned runs
+        let mut buf = vec![0u8; scales + cols * run + 64];
+        let (mut s0, mut c0) = (0, scales);
+        let mut placed = Vec::new();
+        for (w, &r) in plain.iter().zip(&rp) {
+            let at = Placement { scales: s0, scale_stride: 4 * r, codes: c0, block_stride: QK * run, col_stride: run };
+            w.place_into(&mut buf, at).unwrap();
+            placed.push(at);
+            s0 += 4 * r * nb;
+            c0 += r / 2;
+        }
+        assert!(plain[0].place_into(&mut buf[..scales], placed[0]).is_none(), "a part outside the buffer is refused");
+        let x: Vec<f32> = (0..n * cols).map(|_| if rng.gen_bool(0.4) { rng.gen_range(-2.0..2.0) } else { 0.0 }).collect();
+        let mut a = ActiveSet::default();
+        a.prepare(&x, n, cols);
+        for ((w, at), &(ty, rows)) in plain.iter().zip(placed).zip(&shapes) {
+            // SAFETY: `buf` outlives `p` and is not changed meanwhile.
+            let p = unsafe { ColWeight::borrow_placed(ty, rows, cols, &buf, at) }.unwrap();
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(p.get(r, c), w.get(r, c));
+                }
+            }
+            let (mut want, mut got) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+            matmul_col(w, &a, OutPtr::new(&mut want), rows, 0, w.tiles());
+            matmul_col(&p, &a, OutPtr::new(&mut got), rows, 0, p.tiles());
+            assert_eq!(got, want);
+            let mut y = vec![0.0; rows];
+            matvec_tiles(&p, &a, 1, 0, p.tiles(), OutPtr::new(&mut y));
+            assert_eq!(y, want[rows..]);
+            // SAFETY: as above.
+            assert!(unsafe { ColWeight::borrow_placed(ty, rows, cols, &buf[..scales], at) }.is_none(), "parts out of bounds");
         }
     }
 

@@ -20,7 +20,7 @@ use crate::pool::ThreadPool;
 use crate::quant::{self, GgmlType};
 use crate::repack::{self, PackedWeight};
 use crate::tokenizer::{Tokenizer, TokenizerError};
-use crate::weights::{Piece, WeightLayout, WeightMemory};
+use crate::weights::{ImageFormat, Piece, WeightLayout, WeightMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -87,6 +87,9 @@ struct Mat {
     packed: Option<PackedWeight>,
     /// Stored by input channel instead (for sparse decoding), when the model was loaded so.
     col: Option<ColWeight>,
+    /// Where the matrix's bytes start in the weight image (channel-major images: its layer
+    /// group), to name the ranges it reads.
+    img_at: usize,
 }
 
 impl Mat {
@@ -98,7 +101,7 @@ impl Mat {
             // the weights, not two, even while loading.
             file.release_pages(raw.offset, raw.len);
         }
-        Self { raw, packed, col: None }
+        Self { raw, packed, col: None, img_at: 0 }
     }
 
     /// The matrix stored channel-major when its type allows (4-bit), packed otherwise.
@@ -106,7 +109,7 @@ impl Mat {
         match ColWeight::from_gguf(raw.ty, raw.rows, raw.cols, &file.bytes()[raw.offset..raw.offset + raw.len]) {
             Some(col) => {
                 file.release_pages(raw.offset, raw.len);
-                Self { raw, packed: None, col: Some(col) }
+                Self { raw, packed: None, col: Some(col), img_at: 0 }
             }
             None => Self::new(raw, file),
         }
@@ -115,16 +118,19 @@ impl Mat {
     /// The matrix as the weight image holds it (`piece`), read in place from `image`.
     fn in_image(raw: W, piece: &Piece, image: &[u8]) -> Result<Self> {
         let bytes = &image[piece.offset..piece.offset + piece.len];
+        let bad = || ModelError::Tensor { name: piece.name.clone(), what: "weight image piece has the wrong size or alignment".into() };
+        if let Some(at) = piece.col {
+            // SAFETY: as below.
+            let col = unsafe { ColWeight::borrow_placed(raw.ty, raw.rows, raw.cols, bytes, at) }.ok_or_else(bad)?;
+            return Ok(Self { raw, packed: None, col: Some(col), img_at: piece.offset });
+        }
         if !piece.packed {
-            return Ok(Self { raw: W { offset: piece.offset, in_image: true, ..raw }, packed: None, col: None });
+            return Ok(Self { raw: W { offset: piece.offset, in_image: true, ..raw }, packed: None, col: None, img_at: piece.offset });
         }
         // SAFETY: the image outlives the model's matrices (the model holds its Arc) and is
         // read-only.
-        let packed = unsafe { PackedWeight::borrow(raw.ty, raw.rows, raw.cols, bytes) }.ok_or_else(|| ModelError::Tensor {
-            name: piece.name.clone(),
-            what: "weight image piece has the wrong size or alignment".into(),
-        })?;
-        Ok(Self { raw, packed: Some(packed), col: None })
+        let packed = unsafe { PackedWeight::borrow(raw.ty, raw.rows, raw.cols, bytes) }.ok_or_else(bad)?;
+        Ok(Self { raw, packed: Some(packed), col: None, img_at: piece.offset })
     }
 
     fn act_kind(&self) -> ActKind {
@@ -168,6 +174,9 @@ pub struct Model {
     theta_scale: f32,
     /// The weight image the matrices are read from, when they are not packed on the heap.
     image: Option<Arc<dyn WeightMemory>>,
+    /// A channel-major image's layer groups (0: none, or a packed image): the forward pass
+    /// names the bytes it reads ([`WeightMemory::need`]) and predicts the next `span` layers.
+    image_span: usize,
 }
 
 fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
@@ -330,7 +339,7 @@ impl Parsed {
             vec![mat(&file, output)?]
         };
         let theta_scale = config.rope_base.powf(-2.0 / config.rope_dims as f32);
-        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale, image })
+        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale, image, image_span: 0 })
     }
 }
 
@@ -367,9 +376,9 @@ impl Model {
     /// Loads a model whose matrices and embedding table are read in place from `image`, a
     /// weight image of this file laid out by [`WeightLayout::for_file`] with `align` (see
     /// [`crate::weights`]). Only the metadata, tokenizer and norms are read from the file.
-    pub fn load_with_image(path: &Path, image: Arc<dyn WeightMemory>, align: usize) -> Result<Self> {
+    pub fn load_with_image(path: &Path, image: Arc<dyn WeightMemory>, align: usize, format: ImageFormat) -> Result<Self> {
         let parsed = Parsed::open(path)?;
-        let layout = WeightLayout::of(&parsed, align);
+        let layout = WeightLayout::of(&parsed, align, format);
         if image.bytes().len() < layout.total {
             return Err(ModelError::Tensor {
                 name: "weight image".into(),
@@ -388,6 +397,9 @@ impl Model {
         )?;
         let emb = layout.pieces.last().expect("the embedding piece");
         model.tok_embd = W { offset: emb.offset, in_image: true, ..model.tok_embd };
+        if let ImageFormat::ChannelMajor { span } = format {
+            model.image_span = span.max(1);
+        }
         // Nothing else is read from the mapped file's tensor data: drop its pages from this
         // process (metadata lookups fault the header back in).
         model.file.release_pages(0, model.file.bytes().len());
@@ -468,6 +480,8 @@ pub struct Scratch {
     ffn: Vec<f32>,
     logits: Vec<f32>,
     acts: Acts,
+    /// Byte ranges of a channel-major weight image named to its memory.
+    ranges: Ranges,
 }
 
 /// Session settings.
@@ -761,7 +775,7 @@ impl Session {
 
         for (li, l) in model.layers.iter().enumerate() {
             before_layer(li);
-            if let Some(img) = &model.image {
+            if let Some(img) = model.image.as_deref().filter(|_| model.image_span == 0) {
                 if !img.advise(li) {
                     pool.rest();
                     img.wait(li);
@@ -770,6 +784,7 @@ impl Session {
             // Attention block.
             rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
             sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 0, &mut s.xb[..n * dim]);
+            announce(&model, &pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
             matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
             let ld = dim + 2 * kvd;
             for (t, &pos) in positions.iter().enumerate() {
@@ -786,12 +801,14 @@ impl Session {
             }
             attention(&pool, c, &self.kv, li, &s.qkv, ld, positions, &mut s.att, self.attention.as_mut());
             sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 1, &mut s.att[..n * dim]);
+            announce(&model, &pool, li, 1, &s.att[..n * dim], n, &mut s.ranges);
             matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
             // Feed-forward block.
             rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
             sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 2, &mut s.xb[..n * dim]);
+            announce(&model, &pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
             matmul_multi(&pool, &model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
             let f = c.ffn_dim;
             for t in 0..n {
@@ -806,6 +823,7 @@ impl Session {
                 s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
             }
             sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 3, &mut s.ffn[..n * f]);
+            announce(&model, &pool, li, 3, &s.ffn[..n * f], n, &mut s.ranges);
             matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
             s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
@@ -824,7 +842,13 @@ impl Session {
         let mut col0 = 0;
         for (part, head) in model.output.iter().enumerate() {
             if let Some(img) = &model.image {
-                if !img.advise(model.layers.len() + part) {
+                if model.image_span > 0 {
+                    let range = |m: &Mat| (m.img_at, m.packed.as_ref().map_or(m.raw.len, |p| p.as_bytes().len()));
+                    if let Some(next) = model.output.get(part + 1) {
+                        img.prefetch(&[range(next)]);
+                    }
+                    img.need(&[range(head)], &|| pool.rest());
+                } else if !img.advise(model.layers.len() + part) {
                     pool.rest();
                     img.wait(model.layers.len() + part);
                 }
@@ -833,6 +857,95 @@ impl Session {
             col0 += head.raw.rows;
         }
     }
+}
+
+/// Byte ranges being named to a weight memory, merged as they are added in increasing order.
+#[derive(Debug, Default)]
+struct Ranges {
+    need: Vec<(usize, usize)>,
+    ahead: Vec<(usize, usize)>,
+    active: Vec<u16>,
+}
+
+fn push_range(v: &mut Vec<(usize, usize)>, at: usize, len: usize) {
+    match v.last_mut() {
+        Some((a, l)) if at >= *a && at <= *a + *l => *l = (*l).max(at + len - *a),
+        _ => v.push((at, len)),
+    }
+}
+
+/// Channel-major weight image: names the bytes site `site` of layer `li` will read for the
+/// inputs `x` (`n` rows) — the active channels' columns and their blocks' scales — and asks
+/// for the same channels of the next `image_span` layers ahead of time: the current layer's
+/// activations predict the next layers' (ActiveFlow §3, cross-layer similarity). The image
+/// keeps a channel's columns of a layer group together, so those ranges merge into one run
+/// per channel and group. A wrong prediction costs a read when the layer names its own.
+fn announce(model: &Model, pool: &ThreadPool, li: usize, site: usize, x: &[f32], n: usize, r: &mut Ranges) {
+    let Some(img) = model.image.as_deref().filter(|_| model.image_span > 0) else { return };
+    fn site_mats(l: &Layer, site: usize) -> [&Mat; 3] {
+        match site {
+            0 => [&l.wq, &l.wk, &l.wv],
+            1 => [&l.wo, &l.wo, &l.wo],
+            2 => [&l.w_gate, &l.w_up, &l.w_up],
+            _ => [&l.w_down, &l.w_down, &l.w_down],
+        }
+    }
+    let mats = |l| site_mats(l, site);
+    let count = [3, 1, 2, 1][site.min(3)];
+    let cols = x.len() / n.max(1);
+    r.active.clear();
+    for c in 0..cols {
+        if (0..n).any(|t| x[t * cols + c] != 0.0) {
+            r.active.push(c as u16);
+        }
+    }
+    // Layers `a..b` of one group (contiguous in the image), in increasing offset order: the
+    // blocks' scales, layer by layer, then each active channel's run.
+    let name = |out: &mut Vec<(usize, usize)>, a: usize, b: usize, active: &[u16]| {
+        for l in &model.layers[a..b] {
+            for m in &mats(l)[..count] {
+                let Some(w) = &m.col else {
+                    let len = m.packed.as_ref().map_or(m.raw.len, |p| p.as_bytes().len());
+                    push_range(out, m.img_at, len);
+                    continue;
+                };
+                let mut last = usize::MAX;
+                for &c in active {
+                    let blk = usize::from(c) / crate::quant::QK;
+                    if blk != last {
+                        let (at, len) = w.scales_range(blk);
+                        push_range(out, m.img_at + at, len);
+                        last = blk;
+                    }
+                }
+            }
+        }
+        for &c in active {
+            for l in &model.layers[a..b] {
+                for m in &mats(l)[..count] {
+                    if let Some(w) = &m.col {
+                        let (at, len) = w.column_range(usize::from(c));
+                        push_range(out, m.img_at + at, len);
+                    }
+                }
+            }
+        }
+    };
+    let span = model.image_span;
+    let end = (li + 1 + span).min(model.layers.len());
+    r.ahead.clear();
+    let mut a = li + 1;
+    while a < end {
+        let b = end.min((a / span + 1) * span);
+        name(&mut r.ahead, a, b, &r.active);
+        a = b;
+    }
+    if !r.ahead.is_empty() {
+        img.prefetch(&r.ahead);
+    }
+    r.need.clear();
+    name(&mut r.need, li, li + 1, &r.active);
+    img.need(&r.need, &|| pool.rest());
 }
 
 /// Multiplies the same input rows by several weights at once (Q, K and V; gate and up), writing

@@ -313,6 +313,7 @@ struct Counters {
     crc_failures: AtomicU64,
     advised_slots: AtomicU64,
     advised_resident: AtomicU64,
+    prefetch_used: AtomicU64,
 }
 
 /// A snapshot of a weight pager's counters.
@@ -322,6 +323,9 @@ pub struct WeightStats {
     pub fault_slots: u64,
     /// Slots brought in by preloading.
     pub preload_slots: u64,
+    /// Of those, slots the reader then named before they were evicted (sparse pager: the
+    /// preload precision is `prefetch_used / preload_slots`).
+    pub prefetch_used: u64,
     /// Bytes read from the image, both paths.
     pub bytes_read: u64,
     pub evicted_slots: u64,
@@ -335,6 +339,15 @@ pub struct WeightStats {
 }
 
 impl WeightStats {
+    /// Share of preloaded slots the reader then used (1 when nothing was preloaded).
+    pub fn preload_precision(&self) -> f64 {
+        if self.preload_slots == 0 {
+            1.0
+        } else {
+            self.prefetch_used as f64 / self.preload_slots as f64
+        }
+    }
+
     /// Share of the slots the reader announced that were resident when it got there.
     pub fn hit_rate(&self) -> f64 {
         if self.advised_slots == 0 {
@@ -562,6 +575,7 @@ impl WeightPager {
         WeightStats {
             fault_slots: c.fault_slots.load(Ordering::Relaxed),
             preload_slots: c.preload_slots.load(Ordering::Relaxed),
+            prefetch_used: 0,
             bytes_read: c.bytes_read.load(Ordering::Relaxed),
             evicted_slots: c.evicted_slots.load(Ordering::Relaxed),
             crc_failures: c.crc_failures.load(Ordering::Relaxed),
@@ -748,52 +762,458 @@ fn preloader(s: &Shared, rx: &Receiver<(u64, usize)>) {
 /// run), checks each slot's CRC and installs it; a slot that fails is left to the fault path
 /// (which poisons it with a message).
 fn load_runs(s: &Shared, ring: &mut Ring, staging: &mut Staging, slots: &[usize]) {
-    let ss = s.info.slot_size;
-    let base = slots[0];
-    let fd = s.src.file.as_raw_fd();
-    let mut ops = Vec::new();
+    read_install(&s.region, &s.src, ring, staging, slots, &mut |slot| {
+        s.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
+        let mut p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
+        if !p.hot[slot] {
+            p.streamed.push_back(slot);
+        }
+    });
+}
+
+/// Reads `slots` (increasing) from the image: runs of consecutive slots packed one after the
+/// other into `staging`, one io_uring op per run (per MiB), as many runs at a time as the
+/// staging holds; each slot's CRC is checked and it is installed (UFFDIO_COPY), then
+/// `installed(slot)`. A slot that fails its CRC (or a batch whose read fails) is left
+/// missing: the fault path reads it again and poisons it with a message.
+fn read_install(
+    region: &Region,
+    src: &ImageSource,
+    ring: &mut Ring,
+    staging: &mut Staging,
+    slots: &[usize],
+    installed: &mut dyn FnMut(usize),
+) {
+    let ss = src.info.slot_size;
+    let fd = src.file.as_raw_fd();
+    let room = staging.len() / ss;
     let mut i = 0;
-    while i < slots.len() {
-        let mut j = i + 1;
-        while j < slots.len() && slots[j] == slots[j - 1] + 1 {
-            j += 1;
+    while i < slots.len() && room > 0 {
+        let mut ops = Vec::new();
+        let first = i;
+        let mut used = 0;
+        while i < slots.len() && used < room {
+            let mut j = i + 1;
+            while j < slots.len() && slots[j] == slots[j - 1] + 1 && used + (j - i) < room {
+                j += 1;
+            }
+            let len = (j - i) * ss;
+            let buf = staging.as_mut_slice()[used * ss..used * ss + len].as_mut_ptr();
+            let mut done = 0;
+            while done < len {
+                // One op per MiB so the device sees several requests at once.
+                let n = (len - done).min(1 << 20);
+                // SAFETY: pointer inside the staging buffer, valid until the wait below.
+                ops.push(Op { fd, offset: (slots[i] * ss + done) as u64, buf: unsafe { buf.add(done) }, len: n as u32, write: false });
+                done += n;
+            }
+            used += j - i;
+            i = j;
         }
-        let off = (slots[i] - base) * ss;
-        let len = (j - i) * ss;
-        if off + len > staging.len() {
-            break;
+        // SAFETY: the staging buffer outlives the wait and nothing else touches it meanwhile.
+        if unsafe { ring.submit(0, &ops) }.is_err() || ring.wait(0).is_err() {
+            return;
         }
-        // One op per MiB so the device sees several requests at once.
-        let buf = staging.as_mut_slice()[off..off + len].as_mut_ptr();
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(1 << 20);
-            // SAFETY: pointer inside the staging buffer, valid until the wait below.
-            ops.push(Op { fd, offset: (slots[i] * ss + done) as u64, buf: unsafe { buf.add(done) }, len: n as u32, write: false });
-            done += n;
-        }
-        i = j;
-    }
-    // SAFETY: the staging buffer outlives the wait and nothing else touches it meanwhile.
-    if unsafe { ring.submit(0, &ops) }.is_err() || ring.wait(0).is_err() {
-        return;
-    }
-    for &slot in slots {
-        let off = (slot - base) * ss;
-        if off + ss > staging.len() {
-            break;
-        }
-        s.counters.bytes_read.fetch_add(ss as u64, Ordering::Relaxed);
-        if crc32c::crc32c(&staging.as_mut_slice()[off..off + ss]) != s.info.slot_crc[slot] {
-            s.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        if s.region.populate_from_at(slot, staging, off, ss).is_ok() {
-            s.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
-            let mut p = s.policy.lock().unwrap_or_else(|e| e.into_inner());
-            if !p.hot[slot] {
-                p.streamed.push_back(slot);
+        for (k, &slot) in slots[first..i].iter().enumerate() {
+            src.counters.bytes_read.fetch_add(ss as u64, Ordering::Relaxed);
+            if crc32c::crc32c(&staging.as_mut_slice()[k * ss..(k + 1) * ss]) != src.info.slot_crc[slot] {
+                src.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if region.populate_from_at(slot, staging, k * ss, ss).is_ok() {
+                installed(slot);
             }
         }
+    }
+}
+
+/// How to page a channel-major image ([`SparsePager`]).
+#[derive(Debug, Clone)]
+pub struct SparseOptions {
+    /// Resident bytes allowed.
+    pub budget: usize,
+    /// Of the budget, bytes kept free for predicted slots (ActiveFlow's cross-layer group
+    /// memory `M_cl`; the rest is the cache, `M_cache`): a prediction is read only into free
+    /// budget, never by evicting the cache.
+    pub window: usize,
+    /// Read what the reader predicts ([`SparsePager::prefetch`]); else only what it names.
+    pub preload: bool,
+    /// Announcements a prefetched or named slot stays protected from eviction (about the
+    /// announcements of the layers a prediction covers).
+    pub horizon: u32,
+    /// Use counts are halved every this many announcements, so the cache follows what the
+    /// current context uses (ActiveFlow §4.2's context-level cache).
+    pub decay: u32,
+}
+
+/// LFU state of a [`SparsePager`].
+struct Lfu {
+    budget_slots: usize,
+    window_slots: usize,
+    /// Times each slot was named.
+    uses: Vec<u32>,
+    /// The announcement that last named each slot (the current one's are never evicted).
+    stamp: Vec<u32>,
+    /// Predicted slots are evicted last until this announcement.
+    until: Vec<u32>,
+    /// Victims in eviction order, from the last scan (taken until used up, then rescanned).
+    victims: Vec<usize>,
+    /// Loaded by a prediction and not yet named.
+    predicted: Vec<bool>,
+    resident: Vec<bool>,
+    n_resident: usize,
+    tick: u32,
+}
+
+struct SparseShared {
+    region: Region,
+    src: Arc<ImageSource>,
+    info: Arc<ImageInfo>,
+    counters: Arc<Counters>,
+    lfu: Mutex<Lfu>,
+    horizon: u32,
+    decay: u32,
+}
+
+/// A channel-major weight image served from flash under a budget, slot by slot (4 KiB),
+/// as the reader names what it reads. Implements ActiveFlow's loading (§3-4) on LLMS's
+/// regions: the reader names the bytes a layer needs now ([`SparsePager::need`]: the missing
+/// ones are read in one batch while it waits) and the bytes it predicts for the layers ahead
+/// ([`SparsePager::prefetch`]: read by a preload thread while it computes); within the
+/// budget the **most often named** slots stay resident (LFU with decay, ties kept by slot
+/// order so a cyclic reader keeps a fixed set instead of thrashing) and slots named or
+/// predicted in the last `horizon` announcements are evicted last.
+pub struct SparsePager {
+    shared: Arc<SparseShared>,
+    tx: Mutex<Option<Sender<Vec<usize>>>>,
+    demand: Mutex<(Ring, Staging, Vec<usize>)>,
+    thread: Option<JoinHandle<()>>,
+    _pager: Pager,
+}
+
+impl std::fmt::Debug for SparsePager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SparsePager").field("path", &self.shared.src.path).field("stats", &self.stats()).finish()
+    }
+}
+
+/// The slots a set of byte ranges (sorted by offset) touches, increasing, each once.
+fn slots_of_ranges(ranges: &[(usize, usize)], ss: usize, n_slots: usize, out: &mut Vec<usize>) {
+    out.clear();
+    for &(at, len) in ranges {
+        if len == 0 {
+            continue;
+        }
+        let (a, b) = (at / ss, ((at + len).div_ceil(ss)).min(n_slots));
+        for s in a..b {
+            match out.last() {
+                Some(&l) if s == l => {}
+                Some(&l) if s < l => {
+                    // Out of order: keep the list sorted, each slot once.
+                    let i = out.partition_point(|&x| x < s);
+                    if out.get(i) != Some(&s) {
+                        out.insert(i, s);
+                    }
+                }
+                _ => out.push(s),
+            }
+        }
+    }
+}
+
+impl SparsePager {
+    /// Opens the image at `path` (built from the model file with fingerprint `source`) in a
+    /// fresh userfaultfd region with nothing resident. The image's slots should be small (a
+    /// page or a few): they are the unit of reading and of eviction.
+    pub fn open(path: &Path, source: Fingerprint, opts: &SparseOptions) -> Result<Self> {
+        let info = Arc::new(ImageInfo::read(path)?);
+        if info.source != source {
+            return Err(WeightError::Stale {
+                path: path.to_path_buf(),
+                what: format!(
+                    "image from {} bytes crc {:08x}, model file is {} bytes crc {:08x}",
+                    info.source.len, info.source.crc, source.len, source.crc
+                ),
+            });
+        }
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(io_err(path))?;
+        let counters = Arc::new(Counters::default());
+        let src = Arc::new(ImageSource {
+            path: path.to_path_buf(),
+            file,
+            info: Arc::clone(&info),
+            counters: Arc::clone(&counters),
+            faulted: Mutex::new(Vec::new()),
+        });
+        let pager = Pager::with_options(uffd_handler::PagerOptions { allow_move: false })?;
+        let n = info.n_slots().max(1);
+        let region = pager.region_with(info.slot_size, n, Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
+        let lfu = Lfu {
+            budget_slots: 0,
+            window_slots: 0,
+            uses: vec![0; n],
+            stamp: vec![0; n],
+            until: vec![0; n],
+            victims: Vec::new(),
+            predicted: vec![false; n],
+            resident: vec![false; n],
+            n_resident: 0,
+            tick: 0,
+        };
+        let shared = Arc::new(SparseShared {
+            region,
+            src,
+            info: Arc::clone(&info),
+            counters,
+            lfu: Mutex::new(lfu),
+            horizon: opts.horizon.max(1),
+            decay: opts.decay.max(1),
+        });
+        shared.set_budget(opts.budget, opts.window)?;
+        // Staging for one batch of reads: a layer's share is at most a few MiB.
+        let staging = || Staging::new(4 << 20).map_err(WeightError::from);
+        let ring = || Ring::new(256).map_err(io_err(path));
+        let demand = Mutex::new((ring()?, staging()?, Vec::new()));
+        let (tx, thread) = if opts.preload {
+            let (tx, rx) = channel::<Vec<usize>>();
+            let (s, mut ring, mut st) = (Arc::clone(&shared), ring()?, staging()?);
+            let thread = std::thread::Builder::new()
+                .name("llms-weights".into())
+                .spawn(move || {
+                    let mut missing = Vec::new();
+                    while let Ok(slots) = rx.recv() {
+                        s.load(&slots, true, &mut ring, &mut st, &mut missing);
+                    }
+                })
+                .map_err(|e| WeightError::Io { path: path.to_path_buf(), source: e })?;
+            (Some(tx), Some(thread))
+        } else {
+            (None, None)
+        };
+        Ok(Self { shared, tx: Mutex::new(tx), demand, thread, _pager: pager })
+    }
+
+    /// The image's bytes as the reader sees them (paged on access).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: as `WeightPager::bytes`.
+        unsafe { std::slice::from_raw_parts(self.shared.region.slot_ptr(0), self.shared.info.data_len) }
+    }
+
+    pub fn info(&self) -> &ImageInfo {
+        &self.shared.info
+    }
+
+    /// The reader reads `ranges` (byte ranges of the image) next: counts them as used and
+    /// reads the missing slots in one batch, calling `before_wait` first.
+    pub fn need(&self, ranges: &[(usize, usize)], before_wait: &dyn Fn()) {
+        let sh = &self.shared;
+        let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        let (ring, staging, slots) = &mut *d;
+        slots_of_ranges(ranges, sh.info.slot_size, sh.region.n_slots(), slots);
+        let mut missing = Vec::new();
+        {
+            let mut l = sh.lfu.lock().unwrap_or_else(|e| e.into_inner());
+            l.tick = l.tick.wrapping_add(1);
+            if l.tick.is_multiple_of(sh.decay) {
+                l.uses.iter_mut().for_each(|u| *u /= 2);
+            }
+            let tick = l.tick;
+            let mut used = 0;
+            for &s in slots.iter() {
+                l.uses[s] = l.uses[s].saturating_add(1);
+                l.stamp[s] = tick;
+                if std::mem::take(&mut l.predicted[s]) {
+                    used += 1;
+                }
+            }
+            sh.counters.prefetch_used.fetch_add(used, Ordering::Relaxed);
+            sh.region.evicted_of(slots, &mut missing);
+            sh.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
+            sh.counters.advised_resident.fetch_add((slots.len() - missing.len()) as u64, Ordering::Relaxed);
+        }
+        if !missing.is_empty() {
+            before_wait();
+            let mut again = Vec::new();
+            sh.load(&missing, false, ring, staging, &mut again);
+        }
+    }
+
+    /// The reader will probably read `ranges` soon: the preload thread reads what is missing.
+    pub fn prefetch(&self, ranges: &[(usize, usize)]) {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(tx) = tx.as_ref() else { return };
+        let (mut slots, mut missing) = (Vec::new(), Vec::new());
+        slots_of_ranges(ranges, self.shared.info.slot_size, self.shared.region.n_slots(), &mut slots);
+        // Wake the preload thread only for something to read: it would take a core from
+        // the reader.
+        self.shared.region.evicted_of(&slots, &mut missing);
+        if !missing.is_empty() {
+            let _ = tx.send(missing);
+        }
+    }
+
+    /// Changes the budget (pressure): the least used slots beyond it are dropped now. The
+    /// prediction window keeps its share of the budget.
+    pub fn set_budget(&self, budget: usize) -> Result<()> {
+        let (ss, l) = (self.shared.info.slot_size, self.shared.lfu.lock().unwrap_or_else(|e| e.into_inner()));
+        let window = (budget / ss) * l.window_slots / l.budget_slots.max(1) * ss;
+        drop(l);
+        self.shared.set_budget(budget, window)
+    }
+
+    pub fn resident_bytes(&self) -> usize {
+        self.shared.region.resident_bytes()
+    }
+
+    pub fn stats(&self) -> WeightStats {
+        let c = &self.shared.counters;
+        let l = self.shared.lfu.lock().unwrap_or_else(|e| e.into_inner());
+        WeightStats {
+            fault_slots: c.fault_slots.load(Ordering::Relaxed),
+            preload_slots: c.preload_slots.load(Ordering::Relaxed),
+            prefetch_used: c.prefetch_used.load(Ordering::Relaxed),
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            evicted_slots: c.evicted_slots.load(Ordering::Relaxed),
+            crc_failures: c.crc_failures.load(Ordering::Relaxed),
+            advised_slots: c.advised_slots.load(Ordering::Relaxed),
+            advised_resident: c.advised_resident.load(Ordering::Relaxed),
+            resident_bytes: self.shared.region.resident_bytes() as u64,
+            hot_bytes: 0,
+            budget: (l.budget_slots * self.shared.info.slot_size) as u64,
+        }
+    }
+}
+
+impl Drop for SparsePager {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl SparseShared {
+    fn set_budget(&self, budget: usize, window: usize) -> Result<()> {
+        let ss = self.info.slot_size;
+        if budget < ss {
+            return Err(WeightError::Budget(format!("{budget} bytes cannot hold one {ss}-byte slot")));
+        }
+        let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
+        l.budget_slots = budget / ss;
+        l.window_slots = (window / ss).min(l.budget_slots / 2);
+        let limit = l.budget_slots - l.window_slots;
+        self.make_room(&mut l, 0, limit);
+        Ok(())
+    }
+
+    /// Takes in the slots faults filled, then evicts until `incoming` more slots fit the
+    /// budget: least used first — ties: the later slot, so a reader that uses everything
+    /// alike keeps a fixed set resident and streams the rest rather than evicting what it
+    /// needs next — predicted slots not yet named only after their horizon, the current
+    /// announcement's never. The order comes from one scan, used until it runs out.
+    fn make_room(&self, l: &mut Lfu, incoming: usize, limit: usize) {
+        for s in std::mem::take(&mut *self.src.faulted.lock().unwrap_or_else(|e| e.into_inner())) {
+            if !std::mem::replace(&mut l.resident[s], true) {
+                l.n_resident += 1;
+            }
+        }
+        let tick = l.tick;
+        // A scan that finds no candidate ends it (everything left is named now, or a fresh
+        // prediction while only the window is at stake).
+        let mut evicted_since_scan = true;
+        while l.n_resident + incoming > limit {
+            let Some(s) = l.victims.pop() else {
+                if !evicted_since_scan {
+                    return;
+                }
+                evicted_since_scan = false;
+                let mut c: Vec<(bool, u32, std::cmp::Reverse<usize>)> = (0..l.resident.len())
+                    .filter(|&s| l.resident[s] && l.stamp[s] != tick)
+                    .map(|s| (l.predicted[s] && l.until[s].wrapping_sub(tick) <= self.horizon, l.uses[s], std::cmp::Reverse(s)))
+                    .collect();
+                // The first 1/16 of the budget in order, popped from the end.
+                let k = (l.budget_slots / 16).max(1).min(c.len());
+                if k > 0 && k < c.len() {
+                    c.select_nth_unstable(k - 1);
+                }
+                c.truncate(k);
+                c.sort_unstable();
+                l.victims = c.into_iter().rev().map(|(_, _, std::cmp::Reverse(s))| s).collect();
+                continue;
+            };
+            // A prediction inside its horizon stays unless the budget itself is at stake.
+            let fresh = l.predicted[s] && l.until[s].wrapping_sub(tick) <= self.horizon;
+            if !l.resident[s] || l.stamp[s] == tick || (fresh && l.n_resident + incoming <= l.budget_slots) {
+                continue;
+            }
+            // An error means a fault is filling it right now: it stays.
+            if self.region.evict(s).is_ok() {
+                l.resident[s] = false;
+                l.predicted[s] = false;
+                l.n_resident -= 1;
+                evicted_since_scan = true;
+                self.counters.evicted_slots.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Makes the evicted ones of `slots` resident (room first, then one batch of reads).
+    fn load(&self, slots: &[usize], predicted: bool, ring: &mut Ring, staging: &mut Staging, missing: &mut Vec<usize>) {
+        missing.clear();
+        {
+            let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
+            self.region.evicted_of(slots, missing);
+            if predicted {
+                // Only into free budget: a prediction never evicts the cache.
+                let all = l.budget_slots;
+                self.make_room(&mut l, 0, all);
+                missing.truncate(l.budget_slots.saturating_sub(l.n_resident));
+                let until = l.tick.wrapping_add(self.horizon);
+                for &s in missing.iter() {
+                    l.until[s] = until;
+                }
+            } else {
+                let limit = l.budget_slots - l.window_slots;
+                self.make_room(&mut l, missing.len(), limit.max(missing.len()));
+            }
+            // Reserved while the reads are in flight, so the other loader sees the room as
+            // taken; each slot counts again below once installed.
+            l.n_resident += missing.len();
+        }
+        if missing.is_empty() {
+            return;
+        }
+        let mut done = Vec::with_capacity(missing.len());
+        read_install(&self.region, &self.src, ring, staging, missing, &mut |s| done.push(s));
+        let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
+        l.n_resident -= missing.len(); // the reservation above
+        for s in done {
+            if !std::mem::replace(&mut l.resident[s], true) {
+                l.n_resident += 1;
+            }
+            if predicted {
+                l.predicted[s] = true;
+                self.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slots_of_ranges;
+
+    /// Ranges become each touched slot once, in order, whether they share slots, arrive out of
+    /// order (two layer groups) or run past the image.
+    #[test]
+    fn ranges_name_each_slot_once_in_order() {
+        let mut out = Vec::new();
+        slots_of_ranges(&[(0, 10), (100, 4000), (4096, 1), (9000, 0), (20000, 5000)], 4096, 100, &mut out);
+        assert_eq!(out, [0, 1, 4, 5, 6]);
+        slots_of_ranges(&[(8192, 4096), (0, 4097), (4096, 1)], 4096, 100, &mut out);
+        assert_eq!(out, [0, 1, 2]);
+        slots_of_ranges(&[(4096 * 98, 3 * 4096)], 4096, 100, &mut out);
+        assert_eq!(out, [98, 99], "slots past the image are not named");
     }
 }

@@ -199,7 +199,12 @@ impl Service {
         let (model, weights) = match cfg.weights_budget()? {
             None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None),
             Some(wb) => {
-                let opts = crate::weights::PagedOptions { budget: wb, image: cfg.weights_image.clone(), preload: true };
+                let opts = crate::weights::PagedOptions {
+                    budget: wb,
+                    image: cfg.weights_image.clone(),
+                    preload: true,
+                    format: engine::weights::ImageFormat::Packed,
+                };
                 let (m, pw) = crate::weights::load_paged(&cfg.model, &opts)?;
                 let w = usize::try_from(pw.stats().budget).unwrap_or(usize::MAX);
                 if w >= total {
@@ -750,7 +755,7 @@ impl Service {
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
             let w = (self.weights_share as f64 * target as f64 / self.budget.max(1) as f64) as usize;
             if let Some(pw) = &self.weights {
-                if let Err(err) = pw.pager.set_budget(w.max(crate::weights::SLOT)) {
+                if let Err(err) = pw.set_budget(w.max(crate::weights::SLOT)) {
                     warn!("setting the weight budget to {w}: {err}");
                 }
             }

@@ -6,13 +6,28 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use engine::weights::{build_image, GroupKind, WeightLayout, WeightMemory};
+use engine::weights::{build_image, GroupKind, ImageFormat, WeightLayout, WeightMemory};
 use engine::Model;
-use mm::weights::{Fingerprint, ImageWriter, WeightError, WeightOptions, WeightPager, WeightStats};
+use mm::weights::{Fingerprint, ImageWriter, SparseOptions, SparsePager, WeightError, WeightOptions, WeightPager, WeightStats};
 
-/// Slot (and group alignment) of weight images: 64 KiB reads are large enough for flash to
-/// stream and small enough that a touched embedding row costs little.
+/// Slot (and group alignment) of packed weight images: 64 KiB reads are large enough for
+/// flash to stream and small enough that a touched embedding row costs little.
 pub const SLOT: usize = 64 << 10;
+/// Slot of channel-major images: a page, the unit a sparse reader skips. A channel's run in
+/// a group of [`DEFAULT_SPAN`] layers is about one (attention input: 4 x 480 bytes;
+/// feed-forward input: 4 x 1536).
+pub const SPARSE_SLOT: usize = 4 << 10;
+/// Layers per group of a channel-major image (ActiveFlow finds 4 enough to overlap loading
+/// with computing; `--weights-span`).
+pub const DEFAULT_SPAN: usize = 4;
+
+/// The slot size (and group alignment) of images in `format`.
+pub fn slot_for(format: ImageFormat) -> usize {
+    match format {
+        ImageFormat::Packed => SLOT,
+        ImageFormat::ChannelMajor { .. } => SPARSE_SLOT,
+    }
+}
 
 /// A weight budget: bytes, or a share of the model's streamed weight bytes (layers + head).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,12 +57,20 @@ pub struct PagedOptions {
     /// Image path (default: next to the model, `<model>.llms-weights`).
     pub image: Option<PathBuf>,
     pub preload: bool,
+    /// Packed (read whole, streamed by layer) or channel-major (read by active channel).
+    pub format: ImageFormat,
+}
+
+#[derive(Debug)]
+enum Paging {
+    Cycle(WeightPager),
+    Sparse(Box<SparsePager>),
 }
 
 /// The engine's view of a paged weight image.
 #[derive(Debug)]
 pub struct PagedWeights {
-    pub pager: WeightPager,
+    pager: Paging,
     /// Bytes of the groups read every pass (layers and head): what "100%" means.
     pub weight_bytes: usize,
     pub image: PathBuf,
@@ -55,32 +78,80 @@ pub struct PagedWeights {
 
 impl WeightMemory for PagedWeights {
     fn bytes(&self) -> &[u8] {
-        self.pager.bytes()
+        match &self.pager {
+            Paging::Cycle(p) => p.bytes(),
+            Paging::Sparse(p) => p.bytes(),
+        }
     }
     fn advise(&self, group: usize) -> bool {
-        self.pager.advise(group)
+        match &self.pager {
+            Paging::Cycle(p) => p.advise(group),
+            Paging::Sparse(_) => true,
+        }
     }
     fn wait(&self, group: usize) {
-        self.pager.wait(group);
+        if let Paging::Cycle(p) = &self.pager {
+            p.wait(group);
+        }
+    }
+    fn need(&self, ranges: &[(usize, usize)], before_wait: &dyn Fn()) {
+        if let Paging::Sparse(p) = &self.pager {
+            p.need(ranges, before_wait);
+        }
+    }
+    fn prefetch(&self, ranges: &[(usize, usize)]) {
+        if let Paging::Sparse(p) = &self.pager {
+            p.prefetch(ranges);
+        }
     }
 }
 
 impl PagedWeights {
     pub fn stats(&self) -> WeightStats {
-        self.pager.stats()
+        match &self.pager {
+            Paging::Cycle(p) => p.stats(),
+            Paging::Sparse(p) => p.stats(),
+        }
+    }
+    pub fn set_budget(&self, budget: usize) -> Result<(), WeightError> {
+        match &self.pager {
+            Paging::Cycle(p) => p.set_budget(budget),
+            Paging::Sparse(p) => p.set_budget(budget),
+        }
+    }
+    pub fn resident_bytes(&self) -> usize {
+        match &self.pager {
+            Paging::Cycle(p) => p.resident_bytes(),
+            Paging::Sparse(p) => p.resident_bytes(),
+        }
+    }
+    /// The image's trailer: slot size, groups, checksums.
+    pub fn info(&self) -> &mm::weights::ImageInfo {
+        match &self.pager {
+            Paging::Cycle(p) => p.info(),
+            Paging::Sparse(p) => p.info(),
+        }
+    }
+    /// Channel-major (read by active channel) rather than packed.
+    pub fn is_sparse(&self) -> bool {
+        matches!(self.pager, Paging::Sparse(_))
     }
 }
 
-pub fn default_image_path(model: &Path) -> PathBuf {
+pub fn default_image_path(model: &Path, format: ImageFormat) -> PathBuf {
     let mut s = model.as_os_str().to_owned();
-    s.push(".llms-weights");
+    match format {
+        ImageFormat::Packed => s.push(".llms-weights"),
+        ImageFormat::ChannelMajor { span } => s.push(format!(".llms-weights-cm{span}")),
+    }
     PathBuf::from(s)
 }
 
 /// Writes the weight image of `model` (fingerprint `fp`) to `image`.
-pub fn build(model: &Path, image: &Path, fp: Fingerprint) -> Result<WeightLayout> {
-    let mut w = ImageWriter::create(image, SLOT, fp)?;
-    let layout = build_image(model, SLOT, &mut |g, bytes| w.group(g.offset, bytes).map_err(std::io::Error::other))
+pub fn build(model: &Path, image: &Path, fp: Fingerprint, format: ImageFormat) -> Result<WeightLayout> {
+    let slot = slot_for(format);
+    let mut w = ImageWriter::create(image, slot, fp)?;
+    let layout = build_image(model, slot, format, &mut |g, bytes| w.group(g.offset, bytes).map_err(std::io::Error::other))
         .with_context(|| format!("building the weight image {}", image.display()))?;
     w.finish()?;
     Ok(layout)
@@ -90,27 +161,59 @@ pub fn build(model: &Path, image: &Path, fp: Fingerprint) -> Result<WeightLayout
 /// first when it is missing, stale (the model file changed) or damaged.
 pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<PagedWeights>)> {
     let fp = Fingerprint::of(model)?;
-    let layout = WeightLayout::for_file(model, SLOT).with_context(|| format!("loading {}", model.display()))?;
+    let slot = slot_for(opts.format);
+    let layout = WeightLayout::for_file(model, slot, opts.format).with_context(|| format!("loading {}", model.display()))?;
     let cycle: Vec<usize> = layout.groups.iter().enumerate().filter(|(_, g)| g.kind != GroupKind::Embedding).map(|(i, _)| i).collect();
-    let weight_bytes: usize = cycle.iter().map(|&i| layout.groups[i].len.next_multiple_of(SLOT)).sum();
+    let weight_bytes: usize = cycle.iter().map(|&i| layout.groups[i].len.next_multiple_of(slot)).sum();
     let budget = match opts.budget {
         Budget::Bytes(b) => b,
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
         Budget::Percent(p) => (weight_bytes as f64 * p / 100.0) as usize,
     };
-    let image = opts.image.clone().unwrap_or_else(|| default_image_path(model));
-    let wopts = WeightOptions { budget, cycle, preload: opts.preload };
-    let same_layout = |p: &WeightPager| {
-        let g = &p.info().groups;
-        g.len() == layout.groups.len() && g.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
+    let image = opts.image.clone().unwrap_or_else(|| default_image_path(model, opts.format));
+    let same_layout = |info: &mm::weights::ImageInfo| {
+        let g = &info.groups;
+        info.slot_size == slot
+            && g.len() == layout.groups.len()
+            && g.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
     };
-    let pager = match WeightPager::open(&image, fp, wopts.clone()) {
-        Ok(p) if same_layout(&p) => p,
+    let open = || -> Result<Paging, WeightError> {
+        Ok(match opts.format {
+            ImageFormat::Packed => {
+                Paging::Cycle(WeightPager::open(&image, fp, WeightOptions { budget, cycle: cycle.clone(), preload: opts.preload })?)
+            }
+            ImageFormat::ChannelMajor { span } => {
+                // Announcements: four per layer and one per head part; a prediction covers
+                // `span` layers ahead; use counts halve every 16 tokens.
+                let per_token =
+                    4 * layout.groups.iter().map(|g| if let GroupKind::Layers { count, .. } = g.kind { count } else { 0 }).sum::<usize>()
+                        + layout.groups.iter().filter(|g| matches!(g.kind, GroupKind::Head(_))).count();
+                let horizon = u32::try_from(4 * (span + 1) + 2).unwrap_or(u32::MAX);
+                let decay = u32::try_from(16 * per_token).unwrap_or(u32::MAX);
+                // No budget set aside for predictions: they fill only free budget. Reserving
+                // ActiveFlow's M_cl (eq. 9: S_l (1 - sp) N, 4.4 MiB here) out of a budget the
+                // cache already cannot fill made every configuration read more (measured,
+                // docs/weights.md): on this model the layers' columns are used almost evenly.
+                let window = 0;
+                Paging::Sparse(Box::new(SparsePager::open(
+                    &image,
+                    fp,
+                    &SparseOptions { budget, window, preload: opts.preload, horizon, decay },
+                )?))
+            }
+        })
+    };
+    let info_of = |p: &Paging| match p {
+        Paging::Cycle(p) => p.info().clone(),
+        Paging::Sparse(p) => p.info().clone(),
+    };
+    let pager = match open() {
+        Ok(p) if same_layout(&info_of(&p)) => p,
         Ok(_) | Err(WeightError::Stale { .. } | WeightError::Format { .. } | WeightError::Io { .. }) => {
             tracing::info!(image = %image.display(), "building the weight image (missing, stale or damaged)");
-            build(model, &image, fp)?;
-            let p = WeightPager::open(&image, fp, wopts)?;
-            if !same_layout(&p) {
+            build(model, &image, fp, opts.format)?;
+            let p = open()?;
+            if !same_layout(&info_of(&p)) {
                 bail!("weight image {}: layout differs from the model's right after building it", image.display());
             }
             p
@@ -118,7 +221,7 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
         Err(e) => return Err(e.into()),
     };
     let paged = Arc::new(PagedWeights { pager, weight_bytes, image });
-    let model = Model::load_with_image(model, Arc::clone(&paged) as Arc<dyn WeightMemory>, SLOT)
+    let model = Model::load_with_image(model, Arc::clone(&paged) as Arc<dyn WeightMemory>, slot, opts.format)
         .with_context(|| format!("loading {}", model.display()))?;
     Ok((Arc::new(model), paged))
 }
@@ -128,6 +231,9 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
 pub struct BenchRow {
     /// "resident", or the budget as a share of the weight bytes.
     pub weights: String,
+    /// How the layer matrices are stored: "packed" or "channel-major".
+    pub layout: String,
+    pub sparsity: f32,
     pub budget_mib: f64,
     pub preload: bool,
     /// Median decode speed, and its ratio to resident weights measured in the same rounds.
@@ -135,6 +241,8 @@ pub struct BenchRow {
     pub vs_resident: f64,
     pub read_mib_per_token: f64,
     pub hit_rate: f64,
+    /// Share of preloaded slots the reader then used.
+    pub preload_precision: f64,
     pub faults_per_token: f64,
     /// Decode speed if every byte read came at the image's sequential read bandwidth and
     /// computing were free (the flash floor); resident weights have none.
@@ -175,6 +283,10 @@ pub struct BenchOptions {
     pub no_preload_too: bool,
     /// Perplexity windows of 512 tokens to score on this text (0: skip).
     pub ppl_text: Option<(String, usize)>,
+    /// Top-K sparsity levels with their calibrated thresholds. Only `0` (the default): the
+    /// packed image, read whole. Else every paged case reads a channel-major image by active
+    /// channel, and each level above 0 also runs resident channel-major.
+    pub sparsity: Vec<(f32, Option<Arc<engine::sparsity::Sparsity>>)>,
 }
 
 /// Decode speed, flash reads and hit rate with weights resident and paged at each budget,
@@ -187,27 +299,41 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     }
     let pool = Arc::new(ThreadPool::new(o.threads));
     let resident = Arc::new(Model::load(model_path)?);
-    // (label, preload, model, its paged weights)
-    type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>);
-    let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None)];
+    type Sp = Option<Arc<engine::sparsity::Sparsity>>;
+    // (label, preload, model, its paged weights, sparsity)
+    type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>, f32, Sp);
+    let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None, 0.0, None)];
+    let levels = if o.sparsity.is_empty() { vec![(0.0, None)] } else { o.sparsity.clone() };
+    let by_channel = levels.iter().any(|(s, _)| *s > 0.0);
+    let format = if by_channel { ImageFormat::ChannelMajor { span: DEFAULT_SPAN } } else { ImageFormat::Packed };
+    if by_channel {
+        let cm = Arc::new(Model::load_as(model_path, engine::WeightFormat::ChannelMajor)?);
+        for (s, sp) in levels.iter().filter(|(s, _)| *s > 0.0) {
+            cases.push(("resident".into(), true, Arc::clone(&cm), None, *s, sp.clone()));
+        }
+    }
     for &b in &o.budgets {
         let mut modes = vec![true];
         if o.no_preload_too && b < 100.0 {
             modes.push(false);
         }
         for preload in modes {
-            let opts = PagedOptions { budget: Budget::Percent(b), image: o.image.clone(), preload };
-            let (m, pw) = load_paged(model_path, &opts)?;
-            cases.push((format!("{b}%"), preload, m, Some(pw)));
+            let opts = PagedOptions { budget: Budget::Percent(b), image: o.image.clone(), preload, format };
+            for (s, sp) in &levels {
+                // A fresh pager per sparsity: each starts cold, counts its own reads.
+                let (m, pw) = load_paged(model_path, &opts)?;
+                cases.push((format!("{b}%"), preload, m, Some(pw), *s, sp.clone()));
+            }
         }
     }
     let vocab = u32::try_from(cases[0].2.config.vocab)?;
     let prompt: Vec<u32> = (0..8u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
     let mut rates = vec![Vec::new(); cases.len()];
-    let mut reads = vec![(0u64, 0u64, 0u64, 0u64, 0usize); cases.len()];
+    let mut reads = vec![(0u64, 0u64, 0u64, 0u64, 0usize, 0u64, 0u64); cases.len()];
     for rep in 0..=o.reps {
-        for (i, (_, _, model, pw)) in cases.iter().enumerate() {
+        for (i, (_, _, model, pw, _, sp)) in cases.iter().enumerate() {
             let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), prompt.len() + o.tg + 1);
+            s.set_sparsity(sp.clone())?;
             s.eval(&prompt, Logits::Last)?;
             let before = pw.as_ref().map(|p| p.stats());
             let mut tok = prompt[0];
@@ -228,6 +354,8 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
                 r.2 += a.advised_resident - b.advised_resident;
                 r.3 += a.fault_slots - b.fault_slots;
                 r.4 += o.tg;
+                r.5 += a.preload_slots - b.preload_slots;
+                r.6 += a.prefetch_used - b.prefetch_used;
             }
         }
     }
@@ -242,22 +370,27 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
         _ => None,
     };
     let mut rows = Vec::new();
-    for (i, (label, preload, model, pw)) in cases.iter().enumerate() {
+    for (i, (label, preload, model, pw, sparsity, sp)) in cases.iter().enumerate() {
         let tg = med(&mut rates[i]);
         let r = reads[i];
         let per_tok = r.0 as f64 / r.4.max(1) as f64;
         let ppl = match &ppl_ids {
-            Some((ids, w)) if ids.len() >= 512 => Some(engine::eval::perplexity(model, Arc::clone(&pool), ids, 512, *w)?.ppl),
+            Some((ids, w)) if ids.len() >= 512 => {
+                Some(engine::eval::perplexity_sparse(model, Arc::clone(&pool), ids, 512, *w, sp.clone())?.ppl)
+            }
             _ => None,
         };
         rows.push(BenchRow {
             weights: label.clone(),
+            layout: if model.is_channel_major() { "channel-major" } else { "packed" }.into(),
+            sparsity: *sparsity,
             budget_mib: pw.as_ref().map_or(0.0, |p| p.stats().budget as f64 / f64::from(1 << 20)),
             preload: *preload,
             tg_tok_s: tg,
             vs_resident: tg / base,
             read_mib_per_token: per_tok / f64::from(1 << 20),
             hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
+            preload_precision: if r.5 == 0 { 1.0 } else { r.6 as f64 / r.5 as f64 },
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,

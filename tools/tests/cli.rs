@@ -169,19 +169,25 @@ fn pressure_watch_record_and_replay() {
     let _ = std::fs::remove_file(rec);
 }
 
-/// Channel-major weights generate what packed ones do (the kernels agree bit for bit); the
-/// sparsity flags go only where a session uses them, and channel-major only with resident
-/// weights.
+/// Channel-major weights generate what packed ones do (the kernels agree bit for bit),
+/// resident or paged by channel under a budget; the sparsity flags go only where a session
+/// uses them.
 #[test]
 fn weight_formats_generate_alike_and_misplaced_flags_are_refused() {
     let args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12", "--json"];
     let packed = json_ok(&args);
     let cm = json_ok(&[&args[..], &["--weight-format", "channel-major"]].concat());
     assert_eq!(packed["tokens"], cm["tokens"]);
+    if llms_tests::require_kernel("userfaultfd", uffd_handler::Pager::new()).is_some() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("cm.img");
+        let paged = [&args[..], &["--weight-format", "channel-major", "--weights-budget", "60%", "--weights-image", img.to_str().unwrap()]];
+        assert_eq!(json_ok(&paged.concat())["tokens"], packed["tokens"]);
+    }
     for (bad, why) in [
         (&["tokenize", "--text-file", "/dev/null", "--sparsity", "0.5"][..], "--sparsity and --calib-text go with"),
         (&["generate", "--prompt", "x", "--calib-text", "/dev/null"][..], "--calib-text goes with --sparsity"),
-        (&["generate", "--prompt", "x", "--weights", "paged", "--weight-format", "channel-major"][..], "for resident weights"),
+        (&["generate", "--prompt", "x", "--no-preload"][..], "go with --weights paged"),
     ] {
         let out = llms(bad);
         assert_eq!(out.status.code(), Some(1), "{bad:?}");

@@ -7,7 +7,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use engine::{Logits, Model, Session, ThreadPool};
+use engine::sparsity::{Sparsity, SITES};
+use engine::weights::{ImageFormat, WeightMemory};
+use engine::{Logits, Model, Session, ThreadPool, WeightFormat};
 use llms_tests::{fixture, model_path, require_kernel};
 use mm::weights::{Fingerprint, ImageInfo, WeightError, WeightOptions, WeightPager};
 use tools::weights::{load_paged, Budget, PagedOptions, PagedWeights, SLOT};
@@ -26,8 +28,13 @@ fn prompt(model: &Model) -> Vec<u32> {
 
 /// Logits of every prompt position, then of a greedy decode: everything the forward pass makes.
 fn run(model: &Arc<Model>) -> Vec<f32> {
+    run_sparse(model, None)
+}
+
+fn run_sparse(model: &Arc<Model>, sp: Option<Arc<Sparsity>>) -> Vec<f32> {
     let ids = prompt(model);
     let mut s = Session::new(Arc::clone(model), Arc::new(ThreadPool::new(2)), 256);
+    s.set_sparsity(sp).unwrap();
     let mut out = s.eval(&ids, Logits::All).unwrap().to_vec();
     let mut tok = engine::sampler::argmax(&out[out.len() - model.config.vocab..]);
     for _ in 0..DECODE {
@@ -50,7 +57,7 @@ fn image_dir() -> &'static Path {
 }
 
 fn paged(budget: Budget, preload: bool) -> (Arc<Model>, Arc<PagedWeights>) {
-    let opts = PagedOptions { budget, image: Some(image_dir().join("w.img")), preload };
+    let opts = PagedOptions { budget, image: Some(image_dir().join("w.img")), preload, format: ImageFormat::Packed };
     load_paged(&model_path(), &opts).unwrap()
 }
 
@@ -86,6 +93,51 @@ fn paged_weights_give_the_resident_logits_at_any_budget() {
     }
 }
 
+/// Fixed thresholds (no calibration, which takes a minute): about half of each site's inputs
+/// are below 0.05 to 0.1 on this model.
+fn half_sparse(model: &Model) -> Arc<Sparsity> {
+    let t = [0.08, 0.05, 0.08, 0.05];
+    Arc::new(Sparsity { target: 0.5, levels: [0.5; SITES], thresholds: vec![t; model.config.n_layers] })
+}
+
+/// A channel-major image read by active channel (the sparse pager) computes what resident
+/// channel-major weights compute, bit for bit, dense and sparse, at budgets that make it
+/// evict; with sparsity a token names fewer bytes than dense, and the resident bytes stay
+/// within the budget.
+#[test]
+fn channel_major_paged_weights_give_the_resident_logits() {
+    if !uffd_ok() {
+        return;
+    }
+    let cm = Arc::new(Model::load_as(&model_path(), WeightFormat::ChannelMajor).unwrap());
+    let sp = half_sparse(&cm);
+    let want_dense = run_sparse(&cm, None);
+    let want_sparse = run_sparse(&cm, Some(Arc::clone(&sp)));
+    assert!(!same_bits(&want_dense, &want_sparse), "the thresholds zero nothing");
+    let format = ImageFormat::ChannelMajor { span: tools::weights::DEFAULT_SPAN };
+    let mut named = Vec::new();
+    for (budget, preload) in [(100.0, true), (40.0, true), (25.0, false)] {
+        for (sp, want) in [(None, &want_dense), (Some(Arc::clone(&sp)), &want_sparse)] {
+            let opts = PagedOptions { budget: Budget::Percent(budget), image: Some(image_dir().join("cm.img")), preload, format };
+            let (model, pw) = load_paged(&model_path(), &opts).unwrap();
+            assert!(model.is_channel_major() && pw.is_sparse());
+            let got = run_sparse(&model, sp.clone());
+            let s = pw.stats();
+            assert!(same_bits(&got, want), "budget {budget}% sparse {}: logits differ from resident channel-major", sp.is_some());
+            assert_eq!(s.crc_failures, 0);
+            assert!(s.resident_bytes <= s.budget + 64 * 1024, "resident {} over budget {}: {s:?}", s.resident_bytes, s.budget);
+            if budget < 100.0 {
+                assert!(s.evicted_slots > 0, "{budget}%: nothing evicted");
+            }
+            if budget == 100.0 {
+                named.push(s.advised_slots);
+            }
+        }
+    }
+    // Slots named over the same tokens: sparse reads name fewer bytes than dense ones.
+    assert!(named[1] < named[0], "sparse named {} slots, dense {}", named[1], named[0]);
+}
+
 /// Rss of the mapping that starts at `addr`, from /proc/self/smaps.
 fn smaps_rss(addr: usize) -> usize {
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
@@ -115,12 +167,12 @@ fn resident_weight_bytes_stay_within_the_budget() {
     }
     let (model, pw) = paged(Budget::Percent(35.0), true);
     let budget = usize::try_from(pw.stats().budget).unwrap();
-    let info = pw.pager.info();
+    let info = pw.info();
     // The largest group read in the cycle (layers, head parts; the last group is the
     // embedding table, read row by row).
     let largest =
         info.groups[..info.groups.len() - 1].iter().map(|g| usize::try_from(g.len).unwrap().next_multiple_of(SLOT)).max().unwrap();
-    let addr = pw.pager.bytes().as_ptr() as usize;
+    let addr = WeightMemory::bytes(&*pw).as_ptr() as usize;
     // Sample the region's Rss from another thread while the model runs.
     let stop = Arc::new(AtomicBool::new(false));
     let (peak, samples) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -145,7 +197,7 @@ fn resident_weight_bytes_stay_within_the_budget() {
     assert!(samples.load(Ordering::Relaxed) > 10);
     assert!(peak > budget / 2, "the region was barely used: peak {peak} of budget {budget}");
     assert!(peak <= budget + largest, "weight region Rss peaked at {peak} bytes: over the budget {budget} + one group {largest}");
-    assert!(pw.pager.resident_bytes() <= budget + largest);
+    assert!(pw.resident_bytes() <= budget + largest);
 }
 
 fn copy_model(dir: &Path) -> PathBuf {
@@ -167,7 +219,7 @@ fn stale_truncated_and_damaged_images_are_refused() {
     let gguf = copy_model(dir.path());
     let img = dir.path().join("m.img");
     let fp = Fingerprint::of(&gguf).unwrap();
-    tools::weights::build(&gguf, &img, fp).unwrap();
+    tools::weights::build(&gguf, &img, fp, ImageFormat::Packed).unwrap();
     assert!(WeightPager::open(&img, fp, opts(1 << 24)).is_ok());
 
     // The model file changes (one byte of the last tensor's data): the image is stale.
@@ -178,7 +230,7 @@ fn stale_truncated_and_damaged_images_are_refused() {
     let fp2 = Fingerprint::of(&gguf).unwrap();
     assert!(matches!(WeightPager::open(&img, fp2, opts(1 << 24)), Err(WeightError::Stale { .. })));
     // Loading through the tools rebuilds it, and computes with the file as it is now.
-    let po = PagedOptions { budget: Budget::Percent(50.0), image: Some(img.clone()), preload: true };
+    let po = PagedOptions { budget: Budget::Percent(50.0), image: Some(img.clone()), preload: true, format: ImageFormat::Packed };
     let (m, _pw) = load_paged(&gguf, &po).unwrap();
     assert!(same_bits(&run(&m), &run(&Arc::new(Model::load(&gguf).unwrap()))));
     drop(m);
@@ -212,7 +264,12 @@ fn stale_truncated_and_damaged_images_are_refused() {
 fn modified_image_child() {
     let Ok(dir) = std::env::var("LLMS_WEIGHTS_CHILD") else { return };
     let img = Path::new(&dir).join("m.img");
-    let po = PagedOptions { budget: Budget::Percent(100.0), image: Some(img), preload: std::env::var("LLMS_PRELOAD").is_ok() };
+    let po = PagedOptions {
+        budget: Budget::Percent(100.0),
+        image: Some(img),
+        preload: std::env::var("LLMS_PRELOAD").is_ok(),
+        format: ImageFormat::Packed,
+    };
     let (m, _pw) = load_paged(&model_path(), &po).unwrap();
     let _ = run(&m);
     println!("COMPUTED");
@@ -227,7 +284,7 @@ fn modified_image_data_poisons_the_slot_not_the_logits() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("m.img");
     let gguf = model_path();
-    tools::weights::build(&gguf, &img, Fingerprint::of(&gguf).unwrap()).unwrap();
+    tools::weights::build(&gguf, &img, Fingerprint::of(&gguf).unwrap(), ImageFormat::Packed).unwrap();
     // One byte of layer 0's q projection, rewritten in place (the trailer still describes the
     // original: as if the flash copy were modified behind our back).
     let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();

@@ -871,6 +871,13 @@ impl Region {
         slots[range.start.min(end)..end].iter().filter(|s| s.state == SlotState::Resident).count()
     }
 
+    /// The slots of `slots` that are evicted (neither resident, nor being filled, nor
+    /// poisoned), appended to `out` in order, under one lock.
+    pub fn evicted_of(&self, slots: &[usize], out: &mut Vec<usize>) {
+        let st = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        out.extend(slots.iter().copied().filter(|&s| st.get(s).is_some_and(|x| x.state == SlotState::Evicted)));
+    }
+
     /// Pins a slot (populating it first): it will not be evicted until unpinned.
     pub fn pin(&self, slot: usize) -> Result<()> {
         self.populate(slot)?;

@@ -53,9 +53,10 @@ struct ModelArgs {
     /// Calibration text for --sparsity [default: /usr/share/common-licenses/Apache-2.0].
     #[arg(long, global = true)]
     calib_text: Option<PathBuf>,
-    /// How resident layer matrices are stored: `packed` (fastest dense kernels) or
-    /// `channel-major` (a token reads only the columns of its non-zero inputs, so sparsity
-    /// saves reads and time) [default: channel-major with --sparsity, else packed]
+    /// How layer matrices are stored: `packed` (fastest dense kernels) or `channel-major` (a
+    /// token reads only the columns of its non-zero inputs, so sparsity saves reads and time;
+    /// paged, a channel-major image read by active channel) [default: channel-major with
+    /// --sparsity, else packed]
     #[arg(long, global = true, value_enum)]
     weight_format: Option<FormatArg>,
 }
@@ -259,6 +260,11 @@ enum Cmd {
         /// Also run each budget below 100% without read-ahead.
         #[arg(long)]
         no_preload_too: bool,
+        /// Top-K sparsity levels (e.g. 0,0.5,0.7): with any above 0, paged weights are read by
+        /// active channel from a channel-major image, and each level also runs resident
+        /// channel-major [default: 0, the packed image]. Calibrated on --calib-text.
+        #[arg(long = "levels", value_delimiter = ',', num_args = 1..)]
+        levels: Vec<f32>,
         /// Score perplexity (windows of 512 tokens) on this text with each configuration.
         #[arg(long)]
         ppl_text: Option<PathBuf>,
@@ -1307,14 +1313,18 @@ fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
         None if m.sparsity.is_some() && !paged => engine::WeightFormat::ChannelMajor,
         None => engine::WeightFormat::Packed,
     };
-    if paged && format == engine::WeightFormat::ChannelMajor {
-        bail!("--weight-format channel-major is for resident weights: a paged image holds packed matrices");
-    }
+    // Paged weights with sparsity read by active channel: a channel-major image.
+    let image_format = if paged && (format == engine::WeightFormat::ChannelMajor || (m.weight_format.is_none() && m.sparsity.is_some())) {
+        engine::weights::ImageFormat::ChannelMajor { span: tools::weights::DEFAULT_SPAN }
+    } else {
+        engine::weights::ImageFormat::Packed
+    };
     let model = if paged {
         let opts = tools::weights::PagedOptions {
             budget: m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0)),
             image: m.weights_image.clone(),
             preload: !m.no_preload,
+            format: image_format,
         };
         let (model, pw) = tools::weights::load_paged(&path, &opts)?;
         let _ = PAGED.set(pw);
@@ -1331,7 +1341,8 @@ fn weights_line(tokens: usize) -> Option<String> {
     let pw = PAGED.get()?;
     let s = pw.stats();
     Some(format!(
-        "weights: paged, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots",
+        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots (precision {:.1}%)",
+        if pw.is_sparse() { " by channel" } else { "" },
         mib(s.budget as usize),
         mib(pw.weight_bytes),
         100.0 * s.budget as f64 / pw.weight_bytes as f64,
@@ -1341,6 +1352,7 @@ fn weights_line(tokens: usize) -> Option<String> {
         100.0 * s.hit_rate(),
         s.fault_slots,
         s.preload_slots,
+        100.0 * s.preload_precision(),
     ))
 }
 
@@ -1490,8 +1502,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Bench { kv, depth, pp, tg, reps, json, m } => bench(&m, &kv, depth, pp, tg, reps, json)?,
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
-        Cmd::BenchWeights { budgets, tg, reps, no_preload_too, ppl_text, ppl_windows, json, m } => {
-            bench_weights(&m, budgets, tg, reps, no_preload_too, ppl_text, ppl_windows, json)?;
+        Cmd::BenchWeights { budgets, tg, reps, no_preload_too, levels, ppl_text, ppl_windows, json, m } => {
+            bench_weights(&m, budgets, tg, reps, no_preload_too, &levels, ppl_text, ppl_windows, json)?;
         }
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, staging, m } => {
@@ -1670,6 +1682,7 @@ fn bench_weights(
     tg: usize,
     reps: usize,
     no_preload_too: bool,
+    levels: &[f32],
     ppl_text: Option<PathBuf>,
     ppl_windows: usize,
     json: bool,
@@ -1677,7 +1690,21 @@ fn bench_weights(
     let path = model_path(m);
     let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let ppl_text = ppl_text.map(|p| read_text(&p).map(|t| (t, ppl_windows))).transpose()?;
-    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text };
+    if let Some(&s) = levels.iter().find(|s| !(0.0..1.0).contains(*s)) {
+        bail!("--levels: {s} is not a sparsity in [0, 1)");
+    }
+    let mut sparsity = Vec::new();
+    if levels.iter().any(|&s| s > 0.0) {
+        let (model, pool) = (Arc::new(Model::load(&path)?), Arc::new(ThreadPool::new(threads)));
+        let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"));
+        for &s in levels {
+            let sp = (s > 0.0)
+                .then(|| tools::sparsity::calibrated(&model, &pool, &path, &tools::loadbench::state_dir(), s, &text))
+                .transpose()?;
+            sparsity.push((s, sp));
+        }
+    }
+    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text, sparsity };
     let rows = tools::weights::bench(&path, &o)?;
     if json {
         println!("{}", serde_json::to_string(&rows)?);
@@ -1685,19 +1712,34 @@ fn bench_weights(
     }
     println!("model {} | threads {threads} | tg{tg}, median of {reps}", path.display());
     println!(
-        "{:<9} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>8}",
-        "weights", "budget", "preload", "tg tok/s", "vs res", "MiB read/t", "hit", "faults/t", "floor t/s", "ppl"
+        "{:<9} {:<13} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "weights",
+        "layout",
+        "S",
+        "budget",
+        "preload",
+        "tg tok/s",
+        "vs res",
+        "MiB read/t",
+        "hit",
+        "precision",
+        "faults/t",
+        "floor t/s",
+        "ppl"
     );
     for r in &rows {
         println!(
-            "{:<9} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9.1} {:>9} {:>8}",
+            "{:<9} {:<13} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>8.1}% {:>9.1} {:>9} {:>8}",
             r.weights,
+            r.layout,
+            r.sparsity,
             r.budget_mib,
             if r.preload { "yes" } else { "no" },
             r.tg_tok_s,
             r.vs_resident,
             r.read_mib_per_token,
             100.0 * r.hit_rate,
+            100.0 * r.preload_precision,
             r.faults_per_token,
             r.floor_tok_s.map_or("-".into(), |f| format!("{f:.1}")),
             r.ppl.map_or("-".into(), |p| format!("{p:.4}")),
