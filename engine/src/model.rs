@@ -133,6 +133,11 @@ impl Mat {
         Ok(Self { raw, packed: Some(packed), col: None, img_at: piece.offset })
     }
 
+    /// The bytes of a weight image this matrix reads whole (packed or GGUF-stored).
+    fn image_range(&self) -> (usize, usize) {
+        (self.img_at, self.packed.as_ref().map_or(self.raw.len, |p| p.as_bytes().len()))
+    }
+
     fn act_kind(&self) -> ActKind {
         if self.packed.is_some() {
             ActKind::Q8
@@ -156,6 +161,13 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// Matrix `i` in load order (q, k, v, o, gate, up, down).
+    fn mat(&self, i: usize) -> &Mat {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down][i]
+    }
 }
 
 /// A loaded model: the mapped file, its hyper-parameters, tokenizer and weights.
@@ -843,11 +855,10 @@ impl Session {
         for (part, head) in model.output.iter().enumerate() {
             if let Some(img) = &model.image {
                 if model.image_span > 0 {
-                    let range = |m: &Mat| (m.img_at, m.packed.as_ref().map_or(m.raw.len, |p| p.as_bytes().len()));
                     if let Some(next) = model.output.get(part + 1) {
-                        img.prefetch(&[range(next)]);
+                        img.prefetch(&[next.image_range()]);
                     }
-                    img.need(&[range(head)], &|| pool.rest());
+                    img.need(&[head.image_range()], &|| pool.rest());
                 } else if !img.advise(model.layers.len() + part) {
                     pool.rest();
                     img.wait(model.layers.len() + part);
@@ -882,16 +893,7 @@ fn push_range(v: &mut Vec<(usize, usize)>, at: usize, len: usize) {
 /// per channel and group. A wrong prediction costs a read when the layer names its own.
 fn announce(model: &Model, pool: &ThreadPool, li: usize, site: usize, x: &[f32], n: usize, r: &mut Ranges) {
     let Some(img) = model.image.as_deref().filter(|_| model.image_span > 0) else { return };
-    fn site_mats(l: &Layer, site: usize) -> [&Mat; 3] {
-        match site {
-            0 => [&l.wq, &l.wk, &l.wv],
-            1 => [&l.wo, &l.wo, &l.wo],
-            2 => [&l.w_gate, &l.w_up, &l.w_up],
-            _ => [&l.w_down, &l.w_down, &l.w_down],
-        }
-    }
-    let mats = |l| site_mats(l, site);
-    let count = [3, 1, 2, 1][site.min(3)];
+    let site_mats = crate::weights::SITE_MATRICES[site];
     let cols = x.len() / n.max(1);
     r.active.clear();
     for c in 0..cols {
@@ -903,10 +905,10 @@ fn announce(model: &Model, pool: &ThreadPool, li: usize, site: usize, x: &[f32],
     // blocks' scales, layer by layer, then each active channel's run.
     let name = |out: &mut Vec<(usize, usize)>, a: usize, b: usize, active: &[u16]| {
         for l in &model.layers[a..b] {
-            for m in &mats(l)[..count] {
+            for m in site_mats.iter().map(|&i| l.mat(i)) {
                 let Some(w) = &m.col else {
-                    let len = m.packed.as_ref().map_or(m.raw.len, |p| p.as_bytes().len());
-                    push_range(out, m.img_at, len);
+                    let (at, len) = m.image_range();
+                    push_range(out, at, len);
                     continue;
                 };
                 let mut last = usize::MAX;
@@ -922,7 +924,7 @@ fn announce(model: &Model, pool: &ThreadPool, li: usize, site: usize, x: &[f32],
         }
         for &c in active {
             for l in &model.layers[a..b] {
-                for m in &mats(l)[..count] {
+                for m in site_mats.iter().map(|&i| l.mat(i)) {
                     if let Some(w) = &m.col {
                         let (at, len) = w.column_range(usize::from(c));
                         push_range(out, m.img_at + at, len);

@@ -384,9 +384,9 @@ impl Manager {
         &self.store
     }
     /// Sizes the load staging arena (see `Manager::arena`; default 8 MiB), in whole slots, at
-    /// least one. A larger arena keeps more reads in flight during an all-read load: measured
-    /// on this project's VM at 4096 tokens, 8 MiB ~40 ms, 32 MiB ~30 ms, 64 MiB ~26 ms
-    /// (docs/mm.md). It is memory held beyond the KV budget.
+    /// least one. A larger arena keeps more reads in flight during an all-read load; with the
+    /// two load lanes, 8 to 64 MiB measured alike on this project's VM (docs/mm.md). It is
+    /// memory held beyond the KV budget.
     pub fn set_load_staging(&mut self, bytes: usize) -> Result<()> {
         if bytes > MAX_ARENA_BYTES {
             return Err(MmError::Config(format!("load staging of {bytes} bytes: at most {MAX_ARENA_BYTES}")));
@@ -1253,8 +1253,7 @@ fn payload_ok(body: &mut [u8], len: usize, crc: u32) -> bool {
 /// lane waited for the disk.
 type LaneOut = (Vec<(usize, bool)>, f64);
 
-/// The arena's base, shared with the load helper (which touches only the buffers it is
-/// handed).
+/// The arena's base, shared by the load lanes (each touches only its own buffers).
 #[derive(Clone, Copy)]
 struct SendPtr(*mut u8);
 impl SendPtr {

@@ -428,6 +428,38 @@ struct Shared {
     served_cv: Condvar,
 }
 
+/// What both pagers start from: the image's trailer checked against the model file, the
+/// image opened O_DIRECT as the fault path's source, and a fresh region over its slots.
+type Opened = (Arc<ImageInfo>, Arc<ImageSource>, Arc<Counters>, Pager, Region);
+
+fn open_image(path: &Path, source: Fingerprint) -> Result<Opened> {
+    let info = Arc::new(ImageInfo::read(path)?);
+    if info.source != source {
+        return Err(WeightError::Stale {
+            path: path.to_path_buf(),
+            what: format!(
+                "image from {} bytes crc {:08x}, model file is {} bytes crc {:08x}",
+                info.source.len, info.source.crc, source.len, source.crc
+            ),
+        });
+    }
+    let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(io_err(path))?;
+    let counters = Arc::new(Counters::default());
+    let src = Arc::new(ImageSource {
+        path: path.to_path_buf(),
+        file,
+        info: Arc::clone(&info),
+        counters: Arc::clone(&counters),
+        faulted: Mutex::new(Vec::new()),
+    });
+    // UFFDIO_COPY, not MOVE: a moved page leaves the staging buffer, and the next read
+    // into it must fault in and zero a fresh page (and MOVE flushes TLBs across the
+    // reader's cores); copying from a staging buffer that stays populated costs less.
+    let pager = Pager::with_options(uffd_handler::PagerOptions { allow_move: false })?;
+    let region = pager.region_with(info.slot_size, info.n_slots().max(1), Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
+    Ok((info, src, counters, pager, region))
+}
+
 /// A weight image served from flash into a userfaultfd region under a budget.
 pub struct WeightPager {
     shared: Arc<Shared>,
@@ -447,33 +479,10 @@ impl WeightPager {
     /// Opens the image at `path`, built from the model file with fingerprint `source`, and
     /// maps it into a fresh userfaultfd region (nothing resident yet).
     pub fn open(path: &Path, source: Fingerprint, opts: WeightOptions) -> Result<Self> {
-        let info = Arc::new(ImageInfo::read(path)?);
-        if info.source != source {
-            return Err(WeightError::Stale {
-                path: path.to_path_buf(),
-                what: format!(
-                    "image from {} bytes crc {:08x}, model file is {} bytes crc {:08x}",
-                    info.source.len, info.source.crc, source.len, source.crc
-                ),
-            });
-        }
+        let (info, src, counters, pager, region) = open_image(path, source)?;
         if let Some(&g) = opts.cycle.iter().find(|&&g| g >= info.groups.len()) {
             return Err(WeightError::Budget(format!("cycle names group {g}, the image has {}", info.groups.len())));
         }
-        let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(io_err(path))?;
-        let counters = Arc::new(Counters::default());
-        let src = Arc::new(ImageSource {
-            path: path.to_path_buf(),
-            file,
-            info: Arc::clone(&info),
-            counters: Arc::clone(&counters),
-            faulted: Mutex::new(Vec::new()),
-        });
-        // UFFDIO_COPY, not MOVE: a moved page leaves the staging buffer, and the next read
-        // into it must fault in and zero a fresh page (and MOVE flushes TLBs across the
-        // reader's cores); copying from a staging buffer that stays populated costs less.
-        let pager = Pager::with_options(uffd_handler::PagerOptions { allow_move: false })?;
-        let region = pager.region_with(info.slot_size, info.n_slots().max(1), Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
         let mut pos_in_cycle = vec![None; info.groups.len()];
         for (i, &g) in opts.cycle.iter().enumerate() {
             pos_in_cycle[g] = Some(i);
@@ -832,13 +841,9 @@ fn read_install(
 pub struct SparseOptions {
     /// Resident bytes allowed.
     pub budget: usize,
-    /// Of the budget, bytes kept free for predicted slots (ActiveFlow's cross-layer group
-    /// memory `M_cl`; the rest is the cache, `M_cache`): a prediction is read only into free
-    /// budget, never by evicting the cache.
-    pub window: usize,
     /// Read what the reader predicts ([`SparsePager::prefetch`]); else only what it names.
     pub preload: bool,
-    /// Announcements a prefetched or named slot stays protected from eviction (about the
+    /// Announcements a predicted slot not yet named stays protected from eviction (about the
     /// announcements of the layers a prediction covers).
     pub horizon: u32,
     /// Use counts are halved every this many announcements, so the cache follows what the
@@ -849,20 +854,18 @@ pub struct SparseOptions {
 /// LFU state of a [`SparsePager`].
 struct Lfu {
     budget_slots: usize,
-    window_slots: usize,
     /// Times each slot was named.
     uses: Vec<u32>,
-    /// The announcement that last named each slot (the current one's are never evicted).
+    /// The announcement that last named (or, for a predicted slot, predicted) each slot.
     stamp: Vec<u32>,
-    /// Predicted slots are evicted last until this announcement.
-    until: Vec<u32>,
-    /// Victims in eviction order, from the last scan (taken until used up, then rescanned).
-    victims: Vec<usize>,
     /// Loaded by a prediction and not yet named.
     predicted: Vec<bool>,
     resident: Vec<bool>,
+    /// Resident slots, plus those being read (reserved, so two loaders never overshoot).
     n_resident: usize,
     tick: u32,
+    /// Victims in eviction order, from the last scan (taken until used up, then rescanned).
+    victims: Vec<usize>,
 }
 
 struct SparseShared {
@@ -879,16 +882,31 @@ struct SparseShared {
 /// as the reader names what it reads. Implements ActiveFlow's loading (§3-4) on LLMS's
 /// regions: the reader names the bytes a layer needs now ([`SparsePager::need`]: the missing
 /// ones are read in one batch while it waits) and the bytes it predicts for the layers ahead
-/// ([`SparsePager::prefetch`]: read by a preload thread while it computes); within the
-/// budget the **most often named** slots stay resident (LFU with decay, ties kept by slot
-/// order so a cyclic reader keeps a fixed set instead of thrashing) and slots named or
-/// predicted in the last `horizon` announcements are evicted last.
+/// ([`SparsePager::prefetch`]: read by a preload thread into free budget while it computes);
+/// within the budget the **most often named** slots stay resident (LFU with decay, ties kept
+/// by slot order so a cyclic reader keeps a fixed set instead of thrashing) and predicted
+/// slots not yet named are evicted last for `horizon` announcements.
 pub struct SparsePager {
     shared: Arc<SparseShared>,
     tx: Mutex<Option<Sender<Vec<usize>>>>,
-    demand: Mutex<(Ring, Staging, Vec<usize>)>,
+    /// The reader's own loader: ring, staging, and the slot lists of one announcement.
+    demand: Mutex<Loader>,
     thread: Option<JoinHandle<()>>,
     _pager: Pager,
+}
+
+struct Loader {
+    ring: Ring,
+    staging: Staging,
+    slots: Vec<usize>,
+    missing: Vec<usize>,
+}
+
+impl Loader {
+    fn new(path: &Path) -> Result<Self> {
+        // One batch of reads: a layer's share is at most a few MiB (more takes several).
+        Ok(Self { ring: Ring::new(256).map_err(io_err(path))?, staging: Staging::new(4 << 20)?, slots: Vec::new(), missing: Vec::new() })
+    }
 }
 
 impl std::fmt::Debug for SparsePager {
@@ -926,63 +944,38 @@ impl SparsePager {
     /// fresh userfaultfd region with nothing resident. The image's slots should be small (a
     /// page or a few): they are the unit of reading and of eviction.
     pub fn open(path: &Path, source: Fingerprint, opts: &SparseOptions) -> Result<Self> {
-        let info = Arc::new(ImageInfo::read(path)?);
-        if info.source != source {
-            return Err(WeightError::Stale {
-                path: path.to_path_buf(),
-                what: format!(
-                    "image from {} bytes crc {:08x}, model file is {} bytes crc {:08x}",
-                    info.source.len, info.source.crc, source.len, source.crc
-                ),
-            });
-        }
-        let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(io_err(path))?;
-        let counters = Arc::new(Counters::default());
-        let src = Arc::new(ImageSource {
-            path: path.to_path_buf(),
-            file,
-            info: Arc::clone(&info),
-            counters: Arc::clone(&counters),
-            faulted: Mutex::new(Vec::new()),
-        });
-        let pager = Pager::with_options(uffd_handler::PagerOptions { allow_move: false })?;
-        let n = info.n_slots().max(1);
-        let region = pager.region_with(info.slot_size, n, Arc::clone(&src) as Arc<dyn SlotSource>, false)?;
+        let (info, src, counters, pager, region) = open_image(path, source)?;
+        let n = region.n_slots();
         let lfu = Lfu {
             budget_slots: 0,
-            window_slots: 0,
             uses: vec![0; n],
             stamp: vec![0; n],
-            until: vec![0; n],
-            victims: Vec::new(),
             predicted: vec![false; n],
             resident: vec![false; n],
             n_resident: 0,
             tick: 0,
+            victims: Vec::new(),
         };
         let shared = Arc::new(SparseShared {
             region,
             src,
-            info: Arc::clone(&info),
+            info,
             counters,
             lfu: Mutex::new(lfu),
             horizon: opts.horizon.max(1),
             decay: opts.decay.max(1),
         });
-        shared.set_budget(opts.budget, opts.window)?;
-        // Staging for one batch of reads: a layer's share is at most a few MiB.
-        let staging = || Staging::new(4 << 20).map_err(WeightError::from);
-        let ring = || Ring::new(256).map_err(io_err(path));
-        let demand = Mutex::new((ring()?, staging()?, Vec::new()));
+        shared.set_budget(opts.budget)?;
+        let demand = Mutex::new(Loader::new(path)?);
         let (tx, thread) = if opts.preload {
             let (tx, rx) = channel::<Vec<usize>>();
-            let (s, mut ring, mut st) = (Arc::clone(&shared), ring()?, staging()?);
+            let (s, mut ld) = (Arc::clone(&shared), Loader::new(path)?);
             let thread = std::thread::Builder::new()
                 .name("llms-weights".into())
                 .spawn(move || {
-                    let mut missing = Vec::new();
                     while let Ok(slots) = rx.recv() {
-                        s.load(&slots, true, &mut ring, &mut st, &mut missing);
+                        ld.slots = slots;
+                        s.load(&mut ld, false, &|| {});
                     }
                 })
                 .map_err(|e| WeightError::Io { path: path.to_path_buf(), source: e })?;
@@ -1007,35 +1000,9 @@ impl SparsePager {
     /// reads the missing slots in one batch, calling `before_wait` first.
     pub fn need(&self, ranges: &[(usize, usize)], before_wait: &dyn Fn()) {
         let sh = &self.shared;
-        let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
-        let (ring, staging, slots) = &mut *d;
-        slots_of_ranges(ranges, sh.info.slot_size, sh.region.n_slots(), slots);
-        let mut missing = Vec::new();
-        {
-            let mut l = sh.lfu.lock().unwrap_or_else(|e| e.into_inner());
-            l.tick = l.tick.wrapping_add(1);
-            if l.tick.is_multiple_of(sh.decay) {
-                l.uses.iter_mut().for_each(|u| *u /= 2);
-            }
-            let tick = l.tick;
-            let mut used = 0;
-            for &s in slots.iter() {
-                l.uses[s] = l.uses[s].saturating_add(1);
-                l.stamp[s] = tick;
-                if std::mem::take(&mut l.predicted[s]) {
-                    used += 1;
-                }
-            }
-            sh.counters.prefetch_used.fetch_add(used, Ordering::Relaxed);
-            sh.region.evicted_of(slots, &mut missing);
-            sh.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
-            sh.counters.advised_resident.fetch_add((slots.len() - missing.len()) as u64, Ordering::Relaxed);
-        }
-        if !missing.is_empty() {
-            before_wait();
-            let mut again = Vec::new();
-            sh.load(&missing, false, ring, staging, &mut again);
-        }
+        let mut ld = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        slots_of_ranges(ranges, sh.info.slot_size, sh.region.n_slots(), &mut ld.slots);
+        sh.load(&mut ld, true, before_wait);
     }
 
     /// The reader will probably read `ranges` soon: the preload thread reads what is missing.
@@ -1052,13 +1019,9 @@ impl SparsePager {
         }
     }
 
-    /// Changes the budget (pressure): the least used slots beyond it are dropped now. The
-    /// prediction window keeps its share of the budget.
+    /// Changes the budget (pressure): the least used slots beyond it are dropped now.
     pub fn set_budget(&self, budget: usize) -> Result<()> {
-        let (ss, l) = (self.shared.info.slot_size, self.shared.lfu.lock().unwrap_or_else(|e| e.into_inner()));
-        let window = (budget / ss) * l.window_slots / l.budget_slots.max(1) * ss;
-        drop(l);
-        self.shared.set_budget(budget, window)
+        self.shared.set_budget(budget)
     }
 
     pub fn resident_bytes(&self) -> usize {
@@ -1094,43 +1057,46 @@ impl Drop for SparsePager {
 }
 
 impl SparseShared {
-    fn set_budget(&self, budget: usize, window: usize) -> Result<()> {
+    fn set_budget(&self, budget: usize) -> Result<()> {
         let ss = self.info.slot_size;
         if budget < ss {
             return Err(WeightError::Budget(format!("{budget} bytes cannot hold one {ss}-byte slot")));
         }
         let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
         l.budget_slots = budget / ss;
-        l.window_slots = (window / ss).min(l.budget_slots / 2);
-        let limit = l.budget_slots - l.window_slots;
-        self.make_room(&mut l, 0, limit);
+        self.make_room(&mut l, 0);
         Ok(())
+    }
+
+    /// Whether slot `s` was predicted and not yet named within the horizon.
+    fn fresh(&self, l: &Lfu, s: usize) -> bool {
+        l.predicted[s] && l.tick.wrapping_sub(l.stamp[s]) <= self.horizon
     }
 
     /// Takes in the slots faults filled, then evicts until `incoming` more slots fit the
     /// budget: least used first — ties: the later slot, so a reader that uses everything
     /// alike keeps a fixed set resident and streams the rest rather than evicting what it
-    /// needs next — predicted slots not yet named only after their horizon, the current
-    /// announcement's never. The order comes from one scan, used until it runs out.
-    fn make_room(&self, l: &mut Lfu, incoming: usize, limit: usize) {
+    /// needs next — fresh predictions last, the current announcement's never. The order
+    /// comes from one scan, used until it runs out.
+    fn make_room(&self, l: &mut Lfu, incoming: usize) {
         for s in std::mem::take(&mut *self.src.faulted.lock().unwrap_or_else(|e| e.into_inner())) {
             if !std::mem::replace(&mut l.resident[s], true) {
                 l.n_resident += 1;
             }
         }
         let tick = l.tick;
-        // A scan that finds no candidate ends it (everything left is named now, or a fresh
-        // prediction while only the window is at stake).
+        let named_now = |l: &Lfu, s: usize| l.stamp[s] == tick && !l.predicted[s];
+        // A scan that finds nothing to evict ends it: everything left is named now.
         let mut evicted_since_scan = true;
-        while l.n_resident + incoming > limit {
+        while l.n_resident + incoming > l.budget_slots {
             let Some(s) = l.victims.pop() else {
                 if !evicted_since_scan {
                     return;
                 }
                 evicted_since_scan = false;
                 let mut c: Vec<(bool, u32, std::cmp::Reverse<usize>)> = (0..l.resident.len())
-                    .filter(|&s| l.resident[s] && l.stamp[s] != tick)
-                    .map(|s| (l.predicted[s] && l.until[s].wrapping_sub(tick) <= self.horizon, l.uses[s], std::cmp::Reverse(s)))
+                    .filter(|&s| l.resident[s] && !named_now(l, s))
+                    .map(|s| (self.fresh(l, s), l.uses[s], std::cmp::Reverse(s)))
                     .collect();
                 // The first 1/16 of the budget in order, popped from the end.
                 let k = (l.budget_slots / 16).max(1).min(c.len());
@@ -1142,9 +1108,7 @@ impl SparseShared {
                 l.victims = c.into_iter().rev().map(|(_, _, std::cmp::Reverse(s))| s).collect();
                 continue;
             };
-            // A prediction inside its horizon stays unless the budget itself is at stake.
-            let fresh = l.predicted[s] && l.until[s].wrapping_sub(tick) <= self.horizon;
-            if !l.resident[s] || l.stamp[s] == tick || (fresh && l.n_resident + incoming <= l.budget_slots) {
+            if !l.resident[s] || named_now(l, s) {
                 continue;
             }
             // An error means a fault is filling it right now: it stays.
@@ -1158,24 +1122,39 @@ impl SparseShared {
         }
     }
 
-    /// Makes the evicted ones of `slots` resident (room first, then one batch of reads).
-    fn load(&self, slots: &[usize], predicted: bool, ring: &mut Ring, staging: &mut Staging, missing: &mut Vec<usize>) {
+    /// Makes the evicted ones of `ld.slots` resident. Named (`need`): a new announcement —
+    /// uses counted, hits counted, room made by evicting. Predicted: only into free budget,
+    /// a prediction never evicts the cache.
+    fn load(&self, ld: &mut Loader, named: bool, before_wait: &dyn Fn()) {
+        let Loader { ring, staging, slots, missing } = ld;
         missing.clear();
         {
             let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
             self.region.evicted_of(slots, missing);
-            if predicted {
-                // Only into free budget: a prediction never evicts the cache.
-                let all = l.budget_slots;
-                self.make_room(&mut l, 0, all);
-                missing.truncate(l.budget_slots.saturating_sub(l.n_resident));
-                let until = l.tick.wrapping_add(self.horizon);
-                for &s in missing.iter() {
-                    l.until[s] = until;
+            if named {
+                l.tick = l.tick.wrapping_add(1);
+                if l.tick.is_multiple_of(self.decay) {
+                    l.uses.iter_mut().for_each(|u| *u /= 2);
                 }
+                let tick = l.tick;
+                let mut used = 0;
+                for &s in slots.iter() {
+                    l.uses[s] = l.uses[s].saturating_add(1);
+                    l.stamp[s] = tick;
+                    used += u64::from(std::mem::take(&mut l.predicted[s]));
+                }
+                let c = &self.counters;
+                c.prefetch_used.fetch_add(used, Ordering::Relaxed);
+                c.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
+                c.advised_resident.fetch_add((slots.len() - missing.len()) as u64, Ordering::Relaxed);
+                self.make_room(&mut l, missing.len());
             } else {
-                let limit = l.budget_slots - l.window_slots;
-                self.make_room(&mut l, missing.len(), limit.max(missing.len()));
+                self.make_room(&mut l, 0);
+                missing.truncate(l.budget_slots.saturating_sub(l.n_resident));
+                let tick = l.tick;
+                for &s in missing.iter() {
+                    l.stamp[s] = tick;
+                }
             }
             // Reserved while the reads are in flight, so the other loader sees the room as
             // taken; each slot counts again below once installed.
@@ -1184,15 +1163,16 @@ impl SparseShared {
         if missing.is_empty() {
             return;
         }
+        before_wait();
         let mut done = Vec::with_capacity(missing.len());
         read_install(&self.region, &self.src, ring, staging, missing, &mut |s| done.push(s));
         let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
-        l.n_resident -= missing.len(); // the reservation above
+        l.n_resident -= missing.len();
         for s in done {
             if !std::mem::replace(&mut l.resident[s], true) {
                 l.n_resident += 1;
             }
-            if predicted {
+            if !named {
                 l.predicted[s] = true;
                 self.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
             }

@@ -67,6 +67,15 @@ enum Paging {
     Sparse(Box<SparsePager>),
 }
 
+impl Paging {
+    fn info(&self) -> &mm::weights::ImageInfo {
+        match self {
+            Paging::Cycle(p) => p.info(),
+            Paging::Sparse(p) => p.info(),
+        }
+    }
+}
+
 /// The engine's view of a paged weight image.
 #[derive(Debug)]
 pub struct PagedWeights {
@@ -127,10 +136,7 @@ impl PagedWeights {
     }
     /// The image's trailer: slot size, groups, checksums.
     pub fn info(&self) -> &mm::weights::ImageInfo {
-        match &self.pager {
-            Paging::Cycle(p) => p.info(),
-            Paging::Sparse(p) => p.info(),
-        }
+        self.pager.info()
     }
     /// Channel-major (read by active channel) rather than packed.
     pub fn is_sparse(&self) -> bool {
@@ -190,30 +196,19 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
                         + layout.groups.iter().filter(|g| matches!(g.kind, GroupKind::Head(_))).count();
                 let horizon = u32::try_from(4 * (span + 1) + 2).unwrap_or(u32::MAX);
                 let decay = u32::try_from(16 * per_token).unwrap_or(u32::MAX);
-                // No budget set aside for predictions: they fill only free budget. Reserving
-                // ActiveFlow's M_cl (eq. 9: S_l (1 - sp) N, 4.4 MiB here) out of a budget the
-                // cache already cannot fill made every configuration read more (measured,
-                // docs/weights.md): on this model the layers' columns are used almost evenly.
-                let window = 0;
-                Paging::Sparse(Box::new(SparsePager::open(
-                    &image,
-                    fp,
-                    &SparseOptions { budget, window, preload: opts.preload, horizon, decay },
-                )?))
+                // Predictions fill only free budget: setting ActiveFlow's M_cl (eq. 9) aside
+                // for them made every configuration read more (docs/weights.md).
+                Paging::Sparse(Box::new(SparsePager::open(&image, fp, &SparseOptions { budget, preload: opts.preload, horizon, decay })?))
             }
         })
     };
-    let info_of = |p: &Paging| match p {
-        Paging::Cycle(p) => p.info().clone(),
-        Paging::Sparse(p) => p.info().clone(),
-    };
     let pager = match open() {
-        Ok(p) if same_layout(&info_of(&p)) => p,
+        Ok(p) if same_layout(p.info()) => p,
         Ok(_) | Err(WeightError::Stale { .. } | WeightError::Format { .. } | WeightError::Io { .. }) => {
             tracing::info!(image = %image.display(), "building the weight image (missing, stale or damaged)");
             build(model, &image, fp, opts.format)?;
             let p = open()?;
-            if !same_layout(&info_of(&p)) {
+            if !same_layout(p.info()) {
                 bail!("weight image {}: layout differs from the model's right after building it", image.display());
             }
             p
@@ -241,8 +236,8 @@ pub struct BenchRow {
     pub vs_resident: f64,
     pub read_mib_per_token: f64,
     pub hit_rate: f64,
-    /// Share of preloaded slots the reader then used.
-    pub preload_precision: f64,
+    /// Share of preloaded slots the reader then used (none preloaded: `None`).
+    pub preload_precision: Option<f64>,
     pub faults_per_token: f64,
     /// Decode speed if every byte read came at the image's sequential read bandwidth and
     /// computing were free (the flash floor); resident weights have none.
@@ -390,7 +385,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             vs_resident: tg / base,
             read_mib_per_token: per_tok / f64::from(1 << 20),
             hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
-            preload_precision: if r.5 == 0 { 1.0 } else { r.6 as f64 / r.5 as f64 },
+            preload_precision: (r.5 > 0).then(|| r.6 as f64 / r.5 as f64),
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,

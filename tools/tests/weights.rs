@@ -102,8 +102,9 @@ fn half_sparse(model: &Model) -> Arc<Sparsity> {
 
 /// A channel-major image read by active channel (the sparse pager) computes what resident
 /// channel-major weights compute, bit for bit, dense and sparse, at budgets that make it
-/// evict; with sparsity a token names fewer bytes than dense, and the resident bytes stay
-/// within the budget.
+/// evict; with sparsity a token names fewer bytes than dense, and the region's Rss (sampled
+/// from smaps while the model runs) stays within the budget plus the embedding rows the
+/// prompt faults in before the pager next accounts them.
 #[test]
 fn channel_major_paged_weights_give_the_resident_logits() {
     if !uffd_ok() {
@@ -121,11 +122,14 @@ fn channel_major_paged_weights_give_the_resident_logits() {
             let opts = PagedOptions { budget: Budget::Percent(budget), image: Some(image_dir().join("cm.img")), preload, format };
             let (model, pw) = load_paged(&model_path(), &opts).unwrap();
             assert!(model.is_channel_major() && pw.is_sparse());
-            let got = run_sparse(&model, sp.clone());
+            let (got, peak, samples) = peak_rss_while(&pw, || run_sparse(&model, sp.clone()));
             let s = pw.stats();
             assert!(same_bits(&got, want), "budget {budget}% sparse {}: logits differ from resident channel-major", sp.is_some());
             assert_eq!(s.crc_failures, 0);
-            assert!(s.resident_bytes <= s.budget + 64 * 1024, "resident {} over budget {}: {s:?}", s.resident_bytes, s.budget);
+            assert!(samples > 10);
+            let slack = (PROMPT_TOKENS as u64 + 1) * tools::weights::SPARSE_SLOT as u64;
+            assert!(peak as u64 <= s.budget + slack, "{budget}%: Rss peaked at {peak}, budget {}: {s:?}", s.budget);
+            assert!(s.resident_bytes <= s.budget + tools::weights::SPARSE_SLOT as u64, "{budget}%: {s:?}");
             if budget < 100.0 {
                 assert!(s.evicted_slots > 0, "{budget}%: nothing evicted");
             }
@@ -160,6 +164,27 @@ fn smaps_rss(addr: usize) -> usize {
     panic!("no mapping at {addr:#x}");
 }
 
+/// Runs `f` while another thread samples the Rss of `pw`'s region: `f`'s result, the peak,
+/// and how many samples were taken.
+fn peak_rss_while<T>(pw: &PagedWeights, f: impl FnOnce() -> T) -> (T, usize, usize) {
+    let addr = WeightMemory::bytes(pw).as_ptr() as usize;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (peak, samples) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sampler = {
+        let (stop, peak, samples) = (Arc::clone(&stop), Arc::clone(&peak), Arc::clone(&samples));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(smaps_rss(addr), Ordering::Relaxed);
+                samples.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let out = f();
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    (out, peak.load(Ordering::Relaxed), samples.load(Ordering::Relaxed))
+}
+
 #[test]
 fn resident_weight_bytes_stay_within_the_budget() {
     if !uffd_ok() {
@@ -172,29 +197,10 @@ fn resident_weight_bytes_stay_within_the_budget() {
     // embedding table, read row by row).
     let largest =
         info.groups[..info.groups.len() - 1].iter().map(|g| usize::try_from(g.len).unwrap().next_multiple_of(SLOT)).max().unwrap();
-    let addr = WeightMemory::bytes(&*pw).as_ptr() as usize;
-    // Sample the region's Rss from another thread while the model runs.
-    let stop = Arc::new(AtomicBool::new(false));
-    let (peak, samples) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let sampler = {
-        let (stop, peak, samples) = (Arc::clone(&stop), Arc::clone(&peak), Arc::clone(&samples));
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                peak.fetch_max(smaps_rss(addr), Ordering::Relaxed);
-                samples.fetch_add(1, Ordering::Relaxed);
-            }
-        })
-    };
-    let got = run(&model);
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
+    let (got, peak, samples) = peak_rss_while(&pw, || run(&model));
     assert!(same_bits(&got, resident_logits()));
-    let peak = peak.load(Ordering::Relaxed);
-    eprintln!(
-        "weight region Rss peak {peak} bytes over {} samples; budget {budget}, largest group {largest}",
-        samples.load(Ordering::Relaxed)
-    );
-    assert!(samples.load(Ordering::Relaxed) > 10);
+    eprintln!("weight region Rss peak {peak} bytes over {samples} samples; budget {budget}, largest group {largest}");
+    assert!(samples > 10);
     assert!(peak > budget / 2, "the region was barely used: peak {peak} of budget {budget}");
     assert!(peak <= budget + largest, "weight region Rss peaked at {peak} bytes: over the budget {budget} + one group {largest}");
     assert!(pw.resident_bytes() <= budget + largest);

@@ -1729,7 +1729,7 @@ fn bench_weights(
     );
     for r in &rows {
         println!(
-            "{:<9} {:<13} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>8.1}% {:>9.1} {:>9} {:>8}",
+            "{:<9} {:<13} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8}",
             r.weights,
             r.layout,
             r.sparsity,
@@ -1739,7 +1739,7 @@ fn bench_weights(
             r.vs_resident,
             r.read_mib_per_token,
             100.0 * r.hit_rate,
-            100.0 * r.preload_precision,
+            r.preload_precision.map_or("-".into(), |p| format!("{:.1}%", 100.0 * p)),
             r.faults_per_token,
             r.floor_tok_s.map_or("-".into(), |f| format!("{f:.1}")),
             r.ppl.map_or("-".into(), |p| format!("{p:.4}")),
