@@ -103,8 +103,8 @@ fn half_sparse(model: &Model) -> Arc<Sparsity> {
 /// A channel-major image read by active channel (the sparse pager) computes what resident
 /// channel-major weights compute, bit for bit, dense and sparse, at budgets that make it
 /// evict; with sparsity a token names fewer bytes than dense, and the region's Rss (sampled
-/// from smaps while the model runs) stays within the budget plus the embedding rows the
-/// prompt faults in before the pager next accounts them.
+/// from smaps while the model runs) stays within the budget plus the slots of the embedding
+/// rows the prompt faults in before the pager next accounts them.
 #[test]
 fn channel_major_paged_weights_give_the_resident_logits() {
     if !uffd_ok() {
@@ -127,7 +127,9 @@ fn channel_major_paged_weights_give_the_resident_logits() {
             assert!(same_bits(&got, want), "budget {budget}% sparse {}: logits differ from resident channel-major", sp.is_some());
             assert_eq!(s.crc_failures, 0);
             assert!(samples > 10);
-            let slack = (PROMPT_TOKENS as u64 + 1) * tools::weights::SPARSE_SLOT as u64;
+            // Embedding rows are faulted in before the pager next accounts them: a prompt's
+            // worth at most, each row (612 bytes) on one slot or across two.
+            let slack = 2 * (PROMPT_TOKENS as u64 + 1) * tools::weights::SPARSE_SLOT as u64;
             assert!(peak as u64 <= s.budget + slack, "{budget}%: Rss peaked at {peak}, budget {}: {s:?}", s.budget);
             assert!(s.resident_bytes <= s.budget + tools::weights::SPARSE_SLOT as u64, "{budget}%: {s:?}");
             if budget < 100.0 {
