@@ -385,6 +385,11 @@ impl Model {
         self.layers.first().is_some_and(|l| l.wq.col.is_some())
     }
 
+    /// Layers per group of the channel-major weight image this model reads (0: none).
+    pub fn image_span(&self) -> usize {
+        self.image_span
+    }
+
     /// Loads a model whose matrices and embedding table are read in place from `image`, a
     /// weight image of this file laid out by [`WeightLayout::for_file`] with `align` (see
     /// [`crate::weights`]). Only the metadata, tokenizer and norms are read from the file.

@@ -59,7 +59,18 @@ pub struct ChannelUse {
     pub rows: [usize; SITES],
     /// Tokens counted.
     pub tokens: u64,
+    /// `carried[site][d - 1]`: (token, channel) pairs active at some layer `l >= d` that were
+    /// also active at layer `l - d` (same site and token); `reached[site][d - 1]`: all the
+    /// pairs active at layers `l >= d`. Their ratio is how well a layer's active channels
+    /// predict those `d` layers on (ActiveFlow's cross-layer similarity).
+    pub carried: [[u64; MAX_AHEAD]; SITES],
+    pub reached: [[u64; MAX_AHEAD]; SITES],
+    /// Active masks (bitsets over the batch's rows x channels) of the last `MAX_AHEAD` layers.
+    history: Vec<[Vec<u64>; SITES]>,
 }
+
+/// Layers ahead over which [`ChannelUse`] measures cross-layer similarity.
+pub const MAX_AHEAD: usize = 8;
 
 impl ChannelUse {
     pub fn new(c: &crate::Config) -> Self {
@@ -68,19 +79,57 @@ impl ChannelUse {
             counts: (0..c.n_layers).map(|_| std::array::from_fn(|s| vec![0; widths[s]])).collect(),
             rows: [c.dim + 2 * c.kv_dim(), c.dim, 2 * c.ffn_dim, c.dim],
             tokens: 0,
+            carried: [[0; MAX_AHEAD]; SITES],
+            reached: [[0; MAX_AHEAD]; SITES],
+            history: (0..MAX_AHEAD).map(|_| Default::default()).collect(),
         }
     }
 
+    /// Counts the active entries of `x` (the batch's inputs of `site` at `layer`, row after
+    /// row). Layers of one batch arrive in order, so the masks kept from the layers before
+    /// belong to the same tokens.
     pub(crate) fn add(&mut self, layer: usize, site: usize, x: &[f32]) {
         let counts = &mut self.counts[layer][site];
-        let rows = x.chunks_exact(counts.len());
+        let width = counts.len();
         if layer == 0 && site == 0 {
-            self.tokens += rows.len() as u64;
+            self.tokens += (x.len() / width) as u64;
         }
-        for row in rows {
-            for (n, &v) in counts.iter_mut().zip(row) {
-                *n += u32::from(v != 0.0);
+        let mut mask = std::mem::take(&mut self.history[layer % MAX_AHEAD][site]);
+        mask.clear();
+        mask.resize(x.len().div_ceil(64), 0);
+        for (t, row) in x.chunks_exact(width).enumerate() {
+            for (c, (n, &v)) in counts.iter_mut().zip(row).enumerate() {
+                let (on, bit) = (v != 0.0, t * width + c);
+                *n += u32::from(on);
+                mask[bit / 64] |= u64::from(on) << (bit % 64);
             }
+        }
+        let active: u64 = mask.iter().map(|w| u64::from(w.count_ones())).sum();
+        for d in 1..=MAX_AHEAD.min(layer) {
+            let before = &self.history[(layer - d) % MAX_AHEAD][site];
+            if before.len() != mask.len() {
+                continue;
+            }
+            self.carried[site][d - 1] += mask.iter().zip(before).map(|(a, b)| u64::from((a & b).count_ones())).sum::<u64>();
+            self.reached[site][d - 1] += active;
+        }
+        self.history[layer % MAX_AHEAD][site] = mask;
+    }
+
+    /// The share of the column bytes a token reads at a layer that were also active `d`
+    /// layers before (1 <= d <= [`MAX_AHEAD`]): the precision of predicting a layer's reads
+    /// from the activations `d` layers earlier; 1 when nothing was counted.
+    pub fn similarity(&self, d: usize) -> f64 {
+        let d = d.clamp(1, MAX_AHEAD) - 1;
+        let (mut hit, mut all) = (0.0, 0.0);
+        for s in 0..SITES {
+            hit += self.rows[s] as f64 * self.carried[s][d] as f64;
+            all += self.rows[s] as f64 * self.reached[s][d] as f64;
+        }
+        if all > 0.0 {
+            hit / all
+        } else {
+            1.0
         }
     }
 
@@ -338,6 +387,12 @@ mod tests {
         // Layer 0's channel 0 is the hottest column: a cache of just its bytes serves its reads.
         assert!((u.hit_rate(8.0 / all) - 8.0 * 8.0 / (read * 8.0)).abs() < 1e-12);
         assert!((u.hit_rate(1.0) - 1.0).abs() < 1e-12);
+        // Cross-layer: layer 1 repeats layer 0 except at the attention input, where layer 0
+        // had only channel 0 (active at layer 1 for even t): 4 of its 16 active entries carried.
+        assert_eq!((u.carried[0][0], u.reached[0][0]), (4, 16));
+        let (hit, all) = (8.0 * 4.0 + 4.0 * 16.0 + 16.0 * 16.0 + 4.0 * 32.0, 8.0 * 16.0 + 4.0 * 16.0 + 16.0 * 16.0 + 4.0 * 32.0);
+        assert!((u.similarity(1) - hit / all).abs() < 1e-12, "{}", u.similarity(1));
+        assert!((u.similarity(2) - 1.0).abs() < 1e-12, "two layers: nothing two apart");
         let rates: Vec<f64> = [0.0, 0.1, 0.3, 0.6, 0.9].iter().map(|&c| u.hit_rate(c)).collect();
         assert!(rates.windows(2).all(|w| w[0] <= w[1]), "{rates:?}");
         assert_eq!(rates[0], 0.0);

@@ -15,6 +15,7 @@ mod profile;
 mod reaper;
 pub mod ring;
 pub mod store;
+pub mod weightplan;
 pub mod weights;
 
 pub use context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};

@@ -14,4 +14,5 @@ pub mod service;
 pub mod sparsity;
 pub mod switchbench;
 pub mod trace;
+pub mod weightplan;
 pub mod weights;

@@ -61,6 +61,13 @@ pub struct PagedOptions {
     pub format: ImageFormat,
 }
 
+/// A plan in force, with what it was made from (to re-plan when the budget changes).
+#[derive(Debug, Clone)]
+pub struct PlanState {
+    pub inputs: mm::weightplan::PlanInputs,
+    pub plan: mm::weightplan::Plan,
+}
+
 #[derive(Debug)]
 enum Paging {
     Cycle(WeightPager),
@@ -83,6 +90,8 @@ pub struct PagedWeights {
     /// Bytes of the groups read every pass (layers and head): what "100%" means.
     pub weight_bytes: usize,
     pub image: PathBuf,
+    /// The weight plan the image and budget were chosen by, if any.
+    plan: std::sync::Mutex<Option<PlanState>>,
 }
 
 impl WeightMemory for PagedWeights {
@@ -122,11 +131,34 @@ impl PagedWeights {
             Paging::Sparse(p) => p.stats(),
         }
     }
+    /// Changes the budget (pressure). Under a plan, re-plans first (same sparsity and
+    /// group, the cache re-sized: ActiveFlow §4.1 online); a budget the plan cannot hold one
+    /// group in is refused and the old budget stays.
     pub fn set_budget(&self, budget: usize) -> Result<(), WeightError> {
+        let mut plan = self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let replanned = match plan.as_ref() {
+            Some(st) => Some(st.inputs.replan(&st.plan, budget).map_err(|e| WeightError::Budget(e.to_string()))?),
+            None => None,
+        };
         match &self.pager {
-            Paging::Cycle(p) => p.set_budget(budget),
-            Paging::Sparse(p) => p.set_budget(budget),
+            Paging::Cycle(p) => p.set_budget(budget)?,
+            Paging::Sparse(p) => p.set_budget(budget)?,
         }
+        if let (Some(st), Some(p)) = (plan.as_mut(), replanned) {
+            tracing::info!(budget, cache = p.cache_bytes, tok_s = p.tok_s(), "weights re-planned");
+            st.plan = p;
+        }
+        Ok(())
+    }
+
+    /// Puts `plan` in force (it chose this image's group size and the budget).
+    pub fn set_plan(&self, plan: PlanState) {
+        *self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(plan);
+    }
+
+    /// The plan in force, if any.
+    pub fn plan(&self) -> Option<mm::weightplan::Plan> {
+        self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().map(|s| s.plan.clone())
     }
     pub fn resident_bytes(&self) -> usize {
         match &self.pager {
@@ -215,7 +247,7 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
         }
         Err(e) => return Err(e.into()),
     };
-    let paged = Arc::new(PagedWeights { pager, weight_bytes, image });
+    let paged = Arc::new(PagedWeights { pager, weight_bytes, image, plan: std::sync::Mutex::new(None) });
     let model = Model::load_with_image(model, Arc::clone(&paged) as Arc<dyn WeightMemory>, slot, opts.format)
         .with_context(|| format!("loading {}", model.display()))?;
     Ok((Arc::new(model), paged))
@@ -243,6 +275,11 @@ pub struct BenchRow {
     /// computing were free (the flash floor); resident weights have none.
     pub floor_tok_s: Option<f64>,
     pub ppl: Option<f64>,
+    /// Layers per group of a channel-major image (0: none).
+    pub span: usize,
+    /// What the weight plan predicted for this case (`bench-weights --plan`).
+    pub planned_tok_s: Option<f64>,
+    pub planned_read_mib: Option<f64>,
 }
 
 /// Sequential O_DIRECT read bandwidth of `path` in bytes/s (median of 3 passes).
@@ -282,6 +319,9 @@ pub struct BenchOptions {
     /// packed image, read whole. Else every paged case reads a channel-major image by active
     /// channel, and each level above 0 also runs resident channel-major.
     pub sparsity: Vec<(f32, Option<Arc<engine::sparsity::Sparsity>>)>,
+    /// Instead of budgets x levels: one paged case per plan (its budget, level and group
+    /// size), reported next to what the plan predicted.
+    pub plans: Vec<(mm::weightplan::Plan, Option<Arc<engine::sparsity::Sparsity>>)>,
 }
 
 /// Decode speed, flash reads and hit rate with weights resident and paged at each budget,
@@ -289,25 +329,37 @@ pub struct BenchOptions {
 #[allow(clippy::cast_precision_loss)]
 pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     use engine::{Logits, Session, ThreadPool};
-    if o.tg == 0 || o.reps == 0 || o.budgets.iter().any(|&b| !(b > 0.0 && b <= 100.0)) {
+    if o.tg == 0 || o.reps == 0 || (o.plans.is_empty() && o.budgets.iter().any(|&b| !(b > 0.0 && b <= 100.0))) {
         bail!("--tg and --reps must be positive and budgets in (0, 100]");
     }
     let pool = Arc::new(ThreadPool::new(o.threads));
     let resident = Arc::new(Model::load(model_path)?);
     type Sp = Option<Arc<engine::sparsity::Sparsity>>;
-    // (label, preload, model, its paged weights, sparsity)
-    type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>, f32, Sp);
-    let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None, 0.0, None)];
-    let levels = if o.sparsity.is_empty() { vec![(0.0, None)] } else { o.sparsity.clone() };
-    let by_channel = levels.iter().any(|(s, _)| *s > 0.0);
+    // (label, preload, model, its paged weights, sparsity, plan)
+    type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>, f32, Sp, Option<mm::weightplan::Plan>);
+    let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None, 0.0, None, None)];
+    let mut levels = if o.sparsity.is_empty() { vec![(0.0, None)] } else { o.sparsity.clone() };
+    for (p, sp) in &o.plans {
+        if !levels.iter().any(|(s, _)| *s == p.sparsity) {
+            levels.push((p.sparsity, sp.clone()));
+        }
+    }
+    let by_channel = levels.iter().any(|(s, _)| *s > 0.0) || !o.plans.is_empty();
     let format = if by_channel { ImageFormat::ChannelMajor { span: DEFAULT_SPAN } } else { ImageFormat::Packed };
     if by_channel {
         let cm = Arc::new(Model::load_as(model_path, engine::WeightFormat::ChannelMajor)?);
         for (s, sp) in levels.iter().filter(|(s, _)| *s > 0.0) {
-            cases.push(("resident".into(), true, Arc::clone(&cm), None, *s, sp.clone()));
+            cases.push(("resident".into(), true, Arc::clone(&cm), None, *s, sp.clone(), None));
         }
     }
-    for &b in &o.budgets {
+    #[allow(clippy::cast_precision_loss)]
+    for (p, sp) in &o.plans {
+        let opts = PagedOptions { budget: Budget::Bytes(p.budget), image: o.image.clone(), preload: true, format: ImageFormat::ChannelMajor { span: p.span } };
+        let (m, pw) = load_paged(model_path, &opts)?;
+        let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);
+        cases.push((label, true, m, Some(pw), p.sparsity, sp.clone(), Some(p.clone())));
+    }
+    for &b in o.budgets.iter().filter(|_| o.plans.is_empty()) {
         let mut modes = vec![true];
         if o.no_preload_too && b < 100.0 {
             modes.push(false);
@@ -317,7 +369,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             for (s, sp) in &levels {
                 // A fresh pager per sparsity: each starts cold, counts its own reads.
                 let (m, pw) = load_paged(model_path, &opts)?;
-                cases.push((format!("{b}%"), preload, m, Some(pw), *s, sp.clone()));
+                cases.push((format!("{b}%"), preload, m, Some(pw), *s, sp.clone(), None));
             }
         }
     }
@@ -326,7 +378,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     let mut rates = vec![Vec::new(); cases.len()];
     let mut reads = vec![(0u64, 0u64, 0u64, 0u64, 0usize, 0u64, 0u64); cases.len()];
     for rep in 0..=o.reps {
-        for (i, (_, _, model, pw, _, sp)) in cases.iter().enumerate() {
+        for (i, (_, _, model, pw, _, sp, _)) in cases.iter().enumerate() {
             let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), prompt.len() + o.tg + 1);
             s.set_sparsity(sp.clone())?;
             s.eval(&prompt, Logits::Last)?;
@@ -365,7 +417,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
         _ => None,
     };
     let mut rows = Vec::new();
-    for (i, (label, preload, model, pw, sparsity, sp)) in cases.iter().enumerate() {
+    for (i, (label, preload, model, pw, sparsity, sp, plan)) in cases.iter().enumerate() {
         let tg = med(&mut rates[i]);
         let r = reads[i];
         let per_tok = r.0 as f64 / r.4.max(1) as f64;
@@ -389,6 +441,9 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,
+            span: model.image_span(),
+            planned_tok_s: plan.as_ref().map(mm::weightplan::Plan::tok_s),
+            planned_read_mib: plan.as_ref().map(|p| p.read_bytes / f64::from(1 << 20)),
         });
     }
     Ok(rows)

@@ -59,7 +59,23 @@ struct ModelArgs {
     /// --sparsity, else packed]
     #[arg(long, global = true, value_enum)]
     weight_format: Option<FormatArg>,
+    /// With paged weights (generate, bench, perplexity, logits, chat): choose the sparsity
+    /// (up to --max-sparsity) and the layers per group by ActiveFlow's cost model from
+    /// measured bandwidths and activation statistics (`llms plan-weights`; docs/weights.md).
+    #[arg(long, global = true)]
+    weights_plan: bool,
+    /// Highest sparsity a weight plan may choose (sparsity costs quality) [default: 0.5].
+    #[arg(long, global = true)]
+    max_sparsity: Option<f32>,
+    /// Layers per group of the channel-major image (set by a weight plan).
+    #[arg(skip)]
+    weights_span: Option<usize>,
 }
+
+/// Sparsity levels a weight plan chooses from by default.
+const PLAN_LEVELS: [f32; 4] = [0.0, 0.3, 0.5, 0.7];
+/// Calibration text by default.
+const CALIB_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum FormatArg {
@@ -270,6 +286,28 @@ enum Cmd {
         ppl_text: Option<PathBuf>,
         #[arg(long, default_value_t = 2)]
         ppl_windows: usize,
+        /// One paged case per budget as the weight plan chooses it (sparsity from
+        /// --plan-levels up to --max-sparsity, group size), next to what the plan predicted.
+        #[arg(long)]
+        plan: bool,
+        /// Sparsity levels a plan chooses from.
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = PLAN_LEVELS)]
+        plan_levels: Vec<f32>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        m: ModelArgs,
+    },
+    /// The weight plan for each budget: ActiveFlow's cost model (eq. 1-9) fed by this
+    /// machine's measured bandwidths and each sparsity level's measured reads; picks the
+    /// sparsity, the layers per group and the cache size, and predicts decode speed.
+    PlanWeights {
+        /// Budgets in percent of the weight bytes.
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [100.0f64, 75.0, 50.0, 25.0])]
+        budgets: Vec<f64>,
+        /// Sparsity levels to choose from (each calibrated on --calib-text once).
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = PLAN_LEVELS)]
+        levels: Vec<f32>,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -1273,8 +1311,8 @@ fn model_path(m: &ModelArgs) -> PathBuf {
 }
 
 fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
-    if m.sparsity.is_some() || m.calib_text.is_some() {
-        bail!("--sparsity and --calib-text go with generate, bench, perplexity, logits and chat");
+    if m.sparsity.is_some() || m.calib_text.is_some() || m.weights_plan {
+        bail!("--sparsity, --calib-text and --weights-plan go with generate, bench, perplexity, logits and chat");
     }
     load_model(m)
 }
@@ -1282,15 +1320,64 @@ fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
 /// [`load`], with Top-K sparsity calibrated when --sparsity asks for it.
 type Sparsity = Option<Arc<engine::sparsity::Sparsity>>;
 fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)> {
+    if m.weights_plan {
+        return load_planned(m);
+    }
+    if m.max_sparsity.is_some() {
+        bail!("--max-sparsity goes with --weights-plan");
+    }
     if m.calib_text.is_some() && m.sparsity.is_none() {
         bail!("--calib-text goes with --sparsity");
     }
     let (model, pool) = load_model(m)?;
-    let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"));
+    let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
     let sp = m
         .sparsity
         .map(|t| tools::sparsity::calibrated(&model, &pool, &model_path(m), &tools::loadbench::state_dir(), t, &text))
         .transpose()?;
+    Ok((model, pool, sp))
+}
+
+fn threads_of(m: &ModelArgs) -> usize {
+    m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// The weight planner's inputs for this model: `levels` profiled (calibrated on
+/// --calib-text), bandwidths measured now.
+fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightplan::PlanInputs, Vec<(f32, Sparsity)>)> {
+    let path = model_path(m);
+    if !path.exists() {
+        bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
+    }
+    let setup = tools::weightplan::PlanSetup {
+        levels: levels.to_vec(),
+        max_sparsity: m.max_sparsity.unwrap_or(0.5),
+        calib_text: m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT)),
+        state_dir: tools::loadbench::state_dir(),
+        threads: threads_of(m),
+    };
+    tools::weightplan::inputs(&path, &setup)
+}
+
+/// `--weights-plan`: the plan for the budget picks the sparsity and the image's group size.
+fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)> {
+    if m.sparsity.is_some() || m.weight_format.is_some() || m.weights == Some(WeightsMode::Resident) {
+        bail!("--weights-plan chooses the sparsity and layout of paged weights: drop --sparsity, --weight-format and --weights resident");
+    }
+    let (inputs, levels) = plan_inputs(m, &PLAN_LEVELS)?;
+    let budget = tools::weightplan::budget_bytes(m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0)), &inputs.shape);
+    let plan = inputs.plan(budget)?;
+    eprintln!("llms: {}", tools::weightplan::describe(&plan));
+    let mut m2 = m.clone();
+    m2.weights = Some(WeightsMode::Paged);
+    m2.weights_budget = Some(tools::weights::Budget::Bytes(budget));
+    m2.weight_format = Some(FormatArg::ChannelMajor);
+    m2.weights_span = Some(plan.span);
+    let (model, pool) = load_model(&m2)?;
+    let sp = levels.into_iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp);
+    if let Some(pw) = PAGED.get() {
+        pw.set_plan(tools::weights::PlanState { inputs, plan });
+    }
     Ok((model, pool, sp))
 }
 
@@ -1299,7 +1386,7 @@ fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     if !path.exists() {
         bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
     }
-    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = threads_of(m);
     if threads == 0 || threads > 256 {
         bail!("--threads must be between 1 and 256");
     }
@@ -1315,7 +1402,7 @@ fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     };
     // Paged weights with sparsity read by active channel: a channel-major image.
     let image_format = if paged && (format == engine::WeightFormat::ChannelMajor || (m.weight_format.is_none() && m.sparsity.is_some())) {
-        engine::weights::ImageFormat::ChannelMajor { span: tools::weights::DEFAULT_SPAN }
+        engine::weights::ImageFormat::ChannelMajor { span: m.weights_span.unwrap_or(tools::weights::DEFAULT_SPAN) }
     } else {
         engine::weights::ImageFormat::Packed
     };
@@ -1502,9 +1589,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Bench { kv, depth, pp, tg, reps, json, m } => bench(&m, &kv, depth, pp, tg, reps, json)?,
         Cmd::BenchUffd { reps, json } => bench_uffd(reps, json)?,
-        Cmd::BenchWeights { budgets, tg, reps, no_preload_too, levels, ppl_text, ppl_windows, json, m } => {
-            bench_weights(&m, budgets, tg, reps, no_preload_too, &levels, ppl_text, ppl_windows, json)?;
+        Cmd::BenchWeights { budgets, tg, reps, no_preload_too, levels, ppl_text, ppl_windows, plan, plan_levels, json, m } => {
+            let plan_levels = plan.then_some(plan_levels);
+            bench_weights(&m, budgets, tg, reps, no_preload_too, &levels, ppl_text, ppl_windows, plan_levels.as_deref(), json)?;
         }
+        Cmd::PlanWeights { budgets, levels, json, m } => plan_weights(&m, &budgets, &levels, json)?,
         Cmd::Profile { chunk_tokens, state_dir, json, m } => profile_cmd(&m, chunk_tokens, state_dir, json)?,
         Cmd::BenchLoad { tokens, reps, chunk_tokens, state_dir, json, staging, m } => {
             bench_load(&m, &tokens, reps, chunk_tokens, state_dir, json, staging)?;
@@ -1685,10 +1774,11 @@ fn bench_weights(
     levels: &[f32],
     ppl_text: Option<PathBuf>,
     ppl_windows: usize,
+    plan_levels: Option<&[f32]>,
     json: bool,
 ) -> Result<()> {
     let path = model_path(m);
-    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = threads_of(m);
     let ppl_text = ppl_text.map(|p| read_text(&p).map(|t| (t, ppl_windows))).transpose()?;
     if let Some(&s) = levels.iter().find(|s| !(0.0..1.0).contains(*s)) {
         bail!("--levels: {s} is not a sparsity in [0, 1)");
@@ -1696,7 +1786,7 @@ fn bench_weights(
     let mut sparsity = Vec::new();
     if levels.iter().any(|&s| s > 0.0) {
         let (model, pool) = (Arc::new(Model::load(&path)?), Arc::new(ThreadPool::new(threads)));
-        let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/Apache-2.0"));
+        let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
         for &s in levels {
             let sp = (s > 0.0)
                 .then(|| tools::sparsity::calibrated(&model, &pool, &path, &tools::loadbench::state_dir(), s, &text))
@@ -1704,7 +1794,16 @@ fn bench_weights(
             sparsity.push((s, sp));
         }
     }
-    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text, sparsity };
+    let mut plans = Vec::new();
+    if let Some(pl) = plan_levels {
+        let (inputs, thresholds) = plan_inputs(m, pl)?;
+        for &b in &budgets {
+            let p = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape))?;
+            let sp = thresholds.iter().find(|(l, _)| *l == p.sparsity).and_then(|(_, sp)| sp.clone());
+            plans.push((p, sp));
+        }
+    }
+    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text, sparsity, plans };
     let rows = tools::weights::bench(&path, &o)?;
     if json {
         println!("{}", serde_json::to_string(&rows)?);
@@ -1712,9 +1811,10 @@ fn bench_weights(
     }
     println!("model {} | threads {threads} | tg{tg}, median of {reps}", path.display());
     println!(
-        "{:<9} {:<13} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "{:<9} {:<13} {:>2} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8} {:>10}",
         "weights",
         "layout",
+        "N",
         "S",
         "budget",
         "preload",
@@ -1725,13 +1825,15 @@ fn bench_weights(
         "precision",
         "faults/t",
         "floor t/s",
-        "ppl"
+        "ppl",
+        "plan t/s,MiB"
     );
     for r in &rows {
         println!(
-            "{:<9} {:<13} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8}",
+            "{:<9} {:<13} {:>2} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8} {:>10}",
             r.weights,
             r.layout,
+            if r.span > 0 { r.span.to_string() } else { "-".into() },
             r.sparsity,
             r.budget_mib,
             if r.preload { "yes" } else { "no" },
@@ -1743,6 +1845,73 @@ fn bench_weights(
             r.faults_per_token,
             r.floor_tok_s.map_or("-".into(), |f| format!("{f:.1}")),
             r.ppl.map_or("-".into(), |p| format!("{p:.4}")),
+            r.planned_tok_s.zip(r.planned_read_mib).map_or("-".into(), |(t, m)| format!("{t:.1},{m:.1}")),
+        );
+    }
+    Ok(())
+}
+
+/// `llms plan-weights`: the inputs, then the plan for each budget.
+#[allow(clippy::cast_precision_loss)]
+fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> Result<()> {
+    if let Some(&b) = budgets.iter().find(|&&b| !(b > 0.0 && b <= 100.0)) {
+        bail!("--budgets: {b} is not a percentage in (0, 100]");
+    }
+    let (inputs, _) = plan_inputs(m, levels)?;
+    let plans: Vec<_> = budgets
+        .iter()
+        .map(|&b| inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape)))
+        .collect::<Result<_, _>>()?;
+    if json {
+        println!("{}", json!({"bandwidths": inputs.bw, "levels": inputs.levels, "plans": plans}));
+        return Ok(());
+    }
+    let mib = |b: f64| b / f64::from(1 << 20);
+    let sh = &inputs.shape;
+    println!(
+        "model {}: {} layers of {:.2} MiB, head {:.1} MiB, a channel's column {} bytes; weight bytes {:.1} MiB",
+        model_path(m).display(),
+        sh.n_layers,
+        mib(sh.layer_bytes as f64),
+        mib(sh.head_bytes as f64),
+        sh.column_bytes,
+        mib(sh.weight_bytes() as f64)
+    );
+    let flash: Vec<String> = inputs.bw.flash.iter().map(|&(n, b)| format!("{} KiB {:.0}", n >> 10, b / 1e6)).collect();
+    println!("bandwidth MB/s: memory {:.0}; flash reads of {}", inputs.bw.mem / 1e6, flash.join(", "));
+    println!("{:>5} {:>10} {:>15} {:>15} {:>13}", "S", "read/token", "predicted 1/4/8", "hit at 25/50%", "");
+    for l in &inputs.levels {
+        println!(
+            "{:>5.2} {:>9.1}% {:>4.0}%/{:>3.0}%/{:>3.0}% {:>6.1}%/{:>5.1}%",
+            l.sparsity,
+            100.0 * l.read_share,
+            100.0 * l.similarity[0],
+            100.0 * l.group_similarity(4),
+            100.0 * l.group_similarity(8),
+            100.0 * l.hit_rate(0.25),
+            100.0 * l.hit_rate(0.5)
+        );
+    }
+    println!(
+        "{:>7} {:>9} {:>5} {:>3} {:>9} {:>9} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "budget", "MiB", "S", "N", "group MiB", "cache MiB", "hit", "MiB read/t", "preload", "comp", "onload", "tok/s"
+    );
+    for (b, p) in budgets.iter().zip(&plans) {
+        let ms = |t: f64| format!("{:.2}ms", 1e3 * t);
+        println!(
+            "{:>6}% {:>9.1} {:>5.2} {:>3} {:>9.2} {:>9.1} {:>5.1}% {:>10.1} {:>9} {:>9} {:>9} {:>9.1}",
+            b,
+            mib(p.budget as f64),
+            p.sparsity,
+            p.span,
+            mib(p.group_bytes as f64),
+            mib(p.cache_bytes as f64),
+            100.0 * p.hit_rate,
+            mib(p.read_bytes),
+            ms(p.times.preload),
+            ms(p.times.comp),
+            ms(p.times.onload),
+            p.tok_s()
         );
     }
     Ok(())
