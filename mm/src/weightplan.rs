@@ -285,11 +285,20 @@ pub struct Plan {
     /// Bytes read from flash per token.
     pub read_bytes: f64,
     pub times: Times,
+    /// The same budget read only on demand (no room set aside for preloading: what
+    /// `SparsePager` does once its cache fills the budget): seconds per token and bytes read.
+    pub demand_decode: f64,
+    pub demand_read_bytes: f64,
 }
 
 impl Plan {
     pub fn tok_s(&self) -> f64 {
         1.0 / self.times.decode
+    }
+
+    /// Predicted decode speed when every miss is read on demand.
+    pub fn demand_tok_s(&self) -> f64 {
+        1.0 / self.demand_decode
     }
 }
 
@@ -354,6 +363,9 @@ impl PlanInputs {
         let read_bytes = miss * read_of(u_on) / u_on
             + (groups - 1.0) * miss * (read_of(u_pre) / u_pre + (1.0 - si) * read_of(u_on) / u_on)
             + head_miss;
+        // On demand only: each group's misses read at one layer's run size, then computed.
+        let demand_decode = groups * (miss / eff(u_on) + comp) + head_t;
+        let demand_read_bytes = groups * miss * read_of(u_on) / u_on + head_miss;
         let decode = load + (groups - 1.0) * overlap + comp + head_t; // eq. 1
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         Some(Plan {
@@ -366,6 +378,8 @@ impl PlanInputs {
             similarity: si,
             read_bytes,
             times: Times { load, onload, preload, comp, overlap, head: head_t, decode },
+            demand_decode,
+            demand_read_bytes,
         })
     }
 
@@ -489,6 +503,8 @@ mod tests {
         assert!(close(t.head, head / 10e9), "the head fits the cache");
         assert!(close(t.decode, t.load + t.overlap + t.comp + t.head), "two groups");
         assert!(close(c.read_bytes, 2.0 * miss), "dense runs read no extra pages");
+        assert!(close(c.demand_decode, 2.0 * (miss / 1e9 + group / 10e9) + t.head), "on demand: read, then compute");
+        assert!(close(c.demand_read_bytes, c.read_bytes));
     }
 
     #[test]

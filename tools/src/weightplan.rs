@@ -141,13 +141,14 @@ pub fn budget_bytes(budget: crate::weights::Budget, shape: &Shape) -> usize {
 pub fn describe(p: &mm::weightplan::Plan) -> String {
     let mib = |b: f64| b / f64::from(1 << 20);
     format!(
-        "weight plan: sparsity {}, groups of {} layers, group {:.1} MiB, cache {:.1} MiB, hit {:.1}%, predicted {:.1} MiB read and {:.1} tok/s",
+        "weight plan: sparsity {}, groups of {} layers, group {:.1} MiB, cache {:.1} MiB, hit {:.1}%; predicted {:.1} tok/s reading {:.1} MiB/token with preloading, {:.1} tok/s reading on demand",
         p.sparsity,
         p.span,
         mib(p.group_bytes as f64),
         mib(p.cache_bytes as f64),
         100.0 * p.hit_rate,
+        p.tok_s(),
         mib(p.read_bytes),
-        p.tok_s()
+        p.demand_tok_s()
     )
 }

@@ -277,9 +277,13 @@ pub struct BenchRow {
     pub ppl: Option<f64>,
     /// Layers per group of a channel-major image (0: none).
     pub span: usize,
-    /// What the weight plan predicted for this case (`bench-weights --plan`).
+    /// What the weight plan predicted for this case (`bench-weights --plan`): with
+    /// ActiveFlow's preloading pipeline, and read on demand only (what our pager does once
+    /// its cache fills the budget).
     pub planned_tok_s: Option<f64>,
     pub planned_read_mib: Option<f64>,
+    pub planned_demand_tok_s: Option<f64>,
+    pub planned_demand_read_mib: Option<f64>,
 }
 
 /// Sequential O_DIRECT read bandwidth of `path` in bytes/s (median of 3 passes).
@@ -444,6 +448,8 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             span: model.image_span(),
             planned_tok_s: plan.as_ref().map(mm::weightplan::Plan::tok_s),
             planned_read_mib: plan.as_ref().map(|p| p.read_bytes / f64::from(1 << 20)),
+            planned_demand_tok_s: plan.as_ref().map(mm::weightplan::Plan::demand_tok_s),
+            planned_demand_read_mib: plan.as_ref().map(|p| p.demand_read_bytes / f64::from(1 << 20)),
         });
     }
     Ok(rows)

@@ -183,9 +183,22 @@ fn weight_formats_generate_alike_and_misplaced_flags_are_refused() {
         let img = dir.path().join("cm.img");
         let paged = [&args[..], &["--weight-format", "channel-major", "--weights-budget", "60%", "--weights-image", img.to_str().unwrap()]];
         assert_eq!(json_ok(&paged.concat())["tokens"], packed["tokens"]);
+        // A weight plan held to dense weights picks the group size and still computes the
+        // packed model's tokens; it says what it chose.
+        let img = dir.path().join("planned.img");
+        let planned = [&args[..], &["--weights-plan", "--max-sparsity", "0", "--weights-budget", "60%", "--weights-image", img.to_str().unwrap()]];
+        let out = llms(&planned.concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("weight plan: sparsity 0, groups of"));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["tokens"], packed["tokens"]);
     }
     for (bad, why) in [
-        (&["tokenize", "--text-file", "/dev/null", "--sparsity", "0.5"][..], "--sparsity and --calib-text go with"),
+        (&["generate", "--prompt", "x", "--weights-plan", "--sparsity", "0.5"][..], "--weights-plan chooses the sparsity"),
+        (&["tokenize", "--text-file", "/dev/null", "--weights-plan"][..], "--weights-plan go with"),
+        (&["generate", "--prompt", "x", "--max-sparsity", "0.5"][..], "--max-sparsity goes with --weights-plan"),
+        (&["plan-weights", "--budgets", "0"][..], "not a percentage"),
+        (&["tokenize", "--text-file", "/dev/null", "--sparsity", "0.5"][..], "--sparsity, --calib-text and --weights-plan go with"),
         (&["generate", "--prompt", "x", "--calib-text", "/dev/null"][..], "--calib-text goes with --sparsity"),
         (&["generate", "--prompt", "x", "--no-preload"][..], "go with --weights paged"),
     ] {

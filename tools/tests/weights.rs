@@ -144,6 +144,49 @@ fn channel_major_paged_weights_give_the_resident_logits() {
     assert!(named[1] < named[0], "sparse named {} slots, dense {}", named[1], named[0]);
 }
 
+/// A weight plan (dense here: no calibration) picks a group size the image is built with and a
+/// budget it holds; the model computes the resident logits under it; when the budget changes
+/// the plan is re-made with the same sparsity and group and a smaller cache, the pager drops
+/// to the new budget, and a budget that cannot hold one group is refused with nothing changed.
+#[test]
+fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
+    if !uffd_ok() {
+        return;
+    }
+    use tools::weightplan::{budget_bytes, PlanSetup, SPANS};
+    let state = tempfile::tempdir().unwrap();
+    let setup = PlanSetup { levels: vec![0.0, 0.5], max_sparsity: 0.0, calib_text: fixture("gpl-3.txt"), state_dir: state.path().into(), threads: 2 };
+    let (inputs, levels) = tools::weightplan::inputs(&model_path(), &setup).unwrap();
+    assert_eq!(levels.len(), 1, "levels above --max-sparsity are not even calibrated");
+    assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weightplan::READ_SIZES.len());
+    let budget = budget_bytes(Budget::Percent(60.0), &inputs.shape);
+    let plan = inputs.plan(budget).unwrap();
+    assert!(plan.sparsity == 0.0 && SPANS.contains(&plan.span) && plan.budget == budget, "{plan:?}");
+    assert!(plan.cache_bytes <= budget && plan.hit_rate < 1.0 && plan.read_bytes > 0.0, "{plan:?}");
+
+    let format = ImageFormat::ChannelMajor { span: plan.span };
+    let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned.img")), preload: true, format };
+    let (model, pw) = load_paged(&model_path(), &opts).unwrap();
+    assert_eq!(model.image_span(), plan.span);
+    pw.set_plan(tools::weights::PlanState { inputs, plan: plan.clone() });
+    let cm = Arc::new(Model::load_as(&model_path(), WeightFormat::ChannelMajor).unwrap());
+    let want = run(&cm);
+    assert!(same_bits(&run(&model), &want), "planned paging changed the logits");
+
+    let smaller = budget * 2 / 3;
+    pw.set_budget(smaller).unwrap();
+    let re = pw.plan().unwrap();
+    assert_eq!((re.sparsity, re.span, re.budget), (plan.sparsity, plan.span, smaller));
+    assert!(re.cache_bytes < plan.cache_bytes && re.read_bytes > plan.read_bytes && re.tok_s() < plan.tok_s(), "{re:?}");
+    assert!(pw.resident_bytes() <= smaller, "{} resident over {smaller}", pw.resident_bytes());
+    assert!(same_bits(&run(&model), &want), "logits changed after re-planning");
+
+    let before = pw.stats().budget;
+    let err = pw.set_budget(64 << 10).unwrap_err();
+    assert!(err.to_string().contains("cannot hold one layer group"), "{err}");
+    assert_eq!((pw.plan().unwrap(), pw.stats().budget), (re, before), "a refused budget changed something");
+}
+
 /// Rss of the mapping that starts at `addr`, from /proc/self/smaps.
 fn smaps_rss(addr: usize) -> usize {
     let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();

@@ -1811,7 +1811,7 @@ fn bench_weights(
     }
     println!("model {} | threads {threads} | tg{tg}, median of {reps}", path.display());
     println!(
-        "{:<9} {:<13} {:>2} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8} {:>10}",
+        "{:<9} {:<13} {:>2} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8} {:>12} {:>12}",
         "weights",
         "layout",
         "N",
@@ -1826,11 +1826,12 @@ fn bench_weights(
         "faults/t",
         "floor t/s",
         "ppl",
-        "plan t/s,MiB"
+        "plan t/s,MiB",
+        "demand t/s,MiB"
     );
     for r in &rows {
         println!(
-            "{:<9} {:<13} {:>2} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8} {:>10}",
+            "{:<9} {:<13} {:>2} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8} {:>12} {:>12}",
             r.weights,
             r.layout,
             if r.span > 0 { r.span.to_string() } else { "-".into() },
@@ -1846,6 +1847,7 @@ fn bench_weights(
             r.floor_tok_s.map_or("-".into(), |f| format!("{f:.1}")),
             r.ppl.map_or("-".into(), |p| format!("{p:.4}")),
             r.planned_tok_s.zip(r.planned_read_mib).map_or("-".into(), |(t, m)| format!("{t:.1},{m:.1}")),
+            r.planned_demand_tok_s.zip(r.planned_demand_read_mib).map_or("-".into(), |(t, m)| format!("{t:.1},{m:.1}")),
         );
     }
     Ok(())
@@ -1893,13 +1895,13 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
         );
     }
     println!(
-        "{:>7} {:>9} {:>5} {:>3} {:>9} {:>9} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9}",
-        "budget", "MiB", "S", "N", "group MiB", "cache MiB", "hit", "MiB read/t", "preload", "comp", "onload", "tok/s"
+        "{:>7} {:>9} {:>5} {:>3} {:>9} {:>9} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "budget", "MiB", "S", "N", "group MiB", "cache MiB", "hit", "MiB read/t", "preload", "comp", "onload", "tok/s", "on demand"
     );
     for (b, p) in budgets.iter().zip(&plans) {
         let ms = |t: f64| format!("{:.2}ms", 1e3 * t);
         println!(
-            "{:>6}% {:>9.1} {:>5.2} {:>3} {:>9.2} {:>9.1} {:>5.1}% {:>10.1} {:>9} {:>9} {:>9} {:>9.1}",
+            "{:>6}% {:>9.1} {:>5.2} {:>3} {:>9.2} {:>9.1} {:>5.1}% {:>10.1} {:>9} {:>9} {:>9} {:>9.1} {:>9.1}",
             b,
             mib(p.budget as f64),
             p.sparsity,
@@ -1911,7 +1913,8 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
             ms(p.times.preload),
             ms(p.times.comp),
             ms(p.times.onload),
-            p.tok_s()
+            p.tok_s(),
+            p.demand_tok_s()
         );
     }
     Ok(())
