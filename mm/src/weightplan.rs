@@ -59,7 +59,8 @@ pub enum PlanError {
 /// Bandwidths of this machine: memory, and flash reads by size.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Bandwidths {
-    /// Bytes/s the CPUs read from memory.
+    /// Bytes/s the CPUs read from memory (`T_comp`, eq. 4); a caller that can measure the
+    /// engine computing over its weights passes that rate when it is lower.
     pub mem: f64,
     /// (read size in bytes, bytes/s) of O_DIRECT reads issued in batches, sizes increasing.
     pub flash: Vec<(usize, f64)>,

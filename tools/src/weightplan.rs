@@ -122,9 +122,32 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     }
     let shape = shape(model_path, &model.config)?;
     drop(model);
-    let bw = Bandwidths::measure(model_path, &READ_SIZES).context("measuring bandwidths for the weight plan")?;
+    let mut bw = Bandwidths::measure(model_path, &READ_SIZES).context("measuring bandwidths for the weight plan")?;
+    // T_comp (eq. 4) at the rate the engine computes over channel-major weights, which is
+    // well below what memory delivers to a plain sum (docs/weights.md "Planner").
+    bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes())?);
     let inputs = PlanInputs { shape, bw, levels: profiles, spans: SPANS.to_vec(), max_sparsity: s.max_sparsity, kv_bytes: 0 };
     Ok((inputs, thresholds))
+}
+
+/// Bytes/s the engine computes over when decoding with every weight resident, channel-major
+/// and dense: `weight_bytes` per token over the median time of a token (3 runs of 16).
+fn compute_rate(model_path: &Path, pool: &Arc<ThreadPool>, weight_bytes: usize) -> Result<f64> {
+    use engine::{Logits, Session, WeightFormat};
+    let cm = Arc::new(Model::load_as(model_path, WeightFormat::ChannelMajor)?);
+    let mut s = Session::new(Arc::clone(&cm), Arc::clone(pool), 64);
+    let mut tok = engine::sampler::argmax(s.eval(&[1, 2, 3, 4], Logits::Last)?);
+    let mut secs = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for _ in 0..16 {
+            tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
+        }
+        secs.push(t.elapsed().as_secs_f64() / 16.0);
+    }
+    secs.sort_by(f64::total_cmp);
+    #[allow(clippy::cast_precision_loss)]
+    Ok(weight_bytes as f64 / secs[1])
 }
 
 /// `budget` in bytes: a share of the weight bytes (layers and head) or bytes as given.

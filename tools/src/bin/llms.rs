@@ -1880,7 +1880,7 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
         mib(sh.weight_bytes() as f64)
     );
     let flash: Vec<String> = inputs.bw.flash.iter().map(|&(n, b)| format!("{} KiB {:.0}", n >> 10, b / 1e6)).collect();
-    println!("bandwidth MB/s: memory {:.0}; flash reads of {}", inputs.bw.mem / 1e6, flash.join(", "));
+    println!("bandwidth MB/s: computing (the engine over its weights, or memory if lower) {:.0}; flash reads of {}", inputs.bw.mem / 1e6, flash.join(", "));
     println!("{:>5} {:>10} {:>15} {:>15} {:>13}", "S", "read/token", "predicted 1/4/8", "hit at 25/50%", "");
     for l in &inputs.levels {
         println!(
