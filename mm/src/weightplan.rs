@@ -124,7 +124,13 @@ impl Bandwidths {
                             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
                             let slot = usize::try_from(seed >> 33).unwrap_or(0) % slots;
                             // SAFETY: inside `buf` (DEPTH pieces of `size`).
-                            Op { fd: file.as_raw_fd(), offset: (slot * size) as u64, buf: unsafe { base.add(i * size) }, len: size as u32, write: false }
+                            Op {
+                                fd: file.as_raw_fd(),
+                                offset: (slot * size) as u64,
+                                buf: unsafe { base.add(i * size) },
+                                len: size as u32,
+                                write: false,
+                            }
                         })
                         .collect();
                     // SAFETY: `buf` outlives the wait and nothing else touches it.
@@ -309,7 +315,11 @@ impl PlanInputs {
         if s.n_layers == 0 || s.layer_bytes == 0 || s.column_bytes == 0 || s.page == 0 {
             return Err(PlanError::Input("the model shape has an empty part".into()));
         }
-        if self.bw.mem.is_nan() || self.bw.mem <= 0.0 || self.bw.flash.is_empty() || !self.bw.flash.iter().all(|&(n, b)| n > 0 && b > 0.0 && b.is_finite()) {
+        if self.bw.mem.is_nan()
+            || self.bw.mem <= 0.0
+            || self.bw.flash.is_empty()
+            || !self.bw.flash.iter().all(|&(n, b)| n > 0 && b > 0.0 && b.is_finite())
+        {
             return Err(PlanError::Input("bandwidths must be positive".into()));
         }
         if self.levels.is_empty() || self.spans.is_empty() || self.spans.iter().any(|&n| n == 0 || n > MAX_SPAN) {
@@ -361,9 +371,8 @@ impl PlanInputs {
         let head_t = head_miss / bw.flash_at(f64::INFINITY) + head / bw.mem;
         // Flash bytes: the first group on demand, each later one preloaded plus its
         // mispredictions, the head's misses.
-        let read_bytes = miss * read_of(u_on) / u_on
-            + (groups - 1.0) * miss * (read_of(u_pre) / u_pre + (1.0 - si) * read_of(u_on) / u_on)
-            + head_miss;
+        let read_bytes =
+            miss * read_of(u_on) / u_on + (groups - 1.0) * miss * (read_of(u_pre) / u_pre + (1.0 - si) * read_of(u_on) / u_on) + head_miss;
         // On demand only: each group's misses read at one layer's run size, then computed.
         let demand_decode = groups * (miss / eff(u_on) + comp) + head_t;
         let demand_read_bytes = groups * miss * read_of(u_on) / u_on + head_miss;
@@ -488,7 +497,7 @@ mod tests {
         let c = p.cost(&level, 2, budget).unwrap();
         let (sl, head, layers) = (4096e3, 500.0 * 4096.0, 4.0 * 4096e3);
         let group = 2.0 * sl; // eq. 9, a = 1
-        // Fixed point of cache = M - group (1 - hr), hr = (cache - head) / layers.
+                              // Fixed point of cache = M - group (1 - hr), hr = (cache - head) / layers.
         let m = f64::from(3000 * 4096);
         let hr = (m - group - head) / (layers - group);
         assert!((c.hit_rate - hr).abs() < 1e-6, "{} vs {hr}", c.hit_rate);

@@ -62,7 +62,13 @@ pub fn shape(model_path: &Path, c: &engine::Config) -> Result<Shape> {
     let per_weight = layer_bytes as f64 / weights;
     let column = rows.iter().zip(channels).map(|(&r, ch)| (r * ch) as f64 * r as f64 * per_weight).sum::<f64>() / weights;
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    Ok(Shape { n_layers: c.n_layers, layer_bytes, head_bytes: head, column_bytes: (column.round() as usize).max(1), page: crate::weights::SPARSE_SLOT })
+    Ok(Shape {
+        n_layers: c.n_layers,
+        layer_bytes,
+        head_bytes: head,
+        column_bytes: (column.round() as usize).max(1),
+        page: crate::weights::SPARSE_SLOT,
+    })
 }
 
 fn profile_path(dir: &Path, fp: &mm::weights::Fingerprint, text: &str, level: f32) -> PathBuf {
@@ -70,7 +76,14 @@ fn profile_path(dir: &Path, fp: &mm::weights::Fingerprint, text: &str, level: f3
 }
 
 /// The profile of `level` (calibrated thresholds `sp`; `None` for dense), measured or saved.
-fn level_profile(model: &Arc<Model>, pool: &Arc<ThreadPool>, model_path: &Path, s: &PlanSetup, level: f32, sp: Option<Arc<Sparsity>>) -> Result<LevelProfile> {
+fn level_profile(
+    model: &Arc<Model>,
+    pool: &Arc<ThreadPool>,
+    model_path: &Path,
+    s: &PlanSetup,
+    level: f32,
+    sp: Option<Arc<Sparsity>>,
+) -> Result<LevelProfile> {
     if sp.is_none() {
         return Ok(LevelProfile::dense());
     }

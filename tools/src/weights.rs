@@ -358,7 +358,12 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     }
     #[allow(clippy::cast_precision_loss)]
     for (p, sp) in &o.plans {
-        let opts = PagedOptions { budget: Budget::Bytes(p.budget), image: o.image.clone(), preload: true, format: ImageFormat::ChannelMajor { span: p.span } };
+        let opts = PagedOptions {
+            budget: Budget::Bytes(p.budget),
+            image: o.image.clone(),
+            preload: true,
+            format: ImageFormat::ChannelMajor { span: p.span },
+        };
         let (m, pw) = load_paged(model_path, &opts)?;
         let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);
         cases.push((label, true, m, Some(pw), p.sparsity, sp.clone(), Some(p.clone())));

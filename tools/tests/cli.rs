@@ -186,7 +186,8 @@ fn weight_formats_generate_alike_and_misplaced_flags_are_refused() {
         // A weight plan held to dense weights picks the group size and still computes the
         // packed model's tokens; it says what it chose.
         let img = dir.path().join("planned.img");
-        let planned = [&args[..], &["--weights-plan", "--max-sparsity", "0", "--weights-budget", "60%", "--weights-image", img.to_str().unwrap()]];
+        let planned =
+            [&args[..], &["--weights-plan", "--max-sparsity", "0", "--weights-budget", "60%", "--weights-image", img.to_str().unwrap()]];
         let out = llms(&planned.concat());
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("weight plan: sparsity 0, groups of"));

@@ -155,7 +155,13 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     }
     use tools::weightplan::{budget_bytes, PlanSetup, SPANS};
     let state = tempfile::tempdir().unwrap();
-    let setup = PlanSetup { levels: vec![0.0, 0.5], max_sparsity: 0.0, calib_text: fixture("gpl-3.txt"), state_dir: state.path().into(), threads: 2 };
+    let setup = PlanSetup {
+        levels: vec![0.0, 0.5],
+        max_sparsity: 0.0,
+        calib_text: fixture("gpl-3.txt"),
+        state_dir: state.path().into(),
+        threads: 2,
+    };
     let (inputs, levels) = tools::weightplan::inputs(&model_path(), &setup).unwrap();
     assert_eq!(levels.len(), 1, "levels above --max-sparsity are not even calibrated");
     assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weightplan::READ_SIZES.len());

@@ -1803,7 +1803,17 @@ fn bench_weights(
             plans.push((p, sp));
         }
     }
-    let o = tools::weights::BenchOptions { budgets, tg, reps, threads, image: m.weights_image.clone(), no_preload_too, ppl_text, sparsity, plans };
+    let o = tools::weights::BenchOptions {
+        budgets,
+        tg,
+        reps,
+        threads,
+        image: m.weights_image.clone(),
+        no_preload_too,
+        ppl_text,
+        sparsity,
+        plans,
+    };
     let rows = tools::weights::bench(&path, &o)?;
     if json {
         println!("{}", serde_json::to_string(&rows)?);
@@ -1880,7 +1890,11 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
         mib(sh.weight_bytes() as f64)
     );
     let flash: Vec<String> = inputs.bw.flash.iter().map(|&(n, b)| format!("{} KiB {:.0}", n >> 10, b / 1e6)).collect();
-    println!("bandwidth MB/s: computing (the engine over its weights, or memory if lower) {:.0}; flash reads of {}", inputs.bw.mem / 1e6, flash.join(", "));
+    println!(
+        "bandwidth MB/s: computing (the engine over its weights, or memory if lower) {:.0}; flash reads of {}",
+        inputs.bw.mem / 1e6,
+        flash.join(", ")
+    );
     println!("{:>5} {:>10} {:>15} {:>15} {:>13}", "S", "read/token", "predicted 1/4/8", "hit at 25/50%", "");
     for l in &inputs.levels {
         println!(
