@@ -124,13 +124,8 @@ impl Bandwidths {
                             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
                             let slot = usize::try_from(seed >> 33).unwrap_or(0) % slots;
                             // SAFETY: inside `buf` (DEPTH pieces of `size`).
-                            Op {
-                                fd: file.as_raw_fd(),
-                                offset: (slot * size) as u64,
-                                buf: unsafe { base.add(i * size) },
-                                len: size as u32,
-                                write: false,
-                            }
+                            let at = unsafe { base.add(i * size) };
+                            Op { fd: file.as_raw_fd(), offset: (slot * size) as u64, buf: at, len: size as u32, write: false }
                         })
                         .collect();
                     // SAFETY: `buf` outlives the wait and nothing else touches it.
