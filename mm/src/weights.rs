@@ -316,6 +316,26 @@ struct Counters {
     prefetch_used: AtomicU64,
 }
 
+impl Counters {
+    /// The counters with the pager's residency, hot bytes and budget.
+    fn snapshot(&self, resident_bytes: usize, hot_bytes: usize, budget: usize) -> WeightStats {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        WeightStats {
+            fault_slots: ld(&self.fault_slots),
+            preload_slots: ld(&self.preload_slots),
+            prefetch_used: ld(&self.prefetch_used),
+            bytes_read: ld(&self.bytes_read),
+            evicted_slots: ld(&self.evicted_slots),
+            crc_failures: ld(&self.crc_failures),
+            advised_slots: ld(&self.advised_slots),
+            advised_resident: ld(&self.advised_resident),
+            resident_bytes: resident_bytes as u64,
+            hot_bytes: hot_bytes as u64,
+            budget: budget as u64,
+        }
+    }
+}
+
 /// A snapshot of a weight pager's counters.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct WeightStats {
@@ -579,21 +599,8 @@ impl WeightPager {
     }
 
     pub fn stats(&self) -> WeightStats {
-        let c = &self.shared.counters;
         let p = self.shared.policy.lock().unwrap_or_else(|e| e.into_inner());
-        WeightStats {
-            fault_slots: c.fault_slots.load(Ordering::Relaxed),
-            preload_slots: c.preload_slots.load(Ordering::Relaxed),
-            prefetch_used: 0,
-            bytes_read: c.bytes_read.load(Ordering::Relaxed),
-            evicted_slots: c.evicted_slots.load(Ordering::Relaxed),
-            crc_failures: c.crc_failures.load(Ordering::Relaxed),
-            advised_slots: c.advised_slots.load(Ordering::Relaxed),
-            advised_resident: c.advised_resident.load(Ordering::Relaxed),
-            resident_bytes: self.shared.region.resident_bytes() as u64,
-            hot_bytes: p.hot_bytes as u64,
-            budget: p.budget as u64,
-        }
+        self.shared.counters.snapshot(self.shared.region.resident_bytes(), p.hot_bytes, p.budget)
     }
 }
 
@@ -1029,21 +1036,8 @@ impl SparsePager {
     }
 
     pub fn stats(&self) -> WeightStats {
-        let c = &self.shared.counters;
         let l = self.shared.lfu.lock().unwrap_or_else(|e| e.into_inner());
-        WeightStats {
-            fault_slots: c.fault_slots.load(Ordering::Relaxed),
-            preload_slots: c.preload_slots.load(Ordering::Relaxed),
-            prefetch_used: c.prefetch_used.load(Ordering::Relaxed),
-            bytes_read: c.bytes_read.load(Ordering::Relaxed),
-            evicted_slots: c.evicted_slots.load(Ordering::Relaxed),
-            crc_failures: c.crc_failures.load(Ordering::Relaxed),
-            advised_slots: c.advised_slots.load(Ordering::Relaxed),
-            advised_resident: c.advised_resident.load(Ordering::Relaxed),
-            resident_bytes: self.shared.region.resident_bytes() as u64,
-            hot_bytes: 0,
-            budget: (l.budget_slots * self.shared.info.slot_size) as u64,
-        }
+        self.shared.counters.snapshot(self.shared.region.resident_bytes(), 0, l.budget_slots * self.shared.info.slot_size)
     }
 }
 

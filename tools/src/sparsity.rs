@@ -62,15 +62,20 @@ pub fn calibrated(
     let ids = model.tokenizer.encode(&text, false, false)?;
     let sp = engine::sparsity::calibrate(model, Arc::clone(pool), &ids, target).context("--sparsity")?;
     if let Some(v) = to_json(&sp) {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let saved =
-            std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&tmp, v.to_string())).and_then(|()| std::fs::rename(&tmp, &path));
-        if let Err(e) = saved {
-            let _ = std::fs::remove_file(&tmp);
-            eprintln!("llms: could not save the calibration to {}: {e}", path.display());
-        }
+        save(dir, &path, v.to_string().as_bytes(), "calibration");
     }
     Ok(Arc::new(sp))
+}
+
+/// Writes `bytes` to `path` in `dir` through a temporary file and a rename, so a reader never
+/// sees half of it; a failure only costs the next run the measurement (said on stderr).
+pub(crate) fn save(dir: &Path, path: &Path, bytes: &[u8], what: &str) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let saved = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&tmp, bytes)).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = saved {
+        let _ = std::fs::remove_file(&tmp);
+        eprintln!("llms: could not save the {what} to {}: {e}", path.display());
+    }
 }
 
 #[cfg(test)]

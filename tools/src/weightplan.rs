@@ -104,14 +104,7 @@ fn level_profile(
         similarity: (1..=MAX_SPAN.min(MAX_AHEAD)).map(|d| use_.similarity(d)).collect(),
         hit: (0..HIT_POINTS).map(|k| use_.hit_rate(k as f64 / (HIT_POINTS - 1) as f64)).collect(),
     };
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let saved = std::fs::create_dir_all(&s.state_dir)
-        .and_then(|()| std::fs::write(&tmp, serde_json::to_vec(&p).unwrap_or_default()))
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if let Err(e) = saved {
-        let _ = std::fs::remove_file(&tmp);
-        eprintln!("llms: could not save the weight profile to {}: {e}", path.display());
-    }
+    crate::sparsity::save(&s.state_dir, &path, &serde_json::to_vec(&p)?, "weight profile");
     Ok(p)
 }
 
