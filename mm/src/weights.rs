@@ -680,17 +680,20 @@ impl Shared {
         }
         let ss = self.info.slot_size;
         let mut skipped = VecDeque::new();
+        let mut batch = Vec::new();
         while (p.streamed.len() + skipped.len()) * ss + incoming > p.window {
             let Some(s) = p.streamed.pop_front() else { break };
             if keep.iter().any(|r| r.contains(&s)) {
                 skipped.push_back(s);
                 continue;
             }
-            // An error means a fault is filling it right now: the fault path reports it.
-            if self.region.evict(s).is_ok() {
-                self.counters.evicted_slots.fetch_add(1, Ordering::Relaxed);
-            }
+            batch.push(s);
         }
+        // One batch (streamed slots are mostly whole groups: a few long runs). A slot a
+        // fault is filling right now stays; the fault path reports it.
+        let mut gone = Vec::new();
+        let _ = self.region.evict_many(&batch, &mut gone);
+        self.counters.evicted_slots.fetch_add(gone.len() as u64, Ordering::Relaxed);
         while let Some(s) = skipped.pop_back() {
             p.streamed.push_front(s);
         }
@@ -800,6 +803,7 @@ fn read_install(
     slots: &[usize],
     installed: &mut dyn FnMut(usize),
 ) {
+    let done = &mut Vec::new();
     let ss = src.info.slot_size;
     let fd = src.file.as_raw_fd();
     let room = staging.len() / ss;
@@ -830,15 +834,26 @@ fn read_install(
         if unsafe { ring.submit(0, &ops) }.is_err() || ring.wait(0).is_err() {
             return;
         }
-        for (k, &slot) in slots[first..i].iter().enumerate() {
-            src.counters.bytes_read.fetch_add(ss as u64, Ordering::Relaxed);
-            if crc32c::crc32c(&staging.as_mut_slice()[k * ss..(k + 1) * ss]) != src.info.slot_crc[slot] {
+        let read = &slots[first..i];
+        src.counters.bytes_read.fetch_add((read.len() * ss) as u64, Ordering::Relaxed);
+        let buf = &staging.as_mut_slice()[..read.len() * ss];
+        // Runs of consecutive slots that pass their CRC go in with one copy each.
+        let mut k = 0;
+        while k < read.len() {
+            if crc32c::crc32c(&buf[k * ss..(k + 1) * ss]) != src.info.slot_crc[read[k]] {
                 src.counters.crc_failures.fetch_add(1, Ordering::Relaxed);
+                k += 1;
                 continue;
             }
-            if region.populate_from_at(slot, staging, k * ss, ss).is_ok() {
-                installed(slot);
+            let mut e = k + 1;
+            while e < read.len() && read[e] == read[e - 1] + 1 && crc32c::crc32c(&buf[e * ss..(e + 1) * ss]) == src.info.slot_crc[read[e]] {
+                e += 1;
             }
+            done.clear();
+            if region.copy_run(read[k], &buf[k * ss..e * ss], done).is_ok() {
+                done.iter().for_each(|&s| installed(s));
+            }
+            k = e;
         }
     }
 }
@@ -1082,10 +1097,11 @@ impl SparseShared {
         let named_now = |l: &Lfu, s: usize| l.stamp[s] == tick && !l.predicted[s];
         // A scan that finds nothing to evict ends it: everything left is named now.
         let mut evicted_since_scan = true;
+        let mut batch = Vec::new();
         while l.n_resident + incoming > l.budget_slots {
             let Some(s) = l.victims.pop() else {
                 if !evicted_since_scan {
-                    return;
+                    break;
                 }
                 evicted_since_scan = false;
                 let mut c: Vec<(bool, u32, std::cmp::Reverse<usize>)> = (0..l.resident.len())
@@ -1105,13 +1121,36 @@ impl SparseShared {
             if !l.resident[s] || named_now(l, s) {
                 continue;
             }
-            // An error means a fault is filling it right now: it stays.
-            if self.region.evict(s).is_ok() {
-                l.resident[s] = false;
-                l.predicted[s] = false;
-                l.n_resident -= 1;
-                evicted_since_scan = true;
-                self.counters.evicted_slots.fetch_add(1, Ordering::Relaxed);
+            // Taken from the count now, dropped below in one batch.
+            l.resident[s] = false;
+            l.n_resident -= 1;
+            batch.push(s);
+            evicted_since_scan = true;
+        }
+        self.drop_slots(l, &batch);
+    }
+
+    /// Evicts `slots` (taken off the books by the caller) in one batch; one a fault is
+    /// filling right now stays and is counted again.
+    fn drop_slots(&self, l: &mut Lfu, slots: &[usize]) {
+        if slots.is_empty() {
+            return;
+        }
+        let mut gone = Vec::with_capacity(slots.len());
+        if self.region.evict_many(slots, &mut gone).is_err() {
+            gone.clear();
+        }
+        for &s in &gone {
+            l.predicted[s] = false;
+        }
+        self.counters.evicted_slots.fetch_add(gone.len() as u64, Ordering::Relaxed);
+        if gone.len() < slots.len() {
+            gone.sort_unstable();
+            for &s in slots {
+                if gone.binary_search(&s).is_err() {
+                    l.resident[s] = true;
+                    l.n_resident += 1;
+                }
             }
         }
     }

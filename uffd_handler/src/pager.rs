@@ -642,7 +642,12 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Sr
             s.marked_dirty = false;
             drop(slots);
             r.stats.filled(slot, pages * PAGE);
-            wake(p, r.slot_addr(slot), r.slot_size as u64);
+            // Only a fault the handler saw while loading has a thread waiting: a fault it sees
+            // from now on finds the slot Resident and wakes its thread itself (`on_fault`).
+            // Not waking an empty slot saves a syscall per fill.
+            if !pending.is_empty() {
+                wake(p, r.slot_addr(slot), r.slot_size as u64);
+            }
             // Faults that came while loading, past what was filled: no data exists for them.
             let end = r.slot_addr(slot) + (pages * PAGE) as u64;
             for a in pending.into_iter().filter(|&a| a >= end) {
@@ -660,6 +665,61 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Sr
     };
     r.changed.notify_all();
     outcome
+}
+
+/// process_madvise on ourselves was refused once (a kernel before 6.13): madvise per range.
+static NO_PROCESS_MADVISE: AtomicBool = AtomicBool::new(false);
+
+/// This process's pidfd, opened once (and again after a fork).
+static SELF_PIDFD: Mutex<Option<(libc::pid_t, OwnedFd)>> = Mutex::new(None);
+
+/// MADV_DONTNEED over `ranges` (address, length): one process_madvise on ourselves per 1024
+/// ranges, so the kernel flushes the TLB once for the batch rather than once per range (an
+/// IPI to every core running this process, each time).
+fn dontneed(ranges: &[(*mut u8, usize)]) -> std::result::Result<(), Errno> {
+    let each = |rs: &[(*mut u8, usize)]| {
+        for &(at, len) in rs {
+            // SAFETY: the caller passes ranges of its own mapping whose pages it drops.
+            if unsafe { libc::madvise(at.cast(), len, libc::MADV_DONTNEED) } != 0 {
+                return Err(Errno::last());
+            }
+        }
+        Ok(())
+    };
+    if ranges.len() < 2 || NO_PROCESS_MADVISE.load(Ordering::Relaxed) {
+        return each(ranges);
+    }
+    let pidfd = {
+        let mut g = SELF_PIDFD.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        if g.as_ref().is_none_or(|(p, _)| *p != pid) {
+            // SAFETY: pidfd_open(pid, 0) returns a new descriptor we own, or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+            if fd < 0 {
+                NO_PROCESS_MADVISE.store(true, Ordering::Relaxed);
+                return each(ranges);
+            }
+            // SAFETY: a fresh descriptor nobody else owns.
+            *g = Some((pid, unsafe { OwnedFd::from_raw_fd(fd as i32) }));
+        }
+        g.as_ref().map(|(_, fd)| fd.as_raw_fd()).unwrap_or(-1)
+    };
+    for batch in ranges.chunks(1024) {
+        let iov: Vec<libc::iovec> = batch.iter().map(|&(at, len)| libc::iovec { iov_base: at.cast(), iov_len: len }).collect();
+        let total: usize = batch.iter().map(|r| r.1).sum();
+        // SAFETY: process_madvise reads `iov` (valid for the call) and drops pages of our own
+        // ranges, as madvise would.
+        let n = unsafe { libc::syscall(libc::SYS_process_madvise, pidfd, iov.as_ptr(), iov.len(), libc::MADV_DONTNEED, 0) };
+        if usize::try_from(n).ok() != Some(total) {
+            if n < 0 && matches!(Errno::last(), Errno::EINVAL | Errno::ENOSYS | Errno::EPERM) {
+                NO_PROCESS_MADVISE.store(true, Ordering::Relaxed);
+            }
+            // Partly done or refused: DONTNEED twice is harmless, so the whole batch again.
+            each(batch)?;
+        }
+    }
+    Ok(())
 }
 
 /// Whole pages staged for a slot, from its first byte.
@@ -842,6 +902,76 @@ impl Region {
         self.populate_inner(slot, Some(Src::Copy(&src[..whole])))
     }
 
+    /// Makes slots `first..` resident from `src`, which holds whole slots back to back
+    /// (page-aligned): one UFFDIO_COPY per run of evicted slots rather than one per slot, and
+    /// no wake unless a fault is waiting. Slots already resident, being filled or poisoned
+    /// are left as they are (their bytes in `src` unused). Appends the slots installed to
+    /// `out`; a run the kernel refuses is retried slot by slot, and a slot that still fails is
+    /// poisoned, as a failed fill is.
+    pub fn copy_run(&self, first: usize, src: &[u8], out: &mut Vec<usize>) -> Result<()> {
+        let r = &self.inner;
+        let ss = r.slot_size;
+        let n = src.len() / ss;
+        if !src.len().is_multiple_of(ss) || !(src.as_ptr() as usize).is_multiple_of(PAGE) {
+            return Err(UffdError::TooLong { region: r.id, slot: first, len: src.len(), slot_size: ss });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        r.check(first + n - 1)?;
+        let mut taken = Vec::with_capacity(n);
+        {
+            let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, s) in slots[first..first + n].iter_mut().enumerate() {
+                if s.state == SlotState::Evicted {
+                    s.state = SlotState::Loading;
+                    taken.push(first + i);
+                }
+            }
+        }
+        let bytes_of = |a: usize, b: usize| &src[(a - first) * ss..(b - first) * ss];
+        let mut i = 0;
+        while i < taken.len() {
+            let mut j = i + 1;
+            while j < taken.len() && taken[j] == taken[j - 1] + 1 {
+                j += 1;
+            }
+            let (a, b) = (taken[i], taken[j - 1] + 1);
+            r.stats.populates.fetch_add((b - a) as u64, Ordering::Relaxed);
+            if install(&self.pager, r, a, Src::Copy(bytes_of(a, b))).is_err() {
+                // Slot by slot: `fill_slot` skips pages already in and poisons what fails.
+                for s in a..b {
+                    if fill_slot(&self.pager, r, s, Some(Src::Copy(bytes_of(s, s + 1)))).is_ok() {
+                        out.push(s);
+                    }
+                }
+                i = j;
+                continue;
+            }
+            let mut waiting = false;
+            {
+                let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+                for s in &mut slots[a..b] {
+                    s.state = SlotState::Resident;
+                    s.filled_pages = ss / PAGE;
+                    s.marked_dirty = false;
+                    // Whole slots are filled: every waiting fault has its page.
+                    waiting |= !std::mem::take(&mut s.pending).is_empty();
+                }
+            }
+            for s in a..b {
+                r.stats.filled(s, ss);
+                out.push(s);
+            }
+            if waiting {
+                wake(&self.pager, r.slot_addr(a), ((b - a) * ss) as u64);
+            }
+            i = j;
+        }
+        r.changed.notify_all();
+        Ok(())
+    }
+
     fn populate_inner(&self, slot: usize, given: Option<Src<'_>>) -> Result<()> {
         self.inner.check(slot)?;
         let r = &self.inner;
@@ -939,6 +1069,57 @@ impl Region {
     /// never loses data it was not told was saved.
     pub fn evict(&self, slot: usize) -> Result<()> {
         self.evict_inner(slot, false)
+    }
+
+    /// Evicts what it can of `slots` (as [`Region::evict`]: not pinned, being loaded or
+    /// holding unsaved writes) with one batched MADV_DONTNEED — one syscall and one TLB flush
+    /// for them all where the kernel offers process_madvise on itself (6.13+), else one
+    /// madvise per run of adjacent slots. Appends the evicted slots to `out`.
+    pub fn evict_many(&self, slots: &[usize], out: &mut Vec<usize>) -> Result<()> {
+        let r = &self.inner;
+        let ss = r.slot_size;
+        let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut go: Vec<usize> = Vec::with_capacity(slots.len());
+        for &slot in slots {
+            let Some(s) = st.get(slot) else { continue };
+            if !matches!(s.state, SlotState::Resident | SlotState::Poisoned) || s.pins > 0 {
+                continue;
+            }
+            let dirty = s.state == SlotState::Resident
+                && if r.wp { !crate::dirty::written_pages(r.id, r.slot_addr(slot), ss, false)?.is_empty() } else { s.marked_dirty };
+            if !dirty {
+                go.push(slot);
+            }
+        }
+        go.sort_unstable();
+        go.dedup();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &s in &go {
+            match runs.last_mut() {
+                Some((a, n)) if *a + *n == s => *n += 1,
+                _ => runs.push((s, 1)),
+            }
+        }
+        // Under the lock, as `evict`: a fault for these slots waits until they are Evicted.
+        dontneed(&runs.iter().map(|&(a, n)| (self.slot_ptr(a), n * ss)).collect::<Vec<_>>()).map_err(|source| UffdError::Ioctl {
+            op: "MADV_DONTNEED",
+            region: r.id,
+            slot: go.first().copied().unwrap_or(0),
+            source,
+        })?;
+        let mut freed = Vec::with_capacity(go.len());
+        for &slot in &go {
+            let s = &mut st[slot];
+            freed.push(s.filled_pages * PAGE);
+            s.state = SlotState::Evicted;
+            s.filled_pages = 0;
+            s.marked_dirty = false;
+        }
+        drop(st);
+        freed.into_iter().for_each(|b| r.stats.evicted(b));
+        out.extend_from_slice(&go);
+        r.changed.notify_all();
+        Ok(())
     }
 
     /// Drops a slot's pages even if written (the caller no longer wants its contents).

@@ -26,7 +26,7 @@ pub(crate) struct RegionStats {
 pub struct StatsSnapshot {
     /// Page faults received for the region (each is one message from the kernel).
     pub faults: u64,
-    /// Slots made resident by `populate`/`pin`.
+    /// Slots made resident by `populate`/`pin`/`copy_run`.
     pub populates: u64,
     /// Slots filled (by a fault or a populate).
     pub fills: u64,

@@ -237,6 +237,104 @@ fn populate_from_a_staging_buffer_does_not_call_the_source() {
     assert!(matches!(r.populate_from(1, &mut st, SLOT + 1), Err(UffdError::TooLong { .. })));
 }
 
+/// Fills `buf` with the pattern of slots `first..` at `version`, back to back.
+fn stage_pattern(r: &Region, first: usize, version: u64, buf: &mut [u8]) {
+    for (k, slot) in buf.chunks_exact_mut(SLOT).enumerate() {
+        for (i, w) in slot.chunks_exact_mut(8).enumerate() {
+            w.copy_from_slice(&word(r.id(), first + k, version, i).to_le_bytes());
+        }
+    }
+}
+
+#[test]
+fn copy_run_installs_the_evicted_slots_of_a_run_and_leaves_the_rest() {
+    let Some(p) = pager() else { return };
+    let src = Arc::new(PatternSource::default());
+    let r = p.region(SLOT, 8, src.clone()).unwrap();
+    r.populate(2).unwrap();
+    let mut st = Staging::new(5 * SLOT).unwrap();
+    stage_pattern(&r, 0, 9, st.as_mut_slice());
+    let mut out = Vec::new();
+    r.copy_run(0, &st.as_mut_slice()[..4 * SLOT], &mut out).unwrap();
+    assert_eq!(out, [0, 1, 3], "slot 2 was resident: left as it was");
+    assert_eq!(src.calls.load(Ordering::SeqCst), 1, "only slot 2's own fill");
+    for s in [0, 1, 3] {
+        assert_eq!(r.state(s).unwrap(), SlotState::Resident);
+        check_slot(&r, s, 9, SLOT / 8);
+    }
+    check_slot(&r, 2, 0, SLOT / 8);
+    assert_eq!(r.resident_bytes(), 4 * SLOT);
+    // Hostile calls: nothing installed, a clear error.
+    let buf = st.as_mut_slice();
+    assert!(matches!(r.copy_run(4, &buf[..SLOT + 8], &mut out), Err(UffdError::TooLong { .. })), "not whole slots");
+    assert!(matches!(r.copy_run(4, &buf[8..SLOT + 8], &mut out), Err(UffdError::TooLong { .. })), "not page-aligned");
+    assert!(matches!(r.copy_run(6, &buf[..3 * SLOT], &mut out), Err(UffdError::NoSlot { slot: 8, .. })), "past the region");
+    assert_eq!(out, [0, 1, 3]);
+    assert_eq!(r.state(6).unwrap(), SlotState::Evicted);
+}
+
+/// Readers faulting on slots while they are evicted and installed by runs always see the
+/// right bytes and are always woken (a lost wake hangs this test).
+#[test]
+fn copy_run_wakes_every_reader_that_faulted() {
+    let Some(p) = pager() else { return };
+    // A slow source: a reader's fault usually finds the slot being filled by `copy_run`.
+    let src = Arc::new(PatternSource { delay: Some(Duration::from_micros(500)), ..Default::default() });
+    let r = Arc::new(p.region(SLOT, 8, src).unwrap());
+    let mut st = Staging::new(8 * SLOT).unwrap();
+    stage_pattern(&r, 0, 0, st.as_mut_slice());
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..3)
+        .map(|t| {
+            let (r, stop) = (Arc::clone(&r), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let s = (t * 3 + n as usize) % 8;
+                    check_slot(&r, s, 0, SLOT / 8);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let (mut out, mut gone) = (Vec::new(), Vec::new());
+    for _ in 0..200 {
+        gone.clear();
+        r.evict_many(&(0..8).collect::<Vec<_>>(), &mut gone).unwrap();
+        r.copy_run(0, st.as_mut_slice(), &mut out).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in readers {
+        assert!(t.join().unwrap() > 0);
+    }
+    assert!(!out.is_empty(), "runs installed slots");
+}
+
+#[test]
+fn evict_many_drops_what_it_may_in_one_batch() {
+    let Some(p) = pager() else { return };
+    let src = Arc::new(PatternSource::default());
+    let r = p.region(SLOT, 8, src.clone()).unwrap();
+    for s in 0..8 {
+        r.populate(s).unwrap();
+    }
+    r.pin(3).unwrap();
+    let mut out = Vec::new();
+    r.evict_many(&[7, 1, 2, 3, 5, 6, 7, 99], &mut out).unwrap();
+    assert_eq!(out, [1, 2, 5, 6, 7], "pinned, repeated and out-of-range slots are not evicted");
+    assert_eq!(r.resident_bytes(), 3 * SLOT);
+    for s in 0..8 {
+        let want = if [0, 3, 4].contains(&s) { SlotState::Resident } else { SlotState::Evicted };
+        assert_eq!(r.state(s).unwrap(), want, "slot {s}");
+    }
+    // Dropped pages really went: touching one fills it from its source again.
+    let before = src.calls.load(Ordering::SeqCst);
+    check_slot(&r, 6, 0, SLOT / 8);
+    assert_eq!(src.calls.load(Ordering::SeqCst), before + 1);
+    assert_eq!(r.stats().evictions, 5);
+}
+
 /// The kilobytes of `AnonHugePages` of the mapping holding `addr` (from /proc/self/smaps).
 fn anon_huge_kb(addr: usize) -> Option<usize> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
