@@ -696,12 +696,12 @@ fn dontneed(ranges: &[(*mut u8, usize)]) -> std::result::Result<(), Errno> {
         if g.as_ref().is_none_or(|(p, _)| *p != pid) {
             // SAFETY: pidfd_open(pid, 0) returns a new descriptor we own, or -1.
             let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-            if fd < 0 {
+            let Ok(fd) = i32::try_from(fd).map_err(drop).and_then(|fd| if fd < 0 { Err(()) } else { Ok(fd) }) else {
                 NO_PROCESS_MADVISE.store(true, Ordering::Relaxed);
                 return each(ranges);
-            }
+            };
             // SAFETY: a fresh descriptor nobody else owns.
-            *g = Some((pid, unsafe { OwnedFd::from_raw_fd(fd as i32) }));
+            *g = Some((pid, unsafe { OwnedFd::from_raw_fd(fd) }));
         }
         g.as_ref().map(|(_, fd)| fd.as_raw_fd()).unwrap_or(-1)
     };
