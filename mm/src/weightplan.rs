@@ -11,10 +11,14 @@
 //! - Eq. 9, `M_cl = S_l (1 - sp) N`: we use the level's **measured** share of a layer's bytes a
 //!   token reads for `1 - sp` (the calibrated levels differ per site, so the byte share is
 //!   not exactly `1 - sp`).
-//! - Eq. 8, `M = M_cl + M_cache + M_kv`: our pager has one pool; what a group needs beyond
-//!   the cache's hits is read into room taken from the cache. So the cache is
-//!   `M - M_kv - M_cl (1 - hr)`, solved by fixed-point iteration with the hit rate it gives
-//!   (at 100% the group's misses vanish and everything is cache, as measured).
+//! - Eq. 8, `M = M_cl + M_cache + M_kv`: what the reader needs beyond the cache's hits is
+//!   read into room beside it — but one **layer's** misses, not a group's: the preload thread
+//!   need only run a layer or so ahead of the reader to hide its reads, and room for a whole
+//!   group's misses cost more cache than overlapping saved (measured, docs/weights.md). So
+//!   the cache is `M - M_kv - S_l a (1 - hr)`, solved by fixed-point iteration with the hit
+//!   rate it gives (at 100% the misses vanish and everything is cache, as measured); the
+//!   room beside it is the preloads' (`Plan::preload_room`) unless reading on demand is
+//!   predicted faster.
 //! - The cache holds the output head first (it is read whole every token, so the LFU ranks it
 //!   first), then the most used columns; `hr` of the layers is the level's measured hit
 //!   curve at the cache's share of the layer bytes.
@@ -287,10 +291,13 @@ pub struct Plan {
     /// Bytes read from flash per token.
     pub read_bytes: f64,
     pub times: Times,
-    /// The same budget read only on demand (no room set aside for preloading: what
-    /// `SparsePager` does once its cache fills the budget): seconds per token and bytes read.
+    /// The same budget read only on demand (no room set aside for preloading, so a cache
+    /// larger by about a group's misses): seconds per token and bytes read.
     pub demand_decode: f64,
     pub demand_read_bytes: f64,
+    /// Bytes set aside for preloads (ActiveFlow's `M_cl` beside the cache): the pipeline's
+    /// when it is predicted faster than reading on demand, else 0.
+    pub preload_room: usize,
 }
 
 impl Plan {
@@ -301,6 +308,11 @@ impl Plan {
     /// Predicted decode speed when every miss is read on demand.
     pub fn demand_tok_s(&self) -> f64 {
         1.0 / self.demand_decode
+    }
+
+    /// Seconds per token of the way the plan pages (preloading or on demand).
+    pub fn best_decode(&self) -> f64 {
+        self.times.decode.min(self.demand_decode)
     }
 }
 
@@ -336,10 +348,10 @@ impl PlanInputs {
         }
         let layers_all = (s.n_layers * s.layer_bytes) as f64;
         let head = s.head_bytes as f64;
-        // Eq. 8 with the group's misses taking room from the cache (module doc).
+        // Eq. 8 with the misses in flight taking room from the cache: one layer's (module doc).
         let (mut hr, mut cache) = (0.0, 0.0);
         for _ in 0..32 {
-            cache = (room - group * (1.0 - hr)).max(0.0);
+            cache = (room - layer_active * (1.0 - hr)).max(0.0);
             let next = level.hit_rate((cache - head).max(0.0) / layers_all);
             if (next - hr).abs() < 1e-9 {
                 break;
@@ -372,6 +384,9 @@ impl PlanInputs {
         let demand_decode = groups * (miss / eff(u_on) + comp) + head_t;
         let demand_read_bytes = groups * miss * read_of(u_on) / u_on + head_miss;
         let decode = load + (groups - 1.0) * overlap + comp + head_t; // eq. 1
+        // The room beside the cache is the preloads' where they pay (mispredictions read
+        // twice can cost more than overlapping saves).
+        let preload_room = if decode < demand_decode { (room - cache).max(0.0) } else { 0.0 };
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         Some(Plan {
             budget,
@@ -385,6 +400,7 @@ impl PlanInputs {
             times: Times { load, onload, preload, comp, overlap, head: head_t, decode },
             demand_decode,
             demand_read_bytes,
+            preload_room: preload_room as usize,
         })
     }
 
@@ -415,7 +431,7 @@ impl PlanInputs {
             if let Some(b) = &best {
                 // A larger group no longer reads meaningfully faster, or its mispredictions
                 // (eq. 6) cost more than its larger reads save: keep the smaller one.
-                if per_layer(&p) > 0.95 * per_layer(b) || p.times.decode > b.times.decode {
+                if per_layer(&p) > 0.95 * per_layer(b) || p.best_decode() > b.best_decode() {
                     break;
                 }
             }
@@ -481,8 +497,8 @@ mod tests {
         assert!((bw.flash_at(16384.0) - 300.0).abs() < 1e-9, "halfway in log size");
     }
 
-    /// The equations, by hand, for one case: dense, span 2, a budget leaving 20% of the
-    /// layers cached after the head and the group's misses.
+    /// The equations, by hand, for one case: dense, span 2, a budget leaving half of the
+    /// layers cached after the head and one layer's misses.
     #[test]
     fn cost_follows_the_equations() {
         let mut p = inputs(vec![(4096, 1e8), (65536, 1e9)]);
@@ -492,11 +508,11 @@ mod tests {
         let c = p.cost(&level, 2, budget).unwrap();
         let (sl, head, layers) = (4096e3, 500.0 * 4096.0, 4.0 * 4096e3);
         let group = 2.0 * sl; // eq. 9, a = 1
-                              // Fixed point of cache = M - group (1 - hr), hr = (cache - head) / layers.
+                              // Fixed point of cache = M - S_l (1 - hr), hr = (cache - head) / layers.
         let m = f64::from(3000 * 4096);
-        let hr = (m - group - head) / (layers - group);
+        let hr = (m - sl - head) / (layers - sl);
         assert!((c.hit_rate - hr).abs() < 1e-6, "{} vs {hr}", c.hit_rate);
-        assert!((hr - 0.25).abs() < 1e-9);
+        assert!((hr - 0.5).abs() < 1e-9);
         // Dense: runs cover a quarter of a layer (or a group), reads at the largest measured size.
         let miss = group * (1.0 - hr);
         let t = c.times;
@@ -510,6 +526,17 @@ mod tests {
         assert!(close(c.read_bytes, 2.0 * miss), "dense runs read no extra pages");
         assert!(close(c.demand_decode, 2.0 * (miss / 1e9 + group / 10e9) + t.head), "on demand: read, then compute");
         assert!(close(c.demand_read_bytes, c.read_bytes));
+        // Overlapping wins: the room beside the cache (one layer's misses) is the preloads'.
+        assert!(t.decode < c.demand_decode);
+        assert!((c.preload_room as f64 - sl * (1.0 - hr)).abs() < 2.0, "{c:?}");
+        assert_eq!(c.best_decode(), t.decode);
+        // A level whose layers predict nothing reads its misses twice when preloading:
+        // reading on demand wins and no room is set aside.
+        let blind = LevelProfile { similarity: vec![0.0; MAX_SPAN], ..LevelProfile::dense() };
+        let c = p.cost(&blind, 2, budget).unwrap();
+        assert!(c.demand_decode < c.times.decode, "{c:?}");
+        assert_eq!(c.preload_room, 0);
+        assert_eq!(c.best_decode(), c.demand_decode);
     }
 
     #[test]

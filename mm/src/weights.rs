@@ -313,6 +313,7 @@ struct Counters {
     crc_failures: AtomicU64,
     advised_slots: AtomicU64,
     advised_resident: AtomicU64,
+    advised_landing: AtomicU64,
     prefetch_used: AtomicU64,
 }
 
@@ -329,6 +330,7 @@ impl Counters {
             crc_failures: ld(&self.crc_failures),
             advised_slots: ld(&self.advised_slots),
             advised_resident: ld(&self.advised_resident),
+            advised_landing: ld(&self.advised_landing),
             resident_bytes: resident_bytes as u64,
             hot_bytes: hot_bytes as u64,
             budget: budget as u64,
@@ -353,6 +355,8 @@ pub struct WeightStats {
     /// Slots of announced groups, and how many were already resident when announced.
     pub advised_slots: u64,
     pub advised_resident: u64,
+    /// Of the rest, how many the preload thread was reading (the reader waited for them).
+    pub advised_landing: u64,
     pub resident_bytes: u64,
     pub hot_bytes: u64,
     pub budget: u64,
@@ -871,6 +875,10 @@ pub struct SparseOptions {
     /// Use counts are halved every this many announcements, so the cache follows what the
     /// current context uses (ActiveFlow §4.2's context-level cache).
     pub decay: u32,
+    /// Bytes of the budget predictions may hold while not yet named (ActiveFlow's `M_cl`,
+    /// what the plan sets aside for a group's preloads): within it a prediction evicts the
+    /// least used cached slots. Beyond it (or with 0) predictions only use free budget.
+    pub reserve: usize,
 }
 
 /// LFU state of a [`SparsePager`].
@@ -882,6 +890,12 @@ struct Lfu {
     stamp: Vec<u32>,
     /// Loaded by a prediction and not yet named.
     predicted: Vec<bool>,
+    /// Slots predicted and not yet named, resident or being read.
+    n_predicted: usize,
+    /// Being read by the preload thread: the reader waits for them rather than reading them
+    /// a second time.
+    inflight: Vec<bool>,
+    reserve_slots: usize,
     resident: Vec<bool>,
     /// Resident slots, plus those being read (reserved, so two loaders never overshoot).
     n_resident: usize,
@@ -896,6 +910,8 @@ struct SparseShared {
     info: Arc<ImageInfo>,
     counters: Arc<Counters>,
     lfu: Mutex<Lfu>,
+    /// Signalled when a preload batch lands.
+    landed: Condvar,
     horizon: u32,
     decay: u32,
 }
@@ -922,12 +938,14 @@ struct Loader {
     staging: Staging,
     slots: Vec<usize>,
     missing: Vec<usize>,
+    /// Named slots the preload thread is reading.
+    landing: Vec<usize>,
 }
 
 impl Loader {
     fn new(path: &Path) -> Result<Self> {
         // One batch of reads: a layer's share is at most a few MiB (more takes several).
-        Ok(Self { ring: Ring::new(256).map_err(io_err(path))?, staging: Staging::new(4 << 20)?, slots: Vec::new(), missing: Vec::new() })
+        Ok(Self { ring: Ring::new(256).map_err(io_err(path))?, staging: Staging::new(4 << 20)?, slots: Vec::new(), missing: Vec::new(), landing: Vec::new() })
     }
 }
 
@@ -973,6 +991,9 @@ impl SparsePager {
             uses: vec![0; n],
             stamp: vec![0; n],
             predicted: vec![false; n],
+            n_predicted: 0,
+            inflight: vec![false; n],
+            reserve_slots: 0,
             resident: vec![false; n],
             n_resident: 0,
             tick: 0,
@@ -984,10 +1005,12 @@ impl SparsePager {
             info,
             counters,
             lfu: Mutex::new(lfu),
+            landed: Condvar::new(),
             horizon: opts.horizon.max(1),
             decay: opts.decay.max(1),
         });
         shared.set_budget(opts.budget)?;
+        shared.set_reserve(opts.reserve);
         let demand = Mutex::new(Loader::new(path)?);
         let (tx, thread) = if opts.preload {
             let (tx, rx) = channel::<Vec<usize>>();
@@ -1046,6 +1069,11 @@ impl SparsePager {
         self.shared.set_budget(budget)
     }
 
+    /// Sets how many bytes of the budget predictions may hold ([`SparseOptions::reserve`]).
+    pub fn set_reserve(&self, bytes: usize) {
+        self.shared.set_reserve(bytes);
+    }
+
     pub fn resident_bytes(&self) -> usize {
         self.shared.region.resident_bytes()
     }
@@ -1073,8 +1101,12 @@ impl SparseShared {
         }
         let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
         l.budget_slots = budget / ss;
-        self.make_room(&mut l, 0);
+        self.make_room(&mut l, 0, false);
         Ok(())
+    }
+
+    fn set_reserve(&self, bytes: usize) {
+        self.lfu.lock().unwrap_or_else(|e| e.into_inner()).reserve_slots = bytes / self.info.slot_size;
     }
 
     /// Whether slot `s` was predicted and not yet named within the horizon.
@@ -1086,8 +1118,9 @@ impl SparseShared {
     /// budget: least used first — ties: the later slot, so a reader that uses everything
     /// alike keeps a fixed set resident and streams the rest rather than evicting what it
     /// needs next — fresh predictions last, the current announcement's never. The order
-    /// comes from one scan, used until it runs out.
-    fn make_room(&self, l: &mut Lfu, incoming: usize) {
+    /// comes from one scan, used until it runs out. For a prediction (`for_prediction`) fresh
+    /// predictions are never evicted: one prediction must not push out another.
+    fn make_room(&self, l: &mut Lfu, incoming: usize, for_prediction: bool) {
         for s in std::mem::take(&mut *self.src.faulted.lock().unwrap_or_else(|e| e.into_inner())) {
             if !std::mem::replace(&mut l.resident[s], true) {
                 l.n_resident += 1;
@@ -1118,7 +1151,7 @@ impl SparseShared {
                 l.victims = c.into_iter().rev().map(|(_, _, std::cmp::Reverse(s))| s).collect();
                 continue;
             };
-            if !l.resident[s] || named_now(l, s) {
+            if !l.resident[s] || named_now(l, s) || (for_prediction && self.fresh(l, s)) {
                 continue;
             }
             // Taken from the count now, dropped below in one batch.
@@ -1141,7 +1174,9 @@ impl SparseShared {
             gone.clear();
         }
         for &s in &gone {
-            l.predicted[s] = false;
+            if std::mem::take(&mut l.predicted[s]) {
+                l.n_predicted -= 1;
+            }
         }
         self.counters.evicted_slots.fetch_add(gone.len() as u64, Ordering::Relaxed);
         if gone.len() < slots.len() {
@@ -1159,8 +1194,9 @@ impl SparseShared {
     /// uses counted, hits counted, room made by evicting. Predicted: only into free budget,
     /// a prediction never evicts the cache.
     fn load(&self, ld: &mut Loader, named: bool, before_wait: &dyn Fn()) {
-        let Loader { ring, staging, slots, missing } = ld;
+        let Loader { ring, staging, slots, missing, landing } = ld;
         missing.clear();
+        landing.clear();
         {
             let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
             self.region.evicted_of(slots, missing);
@@ -1174,26 +1210,43 @@ impl SparseShared {
                 for &s in slots.iter() {
                     l.uses[s] = l.uses[s].saturating_add(1);
                     l.stamp[s] = tick;
-                    used += u64::from(std::mem::take(&mut l.predicted[s]));
+                    if std::mem::take(&mut l.predicted[s]) {
+                        l.n_predicted -= 1;
+                        used += 1;
+                    }
                 }
+                // What the preload thread is reading now is waited for, not read twice.
+                missing.retain(|&s| !(l.inflight[s] && { landing.push(s); true }));
                 let c = &self.counters;
                 c.prefetch_used.fetch_add(used, Ordering::Relaxed);
                 c.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
-                c.advised_resident.fetch_add((slots.len() - missing.len()) as u64, Ordering::Relaxed);
-                self.make_room(&mut l, missing.len());
+                c.advised_resident.fetch_add((slots.len() - missing.len() - landing.len()) as u64, Ordering::Relaxed);
+                c.advised_landing.fetch_add(landing.len() as u64, Ordering::Relaxed);
+                self.make_room(&mut l, missing.len(), false);
             } else {
-                self.make_room(&mut l, 0);
-                missing.truncate(l.budget_slots.saturating_sub(l.n_resident));
+                self.make_room(&mut l, 0, false);
+                // Free budget, or the reserve's room (evicting the least used cached slots);
+                // one staging's worth, so what lands is soon usable.
+                let free = l.budget_slots.saturating_sub(l.n_resident);
+                let room = free.max(l.reserve_slots.saturating_sub(l.n_predicted));
+                missing.truncate(room.min(staging.len() / self.info.slot_size));
+                if missing.len() > free {
+                    self.make_room(&mut l, missing.len(), true);
+                    missing.truncate(l.budget_slots.saturating_sub(l.n_resident));
+                }
                 let tick = l.tick;
                 for &s in missing.iter() {
                     l.stamp[s] = tick;
+                    l.predicted[s] = true;
+                    l.inflight[s] = true;
                 }
+                l.n_predicted += missing.len();
             }
             // Reserved while the reads are in flight, so the other loader sees the room as
             // taken; each slot counts again below once installed.
             l.n_resident += missing.len();
         }
-        if missing.is_empty() {
+        if missing.is_empty() && landing.is_empty() {
             return;
         }
         before_wait();
@@ -1201,14 +1254,30 @@ impl SparseShared {
         read_install(&self.region, &self.src, ring, staging, missing, &mut |s| done.push(s));
         let mut l = self.lfu.lock().unwrap_or_else(|e| e.into_inner());
         l.n_resident -= missing.len();
-        for s in done {
-            if !std::mem::replace(&mut l.resident[s], true) {
+        done.sort_unstable();
+        for &s in missing.iter() {
+            let installed = done.binary_search(&s).is_ok();
+            if installed && !std::mem::replace(&mut l.resident[s], true) {
                 l.n_resident += 1;
             }
             if !named {
-                l.predicted[s] = true;
-                self.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
+                l.inflight[s] = false;
+                if installed {
+                    self.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
+                } else if std::mem::take(&mut l.predicted[s]) {
+                    // Not read: no longer held (one the reader named meanwhile was counted
+                    // there; it faults in).
+                    l.n_predicted -= 1;
+                }
             }
+        }
+        if named {
+            // A slot the preload could not install stays missing: the reader's touch faults it in.
+            while landing.iter().any(|&s| l.inflight[s]) {
+                l = self.landed.wait(l).unwrap_or_else(|e| e.into_inner());
+            }
+        } else {
+            self.landed.notify_all();
         }
     }
 }

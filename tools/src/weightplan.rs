@@ -170,14 +170,18 @@ pub fn budget_bytes(budget: crate::weights::Budget, shape: &Shape) -> usize {
 pub fn describe(p: &mm::weightplan::Plan) -> String {
     let mib = |b: f64| b / f64::from(1 << 20);
     format!(
-        "weight plan: sparsity {}, groups of {} layers, group {:.1} MiB, cache {:.1} MiB, hit {:.1}%; predicted {:.1} tok/s reading {:.1} MiB/token with preloading, {:.1} tok/s reading on demand",
+        "weight plan: sparsity {}, groups of {} layers, group {:.1} MiB, {}; predicted {:.1} tok/s reading {:.1} MiB/token with preloading, {:.1} tok/s reading {:.1} MiB/token on demand",
         p.sparsity,
         p.span,
         mib(p.group_bytes as f64),
-        mib(p.cache_bytes as f64),
-        100.0 * p.hit_rate,
+        if p.preload_room > 0 {
+            format!("cache {:.1} MiB and {:.1} MiB for preloads (hit {:.1}%)", mib(p.cache_bytes as f64), mib(p.preload_room as f64), 100.0 * p.hit_rate)
+        } else {
+            "on demand (preloads only into free budget)".to_string()
+        },
         p.tok_s(),
         mib(p.read_bytes),
-        p.demand_tok_s()
+        p.demand_tok_s(),
+        mib(p.demand_read_bytes)
     )
 }

@@ -146,6 +146,7 @@ impl PagedWeights {
         }
         if let (Some(st), Some(p)) = (plan.as_mut(), replanned) {
             tracing::info!(budget, cache = p.cache_bytes, tok_s = p.tok_s(), "weights re-planned");
+            self.reserve_for(&p);
             st.plan = p;
         }
         Ok(())
@@ -153,7 +154,15 @@ impl PagedWeights {
 
     /// Puts `plan` in force (it chose this image's group size and the budget).
     pub fn set_plan(&self, plan: PlanState) {
+        self.reserve_for(&plan.plan);
         *self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(plan);
+    }
+
+    /// The room the plan sets aside beside its cache is the preloads' (ActiveFlow's `M_cl`).
+    fn reserve_for(&self, plan: &mm::weightplan::Plan) {
+        if let Paging::Sparse(p) = &self.pager {
+            p.set_reserve(plan.preload_room);
+        }
     }
 
     /// The plan in force, if any.
@@ -228,9 +237,12 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
                         + layout.groups.iter().filter(|g| matches!(g.kind, GroupKind::Head(_))).count();
                 let horizon = u32::try_from(4 * (span + 1) + 2).unwrap_or(u32::MAX);
                 let decay = u32::try_from(16 * per_token).unwrap_or(u32::MAX);
-                // Predictions fill only free budget: setting ActiveFlow's M_cl (eq. 9) aside
-                // for them made every configuration read more (docs/weights.md).
-                Paging::Sparse(Box::new(SparsePager::open(&image, fp, &SparseOptions { budget, preload: opts.preload, horizon, decay })?))
+                // Predictions fill free budget until a plan sets room aside for them.
+                Paging::Sparse(Box::new(SparsePager::open(
+                    &image,
+                    fp,
+                    &SparseOptions { budget, preload: opts.preload, horizon, decay, reserve: 0 },
+                )?))
             }
         })
     };
@@ -323,9 +335,10 @@ pub struct BenchOptions {
     /// packed image, read whole. Else every paged case reads a channel-major image by active
     /// channel, and each level above 0 also runs resident channel-major.
     pub sparsity: Vec<(f32, Option<Arc<engine::sparsity::Sparsity>>)>,
-    /// Instead of budgets x levels: one paged case per plan (its budget, level and group
-    /// size), reported next to what the plan predicted.
-    pub plans: Vec<(mm::weightplan::Plan, Option<Arc<engine::sparsity::Sparsity>>)>,
+    /// Instead of budgets x levels: one paged case per plan (its budget, level, group size
+    /// and preload room), reported next to what the plan predicted; with `no_preload_too`
+    /// also read on demand only.
+    pub plans: Vec<(PlanState, Option<Arc<engine::sparsity::Sparsity>>)>,
 }
 
 /// Decode speed, flash reads and hit rate with weights resident and paged at each budget,
@@ -343,9 +356,9 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     type Case = (String, bool, Arc<Model>, Option<Arc<PagedWeights>>, f32, Sp, Option<mm::weightplan::Plan>);
     let mut cases: Vec<Case> = vec![("resident".into(), true, resident, None, 0.0, None, None)];
     let mut levels = if o.sparsity.is_empty() { vec![(0.0, None)] } else { o.sparsity.clone() };
-    for (p, sp) in &o.plans {
-        if !levels.iter().any(|(s, _)| *s == p.sparsity) {
-            levels.push((p.sparsity, sp.clone()));
+    for (st, sp) in &o.plans {
+        if !levels.iter().any(|(s, _)| *s == st.plan.sparsity) {
+            levels.push((st.plan.sparsity, sp.clone()));
         }
     }
     let by_channel = levels.iter().any(|(s, _)| *s > 0.0) || !o.plans.is_empty();
@@ -357,16 +370,16 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
         }
     }
     #[allow(clippy::cast_precision_loss)]
-    for (p, sp) in &o.plans {
-        let opts = PagedOptions {
-            budget: Budget::Bytes(p.budget),
-            image: o.image.clone(),
-            preload: true,
-            format: ImageFormat::ChannelMajor { span: p.span },
-        };
-        let (m, pw) = load_paged(model_path, &opts)?;
-        let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);
-        cases.push((label, true, m, Some(pw), p.sparsity, sp.clone(), Some(p.clone())));
+    for (st, sp) in &o.plans {
+        let p = &st.plan;
+        for preload in [true, false].into_iter().filter(|&pre| pre || (o.no_preload_too && p.budget < st.inputs.shape.weight_bytes())) {
+            let opts =
+                PagedOptions { budget: Budget::Bytes(p.budget), image: o.image.clone(), preload, format: ImageFormat::ChannelMajor { span: p.span } };
+            let (m, pw) = load_paged(model_path, &opts)?;
+            pw.set_plan(st.clone());
+            let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);
+            cases.push((label, preload, m, Some(pw), p.sparsity, sp.clone(), Some(p.clone())));
+        }
     }
     for &b in o.budgets.iter().filter(|_| o.plans.is_empty()) {
         let mut modes = vec![true];

@@ -1428,7 +1428,7 @@ fn weights_line(tokens: usize) -> Option<String> {
     let pw = PAGED.get()?;
     let s = pw.stats();
     Some(format!(
-        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots (precision {:.1}%)",
+        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots (precision {:.1}%{})",
         if pw.is_sparse() { " by channel" } else { "" },
         mib(s.budget as usize),
         mib(pw.weight_bytes),
@@ -1440,6 +1440,11 @@ fn weights_line(tokens: usize) -> Option<String> {
         s.fault_slots,
         s.preload_slots,
         100.0 * s.preload_precision(),
+        if s.advised_landing > 0 {
+            format!(", {:.1}% of reads waited for a preload", 100.0 * s.advised_landing as f64 / s.advised_slots.max(1) as f64)
+        } else {
+            String::new()
+        },
     ))
 }
 
@@ -1798,9 +1803,9 @@ fn bench_weights(
     if let Some(pl) = plan_levels {
         let (inputs, thresholds) = plan_inputs(m, pl)?;
         for &b in &budgets {
-            let p = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape))?;
-            let sp = thresholds.iter().find(|(l, _)| *l == p.sparsity).and_then(|(_, sp)| sp.clone());
-            plans.push((p, sp));
+            let plan = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape))?;
+            let sp = thresholds.iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp.clone());
+            plans.push((tools::weights::PlanState { inputs: inputs.clone(), plan }, sp));
         }
     }
     let o = tools::weights::BenchOptions {
@@ -1909,26 +1914,42 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
         );
     }
     println!(
-        "{:>7} {:>9} {:>5} {:>3} {:>9} {:>9} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "budget", "MiB", "S", "N", "group MiB", "cache MiB", "hit", "MiB read/t", "preload", "comp", "onload", "tok/s", "on demand"
+        "{:>7} {:>9} {:>5} {:>3} {:>9} {:>9} {:>9} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "budget",
+        "MiB",
+        "S",
+        "N",
+        "group MiB",
+        "cache MiB",
+        "room MiB",
+        "hit",
+        "MiB read/t",
+        "preload",
+        "comp",
+        "onload",
+        "tok/s",
+        "on demand",
+        "demand MiB"
     );
     for (b, p) in budgets.iter().zip(&plans) {
         let ms = |t: f64| format!("{:.2}ms", 1e3 * t);
         println!(
-            "{:>6}% {:>9.1} {:>5.2} {:>3} {:>9.2} {:>9.1} {:>5.1}% {:>10.1} {:>9} {:>9} {:>9} {:>9.1} {:>9.1}",
+            "{:>6}% {:>9.1} {:>5.2} {:>3} {:>9.2} {:>9.1} {:>9.1} {:>5.1}% {:>10.1} {:>9} {:>9} {:>9} {:>9.1} {:>9.1} {:>10.1}",
             b,
             mib(p.budget as f64),
             p.sparsity,
             p.span,
             mib(p.group_bytes as f64),
             mib(p.cache_bytes as f64),
+            mib(p.preload_room as f64),
             100.0 * p.hit_rate,
             mib(p.read_bytes),
             ms(p.times.preload),
             ms(p.times.comp),
             ms(p.times.onload),
             p.tok_s(),
-            p.demand_tok_s()
+            p.demand_tok_s(),
+            mib(p.demand_read_bytes)
         );
     }
     Ok(())
