@@ -384,8 +384,8 @@ impl PlanInputs {
         let demand_decode = groups * (miss / eff(u_on) + comp) + head_t;
         let demand_read_bytes = groups * miss * read_of(u_on) / u_on + head_miss;
         let decode = load + (groups - 1.0) * overlap + comp + head_t; // eq. 1
-        // The room beside the cache is the preloads' where they pay (mispredictions read
-        // twice can cost more than overlapping saves).
+                                                                      // The room beside the cache is the preloads' where they pay (mispredictions read
+                                                                      // twice can cost more than overlapping saves).
         let preload_room = if decode < demand_decode { (room - cache).max(0.0) } else { 0.0 };
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         Some(Plan {

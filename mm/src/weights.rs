@@ -892,8 +892,8 @@ struct Lfu {
     predicted: Vec<bool>,
     /// Slots predicted and not yet named, resident or being read.
     n_predicted: usize,
-    /// Being read by the preload thread: the reader waits for them rather than reading them
-    /// a second time.
+    /// Being read (by either loader): the reader waits for the preload thread's rather than
+    /// reading them a second time, and predictions skip the reader's.
     inflight: Vec<bool>,
     reserve_slots: usize,
     resident: Vec<bool>,
@@ -945,7 +945,13 @@ struct Loader {
 impl Loader {
     fn new(path: &Path) -> Result<Self> {
         // One batch of reads: a layer's share is at most a few MiB (more takes several).
-        Ok(Self { ring: Ring::new(256).map_err(io_err(path))?, staging: Staging::new(4 << 20)?, slots: Vec::new(), missing: Vec::new(), landing: Vec::new() })
+        Ok(Self {
+            ring: Ring::new(256).map_err(io_err(path))?,
+            staging: Staging::new(4 << 20)?,
+            slots: Vec::new(),
+            missing: Vec::new(),
+            landing: Vec::new(),
+        })
     }
 }
 
@@ -1216,7 +1222,15 @@ impl SparseShared {
                     }
                 }
                 // What the preload thread is reading now is waited for, not read twice.
-                missing.retain(|&s| !(l.inflight[s] && { landing.push(s); true }));
+                missing.retain(|&s| {
+                    !(l.inflight[s] && {
+                        landing.push(s);
+                        true
+                    })
+                });
+                for &s in missing.iter() {
+                    l.inflight[s] = true;
+                }
                 let c = &self.counters;
                 c.prefetch_used.fetch_add(used, Ordering::Relaxed);
                 c.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
@@ -1225,6 +1239,8 @@ impl SparseShared {
                 self.make_room(&mut l, missing.len(), false);
             } else {
                 self.make_room(&mut l, 0, false);
+                // Not what either loader is reading now.
+                missing.retain(|&s| !l.inflight[s]);
                 // Free budget, or the reserve's room (evicting the least used cached slots);
                 // one staging's worth, so what lands is soon usable.
                 let free = l.budget_slots.saturating_sub(l.n_resident);
@@ -1260,8 +1276,8 @@ impl SparseShared {
             if installed && !std::mem::replace(&mut l.resident[s], true) {
                 l.n_resident += 1;
             }
+            l.inflight[s] = false;
             if !named {
-                l.inflight[s] = false;
                 if installed {
                     self.counters.preload_slots.fetch_add(1, Ordering::Relaxed);
                 } else if std::mem::take(&mut l.predicted[s]) {

@@ -373,8 +373,12 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     for (st, sp) in &o.plans {
         let p = &st.plan;
         for preload in [true, false].into_iter().filter(|&pre| pre || (o.no_preload_too && p.budget < st.inputs.shape.weight_bytes())) {
-            let opts =
-                PagedOptions { budget: Budget::Bytes(p.budget), image: o.image.clone(), preload, format: ImageFormat::ChannelMajor { span: p.span } };
+            let opts = PagedOptions {
+                budget: Budget::Bytes(p.budget),
+                image: o.image.clone(),
+                preload,
+                format: ImageFormat::ChannelMajor { span: p.span },
+            };
             let (m, pw) = load_paged(model_path, &opts)?;
             pw.set_plan(st.clone());
             let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);

@@ -178,6 +178,21 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     let cm = Arc::new(Model::load_as(&model_path(), WeightFormat::ChannelMajor).unwrap());
     let want = run(&cm);
     assert!(same_bits(&run(&model), &want), "planned paging changed the logits");
+    // The cache is full now; the plan's room beside it still takes the predictions, and
+    // nothing is read twice: every slot read is a named miss, a preload or a fault (a named
+    // slot the preload thread is reading is waited for).
+    assert!(plan.preload_room > 0, "a dense layer predicts the next exactly: preloading pays ({plan:?})");
+    let s0 = pw.stats();
+    assert!(same_bits(&run(&model), &want));
+    let s1 = pw.stats();
+    let slot = pw.info().slot_size as u64;
+    assert!(s1.preload_slots > s0.preload_slots, "predictions got no room once the cache filled");
+    let read = (s1.bytes_read - s0.bytes_read) / slot;
+    let misses =
+        (s1.advised_slots - s0.advised_slots) - (s1.advised_resident - s0.advised_resident) - (s1.advised_landing - s0.advised_landing);
+    let (pre, faults) = (s1.preload_slots - s0.preload_slots, s1.fault_slots - s0.fault_slots);
+    assert!(read <= misses + pre + faults, "read {read} slots for {misses} misses, {pre} preloads, {faults} faults");
+    assert!(pw.resident_bytes() <= budget, "{} resident over {budget}", pw.resident_bytes());
 
     let smaller = budget * 2 / 3;
     pw.set_budget(smaller).unwrap();
