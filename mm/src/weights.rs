@@ -875,9 +875,9 @@ pub struct SparseOptions {
     /// Use counts are halved every this many announcements, so the cache follows what the
     /// current context uses (ActiveFlow §4.2's context-level cache).
     pub decay: u32,
-    /// Bytes of the budget predictions may hold while not yet named (ActiveFlow's `M_cl`,
-    /// what the plan sets aside for a group's preloads): within it a prediction evicts the
-    /// least used cached slots. Beyond it (or with 0) predictions only use free budget.
+    /// Bytes of the budget predictions may hold while not yet named (the room a plan sets
+    /// aside beside its cache, ActiveFlow's `M_cl`): within it a prediction evicts the least
+    /// used cached slots. Beyond it (or with 0) predictions only use free budget.
     pub reserve: usize,
 }
 
