@@ -141,6 +141,32 @@ impl RegionInner {
         }
         Ok(())
     }
+
+    /// Whether `slot` (state `s`) may be evicted now: `Ok(false)` if it already is, an error
+    /// naming why not (loading, pinned, unsaved writes unless `discard`).
+    fn evictable(&self, s: &Slot, slot: usize, discard: bool) -> Result<bool> {
+        match s.state {
+            SlotState::Evicted => return Ok(false),
+            SlotState::Loading => return Err(UffdError::Busy { region: self.id, slot }),
+            SlotState::Resident | SlotState::Poisoned => {}
+        }
+        if s.pins > 0 {
+            return Err(UffdError::Pinned { region: self.id, slot });
+        }
+        if !discard && s.state == SlotState::Resident {
+            let dirty = if self.wp {
+                crate::dirty::written_pages(self.id, self.slot_addr(slot), self.slot_size, false)?.len()
+            } else if s.marked_dirty {
+                s.filled_pages
+            } else {
+                0
+            };
+            if dirty > 0 {
+                return Err(UffdError::Dirty { region: self.id, slot, pages: dirty });
+            }
+        }
+        Ok(true)
+    }
 }
 
 struct FillJob {
@@ -919,24 +945,18 @@ impl Region {
             return Ok(());
         }
         r.check(first + n - 1)?;
-        let mut taken = Vec::with_capacity(n);
-        {
-            let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, s) in slots[first..first + n].iter_mut().enumerate() {
-                if s.state == SlotState::Evicted {
-                    s.state = SlotState::Loading;
-                    taken.push(first + i);
-                }
-            }
-        }
         let bytes_of = |a: usize, b: usize| &src[(a - first) * ss..(b - first) * ss];
-        let mut i = 0;
-        while i < taken.len() {
-            let mut j = i + 1;
-            while j < taken.len() && taken[j] == taken[j - 1] + 1 {
-                j += 1;
-            }
-            let (a, b) = (taken[i], taken[j - 1] + 1);
+        let mut at = first;
+        while at < first + n {
+            // The next run of evicted slots, taken (Loading) under one lock.
+            let (a, b) = {
+                let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(a) = (at..first + n).find(|&i| slots[i].state == SlotState::Evicted) else { break };
+                let b = (a..first + n).find(|&i| slots[i].state != SlotState::Evicted).unwrap_or(first + n);
+                slots[a..b].iter_mut().for_each(|s| s.state = SlotState::Loading);
+                (a, b)
+            };
+            at = b;
             r.stats.populates.fetch_add((b - a) as u64, Ordering::Relaxed);
             if install(&self.pager, r, a, Src::Copy(bytes_of(a, b))).is_err() {
                 // Slot by slot: `fill_slot` skips pages already in and poisons what fails.
@@ -945,7 +965,6 @@ impl Region {
                         out.push(s);
                     }
                 }
-                i = j;
                 continue;
             }
             let mut waiting = false;
@@ -966,7 +985,6 @@ impl Region {
             if waiting {
                 wake(&self.pager, r.slot_addr(a), ((b - a) * ss) as u64);
             }
-            i = j;
         }
         r.changed.notify_all();
         Ok(())
@@ -1077,44 +1095,20 @@ impl Region {
     /// madvise per run of adjacent slots. Appends the evicted slots to `out`.
     pub fn evict_many(&self, slots: &[usize], out: &mut Vec<usize>) -> Result<()> {
         let r = &self.inner;
-        let ss = r.slot_size;
         let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
         let mut go: Vec<usize> = Vec::with_capacity(slots.len());
         for &slot in slots {
             let Some(s) = st.get(slot) else { continue };
-            if !matches!(s.state, SlotState::Resident | SlotState::Poisoned) || s.pins > 0 {
-                continue;
-            }
-            let dirty = s.state == SlotState::Resident
-                && if r.wp { !crate::dirty::written_pages(r.id, r.slot_addr(slot), ss, false)?.is_empty() } else { s.marked_dirty };
-            if !dirty {
-                go.push(slot);
+            match r.evictable(s, slot, false) {
+                Ok(true) => go.push(slot),
+                // Already evicted, or refused (pinned, loading, unsaved writes): skipped.
+                Ok(false) | Err(UffdError::Busy { .. } | UffdError::Pinned { .. } | UffdError::Dirty { .. }) => {}
+                Err(e) => return Err(e),
             }
         }
         go.sort_unstable();
         go.dedup();
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &s in &go {
-            match runs.last_mut() {
-                Some((a, n)) if *a + *n == s => *n += 1,
-                _ => runs.push((s, 1)),
-            }
-        }
-        // Under the lock, as `evict`: a fault for these slots waits until they are Evicted.
-        dontneed(&runs.iter().map(|&(a, n)| (self.slot_ptr(a), n * ss)).collect::<Vec<_>>()).map_err(|source| UffdError::Ioctl {
-            op: "MADV_DONTNEED",
-            region: r.id,
-            slot: go.first().copied().unwrap_or(0),
-            source,
-        })?;
-        let mut freed = Vec::with_capacity(go.len());
-        for &slot in &go {
-            let s = &mut st[slot];
-            freed.push(s.filled_pages * PAGE);
-            s.state = SlotState::Evicted;
-            s.filled_pages = 0;
-            s.marked_dirty = false;
-        }
+        let freed = self.drop_pages(&mut st, &go)?;
         drop(st);
         freed.into_iter().for_each(|b| r.stats.evicted(b));
         out.extend_from_slice(&go);
@@ -1131,44 +1125,46 @@ impl Region {
         self.inner.check(slot)?;
         let r = &self.inner;
         let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let s = &slots[slot];
-        match s.state {
-            SlotState::Evicted => return Ok(()),
-            SlotState::Loading => return Err(UffdError::Busy { region: r.id, slot }),
-            SlotState::Resident | SlotState::Poisoned => {}
+        if !r.evictable(&slots[slot], slot, discard)? {
+            return Ok(());
         }
-        if s.pins > 0 {
-            return Err(UffdError::Pinned { region: r.id, slot });
-        }
-        if !discard && s.state == SlotState::Resident {
-            let dirty = if r.wp {
-                crate::dirty::written_pages(r.id, r.slot_addr(slot), r.slot_size, false)?.len()
-            } else if s.marked_dirty {
-                s.filled_pages
-            } else {
-                0
-            };
-            if dirty > 0 {
-                return Err(UffdError::Dirty { region: r.id, slot, pages: dirty });
-            }
-        }
-        // DONTNEED under the lock: a fault for this slot waits until it is Evicted, then
-        // refills it; the zap itself takes microseconds.
-        // SAFETY: the range is our slot inside our mapping; without EVENT_REMOVE the kernel
-        // just drops the pages and later touches raise missing faults.
-        let rc = unsafe { libc::madvise(self.slot_ptr(slot).cast(), r.slot_size, libc::MADV_DONTNEED) };
-        if rc != 0 {
-            return Err(UffdError::Ioctl { op: "MADV_DONTNEED", region: r.id, slot, source: Errno::last() });
-        }
-        let s = &mut slots[slot];
-        let freed = s.filled_pages * PAGE;
-        s.state = SlotState::Evicted;
-        s.filled_pages = 0;
-        s.marked_dirty = false;
+        let freed = self.drop_pages(&mut slots, &[slot])?;
         drop(slots);
-        r.stats.evicted(freed);
+        r.stats.evicted(freed[0]);
         r.changed.notify_all();
         Ok(())
+    }
+
+    /// Drops the pages of `go` (evictable slots, increasing, each once; the caller holds the
+    /// slot lock) with one batched MADV_DONTNEED and marks them Evicted. Under the lock: a
+    /// fault for these slots waits until they are Evicted, then refills them; the zap itself
+    /// takes microseconds. Returns the bytes each freed.
+    fn drop_pages(&self, st: &mut [Slot], go: &[usize]) -> Result<Vec<usize>> {
+        let ss = self.inner.slot_size;
+        let mut runs: Vec<(*mut u8, usize)> = Vec::new();
+        let mut last = usize::MAX;
+        for &s in go {
+            match runs.last_mut() {
+                Some((_, len)) if last.wrapping_add(1) == s => *len += ss,
+                _ => runs.push((self.slot_ptr(s), ss)),
+            }
+            last = s;
+        }
+        dontneed(&runs).map_err(|source| UffdError::Ioctl {
+            op: "MADV_DONTNEED",
+            region: self.inner.id,
+            slot: go.first().copied().unwrap_or(0),
+            source,
+        })?;
+        Ok(go
+            .iter()
+            .map(|&slot| {
+                let s = &mut st[slot];
+                s.state = SlotState::Evicted;
+                s.marked_dirty = false;
+                std::mem::take(&mut s.filled_pages) * PAGE
+            })
+            .collect())
     }
 
     /// Keeps only the first `len` bytes (rounded up to pages) of a resident slot and returns
