@@ -1428,7 +1428,7 @@ fn weights_line(tokens: usize) -> Option<String> {
     let pw = PAGED.get()?;
     let s = pw.stats();
     Some(format!(
-        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots (precision {:.1}%{})",
+        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots{}{})",
         if pw.is_sparse() { " by channel" } else { "" },
         mib(s.budget as usize),
         mib(pw.weight_bytes),
@@ -1439,7 +1439,8 @@ fn weights_line(tokens: usize) -> Option<String> {
         100.0 * s.hit_rate(),
         s.fault_slots,
         s.preload_slots,
-        100.0 * s.preload_precision(),
+        // The streaming pager reads ahead by layer order, not by prediction: no precision.
+        if pw.is_sparse() { format!(" (precision {:.1}%)", 100.0 * s.preload_precision()) } else { String::new() },
         if s.advised_landing > 0 {
             format!(", {:.1}% of reads waited for a preload", 100.0 * s.advised_landing as f64 / s.advised_slots.max(1) as f64)
         } else {
