@@ -602,6 +602,11 @@ impl WeightPager {
         self.shared.region.resident_bytes()
     }
 
+    /// Bytes read from the image so far ([`SparsePager::bytes_read`]).
+    pub fn bytes_read(&self) -> u64 {
+        self.shared.counters.bytes_read.load(Ordering::Relaxed)
+    }
+
     pub fn stats(&self) -> WeightStats {
         let p = self.shared.policy.lock().unwrap_or_else(|e| e.into_inner());
         self.shared.counters.snapshot(self.shared.region.resident_bytes(), p.hot_bytes, p.budget)
@@ -1082,6 +1087,12 @@ impl SparsePager {
 
     pub fn resident_bytes(&self) -> usize {
         self.shared.region.resident_bytes()
+    }
+
+    /// Bytes read from the image so far, counted before they are installed (a lock-free
+    /// load: a monitor may sample it as often as it likes).
+    pub fn bytes_read(&self) -> u64 {
+        self.shared.counters.bytes_read.load(Ordering::Relaxed)
     }
 
     pub fn stats(&self) -> WeightStats {

@@ -175,6 +175,15 @@ impl PagedWeights {
             Paging::Sparse(p) => p.resident_bytes(),
         }
     }
+    /// Bytes read from the image so far, counted before they are installed: a sampler
+    /// that reads it before and after measuring Rss knows how many bytes may have arrived
+    /// meanwhile.
+    pub fn bytes_read(&self) -> u64 {
+        match &self.pager {
+            Paging::Cycle(p) => p.bytes_read(),
+            Paging::Sparse(p) => p.bytes_read(),
+        }
+    }
     /// The image's trailer: slot size, groups, checksums.
     pub fn info(&self) -> &mm::weights::ImageInfo {
         self.pager.info()
