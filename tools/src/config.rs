@@ -27,8 +27,20 @@ pub struct Config {
     /// percentage of the weight bytes such as `50%`); the KV chunks get the rest. Unset: the
     /// weights are resident, outside the budget.
     pub weights_budget: Option<String>,
-    /// The weight image (default: next to the model, `<model>.llms-weights`).
+    /// The weight image (default: next to the model, `<model>.llms-weights`, or
+    /// `<model>.llms-weights-cm<N>` under a plan).
     pub weights_image: Option<PathBuf>,
+    /// Page the weights as ActiveFlow's planner chooses for `weights_budget` (docs/weights.md):
+    /// a channel-major image read by channel, the layers per group, a frequency cache and
+    /// the preload room; re-planned when pressure moves the budget. False: the packed image
+    /// streams layer by layer.
+    pub weights_plan: bool,
+    /// Highest Top-K activation sparsity the plan may choose. Sparsity saves reads and time
+    /// but changes the output (docs/weights.md gives its perplexity cost); 0 keeps the output
+    /// exactly that of resident weights.
+    pub weights_max_sparsity: f32,
+    /// Text the sparsity levels are calibrated on (default: the Apache-2.0 license text).
+    pub weights_calib_text: Option<PathBuf>,
     /// Follow memory pressure: the pressure monitor's budget target lowers the budget.
     pub pressure: bool,
     /// Monitor this cgroup (v2 or v1 directory) instead of the service's own.
@@ -79,6 +91,9 @@ impl Default for Config {
             budget: "256MiB".into(),
             weights_budget: None,
             weights_image: None,
+            weights_plan: false,
+            weights_max_sparsity: 0.0,
+            weights_calib_text: None,
             pressure: true,
             cgroup: None,
             policy: "llms".into(),
@@ -184,6 +199,15 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.budget_bytes()?;
         self.weights_budget()?;
+        if self.weights_plan && self.weights_budget.is_none() {
+            bail!("weights_plan plans paged weights: set weights_budget too");
+        }
+        if !(0.0..1.0).contains(&self.weights_max_sparsity) {
+            bail!("weights_max_sparsity {} must be in [0, 1)", self.weights_max_sparsity);
+        }
+        if (self.weights_max_sparsity > 0.0 || self.weights_calib_text.is_some()) && !self.weights_plan {
+            bail!("weights_max_sparsity and weights_calib_text go with weights_plan = true");
+        }
         self.policy()?;
         self.level_formats()?;
         self.ablations()?;
@@ -277,6 +301,8 @@ mod tests {
         Config::default().validate().unwrap();
         let c: Config = toml::from_str("budget = \"64MiB\"\nlevels = [\"int8\"]\nratio = 1.0\n").unwrap();
         c.validate().unwrap();
+        let c: Config = toml::from_str("weights_budget = \"50%\"\nweights_plan = true\nweights_max_sparsity = 0.5").unwrap();
+        c.validate().unwrap();
         let c: Config = toml::from_str("budget = 3145728").unwrap();
         assert_eq!(c.budget_bytes().unwrap(), 3 << 20);
         assert!(toml::from_str::<Config>("bugdet = \"1M\"").is_err(), "unknown keys are errors");
@@ -288,6 +314,10 @@ mod tests {
             "policy = \"swap\"\nablate = [\"aot\"]",
             "socket_mode = \"999\"",
             "chunk_tokens = 0",
+            "weights_plan = true",
+            "weights_budget = \"50%\"\nweights_max_sparsity = 0.5",
+            "weights_budget = \"50%\"\nweights_plan = true\nweights_max_sparsity = 1.0",
+            "weights_budget = \"50%\"\nweights_calib_text = \"x.txt\"",
         ] {
             let c: Config = toml::from_str(bad).unwrap();
             assert!(c.validate().is_err(), "{bad}");

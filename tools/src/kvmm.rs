@@ -144,6 +144,8 @@ pub struct EngineRecompute {
     pool: Arc<ThreadPool>,
     chunk_tokens: usize,
     base: KvFormat,
+    /// The sparsity the context was computed with: a recomputed chunk must be the same K/V.
+    sparsity: Option<Arc<engine::sparsity::Sparsity>>,
     tokens: Mutex<HashMap<u64, Arc<Vec<u32>>>>,
 }
 
@@ -155,7 +157,14 @@ impl std::fmt::Debug for EngineRecompute {
 
 impl EngineRecompute {
     pub fn new(model: Arc<Model>, chunk_tokens: usize, base: KvFormat) -> Self {
-        Self { model, pool: Arc::new(ThreadPool::new(1)), chunk_tokens, base, tokens: Mutex::default() }
+        Self { model, pool: Arc::new(ThreadPool::new(1)), chunk_tokens, base, sparsity: None, tokens: Mutex::default() }
+    }
+
+    /// Recomputes with Top-K `sparsity`, as the sessions whose chunks it rebuilds compute.
+    #[must_use]
+    pub fn with_sparsity(mut self, sparsity: Option<Arc<engine::sparsity::Sparsity>>) -> Self {
+        self.sparsity = sparsity;
+        self
     }
 
     /// The tokens of context `ctx` as its chunks hold them (after each call).
@@ -189,6 +198,7 @@ impl mm::FaultRecompute for EngineRecompute {
             sliding_window: None,
         };
         let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);
+        s.set_sparsity(self.sparsity.clone()).map_err(|e| e.to_string())?;
         s.eval(&toks[..end], Logits::None).map_err(|e| e.to_string())?;
         let f = format(want.format);
         if f != self.base {

@@ -157,6 +157,8 @@ pub struct Service {
     /// Paged weights and their share of `budget` as configured (the rest is mm's).
     weights: Option<Arc<crate::weights::PagedWeights>>,
     weights_share: usize,
+    /// Top-K sparsity every session computes with (a weight plan chose it), if any.
+    sparsity: Option<Arc<engine::sparsity::Sparsity>>,
     ctx_dir: PathBuf,
 }
 
@@ -196,8 +198,25 @@ impl Service {
             bail!("model {} not found (run `make model`, or set `model` in the configuration)", cfg.model.display());
         }
         let total = cfg.budget_bytes()?;
-        let (model, weights) = match cfg.weights_budget()? {
-            None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None),
+        let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { cfg.threads };
+        let (model, weights, sparsity) = match cfg.weights_budget()? {
+            None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None, None),
+            Some(wb) if cfg.weights_plan => {
+                let setup = crate::weightplan::PlanSetup {
+                    levels: crate::weightplan::PLAN_LEVELS.to_vec(),
+                    max_sparsity: cfg.weights_max_sparsity,
+                    calib_text: cfg.weights_calib_text.clone().unwrap_or_else(|| crate::weightplan::DEFAULT_CALIB_TEXT.into()),
+                    state_dir: cfg.state_dir.clone(),
+                    threads,
+                };
+                let p = crate::weightplan::load_planned(&cfg.model, wb, cfg.weights_image.clone(), true, &setup)?;
+                let w = usize::try_from(p.weights.stats().budget).unwrap_or(usize::MAX);
+                if w >= total {
+                    bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
+                }
+                info!(weights = w, kv = total - w, image = %p.weights.image.display(), "weights paged under the budget; {}", crate::weightplan::describe(&p.plan));
+                (p.model, Some(p.weights), p.sparsity)
+            }
             Some(wb) => {
                 let opts = crate::weights::PagedOptions {
                     budget: wb,
@@ -211,13 +230,12 @@ impl Service {
                     bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
                 }
                 info!(weights = w, kv = total - w, image = %pw.image.display(), "weights paged under the budget");
-                (m, Some(pw))
+                (m, Some(pw), None)
             }
         };
         if cfg.max_context_tokens > model.config.ctx_len {
             bail!("max_context_tokens {} is over the model's context length {}", cfg.max_context_tokens, model.config.ctx_len);
         }
-        let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { cfg.threads };
         let pool = Arc::new(ThreadPool::new(threads));
         let turns = Turns::new(&model)?;
         std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
@@ -234,7 +252,7 @@ impl Service {
         let budget = total;
         let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
         mm.set_budget(budget - weights_share)?;
-        let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]));
+        let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]).with_sparsity(sparsity.clone()));
         mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
         let ctx_dir = cfg.state_dir.join("contexts");
         std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
@@ -256,6 +274,7 @@ impl Service {
             budget,
             weights,
             weights_share,
+            sparsity,
             ctx_dir,
         };
         svc.restore()?;
@@ -277,7 +296,10 @@ impl Service {
             observe_attention: policy == Policy::Llms && levels.len() > 1 && !self.cfg.ablations().is_ok_and(|a| a.compression),
             sliding_window: None,
         };
-        Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts)
+        let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);
+        // Thresholds calibrated for this model: only a layer-count mismatch fails, never here.
+        let _ = s.set_sparsity(self.sparsity.clone());
+        s
     }
 
     /// Reopens every saved context (its KV comes back from the store at its first call);
@@ -752,13 +774,19 @@ impl Service {
             }
             last = target;
             // One budget covers both: the weights keep their configured share of it.
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-            let w = (self.weights_share as f64 * target as f64 / self.budget.max(1) as f64) as usize;
-            if let Some(pw) = &self.weights {
-                if let Err(err) = pw.set_budget(w.max(crate::weights::SLOT)) {
-                    warn!("setting the weight budget to {w}: {err}");
+            let w = match &self.weights {
+                Some(pw) => {
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+                    let w = (self.weights_share as f64 * target as f64 / self.budget.max(1) as f64) as usize;
+                    if let Err(err) = pw.set_budget(w.max(crate::weights::SLOT)) {
+                        warn!("setting the weight budget to {w}: {err}");
+                    }
+                    // A refused budget (a plan cannot hold one layer group in it) keeps the
+                    // old one: the KV chunks get what is left.
+                    usize::try_from(pw.stats().budget).unwrap_or(usize::MAX)
                 }
-            }
+                None => 0,
+            };
             let target = target.saturating_sub(w);
             match lock(&self.mm).set_budget(target) {
                 Ok(freed) if freed > 0 => info!(freed, budget = target, level = ?e.level, need = e.need_to_free, "reclaim under pressure"),

@@ -15,6 +15,8 @@ use engine::weights::{GroupKind, ImageFormat, WeightLayout};
 use engine::{Model, ThreadPool};
 use mm::weightplan::{Bandwidths, LevelProfile, PlanInputs, Shape, MAX_SPAN};
 
+/// Sparsity levels a weight plan chooses from by default (up to its maximum).
+pub const PLAN_LEVELS: [f32; 4] = [0.0, 0.3, 0.5, 0.7];
 /// Group sizes the planner chooses from (images are built for the one chosen).
 pub const SPANS: [usize; 4] = [1, 2, 4, 8];
 /// Read sizes the flash bandwidth is measured at (ActiveFlow Fig. 7).
@@ -163,6 +165,47 @@ pub fn budget_bytes(budget: crate::weights::Budget, shape: &Shape) -> usize {
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
         crate::weights::Budget::Percent(p) => (shape.weight_bytes() as f64 * p / 100.0) as usize,
     }
+}
+
+/// The calibration text used when none is given: a license text every Debian-based system
+/// ships (real prose, and the same bytes on every machine, so saved calibrations are reused).
+pub const DEFAULT_CALIB_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
+
+/// A model whose weights are paged as a plan chose: the sparsity (its calibrated thresholds,
+/// `None` for dense), the image's group size, the cache and the preload room.
+#[derive(Debug)]
+pub struct Planned {
+    pub model: Arc<Model>,
+    pub weights: Arc<crate::weights::PagedWeights>,
+    /// What sessions over `model` must compute with (the plan counted on its reads).
+    pub sparsity: Option<Arc<Sparsity>>,
+    pub plan: mm::weightplan::Plan,
+}
+
+/// Plans the paged weights of `model_path` for `budget` (sparsity from `setup.levels` up to
+/// `setup.max_sparsity`) and loads the model over the plan's channel-major image (`image`,
+/// else next to the model; built when missing), the plan in force so a budget change
+/// re-plans it.
+pub fn load_planned(
+    model_path: &Path,
+    budget: crate::weights::Budget,
+    image: Option<PathBuf>,
+    preload: bool,
+    setup: &PlanSetup,
+) -> Result<Planned> {
+    let (inputs, levels) = inputs(model_path, setup)?;
+    let budget = budget_bytes(budget, &inputs.shape);
+    let plan = inputs.plan(budget)?;
+    let opts = crate::weights::PagedOptions {
+        budget: crate::weights::Budget::Bytes(budget),
+        image,
+        preload,
+        format: ImageFormat::ChannelMajor { span: plan.span },
+    };
+    let (model, weights) = crate::weights::load_paged(model_path, &opts)?;
+    let sparsity = levels.into_iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp);
+    weights.set_plan(crate::weights::PlanState { inputs, plan: plan.clone() });
+    Ok(Planned { model, weights, sparsity, plan })
 }
 
 /// One line describing a plan.

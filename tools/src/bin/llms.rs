@@ -72,10 +72,7 @@ struct ModelArgs {
     weights_span: Option<usize>,
 }
 
-/// Sparsity levels a weight plan chooses from by default.
-const PLAN_LEVELS: [f32; 4] = [0.0, 0.3, 0.5, 0.7];
-/// Calibration text by default.
-const CALIB_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
+use tools::weightplan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum FormatArg {
@@ -1342,21 +1339,40 @@ fn threads_of(m: &ModelArgs) -> usize {
     m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// The weight planner's inputs for this model: `levels` profiled (calibrated on
-/// --calib-text), bandwidths measured now.
-fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightplan::PlanInputs, Vec<(f32, Sparsity)>)> {
+/// The model file, which must exist.
+fn existing_model(m: &ModelArgs) -> Result<PathBuf> {
     let path = model_path(m);
     if !path.exists() {
         bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
     }
-    let setup = tools::weightplan::PlanSetup {
+    Ok(path)
+}
+
+/// --threads, checked.
+fn valid_threads(m: &ModelArgs) -> Result<usize> {
+    let threads = threads_of(m);
+    if threads == 0 || threads > 256 {
+        bail!("--threads must be between 1 and 256");
+    }
+    Ok(threads)
+}
+
+/// What the weight planner plans with: `levels` (calibrated on --calib-text) up to
+/// --max-sparsity.
+fn plan_setup(m: &ModelArgs, levels: &[f32]) -> tools::weightplan::PlanSetup {
+    tools::weightplan::PlanSetup {
         levels: levels.to_vec(),
         max_sparsity: m.max_sparsity.unwrap_or(0.5),
         calib_text: m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT)),
         state_dir: tools::loadbench::state_dir(),
         threads: threads_of(m),
-    };
-    tools::weightplan::inputs(&path, &setup)
+    }
+}
+
+/// The weight planner's inputs for this model: `levels` profiled (calibrated on
+/// --calib-text), bandwidths measured now.
+fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightplan::PlanInputs, Vec<(f32, Sparsity)>)> {
+    tools::weightplan::inputs(&existing_model(m)?, &plan_setup(m, levels))
 }
 
 /// `--weights-plan`: the plan for the budget picks the sparsity and the image's group size.
@@ -1364,32 +1380,18 @@ fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)
     if m.sparsity.is_some() || m.weight_format.is_some() || m.weights == Some(WeightsMode::Resident) {
         bail!("--weights-plan chooses the sparsity and layout of paged weights: drop --sparsity, --weight-format and --weights resident");
     }
-    let (inputs, levels) = plan_inputs(m, &PLAN_LEVELS)?;
-    let budget = tools::weightplan::budget_bytes(m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0)), &inputs.shape);
-    let plan = inputs.plan(budget)?;
-    eprintln!("llms: {}", tools::weightplan::describe(&plan));
-    let mut m2 = m.clone();
-    m2.weights = Some(WeightsMode::Paged);
-    m2.weights_budget = Some(tools::weights::Budget::Bytes(budget));
-    m2.weight_format = Some(FormatArg::ChannelMajor);
-    m2.weights_span = Some(plan.span);
-    let (model, pool) = load_model(&m2)?;
-    let sp = levels.into_iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp);
-    if let Some(pw) = PAGED.get() {
-        pw.set_plan(tools::weights::PlanState { inputs, plan });
-    }
-    Ok((model, pool, sp))
+    let path = existing_model(m)?;
+    let threads = valid_threads(m)?;
+    let budget = m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0));
+    let p = tools::weightplan::load_planned(&path, budget, m.weights_image.clone(), !m.no_preload, &plan_setup(m, &PLAN_LEVELS))?;
+    eprintln!("llms: {}", tools::weightplan::describe(&p.plan));
+    let _ = PAGED.set(p.weights);
+    Ok((p.model, Arc::new(ThreadPool::new(threads)), p.sparsity))
 }
 
 fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
-    let path = model_path(m);
-    if !path.exists() {
-        bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
-    }
-    let threads = threads_of(m);
-    if threads == 0 || threads > 256 {
-        bail!("--threads must be between 1 and 256");
-    }
+    let path = existing_model(m)?;
+    let threads = valid_threads(m)?;
     let paged = m.weights == Some(WeightsMode::Paged) || (m.weights.is_none() && m.weights_budget.is_some());
     if !paged && (m.weights_budget.is_some() || m.weights_image.is_some() || m.no_preload) {
         bail!("--weights-budget, --weights-image and --no-preload go with --weights paged");

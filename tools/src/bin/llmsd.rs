@@ -33,6 +33,13 @@ struct Cli {
     /// The weight image file (default: next to the model).
     #[arg(long)]
     weights_image: Option<PathBuf>,
+    /// Page the weights as the planner chooses for --weights-budget (sparsity, layers per
+    /// group, cache, preload room); see docs/weights.md.
+    #[arg(long)]
+    weights_plan: bool,
+    /// Highest sparsity the weight plan may choose (above 0 the output changes) [default: 0].
+    #[arg(long)]
+    weights_max_sparsity: Option<f32>,
     /// Do not follow memory pressure (keep the configured budget).
     #[arg(long)]
     no_pressure: bool,
@@ -100,6 +107,12 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
     }
     if cli.weights_image.is_some() {
         c.weights_image = cli.weights_image;
+    }
+    if cli.weights_plan {
+        c.weights_plan = true;
+    }
+    if let Some(s) = cli.weights_max_sparsity {
+        c.weights_max_sparsity = s;
     }
     if cli.no_pressure {
         c.pressure = false;
