@@ -1430,13 +1430,14 @@ fn weights_line(tokens: usize) -> Option<String> {
     let pw = PAGED.get()?;
     let s = pw.stats();
     Some(format!(
-        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB (hot {:.1}), read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots{}{})",
+        "weights: paged{}, budget {:.1} MiB of {:.1} MiB ({:.0}%), resident {:.1} MiB{}, read {:.2} MiB/token, hit rate {:.1}%, faults {} slots, preloaded {} slots{}{}",
         if pw.is_sparse() { " by channel" } else { "" },
         mib(s.budget as usize),
         mib(pw.weight_bytes),
         100.0 * s.budget as f64 / pw.weight_bytes as f64,
         mib(s.resident_bytes as usize),
-        mib(s.hot_bytes as usize),
+        // The sparse pager's cache is by use count, with no fixed hot set.
+        if pw.is_sparse() { String::new() } else { format!(" (hot {:.1})", mib(s.hot_bytes as usize)) },
         mib(s.bytes_read as usize) / tokens.max(1) as f64,
         100.0 * s.hit_rate(),
         s.fault_slots,
