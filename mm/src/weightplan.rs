@@ -32,6 +32,13 @@
 //!   consecutive ones form runs of `1 / (1 - a)` channels on average; runs are whole pages.
 //! - Eq. 1 over `G = ceil(L / N)` groups: `T_load + (G - 1) T_overlap + T_comp`, plus the
 //!   output head: its missing bytes at the large-read bandwidth, then its computing.
+//! - Every byte read also costs page work on the reading thread (UFFDIO_COPY into the region,
+//!   dropping evicted pages): `Bandwidths::install`, measured, is added to each read's time
+//!   (`read_install_at`). ActiveFlow's loads have no such term; on this VM it is a third to a
+//!   half of a large read's time.
+//! - Dense, the packed image streamed layer by layer (`cost_packed`) is weighed against the
+//!   channel-major plans: it reads more bytes but in large pieces, and its kernels are faster;
+//!   the faster prediction wins.
 //! - The greedy search (§4.1): `sp = 1 - M_max / S_m`, rounded up to a calibrated level no
 //!   higher than the caller allows; then `N` grows while the per-layer preload time falls by at
 //!   least 5%, stopping once preloading hides under computing. (Per layer: `T_preload` and
@@ -68,9 +75,19 @@ pub struct Bandwidths {
     pub mem: f64,
     /// (read size in bytes, bytes/s) of O_DIRECT reads issued in batches, sizes increasing.
     pub flash: Vec<(usize, f64)>,
+    /// Bytes/s the pager puts read pages into a userfaultfd region and drops them again
+    /// (UFFDIO_COPY by runs, batched MADV_DONTNEED): kernel page work every byte read from
+    /// flash also costs, on the reading thread. Infinite: not counted.
+    pub install: f64,
 }
 
 impl Bandwidths {
+    /// Bytes/s of reading pieces of `bytes` and installing them: flash and page work one
+    /// after the other on the reading thread.
+    pub fn read_install_at(&self, bytes: f64) -> f64 {
+        1.0 / (1.0 / self.flash_at(bytes) + 1.0 / self.install)
+    }
+
     /// Flash bandwidth of reads of `bytes`: interpolated in log-size between the measured
     /// sizes, flat beyond them.
     pub fn flash_at(&self, bytes: f64) -> f64 {
@@ -141,8 +158,44 @@ impl Bandwidths {
             }
             flash.push((size, median(&mut rates)));
         }
-        Ok(Self { mem: memory_bandwidth(), flash })
+        Ok(Self { mem: memory_bandwidth(), flash, install: install_rate()? })
     }
+}
+
+/// Bytes/s of installing pages into a userfaultfd region in runs of 16 (64 KiB) and dropping
+/// them in one batch, as the weight pagers do (median of 3 passes over 16 MiB).
+fn install_rate() -> Result<f64, PlanError> {
+    use uffd_handler::{Pager, PagerOptions, RegionId, SlotSource, SourceError};
+    /// Nothing touches the region: every slot is installed before it could fault.
+    struct Untouched;
+    impl SlotSource for Untouched {
+        fn fill(&self, _: RegionId, slot: usize, _: &mut [u8]) -> Result<usize, SourceError> {
+            Err(format!("slot {slot} of the install measurement was touched").into())
+        }
+    }
+    const PAGE: usize = 4096;
+    const RUN: usize = 16;
+    const SLOTS: usize = 4096;
+    let err =
+        |e: uffd_handler::UffdError| PlanError::Io { path: "a userfaultfd region".into(), source: std::io::Error::other(e.to_string()) };
+    let pager = Pager::with_options(PagerOptions { allow_move: false }).map_err(err)?;
+    let region = pager.region_with(PAGE, SLOTS, std::sync::Arc::new(Untouched), false).map_err(err)?;
+    // Written, as a read lands in staging: the copy reads present pages.
+    let mut src = AlignedBuf::new(RUN * PAGE);
+    src.fill(0xA5);
+    let all: Vec<usize> = (0..SLOTS).collect();
+    let (mut out, mut rates) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for first in (0..SLOTS).step_by(RUN) {
+            out.clear();
+            region.copy_run(first, &src[..], &mut out).map_err(err)?;
+        }
+        out.clear();
+        region.evict_many(&all, &mut out).map_err(err)?;
+        rates.push((SLOTS * PAGE) as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(median(&mut rates))
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -261,6 +314,9 @@ pub struct PlanInputs {
     pub max_sparsity: f32,
     /// Bytes of the budget the KV cache takes (`M_kv`).
     pub kv_bytes: usize,
+    /// Bytes/s the packed (dense) kernels compute over, to weigh streaming the packed image
+    /// against reading a channel-major one ([`PlanInputs::cost_packed`]); 0: not offered.
+    pub packed_mem: f64,
 }
 
 /// Predicted times of one token (seconds), as in eq. 1-7.
@@ -298,6 +354,10 @@ pub struct Plan {
     /// Bytes set aside for preloads (ActiveFlow's `M_cl` beside the cache): the pipeline's
     /// when it is predicted faster than reading on demand, else 0.
     pub preload_room: usize,
+    /// Dense only: the packed image streamed layer by layer (a hot set, the rest read whole
+    /// each token in large reads) instead of a channel-major one read by channel. `span` is
+    /// then 1 and `cache_bytes` the hot set.
+    pub packed: bool,
 }
 
 impl Plan {
@@ -326,6 +386,8 @@ impl PlanInputs {
             || self.bw.mem <= 0.0
             || self.bw.flash.is_empty()
             || !self.bw.flash.iter().all(|&(n, b)| n > 0 && b > 0.0 && b.is_finite())
+            || self.bw.install.is_nan()
+            || self.bw.install <= 0.0
         {
             return Err(PlanError::Input("bandwidths must be positive".into()));
         }
@@ -365,7 +427,7 @@ impl PlanInputs {
         let run = if a >= 1.0 { f64::INFINITY } else { 1.0 / (1.0 - a) };
         let useful = |layers: f64| (s.column_bytes as f64 * layers * run).min(s.layer_bytes as f64 * layers / 4.0);
         let read_of = |u: f64| if u >= s.layer_bytes as f64 / 4.0 { u } else { u + page };
-        let eff = |u: f64| bw.flash_at(read_of(u)) * u / read_of(u);
+        let eff = |u: f64| bw.read_install_at(read_of(u)) * u / read_of(u);
         let (u_on, u_pre) = (useful(1.0), useful(span as f64));
         let miss = group * (1.0 - hr);
         let load = miss / eff(u_on); // eq. 3
@@ -375,7 +437,7 @@ impl PlanInputs {
         let overlap = onload + preload.max(comp); // eq. 5
         let groups = s.n_layers.div_ceil(span) as f64;
         let head_miss = (head - cache).max(0.0);
-        let head_t = head_miss / bw.flash_at(f64::INFINITY) + head / bw.mem;
+        let head_t = head_miss / bw.read_install_at(f64::INFINITY) + head / bw.mem;
         // Flash bytes: the first group on demand, each later one preloaded plus its
         // mispredictions, the head's misses.
         let read_bytes =
@@ -401,6 +463,42 @@ impl PlanInputs {
             demand_decode,
             demand_read_bytes,
             preload_room: preload_room as usize,
+            packed: false,
+        })
+    }
+
+    /// The dense model from the packed image, as `weights::WeightPager` streams it: within
+    /// the budget a hot set of `budget - 2 layers` (all of it when everything fits), the
+    /// rest read each token a layer at a time in large reads, then computed at the packed
+    /// kernels' rate. Measured on 2 cores, the preload thread's reads and the compute add up
+    /// rather than overlap (both need a core), so the model adds them. `None` without a packed
+    /// rate or when two layers do not fit.
+    pub fn cost_packed(&self, budget: usize) -> Option<Plan> {
+        let s = &self.shape;
+        let room = budget as f64 - self.kv_bytes as f64;
+        let (layer, all) = (s.layer_bytes as f64, s.weight_bytes() as f64);
+        if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < 2.0 * layer {
+            return None;
+        }
+        let hot = if room >= all { all } else { room - 2.0 * layer };
+        let read = all - hot;
+        let load = read / self.bw.read_install_at(layer);
+        let comp = all / self.packed_mem;
+        let decode = load + comp;
+        Some(Plan {
+            budget,
+            sparsity: 0.0,
+            span: 1,
+            group_bytes: s.layer_bytes,
+            cache_bytes: hot as usize,
+            hit_rate: hot / all,
+            similarity: 1.0,
+            read_bytes: read,
+            times: Times { load, onload: 0.0, preload: load, comp, overlap: 0.0, head: 0.0, decode },
+            demand_decode: decode,
+            demand_read_bytes: read,
+            preload_room: 0,
+            packed: true,
         })
     }
 
@@ -441,6 +539,14 @@ impl PlanInputs {
                 break;
             }
         }
+        // A dense level may stream the packed image instead, where that is predicted faster.
+        if level.sparsity == 0.0 {
+            if let Some(p) = self.cost_packed(budget) {
+                if best.as_ref().is_none_or(|b| p.best_decode() < b.best_decode()) {
+                    best = Some(p);
+                }
+            }
+        }
         best.ok_or(PlanError::TooSmall {
             budget,
             group: (self.shape.layer_bytes as f64 * level.read_share * spans[0] as f64) as usize,
@@ -452,6 +558,9 @@ impl PlanInputs {
     /// cache re-sized to the new budget.
     pub fn replan(&self, plan: &Plan, budget: usize) -> Result<Plan, PlanError> {
         self.check()?;
+        if plan.packed {
+            return self.cost_packed(budget).ok_or(PlanError::TooSmall { budget, group: 2 * self.shape.layer_bytes, kv: self.kv_bytes });
+        }
         let level = self
             .levels
             .iter()
@@ -477,11 +586,12 @@ mod tests {
         };
         PlanInputs {
             shape: Shape { n_layers: 30, layer_bytes: 2_200_000, head_bytes: 30 * MIB, column_bytes: 600, page: 4096 },
-            bw: Bandwidths { mem: 10e9, flash },
+            bw: Bandwidths { mem: 10e9, flash, install: f64::INFINITY },
             levels: vec![LevelProfile::dense(), level(0.3, 0.68, 0.9), level(0.5, 0.47, 0.85), level(0.7, 0.2, 0.8)],
             spans: vec![1, 2, 4, 8],
             max_sparsity: 0.5,
             kv_bytes: 0,
+            packed_mem: 0.0,
         }
     }
 
@@ -491,7 +601,7 @@ mod tests {
 
     #[test]
     fn flash_bandwidth_interpolates_in_log_size_and_is_flat_outside() {
-        let bw = Bandwidths { mem: 1.0, flash: vec![(4096, 100.0), (65536, 500.0)] };
+        let bw = Bandwidths { mem: 1.0, flash: vec![(4096, 100.0), (65536, 500.0)], install: f64::INFINITY };
         assert_eq!(bw.flash_at(1000.0), 100.0);
         assert_eq!(bw.flash_at(1e9), 500.0);
         assert!((bw.flash_at(16384.0) - 300.0).abs() < 1e-9, "halfway in log size");
@@ -590,6 +700,41 @@ mod tests {
         }
     }
 
+    /// Streaming the packed image: a hot set of the budget less two layers, the rest read a
+    /// layer at a time (flash, then page work) and the whole model computed at the packed
+    /// rate; chosen for a dense level only, and only where predicted faster.
+    #[test]
+    fn packed_streaming_is_weighed_for_dense_levels() {
+        let mut p = inputs(steep());
+        p.bw.install = 4e9;
+        let (wb, layer) = (p.shape.weight_bytes() as f64, p.shape.layer_bytes as f64);
+        assert!(p.cost_packed(wb as usize).is_none(), "no packed rate: not offered");
+        p.packed_mem = 5e9;
+        let budget = wb as usize / 2;
+        let c = p.cost_packed(budget).unwrap();
+        let read = wb - (budget as f64 - 2.0 * layer);
+        let rate = 1.0 / (1.0 / p.bw.flash_at(layer) + 1.0 / 4e9);
+        assert!((p.bw.read_install_at(layer) - rate).abs() < 1e-6 * rate);
+        assert!((c.read_bytes - read).abs() < 1.0 && (c.times.decode - (read / rate + wb / 5e9)).abs() < 1e-12, "{c:?}");
+        assert!(c.packed && c.preload_room == 0 && c.cache_bytes <= budget);
+        let full = p.cost_packed(wb as usize).unwrap();
+        assert!(full.read_bytes == 0.0 && (full.times.decode - wb / 5e9).abs() < 1e-12, "{full:?}");
+        assert!(p.cost_packed(layer as usize).is_none(), "two layers must fit");
+        // Dense: whichever is predicted faster. The packed kernels at the channel-major rate
+        // (10e9 here) win at full budget (nothing read either way, same compute).
+        let mut dense = p.clone();
+        dense.max_sparsity = 0.0;
+        dense.packed_mem = 10e9;
+        let full = dense.plan(wb as usize).unwrap();
+        assert!(full.packed, "{full:?}");
+        assert_eq!(dense.replan(&full, budget).unwrap(), dense.cost_packed(budget).unwrap(), "re-planned as streamed");
+        dense.packed_mem = 1e6;
+        assert!(!dense.plan(wb as usize).unwrap().packed, "packed kernels far slower: channel-major");
+        // A sparse level reads by channel: never packed.
+        p.packed_mem = 1e15;
+        assert!(!p.plan(budget).unwrap().packed);
+    }
+
     #[test]
     fn a_budget_below_one_group_is_refused() {
         let mut p = inputs(steep());
@@ -628,15 +773,17 @@ mod tests {
         assert!(matches!(p.plan(50 * MIB), Err(PlanError::Input(_))));
     }
 
-    /// Measured on a real file: every figure positive, reads of 1 MiB no slower than of 4 KiB
+    /// Measured on a real file and a real region: every figure positive, reads of 1 MiB no slower than of 4 KiB
     /// by more than noise would allow (the point of large reads).
     #[test]
     fn bandwidths_measure_a_real_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         std::fs::write(&path, vec![7u8; 8 * MIB]).unwrap();
-        let bw = Bandwidths::measure(&path, &[4096, 1 << 20]).unwrap();
+        // The page-install rate needs a userfaultfd region.
+        let Some(bw) = llms_tests::require_kernel("userfaultfd", Bandwidths::measure(&path, &[4096, 1 << 20])) else { return };
         assert!(bw.mem > 0.0 && bw.flash.iter().all(|&(_, b)| b > 0.0), "{bw:?}");
+        assert!(bw.install > 0.0 && bw.install.is_finite(), "{bw:?}");
         assert_eq!(bw.flash.iter().map(|f| f.0).collect::<Vec<_>>(), [4096, 1 << 20]);
         assert!(Bandwidths::measure(&path, &[4 << 20]).is_err(), "file smaller than 4 reads");
         assert!(Bandwidths::measure(&path, &[1000]).is_err(), "not whole pages");

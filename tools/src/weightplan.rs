@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use engine::sparsity::{ChannelUse, Sparsity, MAX_AHEAD};
 use engine::weights::{GroupKind, ImageFormat, WeightLayout};
-use engine::{Model, ThreadPool};
+use engine::{Model, ThreadPool, WeightFormat};
 use mm::weightplan::{Bandwidths, LevelProfile, PlanInputs, Shape, MAX_SPAN};
 
 /// Sparsity levels a weight plan chooses from by default (up to its maximum).
@@ -132,17 +132,20 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     drop(model);
     let mut bw = Bandwidths::measure(model_path, &READ_SIZES).context("measuring bandwidths for the weight plan")?;
     // T_comp (eq. 4) at the rate the engine computes over channel-major weights, which is
-    // well below what memory delivers to a plain sum (docs/weights.md "Planner").
-    bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes())?);
-    let inputs = PlanInputs { shape, bw, levels: profiles, spans: SPANS.to_vec(), max_sparsity: s.max_sparsity, kv_bytes: 0 };
+    // well below what memory delivers to a plain sum (docs/weights.md "Planner"); the packed
+    // kernels' rate weighs streaming the packed image instead.
+    let wb = shape.weight_bytes();
+    bw.mem = bw.mem.min(compute_rate(model_path, &pool, wb, WeightFormat::ChannelMajor)?);
+    let packed_mem = compute_rate(model_path, &pool, wb, WeightFormat::Packed)?;
+    let inputs = PlanInputs { shape, bw, levels: profiles, spans: SPANS.to_vec(), max_sparsity: s.max_sparsity, kv_bytes: 0, packed_mem };
     Ok((inputs, thresholds))
 }
 
-/// Bytes/s the engine computes over when decoding with every weight resident, channel-major
-/// and dense: `weight_bytes` per token over the median time of a token (3 runs of 16).
-fn compute_rate(model_path: &Path, pool: &Arc<ThreadPool>, weight_bytes: usize) -> Result<f64> {
-    use engine::{Logits, Session, WeightFormat};
-    let cm = Arc::new(Model::load_as(model_path, WeightFormat::ChannelMajor)?);
+/// Bytes/s the engine computes over when decoding with every weight resident in `format`,
+/// dense: `weight_bytes` per token over the median time of a token (3 runs of 16).
+fn compute_rate(model_path: &Path, pool: &Arc<ThreadPool>, weight_bytes: usize, format: WeightFormat) -> Result<f64> {
+    use engine::{Logits, Session};
+    let cm = Arc::new(Model::load_as(model_path, format)?);
     let mut s = Session::new(Arc::clone(&cm), Arc::clone(pool), 64);
     let mut tok = engine::sampler::argmax(s.eval(&[1, 2, 3, 4], Logits::Last)?);
     let mut secs = Vec::new();
@@ -196,22 +199,35 @@ pub fn load_planned(
     let (inputs, levels) = inputs(model_path, setup)?;
     let budget = budget_bytes(budget, &inputs.shape);
     let plan = inputs.plan(budget)?;
-    let opts = crate::weights::PagedOptions {
-        budget: crate::weights::Budget::Bytes(budget),
-        image,
-        preload,
-        format: ImageFormat::ChannelMajor { span: plan.span },
-    };
+    let opts = crate::weights::PagedOptions { budget: crate::weights::Budget::Bytes(budget), image, preload, format: image_format(&plan) };
     let (model, weights) = crate::weights::load_paged(model_path, &opts)?;
     let sparsity = levels.into_iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp);
     weights.set_plan(crate::weights::PlanState { inputs, plan: plan.clone() });
     Ok(Planned { model, weights, sparsity, plan })
 }
 
+/// The image a plan pages: the packed one streamed by layer, or a channel-major one in groups
+/// of the plan's layers.
+pub fn image_format(plan: &mm::weightplan::Plan) -> ImageFormat {
+    if plan.packed {
+        ImageFormat::Packed
+    } else {
+        ImageFormat::ChannelMajor { span: plan.span }
+    }
+}
+
 /// One line describing a plan.
 #[allow(clippy::cast_precision_loss)]
 pub fn describe(p: &mm::weightplan::Plan) -> String {
     let mib = |b: f64| b / f64::from(1 << 20);
+    if p.packed {
+        return format!(
+            "weight plan: sparsity 0, the packed image streamed by layer, hot set {:.1} MiB; predicted {:.1} tok/s reading {:.1} MiB/token",
+            mib(p.cache_bytes as f64),
+            p.tok_s(),
+            mib(p.read_bytes)
+        );
+    }
     format!(
         "weight plan: sparsity {}, groups of {} layers, group {:.1} MiB, {}; predicted {:.1} tok/s reading {:.1} MiB/token with preloading, {:.1} tok/s reading {:.1} MiB/token on demand",
         p.sparsity,

@@ -386,7 +386,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
                 budget: Budget::Bytes(p.budget),
                 image: o.image.clone(),
                 preload,
-                format: ImageFormat::ChannelMajor { span: p.span },
+                format: crate::weightplan::image_format(p),
             };
             let (m, pw) = load_paged(model_path, &opts)?;
             pw.set_plan(st.clone());

@@ -548,19 +548,20 @@ fn paged_weights_share_the_budget_and_change_no_output() {
     // flight and the running context's chunks.
     assert!(peak <= total + (3 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
 
-    // Planned (dense: the output must not change): a channel-major image read by channel,
-    // the plan's cache and preload room, under the same one budget.
+    // Planned (dense: the output must not change): a channel-major image read by channel with
+    // the plan's cache and preload room, or the packed image streamed, whichever the plan
+    // predicts faster on this machine — under the same one budget.
     let image = dir.path().join("wp.img");
     let (planned, st, peak) =
         run("planned", &format!("budget = {total}\nweights_budget = \"40%\"\nweights_plan = true\nweights_image = {image:?}\n{exact}"));
     assert_eq!(resident, planned, "planned paged weights changed the output");
     assert_eq!(st.budget_bytes, total, "{st:?}");
     assert!(st.weights_budget_bytes > 0 && st.weights_budget_bytes < total);
-    // Within the budget but for the embedding rows the prompts fault in before the pager
-    // next accounts them (a few prompts' worth of 4 KiB slots).
-    assert!(st.weights_resident_bytes <= st.weights_budget_bytes + (1 << 20), "{st:?}");
+    // Within the budget but for one streamed group in flight, or the embedding rows the
+    // prompts fault in before the sparse pager next accounts them.
+    assert!(st.weights_resident_bytes <= st.weights_budget_bytes + (3 << 20), "{st:?}");
     assert!(st.weights_read_bytes > st.weights_budget_bytes, "{st:?}");
-    assert!(peak <= total + (1 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
+    assert!(peak <= total + (3 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
     let log = std::fs::read_to_string(dir.path().join("planned.log")).unwrap();
     assert!(log.contains("weight plan: sparsity 0,"), "the plan was not logged: {log}");
 }

@@ -162,11 +162,22 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
         state_dir: state.path().into(),
         threads: 2,
     };
-    let (inputs, levels) = tools::weightplan::inputs(&model_path(), &setup).unwrap();
+    let (mut inputs, levels) = tools::weightplan::inputs(&model_path(), &setup).unwrap();
     assert_eq!(levels.len(), 1, "levels above --max-sparsity are not even calibrated");
     assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weightplan::READ_SIZES.len());
+    assert!(inputs.packed_mem > 0.0 && inputs.bw.install > 0.0, "{inputs:?}");
     let budget = budget_bytes(Budget::Percent(60.0), &inputs.shape);
+    // Streaming the packed image, when its kernels are predicted fast enough to win.
+    let packed = {
+        let mut q = inputs.clone();
+        q.packed_mem = 1e15;
+        (q.clone(), q.plan(budget).unwrap())
+    };
+    assert!(packed.1.packed, "{:?}", packed.1);
+    // Channel-major planning: the packed candidate off.
+    inputs.packed_mem = 0.0;
     let plan = inputs.plan(budget).unwrap();
+    assert!(!plan.packed);
     assert!(plan.sparsity == 0.0 && SPANS.contains(&plan.span) && plan.budget == budget, "{plan:?}");
     assert!(plan.cache_bytes <= budget && plan.hit_rate < 1.0 && plan.read_bytes > 0.0, "{plan:?}");
 
@@ -206,6 +217,22 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     let err = pw.set_budget(64 << 10).unwrap_err();
     assert!(err.to_string().contains("cannot hold one layer group"), "{err}");
     assert_eq!((pw.plan().unwrap(), pw.stats().budget), (re, before), "a refused budget changed something");
+    drop((model, pw));
+
+    // A packed plan pages the packed image (resident logits bit for bit) and re-plans as one.
+    let (inputs, plan) = packed;
+    let format = tools::weightplan::image_format(&plan);
+    assert_eq!(format, ImageFormat::Packed);
+    let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned-packed.img")), preload: true, format };
+    let (model, pw) = load_paged(&model_path(), &opts).unwrap();
+    assert!(!pw.is_sparse());
+    pw.set_plan(tools::weights::PlanState { inputs, plan: plan.clone() });
+    assert!(same_bits(&run(&model), resident_logits()), "packed planned paging changed the logits");
+    pw.set_budget(smaller).unwrap();
+    let re = pw.plan().unwrap();
+    assert!(re.packed && re.budget == smaller && re.cache_bytes < plan.cache_bytes && re.read_bytes > plan.read_bytes, "{re:?}");
+    assert!(same_bits(&run(&model), resident_logits()));
+    assert!(pw.set_budget(64 << 10).is_err(), "two layers do not fit 64 KiB");
 }
 
 /// Rss of the mapping that starts at `addr`, from /proc/self/smaps.

@@ -1900,8 +1900,10 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
     );
     let flash: Vec<String> = inputs.bw.flash.iter().map(|&(n, b)| format!("{} KiB {:.0}", n >> 10, b / 1e6)).collect();
     println!(
-        "bandwidth MB/s: computing (the engine over its weights, or memory if lower) {:.0}; flash reads of {}",
+        "bandwidth MB/s: computing (the engine over its weights, or memory if lower) {:.0}, packed kernels {:.0}; installing pages {:.0}; flash reads of {}",
         inputs.bw.mem / 1e6,
+        inputs.packed_mem / 1e6,
+        inputs.bw.install / 1e6,
         flash.join(", ")
     );
     println!("{:>5} {:>10} {:>15} {:>15} {:>13}", "S", "read/token", "predicted 1/4/8", "hit at 25/50%", "");
@@ -1942,7 +1944,7 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
             b,
             mib(p.budget as f64),
             p.sparsity,
-            p.span,
+            if p.packed { "pk".to_string() } else { p.span.to_string() },
             mib(p.group_bytes as f64),
             mib(p.cache_bytes as f64),
             mib(p.preload_room as f64),
