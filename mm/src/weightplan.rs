@@ -317,6 +317,21 @@ pub struct PlanInputs {
     /// Bytes/s the packed (dense) kernels compute over, to weigh streaming the packed image
     /// against reading a channel-major one ([`PlanInputs::cost_packed`]); 0: not offered.
     pub packed_mem: f64,
+    /// Bytes of the packed image's layers and head (its groups are aligned more coarsely
+    /// than the channel-major image's); 0: as `shape.weight_bytes()`.
+    pub packed_bytes: usize,
+    /// Whether the preload thread has a core of its own (the engine computes on fewer
+    /// threads than there are cores). Without one, its reads and page work take turns with
+    /// the computing instead of overlapping it (measured on 2 cores: preloading ran at
+    /// 0.90-0.94x of reading on demand), so eq. 5 adds them.
+    pub spare_core: bool,
+}
+
+impl PlanInputs {
+    /// What "all of the weights" holds, whichever image: a budget at or above it reads nothing.
+    pub fn all_weight_bytes(&self) -> usize {
+        self.shape.weight_bytes().max(self.packed_bytes)
+    }
 }
 
 /// Predicted times of one token (seconds), as in eq. 1-7.
@@ -434,7 +449,8 @@ impl PlanInputs {
         let comp = group / bw.mem; // eq. 4
         let onload = miss * (1.0 - si) / eff(u_on); // eq. 6 (the group's mispredictions)
         let preload = miss / eff(u_pre); // eq. 7
-        let overlap = onload + preload.max(comp); // eq. 5
+                                         // Eq. 5; without a spare core the preload thread takes turns with the computing.
+        let overlap = onload + if self.spare_core { preload.max(comp) } else { preload + comp };
         let groups = s.n_layers.div_ceil(span) as f64;
         let head_miss = (head - cache).max(0.0);
         let head_t = head_miss / bw.read_install_at(f64::INFINITY) + head / bw.mem;
@@ -446,9 +462,11 @@ impl PlanInputs {
         let demand_decode = groups * (miss / eff(u_on) + comp) + head_t;
         let demand_read_bytes = groups * miss * read_of(u_on) / u_on + head_miss;
         let decode = load + (groups - 1.0) * overlap + comp + head_t; // eq. 1
-                                                                      // The room beside the cache is the preloads' where they pay (mispredictions read
-                                                                      // twice can cost more than overlapping saves).
-        let preload_room = if decode < demand_decode { (room - cache).max(0.0) } else { 0.0 };
+
+        // The room beside the cache is the preloads' where they pay (mispredictions read
+        // twice can cost more than overlapping saves): predicted at least 1% faster, so a
+        // tie (no spare core, nothing mispredicted) is not decided by rounding.
+        let preload_room = if decode < 0.99 * demand_decode { (room - cache).max(0.0) } else { 0.0 };
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         Some(Plan {
             budget,
@@ -476,7 +494,8 @@ impl PlanInputs {
     pub fn cost_packed(&self, budget: usize) -> Option<Plan> {
         let s = &self.shape;
         let room = budget as f64 - self.kv_bytes as f64;
-        let (layer, all) = (s.layer_bytes as f64, s.weight_bytes() as f64);
+        let layer = s.layer_bytes as f64;
+        let all = if self.packed_bytes > 0 { self.packed_bytes } else { s.weight_bytes() } as f64;
         if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < 2.0 * layer {
             return None;
         }
@@ -592,6 +611,8 @@ mod tests {
             max_sparsity: 0.5,
             kv_bytes: 0,
             packed_mem: 0.0,
+            packed_bytes: 0,
+            spare_core: true,
         }
     }
 
@@ -640,6 +661,13 @@ mod tests {
         assert!(t.decode < c.demand_decode);
         assert!((c.preload_room as f64 - sl * (1.0 - hr)).abs() < 2.0, "{c:?}");
         assert_eq!(c.best_decode(), t.decode);
+        // Without a spare core the preload thread takes turns with the computing: preloading
+        // is then never predicted faster than reading on demand, and gets no room.
+        let mut busy = p.clone();
+        busy.spare_core = false;
+        let b = busy.cost(&level, 2, budget).unwrap();
+        assert!(close(b.times.overlap, miss / 1e9 + group / 10e9), "{b:?}");
+        assert!(close(b.times.decode, b.demand_decode) && b.preload_room == 0, "{b:?}");
         // A level whose layers predict nothing reads its misses twice when preloading:
         // reading on demand wins and no room is set aside.
         let blind = LevelProfile { similarity: vec![0.0; MAX_SPAN], ..LevelProfile::dense() };

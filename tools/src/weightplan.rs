@@ -134,10 +134,24 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     // T_comp (eq. 4) at the rate the engine computes over channel-major weights, which is
     // well below what memory delivers to a plain sum (docs/weights.md "Planner"); the packed
     // kernels' rate weighs streaming the packed image instead.
-    let wb = shape.weight_bytes();
-    bw.mem = bw.mem.min(compute_rate(model_path, &pool, wb, WeightFormat::ChannelMajor)?);
-    let packed_mem = compute_rate(model_path, &pool, wb, WeightFormat::Packed)?;
-    let inputs = PlanInputs { shape, bw, levels: profiles, spans: SPANS.to_vec(), max_sparsity: s.max_sparsity, kv_bytes: 0, packed_mem };
+    bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes(), WeightFormat::ChannelMajor)?);
+    // As `weights::load_paged` counts the packed image's weight bytes.
+    let slot = crate::weights::slot_for(ImageFormat::Packed);
+    let packed = WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?;
+    let packed_bytes: usize = packed.groups.iter().filter(|g| g.kind != GroupKind::Embedding).map(|g| g.len.next_multiple_of(slot)).sum();
+    let packed_mem = compute_rate(model_path, &pool, packed_bytes, WeightFormat::Packed)?;
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let inputs = PlanInputs {
+        shape,
+        bw,
+        levels: profiles,
+        spans: SPANS.to_vec(),
+        max_sparsity: s.max_sparsity,
+        kv_bytes: 0,
+        packed_mem,
+        packed_bytes,
+        spare_core: s.threads < cores,
+    };
     Ok((inputs, thresholds))
 }
 
@@ -161,12 +175,13 @@ fn compute_rate(model_path: &Path, pool: &Arc<ThreadPool>, weight_bytes: usize, 
     Ok(weight_bytes as f64 / secs[1])
 }
 
-/// `budget` in bytes: a share of the weight bytes (layers and head) or bytes as given.
-pub fn budget_bytes(budget: crate::weights::Budget, shape: &Shape) -> usize {
+/// `budget` in bytes: a share of the weight bytes (layers and head, of the larger image: 100%
+/// holds all of either) or bytes as given.
+pub fn budget_bytes(budget: crate::weights::Budget, inputs: &PlanInputs) -> usize {
     match budget {
         crate::weights::Budget::Bytes(b) => b,
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-        crate::weights::Budget::Percent(p) => (shape.weight_bytes() as f64 * p / 100.0) as usize,
+        crate::weights::Budget::Percent(p) => (inputs.all_weight_bytes() as f64 * p / 100.0) as usize,
     }
 }
 
@@ -197,7 +212,7 @@ pub fn load_planned(
     setup: &PlanSetup,
 ) -> Result<Planned> {
     let (inputs, levels) = inputs(model_path, setup)?;
-    let budget = budget_bytes(budget, &inputs.shape);
+    let budget = budget_bytes(budget, &inputs);
     let plan = inputs.plan(budget)?;
     let opts = crate::weights::PagedOptions { budget: crate::weights::Budget::Bytes(budget), image, preload, format: image_format(&plan) };
     let (model, weights) = crate::weights::load_paged(model_path, &opts)?;

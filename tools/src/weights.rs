@@ -390,7 +390,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             };
             let (m, pw) = load_paged(model_path, &opts)?;
             pw.set_plan(st.clone());
-            let label = format!("{:.0}%", 100.0 * p.budget as f64 / pw.weight_bytes as f64);
+            let label = format!("{:.0}%", 100.0 * p.budget as f64 / st.inputs.all_weight_bytes() as f64);
             cases.push((label, preload, m, Some(pw), p.sparsity, sp.clone(), Some(p.clone())));
         }
     }

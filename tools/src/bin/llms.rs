@@ -1807,7 +1807,7 @@ fn bench_weights(
     if let Some(pl) = plan_levels {
         let (inputs, thresholds) = plan_inputs(m, pl)?;
         for &b in &budgets {
-            let plan = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape))?;
+            let plan = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs))?;
             let sp = thresholds.iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp.clone());
             plans.push((tools::weights::PlanState { inputs: inputs.clone(), plan }, sp));
         }
@@ -1881,7 +1881,7 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
     let (inputs, _) = plan_inputs(m, levels)?;
     let plans: Vec<_> = budgets
         .iter()
-        .map(|&b| inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs.shape)))
+        .map(|&b| inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs)))
         .collect::<Result<_, _>>()?;
     if json {
         println!("{}", json!({"bandwidths": inputs.bw, "levels": inputs.levels, "plans": plans}));
