@@ -160,6 +160,9 @@ pub struct ServiceStats {
     pub weights_resident_bytes: u64,
     #[serde(default)]
     pub weights_read_bytes: u64,
+    /// The weight plan in force (it follows budget changes), empty without one.
+    #[serde(default)]
+    pub weights_plan: String,
 }
 
 /// A frame from the service.

@@ -472,7 +472,8 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             vs_resident: tg / base,
             read_mib_per_token: per_tok / f64::from(1 << 20),
             hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
-            preload_precision: (r.5 > 0).then(|| r.6 as f64 / r.5 as f64),
+            // The streaming pager reads ahead by layer order, not by prediction: no precision.
+            preload_precision: (r.5 > 0 && pw.as_ref().is_some_and(|p| p.is_sparse())).then(|| r.6 as f64 / r.5 as f64),
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,

@@ -547,6 +547,7 @@ fn paged_weights_share_the_budget_and_change_no_output() {
     // userfaultfd-resident memory (weights and KV) within the budget plus one weight group in
     // flight and the running context's chunks.
     assert!(peak <= total + (3 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
+    assert!(st.weights_plan.is_empty(), "no plan was asked for: {st:?}");
 
     // Planned (dense: the output must not change): a channel-major image read by channel with
     // the plan's cache and preload room, or the packed image streamed, whichever the plan
@@ -564,4 +565,6 @@ fn paged_weights_share_the_budget_and_change_no_output() {
     assert!(peak <= total + (3 << 20) + (4 << 20), "uffd-resident {peak} over {total}");
     let log = std::fs::read_to_string(dir.path().join("planned.log")).unwrap();
     assert!(log.contains("weight plan: sparsity 0,"), "the plan was not logged: {log}");
+    // `llms stats` shows the plan in force.
+    assert!(st.weights_plan.starts_with("weight plan: sparsity 0,"), "{st:?}");
 }

@@ -512,6 +512,9 @@ fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
             s.weights_resident_bytes as f64 / 1048576.0,
             s.weights_read_bytes as f64 / 1048576.0
         );
+        if !s.weights_plan.is_empty() {
+            println!("{}", s.weights_plan);
+        }
     }
     print_contexts(&s.mine);
     Ok(())
