@@ -733,9 +733,9 @@ impl Manager {
     /// each straight into a buffer (O_DIRECT: a record's payload is laid out as the chunk is
     /// in memory); as each lands its checksum is checked and it is copied into its slot while
     /// the later reads are in flight, and its buffer takes the next record. So a load of any
-    /// size needs no more staging than the arena. Checking and copying cost ~100 us per
-    /// 190 KB chunk (the copy is mostly the kernel allocating the slot's fresh pages), about
-    /// what the disk takes to deliver it: two lanes share the chunks. Returns the chunks whose
+    /// size needs no more staging than the arena. Checking and copying cost ~85 us per
+    /// 190 KB chunk (CRC32C ~15, UFFDIO_COPY into fresh pages ~70), about what the disk takes
+    /// to deliver it: two lanes share the chunks (docs/mm.md "Speed"). Returns the chunks whose
     /// record failed its checksum (not installed) and the time spent waiting for reads.
     fn read_all(
         &mut self,
