@@ -363,15 +363,6 @@ pub struct WeightStats {
 }
 
 impl WeightStats {
-    /// Share of preloaded slots the reader then used (1 when nothing was preloaded).
-    pub fn preload_precision(&self) -> f64 {
-        if self.preload_slots == 0 {
-            1.0
-        } else {
-            self.prefetch_used as f64 / self.preload_slots as f64
-        }
-    }
-
     /// Share of the slots the reader announced that were resident when it got there.
     pub fn hit_rate(&self) -> f64 {
         if self.advised_slots == 0 {

@@ -135,10 +135,8 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     // well below what memory delivers to a plain sum (docs/weights.md "Planner"); the packed
     // kernels' rate weighs streaming the packed image instead.
     bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes(), WeightFormat::ChannelMajor)?);
-    // As `weights::load_paged` counts the packed image's weight bytes.
     let slot = crate::weights::slot_for(ImageFormat::Packed);
-    let packed = WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?;
-    let packed_bytes: usize = packed.groups.iter().filter(|g| g.kind != GroupKind::Embedding).map(|g| g.len.next_multiple_of(slot)).sum();
+    let (_, packed_bytes) = crate::weights::weight_groups(&WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?, slot);
     let packed_mem = compute_rate(model_path, &pool, packed_bytes, WeightFormat::Packed)?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let inputs = PlanInputs {

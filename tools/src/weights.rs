@@ -184,6 +184,13 @@ impl PagedWeights {
             Paging::Sparse(p) => p.bytes_read(),
         }
     }
+    /// Share of `preloaded` slots the reader then used: only where preloads are predictions
+    /// (the sparse pager; the streaming pager reads ahead by layer order, every slot of which
+    /// the reader takes) and something was preloaded.
+    pub fn preload_precision(&self, preloaded: u64, used: u64) -> Option<f64> {
+        #[allow(clippy::cast_precision_loss)]
+        (self.is_sparse() && preloaded > 0).then(|| used as f64 / preloaded as f64)
+    }
     /// The image's trailer: slot size, groups, checksums.
     pub fn info(&self) -> &mm::weights::ImageInfo {
         self.pager.info()
@@ -215,12 +222,19 @@ pub fn build(model: &Path, image: &Path, fp: Fingerprint, format: ImageFormat) -
 
 /// Loads `model` with its weights paged from its image under `opts.budget`, building the image
 /// first when it is missing, stale (the model file changed) or damaged.
+/// The groups a budget covers (layers and head; the embedding table is read by row) and their
+/// bytes in whole slots of `slot`: what "100%" of an image's weights means.
+pub fn weight_groups(layout: &WeightLayout, slot: usize) -> (Vec<usize>, usize) {
+    let cycle: Vec<usize> = layout.groups.iter().enumerate().filter(|(_, g)| g.kind != GroupKind::Embedding).map(|(i, _)| i).collect();
+    let bytes = cycle.iter().map(|&i| layout.groups[i].len.next_multiple_of(slot)).sum();
+    (cycle, bytes)
+}
+
 pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<PagedWeights>)> {
     let fp = Fingerprint::of(model)?;
     let slot = slot_for(opts.format);
     let layout = WeightLayout::for_file(model, slot, opts.format).with_context(|| format!("loading {}", model.display()))?;
-    let cycle: Vec<usize> = layout.groups.iter().enumerate().filter(|(_, g)| g.kind != GroupKind::Embedding).map(|(i, _)| i).collect();
-    let weight_bytes: usize = cycle.iter().map(|&i| layout.groups[i].len.next_multiple_of(slot)).sum();
+    let (cycle, weight_bytes) = weight_groups(&layout, slot);
     let budget = match opts.budget {
         Budget::Bytes(b) => b,
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
@@ -381,7 +395,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     #[allow(clippy::cast_precision_loss)]
     for (st, sp) in &o.plans {
         let p = &st.plan;
-        for preload in [true, false].into_iter().filter(|&pre| pre || (o.no_preload_too && p.budget < st.inputs.shape.weight_bytes())) {
+        for preload in [true, false].into_iter().filter(|&pre| pre || (o.no_preload_too && p.budget < st.inputs.all_weight_bytes())) {
             let opts = PagedOptions {
                 budget: Budget::Bytes(p.budget),
                 image: o.image.clone(),
@@ -472,8 +486,7 @@ pub fn bench(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             vs_resident: tg / base,
             read_mib_per_token: per_tok / f64::from(1 << 20),
             hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
-            // The streaming pager reads ahead by layer order, not by prediction: no precision.
-            preload_precision: (r.5 > 0 && pw.as_ref().is_some_and(|p| p.is_sparse())).then(|| r.6 as f64 / r.5 as f64),
+            preload_precision: pw.as_ref().and_then(|p| p.preload_precision(r.5, r.6)),
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,

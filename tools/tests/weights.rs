@@ -206,6 +206,10 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     let (pre, faults) = (s1.preload_slots - s0.preload_slots, s1.fault_slots - s0.fault_slots);
     assert!(read <= misses + pre + faults, "read {read} slots for {misses} misses, {pre} preloads, {faults} faults");
     assert!(pw.resident_bytes() <= budget, "{} resident over {budget}", pw.resident_bytes());
+    // Predictions have a precision; with nothing preloaded there is none to state.
+    let used = s1.prefetch_used - s0.prefetch_used;
+    assert_eq!(pw.preload_precision(pre, used), Some(used as f64 / pre as f64));
+    assert_eq!(pw.preload_precision(0, 0), None);
 
     let smaller = budget * 2 / 3;
     pw.set_budget(smaller).unwrap();
@@ -228,6 +232,7 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned-packed.img")), preload: true, format };
     let (model, pw) = load_paged(&model_path(), &opts).unwrap();
     assert!(!pw.is_sparse());
+    assert_eq!(pw.preload_precision(10, 10), None, "reading ahead by layer order predicts nothing");
     pw.set_plan(tools::weights::PlanState { inputs, plan: plan.clone() });
     assert!(same_bits(&run(&model), resident_logits()), "packed planned paging changed the logits");
     pw.set_budget(smaller).unwrap();

@@ -1445,8 +1445,7 @@ fn weights_line(tokens: usize) -> Option<String> {
         100.0 * s.hit_rate(),
         s.fault_slots,
         s.preload_slots,
-        // The streaming pager reads ahead by layer order, not by prediction: no precision.
-        if pw.is_sparse() { format!(" (precision {:.1}%)", 100.0 * s.preload_precision()) } else { String::new() },
+        pw.preload_precision(s.preload_slots, s.prefetch_used).map_or(String::new(), |p| format!(" (precision {:.1}%)", 100.0 * p)),
         if s.advised_landing > 0 {
             format!(", {:.1}% of reads waited for a preload", 100.0 * s.advised_landing as f64 / s.advised_slots.max(1) as f64)
         } else {
