@@ -19,7 +19,7 @@
 
 use half::f16;
 
-use crate::kernels::OutPtr;
+use crate::pool::OutPtr;
 use crate::quant::{q4_block, GgmlType, QK};
 use crate::repack::Blocks;
 
@@ -263,7 +263,7 @@ pub fn matmul_col(w: &ColWeight, a: &ActiveSet, out: OutPtr, ldo: usize, t0: usi
         for t in 0..a.n {
             let mut y = [0.0f32; TILE];
             #[cfg(target_arch = "x86_64")]
-            if crate::kernels::has_avx2() {
+            if crate::simd::has_avx2() {
                 // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
                 unsafe { avx2::tile(w, a, t, tile, &mut y) };
             } else {
@@ -295,7 +295,7 @@ pub fn matvec_tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize
         y.clear();
         y.resize((t1 - t0) * TILE, 0.0);
         #[cfg(target_arch = "x86_64")]
-        let done = if crate::kernels::has_avx2() {
+        let done = if crate::simd::has_avx2() {
             acc.resize((t1 - t0) * TILE, 0);
             // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
             unsafe { avx2::tiles(w, a, t, t0, t1, y, acc) };

@@ -1,10 +1,13 @@
-//! Model quality measures shared by the CLI and the tests.
+//! Model quality measures shared by the CLI and the tests, and what is chosen by them: Top-K
+//! sparsity levels, calibrated by scoring each site's perplexity ([`calibrate_sparsity`]).
+//! This module sits above the model and the sparsity thresholds it runs with.
 
 use std::sync::Arc;
 
 use crate::kv::KvFormat;
 use crate::model::{AttentionStats, Logits, Model, ModelError, Session, SessionOptions};
 use crate::pool::ThreadPool;
+use crate::sparsity::{Calibrator, Sparsity, SITES};
 
 /// Result of [`perplexity`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -272,4 +275,83 @@ fn level_rank(f: KvFormat) -> u8 {
         KvFormat::Q4 => 2,
         KvFormat::Q2 => 3,
     }
+}
+
+/// Levels tried per site when allocating.
+const LEVELS: [f32; 7] = [0.0, 0.25, 0.4, 0.5, 0.6, 0.7, 0.85];
+/// Tokens of calibration text: statistics, then one window to score each site's levels.
+const CALIB_TOKENS: usize = 2048;
+const CALIB_WINDOW: usize = 512;
+
+/// Weights each site's input selects, per layer (Q+K+V, O, gate+up, down).
+fn site_weights(c: &crate::loader::Config) -> [f64; SITES] {
+    #[allow(clippy::cast_precision_loss)]
+    let f = |x: usize| x as f64;
+    [f(c.dim * (c.dim + 2 * c.kv_dim())), f(c.dim * c.dim), f(2 * c.dim * c.ffn_dim), f(c.ffn_dim * c.dim)]
+}
+
+/// Calibrates Top-K sparsity for `target` (0 <= target < 1: the share of weight bytes whose
+/// input entry is zero) on `ids`. Sites differ in how much they tolerate, so, as TEAL
+/// allocates sparsity across a block's projections, each site's level is chosen: every site
+/// is scored alone at each of a grid of levels (the perplexity of a calibration window), and
+/// the combination with the least summed loss whose byte-weighted average reaches `target`
+/// is taken. Thresholds are the magnitude quantiles of each site's inputs over the text.
+#[allow(clippy::cast_possible_truncation)]
+pub fn calibrate_sparsity(model: &Arc<Model>, pool: Arc<ThreadPool>, ids: &[u32], target: f32) -> Result<Sparsity, ModelError> {
+    if !(0.0..1.0).contains(&target) {
+        return Err(ModelError::Metadata { key: "sparsity".into(), what: format!("{target} is not in [0, 1)") });
+    }
+    if ids.len() < CALIB_WINDOW {
+        return Err(ModelError::Metadata {
+            key: "sparsity".into(),
+            what: format!("the calibration text has {} tokens; at least {CALIB_WINDOW} are needed", ids.len()),
+        });
+    }
+    let ids = &ids[..ids.len().min(CALIB_TOKENS)];
+    let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), CALIB_WINDOW);
+    s.calibrator = Some(Calibrator::new(model.config.n_layers));
+    for win in ids.chunks(CALIB_WINDOW) {
+        s.truncate(0);
+        s.eval(win, Logits::None)?;
+    }
+    let cal = s.calibrator.take().expect("set above");
+    if target == 0.0 {
+        return Ok(cal.thresholds(0.0, [0.0; SITES]));
+    }
+    let score = |levels: [f32; SITES]| -> Result<f64, ModelError> {
+        let sp = Arc::new(cal.thresholds(target, levels));
+        Ok(perplexity_sparse(model, Arc::clone(&pool), &ids[..CALIB_WINDOW], CALIB_WINDOW, 1, Some(sp))?.ppl.ln())
+    };
+    let base = score([0.0; SITES])?;
+    // loss[site][level]: the calibration window's log-perplexity increase with only that site
+    // sparse at that level.
+    let mut loss = [[0.0f64; LEVELS.len()]; SITES];
+    for (site, row) in loss.iter_mut().enumerate() {
+        for (li, &l) in LEVELS.iter().enumerate().skip(1) {
+            let mut levels = [0.0; SITES];
+            levels[site] = l;
+            row[li] = (score(levels)? - base).max(0.0);
+        }
+    }
+    let w = site_weights(&model.config);
+    let total: f64 = w.iter().sum();
+    let mut best: Option<(f64, [usize; SITES])> = None;
+    let n = LEVELS.len();
+    for code in 0..n.pow(SITES as u32) {
+        let pick: [usize; SITES] = std::array::from_fn(|i| code / n.pow(i as u32) % n);
+        let avg: f64 = pick.iter().zip(&w).map(|(&p, &wt)| f64::from(LEVELS[p]) * wt).sum::<f64>() / total;
+        if avg + 1e-9 < f64::from(target) {
+            continue;
+        }
+        let l: f64 = pick.iter().enumerate().map(|(s, &p)| loss[s][p]).sum();
+        if best.is_none_or(|(b, _)| l < b) {
+            best = Some((l, pick));
+        }
+    }
+    let levels = match best {
+        Some((_, pick)) => pick.map(|p| LEVELS[p]),
+        // Above what the grid reaches: every site at the target.
+        None => [target; SITES],
+    };
+    Ok(cal.thresholds(target, levels))
 }

@@ -240,6 +240,36 @@ impl Drop for ThreadPool {
     }
 }
 
+/// Raw output pointer shared by the threads of one matmul; each thread writes a disjoint set
+/// of `(token, row)` cells.
+#[derive(Debug, Clone, Copy)]
+pub struct OutPtr {
+    pub ptr: *mut f32,
+    pub len: usize,
+}
+// SAFETY: an OutPtr is only used by matmul_rows, whose callers give each thread a disjoint row
+// range, so no two threads write the same element.
+unsafe impl Send for OutPtr {}
+// SAFETY: see Send.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    pub fn new(out: &mut [f32]) -> Self {
+        Self { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+    /// The same buffer seen from element `by` on.
+    pub fn offset(self, by: usize) -> Self {
+        Self { ptr: self.ptr.wrapping_add(by), len: self.len.saturating_sub(by) }
+    }
+    #[inline]
+    pub fn write(&self, idx: usize, v: f32) {
+        assert!(idx < self.len, "matmul output index {idx} out of {}", self.len);
+        // SAFETY: idx is in bounds (checked above); the buffer outlives the matmul; threads
+        // write disjoint indices (contract of matmul_rows).
+        unsafe { *self.ptr.add(idx) = v };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -175,7 +175,7 @@ impl Q8Acts {
 /// present: the rounding then compiles to `vroundps` instead of a libm call per value.
 pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::has_avx2() {
+    if crate::simd::has_avx2() {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn run(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
             quantize_blocks_body(x, qs, d, s);

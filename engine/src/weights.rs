@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use crate::colmajor::{ColWeight, Placement};
-use crate::model::{ModelError, Parsed, Result, W};
+use crate::loader::{ModelError, Parsed, Result, W};
 use crate::quant::QK;
 use crate::repack::PackedWeight;
 
@@ -132,7 +132,7 @@ impl WeightLayout {
             groups.push(Group { kind, offset: start, len: *at - start });
             *at = at.next_multiple_of(align);
         };
-        let name = |i: usize, m: usize| format!("blk.{i}.{}.weight", crate::model::MATRIX_NAMES[m]);
+        let name = |i: usize, m: usize| format!("blk.{i}.{}.weight", crate::loader::MATRIX_NAMES[m]);
         match format {
             ImageFormat::Packed => {
                 for (i, l) in p.layers.iter().enumerate() {

@@ -60,7 +60,7 @@ pub fn calibrated(
         return Ok(Arc::new(sp));
     }
     let ids = model.tokenizer.encode(&text, false, false)?;
-    let sp = engine::sparsity::calibrate(model, Arc::clone(pool), &ids, target).context("--sparsity")?;
+    let sp = engine::eval::calibrate_sparsity(model, Arc::clone(pool), &ids, target).context("--sparsity")?;
     if let Some(v) = to_json(&sp) {
         save(dir, &path, v.to_string().as_bytes(), "calibration");
     }

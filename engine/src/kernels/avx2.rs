@@ -1,0 +1,307 @@
+//! The AVX2/FMA/F16C kernels behind [`super`]'s dispatch: x86_64 only, chosen at run time.
+// Every function here is an AVX2/FMA/F16C kernel whose one precondition is that the CPU
+// has those features; the dispatchers above check that once (`crate::simd::has_avx2`) before calling in.
+// Marking each intrinsic call `unsafe` again would hide the few real memory contracts,
+// which are commented where they are (pointer loads).
+#![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use super::{KvRows, OutPtr};
+use crate::quant::Q8Acts;
+use crate::repack::{Packed, PackedWeight, ROWS};
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// # Safety
+/// Needs AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let n_tok = a.rows;
+    for g in g0..g1 {
+        let mut t = 0;
+        while t + 4 <= n_tok {
+            packed_tile::<4>(w, a, g, t, out, ldo);
+            t += 4;
+        }
+        while t < n_tok {
+            packed_tile::<1>(w, a, g, t, out, ldo);
+            t += 1;
+        }
+    }
+}
+
+/// Four activation bytes starting at `p`, broadcast to every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    // SAFETY (callers): p points at 4 readable bytes inside an activation block.
+    _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()))
+}
+
+/// One group of 8 rows against `T` tokens starting at `t0`, over every block.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn packed_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let nb = w.blocks_per_row();
+    let ones = _mm256_set1_epi16(1);
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    match &w.data {
+        Packed::Q4(v) => {
+            let blks = &v[g * nb..(g + 1) * nb];
+            for (b, blk) in blks.iter().enumerate() {
+                let mut p = [_mm256_setzero_si256(); T];
+                for k in 0..4 {
+                    let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                    let lo = _mm256_and_si256(wv, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+                    for t in 0..T {
+                        let xq = a.qs[xrow[t] + b].as_ptr();
+                        // |sum| <= 8 * 2 * 15 * 127 < 2^15: the i16 adds cannot overflow.
+                        let pl = _mm256_maddubs_epi16(lo, bcast4(xq.add(4 * k)));
+                        let ph = _mm256_maddubs_epi16(hi, bcast4(xq.add(16 + 4 * k)));
+                        p[t] = _mm256_add_epi16(p[t], _mm256_add_epi16(pl, ph));
+                    }
+                }
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    let pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t], ones));
+                    acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                }
+            }
+        }
+        Packed::Q8(v) => {
+            let blks = &v[g * nb..(g + 1) * nb];
+            for (b, blk) in blks.iter().enumerate() {
+                let mut p = [_mm256_setzero_si256(); T];
+                for k in 0..8 {
+                    let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                    let aw = _mm256_sign_epi8(wv, wv);
+                    for t in 0..T {
+                        let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+                        let pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, wv));
+                        p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pr, ones));
+                    }
+                }
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                for t in 0..T {
+                    let pf = _mm256_cvtepi32_ps(p[t]);
+                    acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                }
+            }
+        }
+    }
+    let r0 = g * ROWS;
+    let valid = (w.rows - r0).min(ROWS);
+    for t in 0..T {
+        let idx = (t0 + t) * ldo + r0;
+        if valid == ROWS {
+            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+            _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
+        } else {
+            let mut tmp = [0.0f32; ROWS];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
+            for (r, &v) in tmp.iter().enumerate().take(valid) {
+                out.write(idx + r, v);
+            }
+        }
+    }
+}
+
+/// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one
+/// implementation per format so each kernel instantiation inlines its own loads.
+trait RowLoad {
+    /// # Safety
+    /// AVX2/F16C present; row `t` inside the block (checked by the caller).
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]);
+}
+struct F32Rows(*const f32);
+struct F16Rows(*const u8);
+struct I8Rows(*const u8, usize);
+
+impl RowLoad for F32Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        let p = self.0.add(t * hd);
+        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+            *slot = _mm256_loadu_ps(p.add(8 * c));
+        }
+    }
+}
+impl RowLoad for F16Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        let p = self.0.add(2 * t * hd);
+        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+            *slot = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()));
+        }
+    }
+}
+impl RowLoad for I8Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        let sb = self.0.add(2 * t);
+        let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+        let p = self.0.add(self.1 * 2 + t * hd);
+        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
+            *slot = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q));
+        }
+    }
+}
+
+/// # Safety
+/// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn chunk_scores(
+    q: &[f32],
+    hd: usize,
+    k: KvRows,
+    visible: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    col0: usize,
+) {
+    match k {
+        KvRows::F32(v) => scores_with(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+        KvRows::F16(b) => scores_with(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+        KvRows::Int8 { blk, t_cap } => scores_with(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut kv = [_mm256_setzero_ps(); 32];
+    for t in 0..n {
+        k.load(t, hd, lanes, &mut kv);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t >= vis {
+                continue;
+            }
+            let qp = q.as_ptr().add(i * hd);
+            let mut acc = _mm256_setzero_ps();
+            for (c, kc) in kv.iter().enumerate().take(lanes) {
+                acc = _mm256_fmadd_ps(*kc, _mm256_loadu_ps(qp.add(8 * c)), acc);
+            }
+            *scores.get_unchecked_mut(i * ld + col0 + t) = hsum(acc) * scale;
+        }
+    }
+}
+
+/// # Safety
+/// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+    match v {
+        KvRows::F32(r) => values_with(&F32Rows(r.as_ptr()), probs, ld, col0, visible, hd, out),
+        KvRows::F16(b) => values_with(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
+        KvRows::Int8 { blk, t_cap } => values_with(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut vv = [_mm256_setzero_ps(); 32];
+    for t in 0..n {
+        v.load(t, hd, lanes, &mut vv);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t >= vis {
+                continue;
+            }
+            let w = _mm256_set1_ps(*probs.get_unchecked(i * ld + col0 + t));
+            let o = out.as_mut_ptr().add(i * hd);
+            for (c, vc) in vv.iter().enumerate().take(lanes) {
+                let d = o.add(8 * c);
+                _mm256_storeu_ps(d, _mm256_fmadd_ps(w, *vc, _mm256_loadu_ps(d)));
+            }
+        }
+    }
+}
+
+/// `e^x` for 8 lanes (x <= 0 after max subtraction; large negatives flush to 0): Cody-Waite
+/// range reduction and a degree-6 polynomial, within 2 ulp of libm.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+    let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    let y = _mm256_mul_ps(p, pow2n);
+    // Below -87 the true value is under f32's normal range: return 0.
+    _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_GT_OQ))
+}
+
+/// # Safety
+/// Needs AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
+    let n = row.len();
+    let m = _mm256_set1_ps(max);
+    let mut sum = 0.0f64;
+    let mut i = 0;
+    let ptr = row.as_mut_ptr();
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n.
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(i)), m));
+        _mm256_storeu_ps(ptr.add(i), e);
+        let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
+        let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
+        let s2 = _mm256_add_pd(lo, hi);
+        let s1 = _mm_add_pd(_mm256_castpd256_pd128(s2), _mm256_extractf128_pd(s2, 1));
+        sum += _mm_cvtsd_f64(_mm_add_sd(s1, _mm_unpackhi_pd(s1, s1)));
+        i += 8;
+    }
+    for x in &mut row[i..] {
+        *x = (*x - max).exp();
+        sum += f64::from(*x);
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = _mm256_set1_ps((1.0 / sum) as f32);
+    let mut i = 0;
+    while i + 8 <= n {
+        // Round through f16 and back, 8 at a time.
+        let y = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), inv);
+        _mm256_storeu_ps(ptr.add(i), _mm256_cvtph_ps(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT)));
+        i += 8;
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = (1.0 / sum) as f32;
+    for x in &mut row[i..] {
+        *x = f16::from_f32(*x * inv).to_f32();
+    }
+}

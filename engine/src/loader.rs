@@ -1,0 +1,206 @@
+//! A GGUF model file read as far as the forward pass needs before any weight is touched: the
+//! architecture and hyper-parameters checked, the tokenizer, the small tensors (norms, biases)
+//! dequantized, and every large matrix located and its shape checked. [`crate::model`] builds a
+//! `Model` from this; [`crate::weights`] lays out a weight image from it.
+#![allow(clippy::cast_possible_truncation)]
+
+use std::path::Path;
+
+use crate::gguf::{GgufError, GgufFile, TensorInfo, Value};
+use crate::kernels::{self, ActKind};
+use crate::quant::{self, GgmlType};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("architecture {0:?} is not supported (llama, qwen2)")]
+    Arch(String),
+    #[error("model metadata {key}: {what}")]
+    Metadata { key: String, what: String },
+    #[error("tensor {name}: {what}")]
+    Tensor { name: String, what: String },
+    #[error("context full: {needed} positions needed, the session holds {capacity}")]
+    ContextFull { needed: usize, capacity: usize },
+    #[error(transparent)]
+    Kv(#[from] crate::kvcache::KvError),
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// Hyper-parameters read from the GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub arch: String,
+    pub n_layers: usize,
+    pub dim: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub ctx_len: usize,
+    pub rope_base: f32,
+    pub rope_dims: usize,
+    pub norm_eps: f32,
+}
+
+impl Config {
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// A weight tensor: its type, shape, and where its bytes are (`offset` into the GGUF file, or
+/// into the weight image when `in_image`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct W {
+    pub(crate) ty: GgmlType,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) in_image: bool,
+}
+
+fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
+    f.get(key)
+        .and_then(Value::as_u64)
+        .and_then(|v| usize::try_from(v).ok())
+        .filter(|&v| v > 0 && v < 1 << 24)
+        .ok_or_else(|| ModelError::Metadata { key: key.into(), what: "missing or not a sane positive integer".into() })
+}
+
+/// The small tensors of a layer (always resident) and where its matrices are in the file.
+#[derive(Debug)]
+pub(crate) struct RawLayer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) bq: Option<Vec<f32>>,
+    pub(crate) bk: Option<Vec<f32>>,
+    pub(crate) bv: Option<Vec<f32>>,
+    /// q, k, v, o, gate, up, down: the order of [`MATRIX_NAMES`].
+    pub(crate) mats: [W; 7],
+}
+
+/// The matrices of a layer, in the order the forward pass reads them.
+pub(crate) const MATRIX_NAMES: [&str; 7] = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"];
+
+/// A GGUF file checked and read up to its large matrices, which are only located.
+#[derive(Debug)]
+pub(crate) struct Parsed {
+    pub(crate) file: GgufFile,
+    pub(crate) config: Config,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) layers: Vec<RawLayer>,
+    pub(crate) tok_embd: W,
+    pub(crate) output: W,
+    pub(crate) output_norm: Vec<f32>,
+}
+
+impl Parsed {
+    pub(crate) fn open(path: &Path) -> Result<Self> {
+        let mut file = GgufFile::open(path)?;
+        let arch = file.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
+        if arch != "llama" && arch != "qwen2" {
+            return Err(ModelError::Arch(arch));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let dim = meta_u(&file, &k("embedding_length"))?;
+        let n_heads = meta_u(&file, &k("attention.head_count"))?;
+        let n_kv_heads = file.get(&k("attention.head_count_kv")).map_or(Ok(n_heads), |_| meta_u(&file, &k("attention.head_count_kv")))?;
+        if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
+            return Err(ModelError::Metadata {
+                key: k("attention.head_count"),
+                what: format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads do not divide"),
+            });
+        }
+        let head_dim = dim / n_heads;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        // The vocabulary now lives in the tokenizer; the parsed arrays are ~10 MiB of copies.
+        for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"] {
+            file.header.metadata.remove(key);
+        }
+        let config = Config {
+            n_layers: meta_u(&file, &k("block_count"))?,
+            ffn_dim: meta_u(&file, &k("feed_forward_length"))?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: tokenizer.vocab_size(),
+            ctx_len: meta_u(&file, &k("context_length"))?,
+            rope_base: file.get(&k("rope.freq_base")).and_then(Value::as_f32).unwrap_or(10000.0),
+            rope_dims: file
+                .get(&k("rope.dimension_count"))
+                .map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?
+                .min(head_dim),
+            norm_eps: file.get(&k("attention.layer_norm_rms_epsilon")).and_then(Value::as_f32).unwrap_or(1e-5),
+            dim,
+            arch,
+        };
+        let c = &config;
+        let get = |name: &str, cols: usize, rows: usize| -> Result<W> {
+            let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
+            check_shape(t, cols, rows)?;
+            Ok(W { ty: t.ty, rows, cols, offset: (file.header.data_offset + t.offset) as usize, len: t.size as usize, in_image: false })
+        };
+        let vec = |name: &str, n: usize| -> Result<Vec<f32>> {
+            let t = file.tensor(name).ok_or_else(|| ModelError::Tensor { name: name.into(), what: "missing".into() })?;
+            check_shape(t, n, 1)?;
+            let mut v = vec![0.0; n];
+            quant::dequantize_row(t.ty, file.tensor_data(t), &mut v);
+            Ok(v)
+        };
+        let opt_vec = |name: &str, n: usize| -> Result<Option<Vec<f32>>> { file.tensor(name).map(|_| vec(name, n)).transpose() };
+        let kv = c.kv_dim();
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let shapes =
+                [(c.dim, c.dim), (c.dim, kv), (c.dim, kv), (c.dim, c.dim), (c.dim, c.ffn_dim), (c.dim, c.ffn_dim), (c.ffn_dim, c.dim)];
+            let mut mats = [W { ty: GgmlType::F32, rows: 0, cols: 0, offset: 0, len: 0, in_image: false }; 7];
+            for ((m, name), (cols, rows)) in mats.iter_mut().zip(MATRIX_NAMES).zip(shapes) {
+                *m = get(&p(&format!("{name}.weight")), cols, rows)?;
+            }
+            layers.push(RawLayer {
+                attn_norm: vec(&p("attn_norm.weight"), c.dim)?,
+                ffn_norm: vec(&p("ffn_norm.weight"), c.dim)?,
+                bq: opt_vec(&p("attn_q.bias"), c.dim)?,
+                bk: opt_vec(&p("attn_k.bias"), kv)?,
+                bv: opt_vec(&p("attn_v.bias"), kv)?,
+                mats,
+            });
+        }
+        let tok_embd = get("token_embd.weight", c.dim, c.vocab)?;
+        let output = if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd };
+        let output_norm = vec("output_norm.weight", c.dim)?;
+        for w in layers.iter().flat_map(|l| l.mats.iter()).chain([&output]) {
+            if w.cols % w.ty.block_size() != 0 || (kernels::act_kind(w.ty) != ActKind::F32 && w.cols % 32 != 0) {
+                return Err(ModelError::Tensor {
+                    name: format!("{:?} weight", w.ty),
+                    what: format!("row length {} does not fit its blocks", w.cols),
+                });
+            }
+        }
+        if config.rope_dims > 512 || !config.rope_dims.is_multiple_of(2) {
+            return Err(ModelError::Metadata {
+                key: "rope.dimension_count".into(),
+                what: format!("{} is not an even number up to 512", config.rope_dims),
+            });
+        }
+        Ok(Self { file, config, tokenizer, layers, tok_embd, output, output_norm })
+    }
+}
+
+fn check_shape(t: &TensorInfo, cols: usize, rows: usize) -> Result<()> {
+    let (r, c) = t.rows_cols();
+    if c as usize != cols || r as usize != rows {
+        return Err(ModelError::Tensor { name: t.name.clone(), what: format!("shape {:?}, expected [{cols}, {rows}]", t.dims) });
+    }
+    Ok(())
+}

@@ -1,0 +1,305 @@
+//! The call path, top to bottom: a call is queued ([`Service::submit`]), the worker takes it
+//! ([`Service::worker`]), and [`Service::run`] takes the context out of the registry, brings its
+//! chunks back (mm `begin`: read or recompute as planned, then pinned), prefills and decodes
+//! ([`Service::infer`]), ends it in mm (unpin, AoT write, re-level, reclaim) and saves the
+//! context. One call runs at a time on the shared model; the registry and mm are never locked
+//! while the model computes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine::model::Scratch;
+use engine::{Logits, Sampler, SamplerConfig, Session, Utf8Stream};
+use mm::Strategy;
+use tracing::info;
+
+use super::registry::Saved;
+use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
+use crate::kvmm::SessionKv;
+use crate::proto::{Call, CallStats, ErrorCode, Event};
+
+pub(super) struct Job {
+    owner: Owner,
+    call: Call,
+    received: Instant,
+    events: Sender<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Service {
+    /// Queues a call; its events arrive on the returned channel.
+    pub(super) fn submit(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>) -> Result<Receiver<Event>, Refusal> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(refuse(ErrorCode::ShuttingDown, "the service is stopping"));
+        }
+        {
+            let reg = lock(&self.registry);
+            match reg.get(&call.ctx) {
+                Some(e) if e.saved.owner == *owner => {}
+                _ => return Err(not_found(&call.ctx)),
+            }
+        }
+        if call.max_tokens as usize + 2 > self.cfg.max_context_tokens / 2 {
+            return Err(refuse(ErrorCode::BadRequest, format!("max_tokens must be under {}", self.cfg.max_context_tokens / 2 - 2)));
+        }
+        if !(call.temperature.is_finite() && (0.0..=10.0).contains(&call.temperature)) {
+            return Err(refuse(ErrorCode::BadRequest, "temperature must be between 0 and 10"));
+        }
+        if call.stop.len() > 16 || call.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+            return Err(refuse(ErrorCode::BadRequest, "stop: at most 16 non-empty strings of at most 256 bytes"));
+        }
+        let (tx, rx) = mpsc::channel();
+        let mut q = lock(&self.queue);
+        if q.len() >= self.cfg.max_queue {
+            return Err(refuse(ErrorCode::TooMany, format!("{} calls are waiting; try later", q.len())));
+        }
+        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), events: tx, cancel });
+        self.queued.notify_one();
+        Ok(rx)
+    }
+
+    /// The inference worker: runs queued calls one at a time until the service stops.
+    pub(super) fn worker(&self) {
+        let mut scratch = Scratch::default();
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if self.stopping.load(Ordering::SeqCst) {
+                        for j in q.drain(..) {
+                            let _ = j.events.send(Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
+                        }
+                        return;
+                    }
+                    if let Some(j) = q.pop_front() {
+                        break j;
+                    }
+                    q = self.queued.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            let ev = match self.run(&job, &mut scratch) {
+                Ok((text, stats)) => Event::Done { text, stats },
+                Err(r) => r.into(),
+            };
+            let _ = job.events.send(ev);
+        }
+    }
+
+    /// One call, start to end (see docs/llmsd.md "The call path").
+    fn run(&self, job: &Job, scratch: &mut Scratch) -> Result<(String, CallStats), Refusal> {
+        let start = Instant::now();
+        let c = &job.call;
+        let (mut s, mut saved) = {
+            let mut reg = lock(&self.registry);
+            let e = match reg.get_mut(&c.ctx) {
+                Some(e) if e.saved.owner == job.owner => e,
+                _ => return Err(not_found(&c.ctx)),
+            };
+            let s = e.session.take().ok_or_else(|| refuse(ErrorCode::Busy, "the context is in a call"))?;
+            (s, e.saved.clone())
+        };
+        s.set_scratch(std::mem::take(scratch));
+        let r = self.run_in(job, &mut s, &mut saved, start);
+        *scratch = s.take_scratch();
+        // Whatever the cache holds now is the context (a cancelled call keeps what it made).
+        saved.tokens.clone_from(&s.tokens);
+        if let Some(a) = &s.attention {
+            saved.attention_sum.clone_from(&a.sum);
+            saved.attention_count.clone_from(&a.count);
+        }
+        if r.is_ok() {
+            saved.calls += 1;
+        }
+        self.refill.set_tokens(saved.mm_id, &saved.tokens);
+        let persisted = self.save(&saved);
+        {
+            let mut reg = lock(&self.registry);
+            if let Some(e) = reg.get_mut(&c.ctx) {
+                e.session = Some(s);
+                e.saved = saved;
+            }
+        }
+        persisted.map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
+        let (text, mut stats) = r?;
+        stats.queue_ms = ms(start.duration_since(job.received));
+        stats.ttft_ms += stats.queue_ms;
+        let mut m = lock(&self.metrics);
+        m.calls += 1;
+        m.switch_ms.push_back(stats.switch_ms);
+        if m.switch_ms.len() > 4096 {
+            m.switch_ms.pop_front();
+        }
+        Ok((text, stats))
+    }
+
+    #[allow(clippy::too_many_lines)]
+    fn run_in(&self, job: &Job, s: &mut Session, saved: &mut Saved, start: Instant) -> Result<(String, CallStats), Refusal> {
+        let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
+        let c = &job.call;
+        let tk = &self.model.tokenizer;
+        let enc = |t: &str, special: bool| tk.encode(t, false, special).map_err(|e| fail(&e));
+        // The new tokens: pending text (a system prompt), the end of the last assistant turn,
+        // then the prompt as a user turn (markup parsed for special tokens, the user's text
+        // not: an app cannot forge turns) or raw.
+        let mut ids = Vec::new();
+        if s.n_past() == 0 && tk.add_bos {
+            ids.extend(tk.bos);
+        }
+        if !saved.pending.is_empty() {
+            ids.extend(enc(&saved.pending, true)?);
+        }
+        if saved.open_turn {
+            ids.extend(enc(&self.turns.close_assistant, true)?);
+        }
+        if c.raw {
+            ids.extend(enc(&c.prompt, true)?);
+        } else {
+            let first = s.n_past() == 0 && saved.pending.is_empty();
+            ids.extend(enc(if first { &self.turns.first_open } else { &self.turns.open }, true)?);
+            ids.extend(enc(&c.prompt, false)?);
+            ids.extend(enc(&self.turns.close_user, true)?);
+        }
+        if s.n_past() == 0 {
+            saved.keep = ids.len().min(self.cfg.keep_tokens);
+        }
+        let mm_id = saved.mm_id;
+        let mut stats = CallStats { prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX), ..CallStats::default() };
+
+        // Sliding window: the context's start and its most recent tokens stay; the cache is
+        // rebuilt from them (the dropped middle changes every later position).
+        let room = self.cfg.max_context_tokens - c.max_tokens as usize - 1;
+        if s.n_past() + ids.len() > room {
+            let keep = saved.keep.min(s.n_past());
+            if keep + ids.len() > room {
+                // The prompt alone is too long: its end is kept.
+                let cut = keep + ids.len() - room;
+                ids.drain(..cut.min(ids.len()));
+            }
+            let tail = room.saturating_sub(keep + ids.len()).min(s.n_past() - keep);
+            let mut kept: Vec<u32> = s.tokens[..keep].to_vec();
+            kept.extend_from_slice(&s.tokens[s.n_past() - tail..]);
+            stats.slid_tokens = u32::try_from(s.n_past() - kept.len()).unwrap_or(u32::MAX);
+            kept.extend_from_slice(&ids);
+            ids = kept;
+            let mut mm = lock(&self.mm);
+            mm.delete(mm_id).map_err(|e| fail(&e))?;
+            mm.create(mm_id).map_err(|e| fail(&e))?;
+            let scratch = s.take_scratch();
+            *s = self.session();
+            s.set_scratch(scratch);
+        }
+
+        // Load: the context's chunks come back (read or recomputed as the planner says) and
+        // are pinned for the call.
+        let report = lock(&self.mm).begin(mm_id, &mut SessionKv(s), Strategy::Planned).map_err(|e| fail(&e))?;
+        stats.switch_ms = ms(start.elapsed());
+        stats.missing_chunks = u32::try_from(report.missing).unwrap_or(u32::MAX);
+        stats.read_chunks = u32::try_from(report.read).unwrap_or(u32::MAX);
+        stats.recomputed_chunks = u32::try_from(report.recomputed).unwrap_or(u32::MAX);
+        saved.pending.clear();
+        saved.open_turn = false;
+        let out = self.infer(job, s, mm_id, &ids, &mut stats);
+        // Always end the call: unpin, write out what changed, re-level, reclaim.
+        let ended = lock(&self.mm).end(mm_id, &mut SessionKv(s));
+        let text = out?;
+        ended.map_err(|e| fail(&e))?;
+        saved.open_turn = !c.raw && stats.finish != "cancelled";
+        stats.context_tokens = u32::try_from(s.n_past()).unwrap_or(u32::MAX);
+        info!(
+            ctx = %c.ctx, app = %job.owner.app, switch_ms = stats.switch_ms, read = stats.read_chunks,
+            recomputed = stats.recomputed_chunks, prompt = stats.prompt_tokens, output = stats.output_tokens,
+            finish = %stats.finish, "call"
+        );
+        Ok((text, stats))
+    }
+
+    /// Prefill and decode; new chunks get their slots from mm as the context grows.
+    fn infer(&self, job: &Job, s: &mut Session, mm_id: u64, ids: &[u32], stats: &mut CallStats) -> Result<String, Refusal> {
+        let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
+        let c = &job.call;
+        let ct = self.cfg.chunk_tokens;
+        let grow = |s: &mut Session, n: usize| -> Result<(), Refusal> {
+            if n > s.kv.n_chunks() * ct {
+                lock(&self.mm).prepare(mm_id, &mut SessionKv(s), n).map_err(|e| fail(&e))?;
+            }
+            Ok(())
+        };
+        let t0 = Instant::now();
+        grow(s, s.n_past() + ids.len())?;
+        let mut sampler = Sampler::new(SamplerConfig { temperature: c.temperature, seed: c.seed, ..SamplerConfig::default() });
+        let mut next = sampler.sample(s.eval(ids, Logits::Last).map_err(|e| fail(&e))?);
+        stats.prefill_ms = ms(t0.elapsed());
+        stats.ttft_ms = ms(job.received.elapsed()) - stats.queue_ms;
+        let t1 = Instant::now();
+        let tk = &self.model.tokenizer;
+        let mut utf8 = Utf8Stream::default();
+        let mut text = String::new();
+        let mut bytes = Vec::new();
+        let mut sent = 0;
+        let mut n_out = 0u32;
+        stats.finish = "length".into();
+        loop {
+            if tk.is_eog(next) {
+                stats.finish = "eog".into();
+                break;
+            }
+            bytes.clear();
+            tk.token_bytes(next, false, &mut bytes);
+            let before = text.len();
+            text.push_str(&utf8.push(&bytes));
+            n_out += 1;
+            // The token joins the context whatever happens to the output.
+            grow(s, s.n_past() + 1)?;
+            let logits = s.eval(&[next], Logits::Last).map_err(|e| fail(&e))?;
+            // Only a match ending in the new piece is new: search from one stop string's
+            // length before it, not the whole output at every token.
+            let from = |p: &String| floor_boundary(&text, before.saturating_sub(p.len()));
+            if let Some(at) = c.stop.iter().filter_map(|p| text[from(p)..].find(p.as_str()).map(|i| i + from(p))).min() {
+                text.truncate(at);
+                stats.finish = "stop".into();
+                break;
+            }
+            // Stream what can no longer become part of a stop string.
+            let hold = c.stop.iter().map(|p| held_back(&text, p)).max().unwrap_or(0);
+            let safe = text.len() - hold;
+            if safe > sent && text.is_char_boundary(safe) {
+                if job.events.send(Event::Token { text: text[sent..safe].to_string() }).is_err() {
+                    job.cancel.store(true, Ordering::SeqCst);
+                }
+                sent = safe;
+            }
+            if job.cancel.load(Ordering::SeqCst) {
+                stats.finish = "cancelled".into();
+                break;
+            }
+            if n_out >= c.max_tokens {
+                break;
+            }
+            next = sampler.sample(logits);
+        }
+        if stats.finish != "stop" {
+            text.push_str(&utf8.finish());
+        }
+        if text.len() > sent && stats.finish != "cancelled" {
+            let _ = job.events.send(Event::Token { text: text[sent..].to_string() });
+        }
+        stats.output_tokens = n_out;
+        stats.decode_ms = ms(t1.elapsed());
+        Ok(text)
+    }
+}
+
+/// The largest char boundary of `s` at or before `i`.
+pub(super) fn floor_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// Bytes at the end of `text` that are the start of `stop` (they may yet become it).
+pub(super) fn held_back(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1)).rev().find(|&k| text.as_bytes().ends_with(&stop.as_bytes()[..k])).unwrap_or(0)
+}

@@ -1,0 +1,185 @@
+//! Connections: the native protocol (framed JSON over the Unix socket, docs/llmsd.md) — accept,
+//! identify the peer (SO_PEERCRED), bind it to an app, and turn requests into service calls,
+//! streaming a call's events back. Timeouts and limits keep one client from holding a thread.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::warn;
+
+use super::{refuse, Owner, Service};
+use crate::proto::{self, Call, ErrorCode, Event, FrameError, Request};
+
+impl Service {
+    /// Accepts connections until the service stops, one thread each, up to `max_connections`.
+    pub(super) fn accept(self: &Arc<Self>, listener: UnixListener) {
+        for conn in listener.incoming() {
+            if self.stopping.load(Ordering::SeqCst) {
+                break;
+            }
+            let stream = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!("accept: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            if self.connections.fetch_add(1, Ordering::SeqCst) >= self.cfg.max_connections {
+                self.connections.fetch_sub(1, Ordering::SeqCst);
+                let mut s = stream;
+                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = proto::write_frame(&mut s, &proto::encode(&Event::error(ErrorCode::TooMany, "too many connections")));
+                continue;
+            }
+            let svc = Arc::clone(self);
+            let spawned = std::thread::Builder::new().name("llmsd-conn".into()).spawn(move || {
+                svc.connection(stream);
+                svc.connections.fetch_sub(1, Ordering::SeqCst);
+            });
+            if let Err(e) = spawned {
+                self.connections.fetch_sub(1, Ordering::SeqCst);
+                warn!("cannot start a connection thread: {e}");
+            }
+        }
+    }
+
+    fn connection(&self, mut stream: UnixStream) {
+        let Ok(cred) = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) else {
+            return;
+        };
+        let uid = cred.uid();
+        let idle = Duration::from_secs(self.cfg.idle_timeout_s.max(1));
+        let io = Duration::from_secs(self.cfg.io_timeout_s.max(1));
+        let _ = stream.set_write_timeout(Some(io));
+        let mut owner: Option<Owner> = None;
+        loop {
+            // Wait for a request as long as a client may idle; once it starts, the frame must
+            // arrive within the I/O timeout (a slow sender cannot hold the thread forever).
+            if !readable(&stream, idle) {
+                return;
+            }
+            if self.stopping.load(Ordering::SeqCst) {
+                let _ = send(&mut stream, &Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
+                return;
+            }
+            let _ = stream.set_read_timeout(Some(io));
+            let body = match proto::read_frame(&mut stream) {
+                Ok(b) => b,
+                Err(FrameError::TooLarge(n)) => {
+                    // The rest of the frame cannot be skipped safely: answer and hang up.
+                    let _ =
+                        send(&mut stream, &Event::error(ErrorCode::TooLarge, format!("frame of {n} bytes is over {}", proto::MAX_FRAME)));
+                    return;
+                }
+                Err(_) => return,
+            };
+            let req = match proto::decode_request(&body) {
+                Ok(r) => r,
+                Err(e) => {
+                    if send(&mut stream, &Event::error(ErrorCode::BadRequest, e.to_string())).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let answer = match (req, &owner) {
+                (Request::Bind { app, version }, None) => {
+                    if version != proto::VERSION {
+                        Err(refuse(ErrorCode::Version, format!("this service speaks protocol {}, not {version}", proto::VERSION)))
+                    } else if !valid_app(&app) {
+                        Err(refuse(ErrorCode::BadRequest, "app: 1-64 characters of A-Z a-z 0-9 . _ -"))
+                    } else {
+                        let o = Owner { uid, app };
+                        let ev = Event::Bound { protocol: proto::VERSION, uid, app: o.app.clone() };
+                        owner = Some(o);
+                        Ok(ev)
+                    }
+                }
+                (Request::Bind { .. }, Some(_)) => Err(refuse(ErrorCode::NotBound, "this connection is already bound")),
+                (_, None) => Err(refuse(ErrorCode::NotBound, "bind first")),
+                (Request::NewCtx { system_prompt }, Some(o)) => self.new_ctx(o, system_prompt.as_deref()).map(|ctx| Event::Created { ctx }),
+                (Request::DelCtx { ctx }, Some(o)) => self.del_ctx(o, &ctx).map(|()| Event::Deleted { ctx }),
+                (Request::List {}, Some(o)) => Ok(Event::List { contexts: self.list(o) }),
+                (Request::Stats {}, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),
+                (Request::Call(call), Some(o)) => {
+                    let o = o.clone();
+                    match self.stream_call(&mut stream, &o, call) {
+                        Ok(()) => continue,
+                        Err(()) => return,
+                    }
+                }
+            };
+            let ev = answer.unwrap_or_else(Event::from);
+            if send(&mut stream, &ev).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Runs a call for a connection, streaming its events; `Err` when the client is gone.
+    fn stream_call(&self, stream: &mut UnixStream, owner: &Owner, call: Call) -> Result<(), ()> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let rx = match self.submit(owner, call, Arc::clone(&cancel)) {
+            Ok(rx) => rx,
+            Err(r) => return send(stream, &r.into()).map_err(|_| ()),
+        };
+        loop {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(ev) => {
+                    let last = matches!(ev, Event::Done { .. } | Event::Error { .. });
+                    if send(stream, &ev).is_err() {
+                        // The client is gone: the call stops at its next token; what it made
+                        // stays in the context and is written out.
+                        cancel.store(true, Ordering::SeqCst);
+                        return Err(());
+                    }
+                    if last {
+                        return Ok(());
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if peer_gone(stream) {
+                        cancel.store(true, Ordering::SeqCst);
+                        return Err(());
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(()),
+            }
+        }
+    }
+}
+
+fn send(stream: &mut UnixStream, ev: &Event) -> Result<(), FrameError> {
+    proto::write_frame(stream, &proto::encode(ev))
+}
+
+/// Waits until the socket has data (or the peer hung up: the read that follows sees it);
+/// false on timeout.
+fn readable(stream: &UnixStream, timeout: Duration) -> bool {
+    let mut p = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    loop {
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&raw mut p, 1, ms) };
+        if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return n > 0;
+        }
+    }
+}
+
+/// Whether the peer hung up (without reading from the socket).
+fn peer_gone(stream: &UnixStream) -> bool {
+    let mut p = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&raw mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+pub(super) fn valid_app(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}

@@ -1,0 +1,319 @@
+//! llmsd: the LLM system service. One model, many persistent contexts owned by apps, their KV
+//! caches held by mm under a memory budget that follows the kernel's pressure signals.
+//!
+//! Threads: one per connection (frames in, events out), one inference worker (calls run one at
+//! a time, FIFO, on the shared model), the pressure monitor and its budget follower, and mm's
+//! own (AoT writer, userfaultfd handler). Locks: the context registry, then mm — never the other
+//! way round; neither is held while the model computes.
+//!
+//! The rooms: [`call`] the call path (queue, worker, load -> infer -> end), [`registry`] the
+//! contexts and their persistence, [`conn`] the native protocol's connections, [`pressure`] the
+//! budget following the pressure monitor, [`turns`] the chat template's turn pieces. This file
+//! holds the service's state, its start and its stop. A future front door (HTTP) is another
+//! room beside `conn` that ends in the same [`Service::submit`].
+
+mod call;
+mod conn;
+mod pressure;
+mod registry;
+mod turns;
+
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use engine::kv::KvFormat;
+use engine::model::SessionOptions;
+use engine::{Model, Session, ThreadPool};
+use mm::{Manager, Policy};
+use serde::{Deserialize, Serialize};
+use tracing::info;
+
+use crate::config::Config;
+use crate::kvmm::EngineRecompute;
+use crate::proto::{ErrorCode, Event};
+use call::Job;
+use registry::CtxEntry;
+use turns::Turns;
+
+/// Who owns a context: the kernel's uid of the peer and the app name it bound with.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Owner {
+    pub uid: u32,
+    pub app: String,
+}
+
+/// An error for the client: a code and a message.
+#[derive(Debug)]
+struct Refusal(ErrorCode, String);
+
+impl From<Refusal> for Event {
+    fn from(r: Refusal) -> Self {
+        Event::error(r.0, r.1)
+    }
+}
+
+fn refuse(code: ErrorCode, msg: impl Into<String>) -> Refusal {
+    Refusal(code, msg.into())
+}
+
+fn not_found(ctx: &str) -> Refusal {
+    refuse(ErrorCode::NotFound, format!("no context {ctx:?} for this app"))
+}
+
+#[derive(Default)]
+struct Metrics {
+    calls: u64,
+    /// Recent switch latencies, ms.
+    switch_ms: VecDeque<f64>,
+}
+
+/// The running service.
+pub struct Service {
+    cfg: Config,
+    model: Arc<Model>,
+    pool: Arc<ThreadPool>,
+    turns: Turns,
+    mm: Mutex<Manager>,
+    /// The fault path's recompute: it learns each context's tokens after every call.
+    refill: Arc<EngineRecompute>,
+    registry: Mutex<HashMap<String, CtxEntry>>,
+    queue: Mutex<VecDeque<Job>>,
+    queued: Condvar,
+    stopping: AtomicBool,
+    connections: AtomicUsize,
+    metrics: Mutex<Metrics>,
+    pressure: Mutex<String>,
+    budget: usize,
+    /// Paged weights and their share of `budget` as configured (the rest is mm's).
+    weights: Option<Arc<crate::weights::PagedWeights>>,
+    weights_share: usize,
+    /// Top-K sparsity every session computes with (a weight plan chose it), if any.
+    sparsity: Option<Arc<engine::sparsity::Sparsity>>,
+    ctx_dir: PathBuf,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service").field("socket", &self.cfg.socket).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+impl Service {
+    /// Loads the model, opens the store and restores the contexts it holds.
+    pub fn open(cfg: Config) -> Result<Arc<Self>> {
+        cfg.validate()?;
+        if !cfg.model.exists() {
+            bail!("model {} not found (run `make model`, or set `model` in the configuration)", cfg.model.display());
+        }
+        let total = cfg.budget_bytes()?;
+        let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { cfg.threads };
+        let (model, weights, sparsity) = match cfg.weights_budget()? {
+            None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None, None),
+            Some(wb) if cfg.weights_plan => {
+                let setup = crate::weightplan::PlanSetup {
+                    levels: crate::weightplan::PLAN_LEVELS.to_vec(),
+                    max_sparsity: cfg.weights_max_sparsity,
+                    calib_text: cfg.weights_calib_text.clone().unwrap_or_else(|| crate::weightplan::DEFAULT_CALIB_TEXT.into()),
+                    state_dir: cfg.state_dir.clone(),
+                    threads,
+                };
+                let p = crate::weightplan::load_planned(&cfg.model, wb, cfg.weights_image.clone(), true, &setup)?;
+                let w = usize::try_from(p.weights.stats().budget).unwrap_or(usize::MAX);
+                if w >= total {
+                    bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
+                }
+                info!(weights = w, kv = total - w, image = %p.weights.image.display(), "weights paged under the budget; {}", crate::weightplan::describe(&p.plan));
+                (p.model, Some(p.weights), p.sparsity)
+            }
+            Some(wb) => {
+                let opts = crate::weights::PagedOptions {
+                    budget: wb,
+                    image: cfg.weights_image.clone(),
+                    preload: true,
+                    format: engine::weights::ImageFormat::Packed,
+                };
+                let (m, pw) = crate::weights::load_paged(&cfg.model, &opts)?;
+                let w = usize::try_from(pw.stats().budget).unwrap_or(usize::MAX);
+                if w >= total {
+                    bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
+                }
+                info!(weights = w, kv = total - w, image = %pw.image.display(), "weights paged under the budget");
+                (m, Some(pw), None)
+            }
+        };
+        if cfg.max_context_tokens > model.config.ctx_len {
+            bail!("max_context_tokens {} is over the model's context length {}", cfg.max_context_tokens, model.config.ctx_len);
+        }
+        let pool = Arc::new(ThreadPool::new(threads));
+        let turns = Turns::new(&model)?;
+        std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
+        let policy = cfg.policy()?;
+        let levels = cfg.level_formats()?;
+        let profile = if policy == Policy::Llms && cfg.load_profile && !cfg.ablations()?.pipeline {
+            Some(crate::loadbench::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
+        } else {
+            None
+        };
+        let max_chunks = cfg.max_context_tokens.div_ceil(cfg.chunk_tokens) + 1;
+        let store_dir = cfg.state_dir.join("store");
+        let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile)?;
+        let budget = total;
+        let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
+        mm.set_budget(budget - weights_share)?;
+        let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]).with_sparsity(sparsity.clone()));
+        mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
+        let ctx_dir = cfg.state_dir.join("contexts");
+        std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
+        std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o700)).ok();
+        let svc = Self {
+            cfg,
+            model,
+            pool,
+            turns,
+            mm: Mutex::new(mm),
+            refill,
+            registry: Mutex::new(HashMap::new()),
+            queue: Mutex::new(VecDeque::new()),
+            queued: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            connections: AtomicUsize::new(0),
+            metrics: Mutex::new(Metrics::default()),
+            pressure: Mutex::new("unknown".into()),
+            budget,
+            weights,
+            weights_share,
+            sparsity,
+            ctx_dir,
+        };
+        svc.restore()?;
+        Ok(Arc::new(svc))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    fn session(&self) -> Session {
+        let policy = self.cfg.policy().unwrap_or(Policy::Llms);
+        let levels = self.cfg.level_formats().unwrap_or_else(|_| vec![KvFormat::Int8]);
+        let opts = SessionOptions {
+            capacity: self.cfg.max_context_tokens,
+            chunk_tokens: self.cfg.chunk_tokens,
+            base: levels[0],
+            // Densities are only needed to pick compression levels.
+            observe_attention: policy == Policy::Llms && levels.len() > 1 && !self.cfg.ablations().is_ok_and(|a| a.compression),
+            sliding_window: None,
+        };
+        let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);
+        // Thresholds calibrated for this model: only a layer-count mismatch fails, never here.
+        let _ = s.set_sparsity(self.sparsity.clone());
+        s
+    }
+
+    /// Serves until `stop` is called: accepts connections, runs the worker and the pressure
+    /// follower. Returns after the worker finished and every AoT write is on flash.
+    pub fn serve(self: &Arc<Self>, listener: UnixListener) -> Result<()> {
+        let worker = {
+            let svc = Arc::clone(self);
+            std::thread::Builder::new().name("llmsd-worker".into()).spawn(move || svc.worker())?
+        };
+        if self.cfg.pressure {
+            self.spawn_pressure_follower()?;
+        }
+        self.accept(listener);
+        self.queued.notify_all();
+        let _ = worker.join();
+        lock(&self.mm).flush();
+        info!("stopped; every context is on flash");
+        Ok(())
+    }
+
+    /// Asks the service to stop (the accept loop is woken by connecting to it).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.queued.notify_all();
+        let _ = UnixStream::connect(&self.cfg.socket);
+    }
+}
+
+/// A service running in this process (benchmarks, trace replay), over a real socket.
+#[derive(Debug)]
+pub struct Local {
+    pub svc: Arc<Service>,
+    pub socket: PathBuf,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+impl Local {
+    pub fn start(cfg: Config) -> Result<Self> {
+        let socket = cfg.socket.clone();
+        let mode = cfg.socket_mode_bits()?;
+        let svc = Service::open(cfg)?;
+        let listener = bind_socket(&socket, mode)?;
+        let s = Arc::clone(&svc);
+        let thread = std::thread::spawn(move || s.serve(listener));
+        Ok(Self { svc, socket, thread })
+    }
+
+    /// Stops it cleanly (as SIGTERM would) and waits.
+    pub fn stop(self) -> Result<()> {
+        self.svc.stop();
+        self.thread.join().map_err(|_| anyhow!("the service thread panicked"))??;
+        let _ = std::fs::remove_file(&self.socket);
+        Ok(())
+    }
+}
+
+/// Creates the socket's directory (0755 when we create it) and binds the socket with `mode`,
+/// replacing a stale socket file but never a live service's.
+pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+        }
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            bail!("another llmsd is listening on {}", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::call::{floor_boundary, held_back};
+    use super::conn::valid_app;
+    use super::registry::{new_ctx_id, valid_ctx_id};
+
+    #[test]
+    fn stop_strings_hold_back_only_their_prefixes() {
+        assert_eq!(held_back("hello wor", "world"), 3);
+        assert_eq!(held_back("hello", "world"), 0);
+        assert_eq!(held_back("w", "world"), 1);
+        assert_eq!(held_back("", "world"), 0);
+        assert_eq!(floor_boundary("aé", 2), 1);
+        assert_eq!(floor_boundary("aé", 3), 3);
+        assert!(valid_ctx_id(&new_ctx_id().unwrap().0));
+        assert!(!valid_ctx_id("../../etc/passwd"));
+        assert!(valid_app("com.example-app_1") && !valid_app("") && !valid_app("a/b"));
+    }
+}

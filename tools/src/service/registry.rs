@@ -1,0 +1,255 @@
+//! The context registry and its persistence: contexts created, listed, deleted and described,
+//! each saved as a small file beside mm's swap store so it continues after a restart; on start
+//! every saved context is restored and store data no context names is removed.
+
+use std::io::Write;
+
+use anyhow::{Context as _, Result};
+use engine::model::AttentionStats;
+use engine::Session;
+use mm::Manager;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use super::turns::Turns;
+use super::{lock, not_found, refuse, Owner, Refusal, Service};
+use crate::kvmm::SessionKv;
+use crate::proto::{CtxInfo, ErrorCode, ServiceStats};
+
+/// What a context keeps on disk besides its KV records: enough to continue it after a restart.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct Saved {
+    pub(super) version: u32,
+    pub(super) ctx: String,
+    pub(super) mm_id: u64,
+    pub(super) owner: Owner,
+    pub(super) tokens: Vec<u32>,
+    /// Text not yet run (a system prompt waits for the first call).
+    pub(super) pending: String,
+    /// The last call was a chat turn whose end-of-turn text is not in the cache yet.
+    pub(super) open_turn: bool,
+    /// Tokens at the start kept when the context slides.
+    pub(super) keep: usize,
+    pub(super) calls: u64,
+    pub(super) attention_sum: Vec<f64>,
+    pub(super) attention_count: Vec<u64>,
+}
+
+pub(super) struct CtxEntry {
+    pub(super) saved: Saved,
+    /// `None` while the context is in a call.
+    pub(super) session: Option<Session>,
+}
+
+/// A new unguessable context id: 128 bits from the kernel's random source.
+pub(super) fn new_ctx_id() -> Result<(String, u64)> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).context("reading /dev/urandom")?;
+    let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    let mm_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) | 1;
+    Ok((id, mm_id))
+}
+
+pub(super) fn valid_ctx_id(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+impl Service {
+    /// Reopens every saved context (its KV comes back from the store at its first call);
+    /// store data no saved context names is removed.
+    pub(super) fn restore(&self) -> Result<()> {
+        let mut reg = lock(&self.registry);
+        let mut mm = lock(&self.mm);
+        for e in std::fs::read_dir(&self.ctx_dir)? {
+            let path = e?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let Some(id) = name.strip_suffix(".json").filter(|s| valid_ctx_id(s)) else { continue };
+            let saved: Saved = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(file = %path.display(), "context file unreadable, left as it is: {e}");
+                    continue;
+                }
+            };
+            if saved.ctx != id || saved.version != 1 || saved.tokens.len() > self.cfg.max_context_tokens {
+                warn!(file = %path.display(), "context file does not fit this service's settings, left as it is");
+                continue;
+            }
+            let mut s = self.session();
+            s.tokens.clone_from(&saved.tokens);
+            let usable = mm.restore(saved.mm_id, &mut SessionKv(&mut s))?;
+            s.kv.set_len(saved.tokens.len())?;
+            if let Some(a) = &mut s.attention {
+                if saved.attention_sum.len() == saved.attention_count.len() && saved.attention_sum.len() <= saved.tokens.len() {
+                    *a = AttentionStats { sum: saved.attention_sum.clone(), count: saved.attention_count.clone() };
+                }
+            }
+            self.refill.set_tokens(saved.mm_id, &saved.tokens);
+            info!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, tokens = saved.tokens.len(), records = usable, "context restored");
+            reg.insert(id.to_string(), CtxEntry { saved, session: Some(s) });
+        }
+        let known: Vec<u64> = reg.values().map(|e| e.saved.mm_id).collect();
+        for c in mm.store().contexts() {
+            if !known.contains(&c) {
+                mm.store().remove_context(c)?;
+                info!(mm_id = c, "removed store data of a context that no longer exists");
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn save(&self, saved: &Saved) -> Result<()> {
+        let path = self.ctx_dir.join(format!("{}.json", saved.ctx));
+        let tmp = self.ctx_dir.join(format!("{}.json.tmp", saved.ctx));
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec(saved)?)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(&self.ctx_dir)?.sync_all()?;
+        Ok(())
+    }
+
+    pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>) -> Result<String, Refusal> {
+        let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, format!("{e:#}"));
+        let pending = match system_prompt {
+            Some(p) => Turns::system(&self.model, p).map_err(fail)?,
+            None => String::new(),
+        };
+        let mut reg = lock(&self.registry);
+        if reg.len() >= self.cfg.max_contexts {
+            return Err(refuse(ErrorCode::TooMany, format!("the service holds its maximum of {} contexts", self.cfg.max_contexts)));
+        }
+        let mine = reg.values().filter(|e| e.saved.owner == *owner).count();
+        if mine >= self.cfg.max_contexts_per_app {
+            return Err(refuse(ErrorCode::TooMany, format!("app {} holds its maximum of {mine} contexts", owner.app)));
+        }
+        let (id, mm_id) = new_ctx_id().map_err(fail)?;
+        if reg.values().any(|e| e.saved.mm_id == mm_id) {
+            return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
+        }
+        lock(&self.mm).create(mm_id).map_err(|e| fail(e.into()))?;
+        let saved = Saved {
+            version: 1,
+            ctx: id.clone(),
+            mm_id,
+            owner: owner.clone(),
+            tokens: Vec::new(),
+            pending,
+            open_turn: false,
+            keep: 0,
+            calls: 0,
+            attention_sum: Vec::new(),
+            attention_count: Vec::new(),
+        };
+        if let Err(e) = self.save(&saved) {
+            let _ = lock(&self.mm).delete(mm_id);
+            return Err(fail(e));
+        }
+        info!(ctx = %id, app = %owner.app, uid = owner.uid, "context created");
+        reg.insert(id.clone(), CtxEntry { saved, session: Some(self.session()) });
+        Ok(id)
+    }
+
+    pub(super) fn del_ctx(&self, owner: &Owner, ctx: &str) -> Result<(), Refusal> {
+        let mut reg = lock(&self.registry);
+        match reg.get(ctx) {
+            Some(e) if e.saved.owner == *owner => {
+                if e.session.is_none() {
+                    return Err(refuse(ErrorCode::Busy, "the context is in a call"));
+                }
+            }
+            _ => return Err(not_found(ctx)),
+        }
+        let e = reg.remove(ctx).expect("checked");
+        // The saved file goes first: a crash in between leaves store data without a context,
+        // which the next start removes.
+        let _ = std::fs::remove_file(self.ctx_dir.join(format!("{ctx}.json")));
+        drop(e.session);
+        self.refill.forget(e.saved.mm_id);
+        lock(&self.mm).delete(e.saved.mm_id).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?;
+        info!(ctx, app = %owner.app, "context deleted");
+        Ok(())
+    }
+
+    fn ctx_info(&self, mm: &Manager, id: &str, e: &CtxEntry) -> CtxInfo {
+        let mut levels = std::collections::BTreeMap::new();
+        let n = mm.n_chunks(e.saved.mm_id);
+        let mut flash = 0u64;
+        for i in 0..n {
+            if let Some(c) = mm.chunk_info(e.saved.mm_id, i) {
+                *levels.entry(crate::kvmm::format(c.format).name().to_string()).or_insert(0) += 1;
+            }
+            if let Some(r) = u32::try_from(i).ok().and_then(|i| mm.store().entry(e.saved.mm_id, i)) {
+                flash += u64::from(r.layer_len) * self.model.config.n_layers as u64;
+            }
+        }
+        CtxInfo {
+            ctx: id.to_string(),
+            tokens: u32::try_from(e.saved.tokens.len()).unwrap_or(u32::MAX),
+            chunks: u32::try_from(n).unwrap_or(u32::MAX),
+            resident_bytes: mm.context_bytes(e.saved.mm_id) as u64,
+            flash_bytes: flash,
+            levels,
+            calls: e.saved.calls,
+            busy: e.session.is_none(),
+        }
+    }
+
+    pub(super) fn list(&self, owner: &Owner) -> Vec<CtxInfo> {
+        let reg = lock(&self.registry);
+        let mm = lock(&self.mm);
+        let mut v: Vec<CtxInfo> = reg.iter().filter(|(_, e)| e.saved.owner == *owner).map(|(id, e)| self.ctx_info(&mm, id, e)).collect();
+        v.sort_by(|a, b| a.ctx.cmp(&b.ctx));
+        v
+    }
+
+    /// The service's figures, with the caller's contexts in detail.
+    pub(super) fn stats(&self, owner: &Owner) -> ServiceStats {
+        let mine = self.list(owner);
+        let reg = lock(&self.registry);
+        let mm = lock(&self.mm);
+        let faults = reg.values().filter_map(|e| mm.region_stats(e.saved.mm_id)).map(|s| s.faults).sum();
+        let n_ctx = reg.len();
+        drop(reg);
+        let m = lock(&self.metrics);
+        let mut sw: Vec<f64> = m.switch_ms.iter().copied().collect();
+        sw.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            if sw.is_empty() {
+                0.0
+            } else {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+                let i = ((sw.len() - 1) as f64 * p).round() as usize;
+                sw[i]
+            }
+        };
+        ServiceStats {
+            policy: mm.config().policy.name().into(),
+            budget_bytes: mm.config().budget as u64 + self.weights.as_ref().map_or(0, |w| w.stats().budget),
+            configured_budget_bytes: self.budget as u64,
+            resident_bytes: mm.resident_bytes() as u64,
+            contexts: u32::try_from(n_ctx).unwrap_or(u32::MAX),
+            queue: u32::try_from(lock(&self.queue).len()).unwrap_or(u32::MAX),
+            calls: m.calls,
+            switch_p50_ms: pct(0.5),
+            switch_p90_ms: pct(0.9),
+            switch_p99_ms: pct(0.99),
+            aot_pending: mm.pending_writes() as u64,
+            evicted_chunks: mm.stats.evicted_chunks,
+            written_aot: mm.stats.written_aot,
+            written_sync: mm.stats.written_sync,
+            faults,
+            weights_budget_bytes: self.weights.as_ref().map_or(0, |w| w.stats().budget),
+            weights_resident_bytes: self.weights.as_ref().map_or(0, |w| w.stats().resident_bytes),
+            weights_read_bytes: self.weights.as_ref().map_or(0, |w| w.stats().bytes_read),
+            weights_plan: self.weights.as_ref().and_then(|w| w.plan()).map(|p| crate::weightplan::describe(&p)).unwrap_or_default(),
+            pressure: lock(&self.pressure).clone(),
+            mine,
+        }
+    }
+}
