@@ -327,7 +327,7 @@ pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRu
             x_of(r.length)
         } else {
             #[allow(clippy::cast_precision_loss)]
-            crate::config::parse_bytes(&r.budget).map_or(0.0, |b| b as f64 / f64::from(1 << 20))
+            crate::size::parse_bytes(&r.budget).map_or(0.0, |b| b as f64 / f64::from(1 << 20))
         }
     };
     let fixed = if by_length {

@@ -153,7 +153,7 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     if !uffd_ok() {
         return;
     }
-    use tools::weightplan::{budget_bytes, PlanSetup, SPANS};
+    use tools::weights::plan::{budget_bytes, PlanSetup, SPANS};
     let state = tempfile::tempdir().unwrap();
     let setup = PlanSetup {
         levels: vec![0.0, 0.5],
@@ -162,9 +162,9 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
         state_dir: state.path().into(),
         threads: 2,
     };
-    let (mut inputs, levels) = tools::weightplan::inputs(&model_path(), &setup).unwrap();
+    let (mut inputs, levels) = tools::weights::plan::inputs(&model_path(), &setup).unwrap();
     assert_eq!(levels.len(), 1, "levels above --max-sparsity are not even calibrated");
-    assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weightplan::READ_SIZES.len());
+    assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weights::plan::READ_SIZES.len());
     assert!(inputs.packed_mem > 0.0 && inputs.bw.install > 0.0, "{inputs:?}");
     let budget = budget_bytes(Budget::Percent(60.0), &inputs);
     // Streaming the packed image, when its kernels are predicted fast enough to win.
@@ -227,7 +227,7 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
 
     // A packed plan pages the packed image (resident logits bit for bit) and re-plans as one.
     let (inputs, plan) = packed;
-    let format = tools::weightplan::image_format(&plan);
+    let format = tools::weights::plan::image_format(&plan);
     assert_eq!(format, ImageFormat::Packed);
     let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned-packed.img")), preload: true, format };
     let (model, pw) = load_paged(&model_path(), &opts).unwrap();

@@ -72,7 +72,7 @@ struct ModelArgs {
     weights_span: Option<usize>,
 }
 
-use tools::weightplan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
+use tools::weights::plan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum FormatArg {
@@ -1333,7 +1333,7 @@ fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)>
     let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
     let sp = m
         .sparsity
-        .map(|t| tools::sparsity::calibrated(&model, &pool, &model_path(m), &tools::loadbench::state_dir(), t, &text))
+        .map(|t| tools::weights::sparsity::calibrated(&model, &pool, &model_path(m), &tools::loadbench::state_dir(), t, &text))
         .transpose()?;
     Ok((model, pool, sp))
 }
@@ -1362,8 +1362,8 @@ fn valid_threads(m: &ModelArgs) -> Result<usize> {
 
 /// What the weight planner plans with: `levels` (calibrated on --calib-text) up to
 /// --max-sparsity.
-fn plan_setup(m: &ModelArgs, levels: &[f32]) -> tools::weightplan::PlanSetup {
-    tools::weightplan::PlanSetup {
+fn plan_setup(m: &ModelArgs, levels: &[f32]) -> tools::weights::plan::PlanSetup {
+    tools::weights::plan::PlanSetup {
         levels: levels.to_vec(),
         max_sparsity: m.max_sparsity.unwrap_or(0.5),
         calib_text: m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT)),
@@ -1375,7 +1375,7 @@ fn plan_setup(m: &ModelArgs, levels: &[f32]) -> tools::weightplan::PlanSetup {
 /// The weight planner's inputs for this model: `levels` profiled (calibrated on
 /// --calib-text), bandwidths measured now.
 fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightplan::PlanInputs, Vec<(f32, Sparsity)>)> {
-    tools::weightplan::inputs(&existing_model(m)?, &plan_setup(m, levels))
+    tools::weights::plan::inputs(&existing_model(m)?, &plan_setup(m, levels))
 }
 
 /// `--weights-plan`: the plan for the budget picks the sparsity and the image's group size.
@@ -1386,8 +1386,8 @@ fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)
     let path = existing_model(m)?;
     let threads = valid_threads(m)?;
     let budget = m.weights_budget.unwrap_or(tools::weights::Budget::Percent(100.0));
-    let p = tools::weightplan::load_planned(&path, budget, m.weights_image.clone(), !m.no_preload, &plan_setup(m, &PLAN_LEVELS))?;
-    eprintln!("llms: {}", tools::weightplan::describe(&p.plan));
+    let p = tools::weights::plan::load_planned(&path, budget, m.weights_image.clone(), !m.no_preload, &plan_setup(m, &PLAN_LEVELS))?;
+    eprintln!("llms: {}", tools::weights::plan::describe(&p.plan));
     let _ = PAGED.set(p.weights);
     Ok((p.model, Arc::new(ThreadPool::new(threads)), p.sparsity))
 }
@@ -1800,7 +1800,7 @@ fn bench_weights(
         let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
         for &s in levels {
             let sp = (s > 0.0)
-                .then(|| tools::sparsity::calibrated(&model, &pool, &path, &tools::loadbench::state_dir(), s, &text))
+                .then(|| tools::weights::sparsity::calibrated(&model, &pool, &path, &tools::loadbench::state_dir(), s, &text))
                 .transpose()?;
             sparsity.push((s, sp));
         }
@@ -1809,12 +1809,12 @@ fn bench_weights(
     if let Some(pl) = plan_levels {
         let (inputs, thresholds) = plan_inputs(m, pl)?;
         for &b in &budgets {
-            let plan = inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs))?;
+            let plan = inputs.plan(tools::weights::plan::budget_bytes(tools::weights::Budget::Percent(b), &inputs))?;
             let sp = thresholds.iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp.clone());
             plans.push((tools::weights::PlanState { inputs: inputs.clone(), plan }, sp));
         }
     }
-    let o = tools::weights::BenchOptions {
+    let o = tools::weights::bench::BenchOptions {
         budgets,
         tg,
         reps,
@@ -1825,7 +1825,7 @@ fn bench_weights(
         sparsity,
         plans,
     };
-    let rows = tools::weights::bench(&path, &o)?;
+    let rows = tools::weights::bench::run(&path, &o)?;
     if json {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
@@ -1883,7 +1883,7 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
     let (inputs, _) = plan_inputs(m, levels)?;
     let plans: Vec<_> = budgets
         .iter()
-        .map(|&b| inputs.plan(tools::weightplan::budget_bytes(tools::weights::Budget::Percent(b), &inputs)))
+        .map(|&b| inputs.plan(tools::weights::plan::budget_bytes(tools::weights::Budget::Percent(b), &inputs)))
         .collect::<Result<_, _>>()?;
     if json {
         println!("{}", json!({"bandwidths": inputs.bw, "levels": inputs.levels, "plans": plans}));
@@ -2123,7 +2123,7 @@ fn profile_cmd(m: &ModelArgs, chunk_tokens: usize, state_dir: Option<PathBuf>, j
 }
 
 fn staging_arg(s: &str) -> Result<usize, String> {
-    tools::config::parse_bytes(s).map_err(|e| e.to_string())
+    tools::size::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 fn bench_load(

@@ -124,19 +124,19 @@ impl Service {
         let (model, weights, sparsity) = match cfg.weights_budget()? {
             None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None, None),
             Some(wb) if cfg.weights_plan => {
-                let setup = crate::weightplan::PlanSetup {
-                    levels: crate::weightplan::PLAN_LEVELS.to_vec(),
+                let setup = crate::weights::plan::PlanSetup {
+                    levels: crate::weights::plan::PLAN_LEVELS.to_vec(),
                     max_sparsity: cfg.weights_max_sparsity,
-                    calib_text: cfg.weights_calib_text.clone().unwrap_or_else(|| crate::weightplan::DEFAULT_CALIB_TEXT.into()),
+                    calib_text: cfg.weights_calib_text.clone().unwrap_or_else(|| crate::weights::plan::DEFAULT_CALIB_TEXT.into()),
                     state_dir: cfg.state_dir.clone(),
                     threads,
                 };
-                let p = crate::weightplan::load_planned(&cfg.model, wb, cfg.weights_image.clone(), true, &setup)?;
+                let p = crate::weights::plan::load_planned(&cfg.model, wb, cfg.weights_image.clone(), true, &setup)?;
                 let w = usize::try_from(p.weights.stats().budget).unwrap_or(usize::MAX);
                 if w >= total {
                     bail!("weights_budget ({w} bytes) leaves nothing of budget ({total} bytes) for KV chunks");
                 }
-                info!(weights = w, kv = total - w, image = %p.weights.image.display(), "weights paged under the budget; {}", crate::weightplan::describe(&p.plan));
+                info!(weights = w, kv = total - w, image = %p.weights.image.display(), "weights paged under the budget; {}", crate::weights::plan::describe(&p.plan));
                 (p.model, Some(p.weights), p.sparsity)
             }
             Some(wb) => {

@@ -247,7 +247,7 @@ impl Service {
             weights_budget_bytes: self.weights.as_ref().map_or(0, |w| w.stats().budget),
             weights_resident_bytes: self.weights.as_ref().map_or(0, |w| w.stats().resident_bytes),
             weights_read_bytes: self.weights.as_ref().map_or(0, |w| w.stats().bytes_read),
-            weights_plan: self.weights.as_ref().and_then(|w| w.plan()).map(|p| crate::weightplan::describe(&p)).unwrap_or_default(),
+            weights_plan: self.weights.as_ref().and_then(|w| w.plan()).map(|p| crate::weights::plan::describe(&p)).unwrap_or_default(),
             pressure: lock(&self.pressure).clone(),
             mine,
         }

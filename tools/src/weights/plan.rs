@@ -42,7 +42,7 @@ pub struct PlanSetup {
 
 /// The model's weights (`c`: its config) as the sparse pager reads them.
 pub fn shape(model_path: &Path, c: &engine::Config) -> Result<Shape> {
-    let layout = WeightLayout::for_file(model_path, crate::weights::SPARSE_SLOT, ImageFormat::ChannelMajor { span: 1 })
+    let layout = WeightLayout::for_file(model_path, super::SPARSE_SLOT, ImageFormat::ChannelMajor { span: 1 })
         .with_context(|| format!("loading {}", model_path.display()))?;
     let (mut layers, mut head) = (0, 0);
     for g in &layout.groups {
@@ -69,7 +69,7 @@ pub fn shape(model_path: &Path, c: &engine::Config) -> Result<Shape> {
         layer_bytes,
         head_bytes: head,
         column_bytes: (column.round() as usize).max(1),
-        page: crate::weights::SPARSE_SLOT,
+        page: super::SPARSE_SLOT,
     })
 }
 
@@ -106,7 +106,7 @@ fn level_profile(
         similarity: (1..=MAX_SPAN.min(MAX_AHEAD)).map(|d| use_.similarity(d)).collect(),
         hit: (0..HIT_POINTS).map(|k| use_.hit_rate(k as f64 / (HIT_POINTS - 1) as f64)).collect(),
     };
-    crate::sparsity::save(&s.state_dir, &path, &serde_json::to_vec(&p)?, "weight profile");
+    super::sparsity::save(&s.state_dir, &path, &serde_json::to_vec(&p)?, "weight profile");
     Ok(p)
 }
 
@@ -124,7 +124,7 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     let mut profiles = Vec::new();
     let mut thresholds = Vec::new();
     for &l in &levels {
-        let sp = (l > 0.0).then(|| crate::sparsity::calibrated(&model, &pool, model_path, &s.state_dir, l, &s.calib_text)).transpose()?;
+        let sp = (l > 0.0).then(|| super::sparsity::calibrated(&model, &pool, model_path, &s.state_dir, l, &s.calib_text)).transpose()?;
         profiles.push(level_profile(&model, &pool, model_path, s, l, sp.clone())?);
         thresholds.push((l, sp));
     }
@@ -135,8 +135,8 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     // well below what memory delivers to a plain sum (docs/weights.md "Planner"); the packed
     // kernels' rate weighs streaming the packed image instead.
     bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes(), WeightFormat::ChannelMajor)?);
-    let slot = crate::weights::slot_for(ImageFormat::Packed);
-    let (_, packed_bytes) = crate::weights::weight_groups(&WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?, slot);
+    let slot = super::slot_for(ImageFormat::Packed);
+    let (_, packed_bytes) = super::weight_groups(&WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?, slot);
     let packed_mem = compute_rate(model_path, &pool, packed_bytes, WeightFormat::Packed)?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let inputs = PlanInputs {
@@ -175,11 +175,11 @@ fn compute_rate(model_path: &Path, pool: &Arc<ThreadPool>, weight_bytes: usize, 
 
 /// `budget` in bytes: a share of the weight bytes (layers and head, of the larger image: 100%
 /// holds all of either) or bytes as given.
-pub fn budget_bytes(budget: crate::weights::Budget, inputs: &PlanInputs) -> usize {
+pub fn budget_bytes(budget: super::Budget, inputs: &PlanInputs) -> usize {
     match budget {
-        crate::weights::Budget::Bytes(b) => b,
+        super::Budget::Bytes(b) => b,
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-        crate::weights::Budget::Percent(p) => (inputs.all_weight_bytes() as f64 * p / 100.0) as usize,
+        super::Budget::Percent(p) => (inputs.all_weight_bytes() as f64 * p / 100.0) as usize,
     }
 }
 
@@ -192,7 +192,7 @@ pub const DEFAULT_CALIB_TEXT: &str = "/usr/share/common-licenses/Apache-2.0";
 #[derive(Debug)]
 pub struct Planned {
     pub model: Arc<Model>,
-    pub weights: Arc<crate::weights::PagedWeights>,
+    pub weights: Arc<super::PagedWeights>,
     /// What sessions over `model` must compute with (the plan counted on its reads).
     pub sparsity: Option<Arc<Sparsity>>,
     pub plan: mm::weightplan::Plan,
@@ -202,20 +202,14 @@ pub struct Planned {
 /// `setup.max_sparsity`) and loads the model over the plan's channel-major image (`image`,
 /// else next to the model; built when missing), the plan in force so a budget change
 /// re-plans it.
-pub fn load_planned(
-    model_path: &Path,
-    budget: crate::weights::Budget,
-    image: Option<PathBuf>,
-    preload: bool,
-    setup: &PlanSetup,
-) -> Result<Planned> {
+pub fn load_planned(model_path: &Path, budget: super::Budget, image: Option<PathBuf>, preload: bool, setup: &PlanSetup) -> Result<Planned> {
     let (inputs, levels) = inputs(model_path, setup)?;
     let budget = budget_bytes(budget, &inputs);
     let plan = inputs.plan(budget)?;
-    let opts = crate::weights::PagedOptions { budget: crate::weights::Budget::Bytes(budget), image, preload, format: image_format(&plan) };
-    let (model, weights) = crate::weights::load_paged(model_path, &opts)?;
+    let opts = super::PagedOptions { budget: super::Budget::Bytes(budget), image, preload, format: image_format(&plan) };
+    let (model, weights) = super::load_paged(model_path, &opts)?;
     let sparsity = levels.into_iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp);
-    weights.set_plan(crate::weights::PlanState { inputs, plan: plan.clone() });
+    weights.set_plan(super::PlanState { inputs, plan: plan.clone() });
     Ok(Planned { model, weights, sparsity, plan })
 }
 
