@@ -1,6 +1,7 @@
 //! Wiring shared by the `llms` CLI and the `llmsd` service: the adapter that lets the memory
 //! manager (`mm`) drive the engine's KV cache.
 
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod experiment;

@@ -1,0 +1,477 @@
+//! Commands over the model alone: tokenize, logits, generate, chat, perplexity, bench.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ::engine::chat::Message;
+use ::engine::{Logits, Model, Sampler, SamplerConfig, Session, ThreadPool, Utf8Stream};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+
+use super::*;
+
+/// `llms tokenize`.
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    #[arg(long)]
+    pub text_file: PathBuf,
+    /// Do not parse special tokens such as <|im_start|> written in the text.
+    #[arg(long)]
+    pub no_special: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl TokenizeArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { text_file, no_special, m } = self;
+        let (model, _) = load(&m)?;
+        let ids = encode(&model, &read_text(&text_file)?, !no_special)?;
+        println!("{}", serde_json::to_string(&ids)?);
+        Ok(())
+    }
+}
+
+/// `llms logits`.
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[arg(long)]
+    pub prompt_file: PathBuf,
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl LogitsArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { prompt_file, top, m } = self;
+        let (model, pool, sp) = load_sparse(&m)?;
+        let ids = encode(&model, &read_text(&prompt_file)?, true)?;
+        if ids.is_empty() {
+            bail!("the prompt has no tokens");
+        }
+        let mut s = Session::new(Arc::clone(&model), pool, ids.len());
+        s.set_sparsity(sp)?;
+        let logits = s.eval(&ids, Logits::Last)?;
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let top: Vec<_> = idx.iter().take(top).map(|&i| json!({"id": i, "logit": logits[i]})).collect();
+        println!("{}", json!({"tokens": ids, "top": top}));
+        Ok(())
+    }
+}
+
+/// `llms generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompt_file: Option<PathBuf>,
+    #[arg(long)]
+    pub prompt: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// Print {"tokens":[...],"text":"..."} at the end instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+    /// Print prefill and decode speed to stderr.
+    #[arg(long)]
+    pub stats: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl GenerateArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { prompt_file, prompt, max_tokens, temperature, top_k, top_p, seed, chat, json, stats, m } = self;
+        let text = match (prompt_file, prompt) {
+            (Some(f), None) => read_text(&f)?,
+            (None, Some(p)) => p,
+            _ => bail!("give exactly one of --prompt-file and --prompt"),
+        };
+        let (model, pool, sp) = load_sparse(&m)?;
+        let text = if chat { render_chat(&model, &[Message::new("user", &text)])? } else { text };
+        let ids = encode(&model, &text, true)?;
+        let cfg = SamplerConfig { temperature, top_k, top_p, seed };
+        let mut out = std::io::stdout().lock();
+        let mut sink = |piece: &str| -> Result<()> {
+            if !json {
+                out.write_all(piece.as_bytes())?;
+                out.flush()?;
+            }
+            Ok(())
+        };
+        let r = generate(&model, pool, sp, &ids, max_tokens, cfg, &mut sink)?;
+        if json {
+            println!("{}", json!({"tokens": r.tokens, "text": r.text}));
+        } else {
+            println!();
+        }
+        if stats {
+            eprintln!("{}", r.speed_line());
+            if let Some(l) = weights_line(ids.len() + r.tokens.len()) {
+                eprintln!("{l}");
+            }
+            eprintln!(
+                "memory: model file {:.1} MiB, KV cache {:.1} MiB, resident now {} (peak {})",
+                mib(model.file_bytes()),
+                mib(r.kv_bytes),
+                proc_status_kib("VmRSS").map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0)),
+                proc_status_kib("VmHWM").map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0)),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `llms chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// Chat in this llmsd context ("new" creates one and prints its id).
+    #[arg(long)]
+    pub ctx: Option<String>,
+    #[command(flatten)]
+    pub d: DaemonArgs,
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl ChatArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { ctx, d, max_tokens, temperature, seed, system, m } = self;
+        match ctx {
+            Some(ctx) => super::service::chat_daemon(&d, &ctx, max_tokens, temperature, seed, system),
+            None => chat_loop(&m, max_tokens, temperature, seed, system),
+        }
+    }
+}
+
+/// `llms perplexity`.
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[arg(long)]
+    pub text_file: PathBuf,
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Score at most this many windows (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub chunks: usize,
+    /// KV cache while scoring: f16 (default), int8, q4, q2, or mix:R (tolerance-aware
+    /// levels at R x int8 bytes). With --kv, windows are fed one KV chunk at a time.
+    #[arg(long)]
+    pub kv: Option<String>,
+    /// Tokens per KV chunk (with --kv).
+    #[arg(long, default_value_t = 16)]
+    pub chunk_tokens: usize,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl PerplexityArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { text_file, ctx, chunks, kv, chunk_tokens, json, m } = self;
+        let (model, pool, sp) = load_sparse(&m)?;
+        if ctx < 8 || ctx > model.config.ctx_len {
+            bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
+        }
+        let ids = model.tokenizer.encode(&read_text(&text_file)?, false, false)?;
+        if ids.len() < ctx {
+            bail!("the text has {} tokens, fewer than one window of {ctx}", ids.len());
+        }
+        if sp.is_some() && kv.is_some() {
+            bail!("--sparsity and --kv: one at a time");
+        }
+        if let (Some(sp), false) = (&sp, json) {
+            println!("sparsity {}: per-site levels {}", sp.target, sp.describe());
+        }
+        let mut uses = None;
+        let (r, ratio) = match kv {
+            None if sp.is_some() => {
+                let (r, u) = ::engine::eval::perplexity_channel_use(&model, pool, &ids, ctx, chunks, sp)?;
+                uses = Some(u);
+                (r, None)
+            }
+            None => (::engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
+            Some(k) => {
+                let plan = ::engine::eval::KvPlan::parse(&k)
+                    .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
+                if chunk_tokens == 0 || chunk_tokens > ctx {
+                    bail!("--chunk-tokens must be between 1 and --ctx");
+                }
+                // The mix's levels are mm's policy (eq. 2-3), over {int8, q4, q2}.
+                let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
+                let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio);
+                let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
+                (r, Some(ratio))
+            }
+        };
+        // What a per-channel hot cache could serve: the most used channels' columns kept
+        // (ranked over this run), as shares of the layers' weight bytes.
+        const CACHE_SHARES: [f64; 4] = [0.1, 0.25, 0.5, 0.75];
+        let cache = uses.map(|u| (u.read_share(), CACHE_SHARES.map(|c| u.hit_rate(c))));
+        if json {
+            let mut v = json!({"ppl": r.ppl, "scored": r.scored});
+            if let Some(x) = ratio {
+                v["kv_bytes_vs_int8"] = json!(x);
+            }
+            if let Some((read, hits)) = cache {
+                v["layer_bytes_read_share"] = json!(read);
+                v["hot_cache_hit_rate"] = CACHE_SHARES.iter().zip(hits).map(|(c, h)| (format!("{c}"), json!(h))).collect();
+            }
+            println!("{v}");
+        } else {
+            println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.ppl, r.scored);
+            if let Some(x) = ratio {
+                println!("KV bytes of full chunks: {:.3} x int8", x);
+            }
+            if let Some((read, hits)) = cache {
+                let hits: Vec<String> =
+                    CACHE_SHARES.iter().zip(hits).map(|(c, h)| format!("{:.0}%: {:.1}%", 100.0 * c, 100.0 * h)).collect();
+                println!("layer weight bytes read per token: {:.1}%; a hot-channel cache of the most used columns (share of layer bytes: share of reads served) {}", 100.0 * read, hits.join(", "));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `llms bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// KV cache format: f16 or int8; q4 or q2: written as int8, the depth's full chunks
+    /// then lowered (the attention cost of compressed context).
+    #[arg(long, default_value = "f16")]
+    pub kv: String,
+    /// Context depth: pp and tg run after a prefilled context of this many tokens (like
+    /// llama-bench -d).
+    #[arg(short = 'd', long, default_value_t = 0)]
+    pub depth: usize,
+    #[arg(long, default_value_t = 512)]
+    pub pp: usize,
+    #[arg(long, default_value_t = 128)]
+    pub tg: usize,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl BenchArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { kv, depth, pp, tg, reps, json, m } = self;
+        bench(&m, &kv, depth, pp, tg, reps, json)?;
+        Ok(())
+    }
+}
+
+struct GenResult {
+    kv_bytes: usize,
+    tokens: Vec<u32>,
+    text: String,
+    prompt_tokens: usize,
+    prefill_s: f64,
+    decode_s: f64,
+}
+
+impl GenResult {
+    #[allow(clippy::cast_precision_loss)]
+    fn speed_line(&self) -> String {
+        let n_dec = self.tokens.len().saturating_sub(1);
+        format!(
+            "prefill: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.1} tok/s)",
+            self.prompt_tokens,
+            self.prefill_s,
+            self.prompt_tokens as f64 / self.prefill_s.max(1e-9),
+            n_dec,
+            self.decode_s,
+            n_dec as f64 / self.decode_s.max(1e-9)
+        )
+    }
+}
+
+/// Prefills `ids`, then samples up to `max_tokens`, handing each decoded piece to `sink`.
+/// Stops at end-of-generation tokens (not included in the result).
+fn generate(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    sparsity: Sparsity,
+    ids: &[u32],
+    max_tokens: usize,
+    cfg: SamplerConfig,
+    sink: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<GenResult> {
+    if ids.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    let cap = (ids.len() + max_tokens).min(model.config.ctx_len);
+    if ids.len() >= cap {
+        bail!("the prompt ({} tokens) does not fit the model's context of {}", ids.len(), model.config.ctx_len);
+    }
+    let mut s = Session::new(Arc::clone(model), pool, cap);
+    s.set_sparsity(sparsity)?;
+    let mut sampler = Sampler::new(cfg);
+    let mut utf8 = Utf8Stream::default();
+    let t0 = Instant::now();
+    let mut next = sampler.sample(s.eval(ids, Logits::Last)?);
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    while tokens.len() < max_tokens && !model.tokenizer.is_eog(next) {
+        tokens.push(next);
+        let mut bytes = Vec::new();
+        model.tokenizer.token_bytes(next, false, &mut bytes);
+        let piece = utf8.push(&bytes);
+        text.push_str(&piece);
+        sink(&piece)?;
+        if tokens.len() == max_tokens || s.n_past() >= s.capacity() {
+            break;
+        }
+        next = sampler.sample(s.eval(&[next], Logits::Last)?);
+    }
+    let tail = utf8.finish();
+    text.push_str(&tail);
+    sink(&tail)?;
+    Ok(GenResult { kv_bytes: s.kv.bytes(), tokens, text, prompt_tokens: ids.len(), prefill_s, decode_s: t1.elapsed().as_secs_f64() })
+}
+
+fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, system: Option<String>) -> Result<()> {
+    let (model, pool, sp) = load_sparse(m)?;
+    let mut msgs = Vec::new();
+    if let Some(s) = system {
+        msgs.push(Message::new("system", &s));
+    }
+    chat_turns(&mut |line| {
+        msgs.push(Message::new("user", line));
+        let mut ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        // A long conversation forgets its oldest turns (never the system prompt or the new
+        // message) rather than failing once it outgrows the model's context.
+        let first = usize::from(msgs.first().is_some_and(|m| m.role == "system"));
+        while ids.len() + max_tokens > model.config.ctx_len && msgs.len() > first + 1 {
+            msgs.remove(first);
+            ids = encode(&model, &render_chat(&model, &msgs)?, true)?;
+        }
+        let mut out = std::io::stdout().lock();
+        let cfg = SamplerConfig { temperature, seed, ..SamplerConfig::default() };
+        let r = generate(&model, Arc::clone(&pool), sp.clone(), &ids, max_tokens, cfg, &mut |p| {
+            out.write_all(p.as_bytes())?;
+            out.flush()?;
+            Ok(())
+        })?;
+        println!();
+        eprintln!("[{}]", r.speed_line());
+        msgs.push(Message::new("assistant", &r.text));
+        Ok(())
+    })
+}
+
+#[allow(clippy::cast_precision_loss)]
+#[allow(clippy::too_many_arguments)]
+fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
+    use ::engine::kv::KvFormat;
+    let (model, pool, sp) = load_sparse(m)?;
+    if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
+        bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
+    }
+    let (base, lower) = match KvFormat::parse(kv) {
+        Some(f) if f.is_base() => (f, None),
+        Some(f) => (KvFormat::Int8, Some(f)),
+        None => bail!("--kv must be f16, int8, q4 or q2"),
+    };
+    // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
+    let vocab = u32::try_from(model.config.vocab).context("vocab")?;
+    let prompt: Vec<u32> = (0..u32::try_from(depth + pp.max(tg))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
+    let opts = ::engine::model::SessionOptions { base, ..::engine::model::SessionOptions::new(depth + pp.max(tg)) };
+    let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
+    s.set_sparsity(sp.clone())?;
+    // Both runs start from `depth` tokens of context (0: an empty one, as llama-bench's
+    // pp512/tg128), its full chunks lowered to the --kv level when that is q4/q2.
+    let at_depth = |s: &mut Session| -> Result<()> {
+        s.truncate(0);
+        if depth > 0 {
+            s.eval(&prompt[..depth], Logits::None)?;
+        }
+        if let Some(f) = lower {
+            for i in 0..depth / s.kv.geom.chunk_tokens {
+                s.kv.set_format(i, f)?;
+            }
+        }
+        Ok(())
+    };
+    let mut pp_rates = Vec::new();
+    let mut tg_rates = Vec::new();
+    for rep in 0..=reps {
+        at_depth(&mut s)?;
+        let t = Instant::now();
+        s.eval(&prompt[depth..depth + pp], Logits::Last)?;
+        let pp_s = t.elapsed().as_secs_f64();
+        at_depth(&mut s)?;
+        let mut tok = prompt[depth];
+        let t = Instant::now();
+        for _ in 0..tg {
+            tok = ::engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
+        }
+        let tg_s = t.elapsed().as_secs_f64();
+        if rep > 0 {
+            // rep 0 is the warm-up.
+            pp_rates.push(pp as f64 / pp_s);
+            tg_rates.push(tg as f64 / tg_s);
+        }
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
+    let format_name = if model.uses_image() {
+        "paged"
+    } else if model.is_channel_major() {
+        "channel-major"
+    } else {
+        "packed"
+    };
+    if json {
+        println!(
+            "{}",
+            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+        );
+    } else {
+        println!(
+            "model {} | threads {} | kernels {} | kv {} | depth {depth} | weights {format_name}{}",
+            model.file.path.display(),
+            pool.threads(),
+            ::engine::kernels::simd_name(),
+            lower.unwrap_or(base).name(),
+            m.sparsity.map_or(String::new(), |s| format!(" | sparsity {s}"))
+        );
+        println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
+        println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
+    }
+    Ok(())
+}
