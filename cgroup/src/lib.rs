@@ -8,6 +8,8 @@
 //!
 //! What it is not for: it only observes and classifies; it never evicts anything itself
 //! (`mm` obeys the budget), and it never writes to a cgroup.
+//!
+//! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
 mod monitor;
 mod policy;

@@ -6,6 +6,8 @@
 //!
 //! What it is not for: the engine knows nothing about paging, swapping or memory pressure. It
 //! reads its KV cache and weights as plain memory; where that memory lives is `mm`'s business.
+//!
+//! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
 pub mod chat;
 pub mod colmajor;

@@ -5,6 +5,8 @@
 //! mechanism (userfaultfd slots) is `uffd_handler`; the numerics (chunk formats, recompute)
 //! are the engine's, reached through the [`KvContext`] and [`Codec`] traits so mm stays
 //! model-agnostic.
+//!
+//! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
 mod context;
 mod lctru;

@@ -1,5 +1,7 @@
-//! Wiring shared by the `llms` CLI and the `llmsd` service: the adapter that lets the memory
-//! manager (`mm`) drive the engine's KV cache.
+//! The `llms` CLI ([`cli`]) and the `llmsd` service ([`service`]), and the wiring they share:
+//! the adapter that lets the memory manager (`mm`) drive the engine's KV cache ([`kvmm`]), paged
+//! weights ([`weights`]), the native protocol ([`proto`], [`client`]), traces and experiments.
+//! The map of the crates and of these modules: docs/ARCHITECTURE.md.
 
 pub mod cli;
 pub mod client;

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use nix::errno::Errno;
 
-use crate::pager::{UffdError, PAGE};
+use crate::error::{UffdError, PAGE};
 use crate::sys;
 
 fn pagemap() -> Result<&'static File, Errno> {

@@ -12,9 +12,12 @@
 //!
 //! What it is not for: it knows nothing about LLMs, chunks or policy; which slot to load,
 //! evict or write out is the caller's (`mm`'s) decision.
+//!
+//! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
 pub mod bench;
 mod dirty;
+mod error;
 mod pager;
 mod sigbus;
 mod stats;

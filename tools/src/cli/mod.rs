@@ -1,6 +1,6 @@
 //! The `llms` command line, one room per command family: [`model`] (the model alone:
 //! tokenize, logits, generate, chat, perplexity, bench), [`service`] (a running llmsd's
-//! contexts and figures), [`bench`] (switch-in, load and userfaultfd costs, the load profile),
+//! contexts and figures), [`mod@bench`] (switch-in, load and userfaultfd costs, the load profile),
 //! [`experiment`] (traces, the paper's experiments, the report), [`pressure`] (the monitor),
 //! [`weights`] (paged-weight benches and plans), [`doctor`]. This file holds what several
 //! share: the model arguments (flattened into each command that loads the model), the daemon
@@ -159,9 +159,10 @@ pub(crate) fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     load_model(m)
 }
 
-/// [`load`], with Top-K sparsity calibrated when --sparsity asks for it.
+/// Top-K sparsity thresholds a session computes with, if any.
 pub(crate) type Sparsity = Option<Arc<::engine::sparsity::Sparsity>>;
 
+/// [`load`], with Top-K sparsity calibrated when --sparsity asks for it.
 pub(crate) fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)> {
     if m.weights_plan {
         return load_planned(m);

@@ -6,11 +6,11 @@
 //! own (AoT writer, userfaultfd handler). Locks: the context registry, then mm — never the other
 //! way round; neither is held while the model computes.
 //!
-//! The rooms: [`call`] the call path (queue, worker, load -> infer -> end), [`registry`] the
-//! contexts and their persistence, [`conn`] the native protocol's connections, [`pressure`] the
-//! budget following the pressure monitor, [`turns`] the chat template's turn pieces. This file
+//! The rooms: `call.rs` the call path (queue, worker, load -> infer -> end), `registry.rs` the
+//! contexts and their persistence, `conn.rs` the native protocol's connections, `pressure.rs` the
+//! budget following the pressure monitor, `turns.rs` the chat template's turn pieces. This file
 //! holds the service's state, its start and its stop. A future front door (HTTP) is another
-//! room beside `conn` that ends in the same [`Service::submit`].
+//! room beside `conn` that ends in the same `Service::submit`.
 
 mod call;
 mod conn;
