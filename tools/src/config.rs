@@ -199,7 +199,9 @@ impl Config {
 
     /// Checks every setting; the service refuses to start on the first bad one.
     pub fn validate(&self) -> Result<()> {
-        self.budget_bytes()?;
+        if self.budget_bytes()? == 0 {
+            bail!("budget {:?} is zero: no context could hold a single chunk", self.budget);
+        }
         self.weights_budget()?;
         if self.weights_plan && self.weights_budget.is_none() {
             bail!("weights_plan plans paged weights: set weights_budget too");
@@ -254,16 +256,27 @@ pub struct Ablations {
 
 /// A size written as a number of bytes or as a string with a unit.
 fn size_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        N(u64),
-        S(String),
+    // A visitor rather than an untagged enum: serde's untagged error ("did not match any
+    // variant") does not say what a size is.
+    struct SizeVisitor;
+    impl serde::de::Visitor<'_> for SizeVisitor {
+        type Value = String;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a size: a positive number of bytes or a string such as \"256MiB\"")
+        }
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<String, E> {
+            Ok(n.to_string())
+        }
+        fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<String, E> {
+            u64::try_from(n)
+                .map(|n| n.to_string())
+                .map_err(|_| E::custom(format!("{n} is negative; a size is a positive number of bytes or a string such as \"256MiB\"")))
+        }
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<String, E> {
+            Ok(s.to_string())
+        }
     }
-    Ok(match Size::deserialize(d)? {
-        Size::N(n) => n.to_string(),
-        Size::S(s) => s,
-    })
+    d.deserialize_any(SizeVisitor)
 }
 
 #[cfg(test)]

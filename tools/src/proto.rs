@@ -1,4 +1,4 @@
-//! The llmsd wire protocol, version 1 (docs/protocol.md): frames of a 4-byte big-endian
+//! The llmsd wire protocol, version 1 (docs/llmsd.md, "Protocol"): frames of a 4-byte big-endian
 //! length and a JSON object, over a Unix stream socket. A client sends one request at a time;
 //! the service answers with events, the last of which is `done` or `error` (a `call` streams
 //! `token` events before its `done`).
@@ -127,6 +127,10 @@ pub struct CtxInfo {
     pub levels: std::collections::BTreeMap<String, u32>,
     pub calls: u64,
     pub busy: bool,
+    /// Why the context cannot be used (damaged and quarantined, or longer than this
+    /// service's `max_context_tokens`); empty when it can. It can still be deleted.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unavailable: String,
 }
 
 /// Service-wide state, as `stats` shows it.
@@ -201,10 +205,40 @@ pub enum Event {
     },
 }
 
+/// Longest error message sent: a message may quote what the client sent (up to a frame), and an
+/// answer that outgrew the frame limit would close the connection instead of explaining.
+pub const MAX_ERROR_MESSAGE: usize = 1024;
+
 impl Event {
+    /// An error event; a message over [`MAX_ERROR_MESSAGE`] bytes is cut (at a character
+    /// boundary) and says how long it was.
     pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self::Error { code, message: message.into() }
+        let mut message = message.into();
+        if message.len() > MAX_ERROR_MESSAGE {
+            let n = message.len();
+            let mut cut = MAX_ERROR_MESSAGE - 40;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+            message.push_str(&format!("... ({n} bytes in all)"));
+        }
+        Self::Error { code, message }
     }
+}
+
+/// `s` for an error message: itself if short, else its start and its length (inputs are
+/// hostile and may be as long as a frame).
+pub fn quote(s: &str) -> String {
+    const SHOWN: usize = 64;
+    if s.len() <= SHOWN {
+        return format!("{s:?}");
+    }
+    let mut cut = SHOWN;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{:?}... ({} bytes)", &s[..cut], s.len())
 }
 
 #[derive(Debug, thiserror::Error)]

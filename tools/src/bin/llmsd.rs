@@ -134,6 +134,10 @@ fn main() {
 
 fn run() -> Result<()> {
     let (cfg, print) = config(Cli::parse())?;
+    // Everything the service writes (swap store, contexts, profiles) holds conversations:
+    // private to its uid, whatever umask it was started with.
+    // SAFETY: umask has no preconditions and cannot fail.
+    unsafe { libc::umask(0o077) };
     if print {
         print!("{}", toml::to_string(&cfg)?);
         return Ok(());

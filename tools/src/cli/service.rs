@@ -139,7 +139,13 @@ fn print_contexts(v: &[crate::proto::CtxInfo]) {
             c.flash_bytes >> 10,
             c.calls,
             lv.join(" "),
-            if c.busy { " (in a call)" } else { "" }
+            if c.busy {
+                " (in a call)".to_string()
+            } else if !c.unavailable.is_empty() {
+                format!(" (unavailable: {})", c.unavailable)
+            } else {
+                String::new()
+            }
         );
     }
 }

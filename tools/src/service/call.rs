@@ -5,6 +5,8 @@
 //! context. One call runs at a time on the shared model; the registry and mm are never locked
 //! while the model computes.
 
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -13,7 +15,7 @@ use std::time::Instant;
 use engine::model::Scratch;
 use engine::{Logits, Sampler, SamplerConfig, Session, Utf8Stream};
 use mm::Strategy;
-use tracing::info;
+use tracing::{error, info};
 
 use super::registry::Saved;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
@@ -37,9 +39,18 @@ impl Service {
         {
             let reg = lock(&self.registry);
             match reg.get(&call.ctx) {
-                Some(e) if e.saved.owner == *owner => {}
+                Some(e) if e.saved.owner == *owner => {
+                    if let Some(why) = &e.unavailable {
+                        return Err(unavailable(&call.ctx, why));
+                    }
+                }
                 _ => return Err(not_found(&call.ctx)),
             }
+        }
+        // A call that may generate nothing would still add its prompt (and, as it was, one
+        // sampled token) to the context: a turn without an answer is refused.
+        if call.max_tokens == 0 {
+            return Err(refuse(ErrorCode::BadRequest, "max_tokens must be at least 1"));
         }
         if call.max_tokens as usize + 2 > self.cfg.max_context_tokens / 2 {
             return Err(refuse(ErrorCode::BadRequest, format!("max_tokens must be under {}", self.cfg.max_context_tokens / 2 - 2)));
@@ -79,9 +90,15 @@ impl Service {
                     q = self.queued.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             };
-            let ev = match self.run(&job, &mut scratch) {
-                Ok((text, stats)) => Event::Done { text, stats },
-                Err(r) => r.into(),
+            let ev = match catch_unwind(AssertUnwindSafe(|| self.run(&job, &mut scratch))) {
+                Ok(Ok((text, stats))) => Event::Done { text, stats },
+                Ok(Err(r)) => r.into(),
+                Err(panic) => {
+                    let what = panic_message(panic.as_ref());
+                    error!(ctx = %job.call.ctx, "a call panicked outside the model: {what}");
+                    scratch = Scratch::default();
+                    Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})"))
+                }
             };
             let _ = job.events.send(ev);
         }
@@ -97,11 +114,20 @@ impl Service {
                 Some(e) if e.saved.owner == job.owner => e,
                 _ => return Err(not_found(&c.ctx)),
             };
+            if let Some(why) = &e.unavailable {
+                return Err(unavailable(&c.ctx, why));
+            }
             let s = e.session.take().ok_or_else(|| refuse(ErrorCode::Busy, "the context is in a call"))?;
             (s, e.saved.clone())
         };
         s.set_scratch(std::mem::take(scratch));
-        let r = self.run_in(job, &mut s, &mut saved, start);
+        // A panic in the call (a bug, or data that got past validation) must not take the
+        // worker with it: the call fails, the context is quarantined as it was before the call
+        // (its saved state is not touched), and the service goes on with the others.
+        let r = match catch_unwind(AssertUnwindSafe(|| self.run_in(job, &mut s, &mut saved, start))) {
+            Ok(r) => r,
+            Err(panic) => return Err(self.quarantine(&c.ctx, s, saved.mm_id, panic.as_ref())),
+        };
         *scratch = s.take_scratch();
         // Whatever the cache holds now is the context (a cancelled call keeps what it made).
         saved.tokens.clone_from(&s.tokens);
@@ -124,7 +150,6 @@ impl Service {
         persisted.map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
         let (text, mut stats) = r?;
         stats.queue_ms = ms(start.duration_since(job.received));
-        stats.ttft_ms += stats.queue_ms;
         let mut m = lock(&self.metrics);
         m.calls += 1;
         m.switch_ms.push_back(stats.switch_ms);
@@ -132,6 +157,19 @@ impl Service {
             m.switch_ms.pop_front();
         }
         Ok((text, stats))
+    }
+
+    /// After a call panicked: unpins what mm can, marks the context unavailable (its data
+    /// kept, its owner told why, deletable) and says so.
+    fn quarantine(&self, ctx: &str, mut s: Session, mm_id: u64, panic: &(dyn Any + Send)) -> Refusal {
+        let what = panic_message(panic);
+        let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).end(mm_id, &mut SessionKv(&mut s))));
+        let why = format!("damaged: a call failed inside the service ({what}); quarantined — delete it");
+        error!(ctx, "call panicked; the context is quarantined and the service goes on: {what}");
+        if let Some(e) = lock(&self.registry).get_mut(ctx) {
+            e.unavailable = Some(why.clone());
+        }
+        unavailable(ctx, &why)
     }
 
     #[allow(clippy::too_many_lines)]
@@ -231,7 +269,8 @@ impl Service {
         let mut sampler = Sampler::new(SamplerConfig { temperature: c.temperature, seed: c.seed, ..SamplerConfig::default() });
         let mut next = sampler.sample(s.eval(ids, Logits::Last).map_err(|e| fail(&e))?);
         stats.prefill_ms = ms(t0.elapsed());
-        stats.ttft_ms = ms(job.received.elapsed()) - stats.queue_ms;
+        // From the call's arrival: its queue wait is in it once.
+        stats.ttft_ms = ms(job.received.elapsed());
         let t1 = Instant::now();
         let tk = &self.model.tokenizer;
         let mut utf8 = Utf8Stream::default();
@@ -302,4 +341,14 @@ pub(super) fn floor_boundary(s: &str, mut i: usize) -> usize {
 /// Bytes at the end of `text` that are the start of `stop` (they may yet become it).
 pub(super) fn held_back(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1)).rev().find(|&k| text.as_bytes().ends_with(&stop.as_bytes()[..k])).unwrap_or(0)
+}
+
+fn unavailable(ctx: &str, why: &str) -> Refusal {
+    refuse(ErrorCode::Failed, format!("context {ctx} is unavailable: {why}"))
+}
+
+/// What a panic said, for the log and the caller.
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    let m = p.downcast_ref::<&str>().map(|s| (*s).to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+    format!("panic: {}", m.unwrap_or_else(|| "unknown".into()))
 }

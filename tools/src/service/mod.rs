@@ -16,6 +16,7 @@ mod call;
 mod conn;
 mod pressure;
 mod registry;
+mod state_dir;
 mod turns;
 
 use std::collections::{HashMap, VecDeque};
@@ -63,7 +64,7 @@ fn refuse(code: ErrorCode, msg: impl Into<String>) -> Refusal {
 }
 
 fn not_found(ctx: &str) -> Refusal {
-    refuse(ErrorCode::NotFound, format!("no context {ctx:?} for this app"))
+    refuse(ErrorCode::NotFound, format!("no context {} for this app", crate::proto::quote(ctx)))
 }
 
 #[derive(Default)]
@@ -96,6 +97,8 @@ pub struct Service {
     /// Top-K sparsity every session computes with (a weight plan chose it), if any.
     sparsity: Option<Arc<engine::sparsity::Sparsity>>,
     ctx_dir: PathBuf,
+    /// The state directory's lock, held while the service lives ([`state_dir::claim`]).
+    _state_lock: std::fs::File,
 }
 
 impl std::fmt::Debug for Service {
@@ -116,9 +119,15 @@ impl Service {
     /// Loads the model, opens the store and restores the contexts it holds.
     pub fn open(cfg: Config) -> Result<Arc<Self>> {
         cfg.validate()?;
+        if cfg.model.is_dir() {
+            bail!("model {} is a directory, not a GGUF file", cfg.model.display());
+        }
         if !cfg.model.exists() {
             bail!("model {} not found (run `make model`, or set `model` in the configuration)", cfg.model.display());
         }
+        // Before anything in the state directory is read or written (a weight plan's profiles
+        // included): it must be ours, and only one service may use it.
+        let state_lock = state_dir::claim(&cfg.state_dir)?;
         let total = cfg.budget_bytes()?;
         let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { cfg.threads };
         let (model, weights, sparsity) = match cfg.weights_budget()? {
@@ -160,7 +169,6 @@ impl Service {
         }
         let pool = Arc::new(ThreadPool::new(threads));
         let turns = Turns::new(&model)?;
-        std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("creating {}", cfg.state_dir.display()))?;
         let policy = cfg.policy()?;
         let levels = cfg.level_formats()?;
         let profile = if policy == Policy::Llms && cfg.load_profile && !cfg.ablations()?.pipeline {
@@ -178,7 +186,6 @@ impl Service {
         mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
         let ctx_dir = cfg.state_dir.join("contexts");
         std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
-        std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o700)).ok();
         let svc = Self {
             cfg,
             model,
@@ -198,6 +205,7 @@ impl Service {
             weights_share,
             sparsity,
             ctx_dir,
+            _state_lock: state_lock,
         };
         svc.restore()?;
         Ok(Arc::new(svc))
@@ -279,19 +287,27 @@ impl Local {
 }
 
 /// Creates the socket's directory (0755 when we create it) and binds the socket with `mode`,
-/// replacing a stale socket file but never a live service's.
+/// replacing a stale socket but never a live service's, and never anything that is not a socket.
 pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.exists() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
         }
     }
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            bail!("another llmsd is listening on {}", path.display());
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.file_type().is_socket() => {
+            bail!("{} exists and is not a socket: refusing to replace it (choose another --socket)", path.display());
         }
-        std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))?;
+        Ok(_) => {
+            if UnixStream::connect(path).is_ok() {
+                bail!("another llmsd is listening on {}", path.display());
+            }
+            std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("socket {}", path.display())),
     }
     let l = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;

@@ -3,6 +3,7 @@
 //! every saved context is restored and store data no context names is removed.
 
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 
 use anyhow::{Context as _, Result};
 use engine::model::AttentionStats;
@@ -37,8 +38,17 @@ pub(super) struct Saved {
 
 pub(super) struct CtxEntry {
     pub(super) saved: Saved,
-    /// `None` while the context is in a call.
+    /// `None` while the context is in a call (or while it is unavailable).
     pub(super) session: Option<Session>,
+    /// Why the context cannot be used, if it cannot: its data is kept (never deleted for
+    /// it), its owner is told why at every call, and it can be deleted.
+    pub(super) unavailable: Option<String>,
+}
+
+impl CtxEntry {
+    fn usable(saved: Saved, session: Session) -> Self {
+        Self { saved, session: Some(session), unavailable: None }
+    }
 }
 
 /// A new unguessable context id: 128 bits from the kernel's random source.
@@ -57,10 +67,15 @@ pub(super) fn valid_ctx_id(s: &str) -> bool {
 
 impl Service {
     /// Reopens every saved context (its KV comes back from the store at its first call);
-    /// store data no saved context names is removed.
+    /// store data no saved context names is removed. A context that cannot be used — its
+    /// tokens outside the vocabulary, longer than `max_context_tokens`, or its records
+    /// refused by mm — is kept as unavailable with the reason: one bad context never stops the
+    /// service, and nothing is deleted because of it. While any context file is unreadable,
+    /// no store data is removed (it may be that file's).
     pub(super) fn restore(&self) -> Result<()> {
         let mut reg = lock(&self.registry);
         let mut mm = lock(&self.mm);
+        let mut unreadable = 0usize;
         for e in std::fs::read_dir(&self.ctx_dir)? {
             let path = e?.path();
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
@@ -69,29 +84,35 @@ impl Service {
                 continue;
             }
             let Some(id) = name.strip_suffix(".json").filter(|s| valid_ctx_id(s)) else { continue };
-            let saved: Saved = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(file = %path.display(), "context file unreadable, left as it is: {e}");
-                    continue;
+            let saved: Saved =
+                match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice::<Saved>(&b)?)) {
+                    Ok(s) if s.ctx == id && s.version == 1 => s,
+                    Ok(_) => {
+                        warn!(file = %path.display(), "context file names another context or version; left as it is, its store data kept");
+                        unreadable += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        warn!(file = %path.display(), "context file unreadable, left as it is, its store data kept: {e}");
+                        unreadable += 1;
+                        continue;
+                    }
+                };
+            let entry = match self.reopen(&mut mm, &saved) {
+                Ok(s) => {
+                    info!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, tokens = saved.tokens.len(), "context restored");
+                    CtxEntry::usable(saved, s)
+                }
+                Err(why) => {
+                    warn!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, file = %path.display(), "context unavailable, its data kept: {why}");
+                    CtxEntry { saved, session: None, unavailable: Some(why) }
                 }
             };
-            if saved.ctx != id || saved.version != 1 || saved.tokens.len() > self.cfg.max_context_tokens {
-                warn!(file = %path.display(), "context file does not fit this service's settings, left as it is");
-                continue;
-            }
-            let mut s = self.session();
-            s.tokens.clone_from(&saved.tokens);
-            let usable = mm.restore(saved.mm_id, &mut SessionKv(&mut s))?;
-            s.kv.set_len(saved.tokens.len())?;
-            if let Some(a) = &mut s.attention {
-                if saved.attention_sum.len() == saved.attention_count.len() && saved.attention_sum.len() <= saved.tokens.len() {
-                    *a = AttentionStats { sum: saved.attention_sum.clone(), count: saved.attention_count.clone() };
-                }
-            }
-            self.refill.set_tokens(saved.mm_id, &saved.tokens);
-            info!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, tokens = saved.tokens.len(), records = usable, "context restored");
-            reg.insert(id.to_string(), CtxEntry { saved, session: Some(s) });
+            reg.insert(id.to_string(), entry);
+        }
+        if unreadable > 0 {
+            warn!(files = unreadable, "context files unreadable: no store data is removed this start");
+            return Ok(());
         }
         let known: Vec<u64> = reg.values().map(|e| e.saved.mm_id).collect();
         for c in mm.store().contexts() {
@@ -103,10 +124,38 @@ impl Service {
         Ok(())
     }
 
+    /// A saved context's session with its chunks known to mm, or why it cannot be used.
+    fn reopen(&self, mm: &mut Manager, saved: &Saved) -> Result<Session, String> {
+        let vocab = self.model.config.vocab;
+        if let Some(&t) = saved.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!("damaged: token id {t} is outside the vocabulary ({vocab} tokens); quarantined — delete it"));
+        }
+        if saved.tokens.len() > self.cfg.max_context_tokens {
+            return Err(format!(
+                "it holds {} tokens, over this service's max_context_tokens {}; restart with a larger max_context_tokens to use it (its data is kept)",
+                saved.tokens.len(),
+                self.cfg.max_context_tokens
+            ));
+        }
+        let mut s = self.session();
+        s.tokens.clone_from(&saved.tokens);
+        mm.restore(saved.mm_id, &mut SessionKv(&mut s))
+            .map_err(|e| format!("damaged: its records cannot be reopened ({e}); quarantined — delete it"))?;
+        s.kv.set_len(saved.tokens.len()).map_err(|e| format!("damaged: {e}; quarantined — delete it"))?;
+        if let Some(a) = &mut s.attention {
+            if saved.attention_sum.len() == saved.attention_count.len() && saved.attention_sum.len() <= saved.tokens.len() {
+                *a = AttentionStats { sum: saved.attention_sum.clone(), count: saved.attention_count.clone() };
+            }
+        }
+        self.refill.set_tokens(saved.mm_id, &saved.tokens);
+        Ok(s)
+    }
+
     pub(super) fn save(&self, saved: &Saved) -> Result<()> {
         let path = self.ctx_dir.join(format!("{}.json", saved.ctx));
         let tmp = self.ctx_dir.join(format!("{}.json.tmp", saved.ctx));
-        let mut f = std::fs::File::create(&tmp)?;
+        // Conversations are private to the service: 0600 whatever the umask.
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
         f.write_all(&serde_json::to_vec(saved)?)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)?;
@@ -151,7 +200,7 @@ impl Service {
             return Err(fail(e));
         }
         info!(ctx = %id, app = %owner.app, uid = owner.uid, "context created");
-        reg.insert(id.clone(), CtxEntry { saved, session: Some(self.session()) });
+        reg.insert(id.clone(), CtxEntry::usable(saved, self.session()));
         Ok(id)
     }
 
@@ -159,7 +208,7 @@ impl Service {
         let mut reg = lock(&self.registry);
         match reg.get(ctx) {
             Some(e) if e.saved.owner == *owner => {
-                if e.session.is_none() {
+                if e.session.is_none() && e.unavailable.is_none() {
                     return Err(refuse(ErrorCode::Busy, "the context is in a call"));
                 }
             }
@@ -171,7 +220,15 @@ impl Service {
         let _ = std::fs::remove_file(self.ctx_dir.join(format!("{ctx}.json")));
         drop(e.session);
         self.refill.forget(e.saved.mm_id);
-        lock(&self.mm).delete(e.saved.mm_id).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?;
+        let mut mm = lock(&self.mm);
+        // An unavailable context may never have been reopened in mm: its records go directly.
+        let gone = match mm.delete(e.saved.mm_id) {
+            Err(mm::MmError::NoContext(_)) if e.unavailable.is_some() => {
+                mm.store().remove_context(e.saved.mm_id).map_err(|e| e.to_string())
+            }
+            r => r.map_err(|e| e.to_string()),
+        };
+        gone.map_err(|e| refuse(ErrorCode::Failed, e))?;
         info!(ctx, app = %owner.app, "context deleted");
         Ok(())
     }
@@ -196,7 +253,8 @@ impl Service {
             flash_bytes: flash,
             levels,
             calls: e.saved.calls,
-            busy: e.session.is_none(),
+            busy: e.session.is_none() && e.unavailable.is_none(),
+            unavailable: e.unavailable.clone().unwrap_or_default(),
         }
     }
 
