@@ -214,6 +214,9 @@ struct WriteJob {
 struct Writer {
     tx: Option<Sender<WriteJob>>,
     pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)>,
+    /// Batches that failed (a full disk, say) and the last error: their chunks stay dirty in
+    /// memory and are written at reclaim, or recomputed from their tokens after a restart.
+    failures: Arc<Mutex<(u64, String)>>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -222,11 +225,13 @@ impl Writer {
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)> = Arc::default();
         let p = Arc::clone(&pending);
+        let failures: Arc<Mutex<(u64, String)>> = Arc::default();
+        let f = Arc::clone(&failures);
         let handle = std::thread::Builder::new()
             .name("llms-aot-writer".into())
-            .spawn(move || writer_loop(&store, &rx, &p))
+            .spawn(move || writer_loop(&store, &rx, &p, &f))
             .expect("spawn the AoT writer");
-        Self { tx: Some(tx), pending, handle: Some(handle) }
+        Self { tx: Some(tx), pending, failures, handle: Some(handle) }
     }
 
     fn is_pending(&self, c: ChunkId) -> bool {
@@ -261,7 +266,12 @@ impl Drop for Writer {
     }
 }
 
-fn writer_loop(store: &Store, rx: &Receiver<WriteJob>, pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar)) {
+fn writer_loop(
+    store: &Store,
+    rx: &Receiver<WriteJob>,
+    pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar),
+    failures: &Mutex<(u64, String)>,
+) {
     let Ok(mut ring) = Ring::new(64) else {
         eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
         // Drain jobs, releasing their pins, so nothing waits on us.
@@ -298,6 +308,9 @@ fn writer_loop(store: &Store, rx: &Receiver<WriteJob>, pending: &(Mutex<HashSet<
         }
         if let Err(e) = store.write_batch(&mut ring, &batch) {
             eprintln!("llms: AoT write of {} chunk(s) failed: {e}; they will be written at reclaim", batch.len());
+            let mut f = failures.lock().unwrap_or_else(|e| e.into_inner());
+            f.0 += 1;
+            f.1 = e.to_string();
         }
         for j in &jobs {
             let _ = j.region.unpin(j.meta.chunk as usize);
@@ -520,6 +533,15 @@ impl Manager {
 
     /// Deletes a context: its memory and its records.
     pub fn delete(&mut self, ctx: u64) -> Result<()> {
+        self.close(ctx)?;
+        self.store.remove_context(ctx)?;
+        Ok(())
+    }
+
+    /// Forgets a context's memory and keeps its records, which [`Manager::restore`] can
+    /// reopen: how a failed call is rolled back to the context as it was saved (records
+    /// written for tokens it no longer holds do not match their hashes and are recomputed).
+    pub fn close(&mut self, ctx: u64) -> Result<()> {
         let c = self.ctxs.remove(&ctx).ok_or(MmError::NoContext(ctx))?;
         // Only this context's writes must finish before its records go; other contexts'
         // AoT writes carry on (a sliding window deletes on the switch path).
@@ -533,7 +555,6 @@ impl Manager {
         // The region's pages go back to the kernel on the reaper's thread: unmapping a long
         // context takes milliseconds. Its bytes left the budget's accounting with `ctxs`.
         self.store.reaper().release(Box::new(c));
-        self.store.remove_context(ctx)?;
         Ok(())
     }
 
@@ -1023,7 +1044,12 @@ impl Manager {
         self.writer.as_ref().map_or(0, |w| w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).len())
     }
 
-    /// Waits until every AoT write is on flash.
+    /// AoT write batches that failed so far, and the last error (empty when none did).
+    pub fn write_failures(&self) -> (u64, String) {
+        self.writer.as_ref().map_or((0, String::new()), |w| w.failures.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Waits until every AoT write is on flash (or failed: see [`Manager::write_failures`]).
     pub fn flush(&self) {
         if let Some(w) = &self.writer {
             w.wait_idle();

@@ -167,6 +167,12 @@ pub struct ServiceStats {
     /// The weight plan in force (it follows budget changes), empty without one.
     #[serde(default)]
     pub weights_plan: String,
+    /// Chunk write batches to the swap store that failed (a full disk, say), and the last
+    /// error: those chunks stay in memory until written, or are recomputed after a restart.
+    #[serde(default)]
+    pub write_failures: u64,
+    #[serde(default)]
+    pub last_write_error: String,
 }
 
 /// A frame from the service.

@@ -35,6 +35,12 @@ struct Daemon {
 impl Daemon {
     /// Starts llmsd with `settings` (TOML lines) over the state directory `state`.
     fn start(dir: &Path, name: &str, state: &Path, settings: &str) -> Self {
+        Self::start_on(dir, name, state, settings, None)
+    }
+
+    /// [`Daemon::start`], with `disk` (a file system image) loop-mounted at `state`'s parent in
+    /// a mount namespace of llmsd's own (nothing outside it sees the mount).
+    fn start_on(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>) -> Self {
         let socket = dir.join(format!("{name}.sock"));
         let cfg = dir.join(format!("{name}.toml"));
         let toml = format!(
@@ -46,13 +52,20 @@ impl Daemon {
         );
         std::fs::write(&cfg, toml).unwrap();
         let log = dir.join(format!("{name}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_llmsd"))
-            .arg("--config")
-            .arg(&cfg)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("llmsd starts");
+        let mut cmd = match disk {
+            None => Command::new(env!("CARGO_BIN_EXE_llmsd")),
+            Some(img) => {
+                // unshare(1) and sh exec in place: the child's pid is llmsd's.
+                let mut c = Command::new("unshare");
+                c.args(["-m", "sh", "-c", "mount -o loop \"$0\" \"$1\" && exec \"$2\" \"$3\" \"$4\""])
+                    .arg(img)
+                    .arg(state.parent().unwrap())
+                    .arg(env!("CARGO_BIN_EXE_llmsd"));
+                c
+            }
+        };
+        let child =
+            cmd.arg("--config").arg(&cfg).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().expect("llmsd starts");
         let mut d = Self { child, socket, log };
         let t = Instant::now();
         while UnixStream::connect(&d.socket).is_err() {
@@ -731,5 +744,97 @@ fn one_bad_context_never_stops_the_service() {
     let d = Daemon::start(dir.path(), "d", &state, settings);
     let mut c = d.client("app");
     call(&mut c, &good, PROMPTS[2], 4);
+    d.stop();
+}
+
+/// Fills the file system llmsd's state is on (through its mount namespace) until ENOSPC: its
+/// blocks, then its inodes (a small file can still be written into a full ext4 — the context
+/// files are small — but not created without an inode). Returns the filler directory.
+fn fill_disk(d: &Daemon, mnt: &Path) -> PathBuf {
+    let filler = PathBuf::from(format!("/proc/{}/root{}", d.child.id(), mnt.join("filler").display()));
+    std::fs::create_dir_all(&filler).expect("the filler directory");
+    let mut f = std::fs::File::create(filler.join("blocks")).expect("the filler file");
+    let block = vec![0u8; 64 << 10];
+    loop {
+        match f.write(&block) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+                break;
+            }
+        }
+    }
+    let _ = f.sync_all();
+    for i in 0.. {
+        if let Err(e) = std::fs::File::create(filler.join(i.to_string())) {
+            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+            break;
+        }
+        assert!(i < 100_000, "the file system's inodes do not run out");
+    }
+    filler
+}
+
+/// On a full disk a call fails whole: the caller hears ENOSPC, the context is as before the
+/// call, and a retry once space is back adds the turn once. Stopping while the disk is full
+/// says what is not on flash; after a restart every acknowledged turn is there.
+#[test]
+fn a_full_disk_fails_calls_whole_and_the_stop_tells_the_truth() {
+    if !kernel_ok() {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(!llms_tests::kernel_required(), "a full disk is made by loop-mounting a small file system, which needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(24 << 20).unwrap();
+    // Few inodes, so they run out fast (see fill_disk).
+    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-N", "256"]).arg(&img).output().expect("mkfs.ext4 runs");
+    assert!(mkfs.status.success(), "{}", String::from_utf8_lossy(&mkfs.stderr));
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let state = mnt.join("state");
+    let settings = "budget = \"64MiB\"\n";
+    let d = Daemon::start_on(dir.path(), "full", &state, settings, Some(&img));
+    let mut c = d.client("app");
+    let (a, r) = (c.new_ctx(None).unwrap(), c.new_ctx(None).unwrap());
+    for ctx in [&a, &r] {
+        call(&mut c, ctx, PROMPTS[0], 8);
+    }
+    call(&mut c, &r, PROMPTS[1], 8);
+    let tokens = |c: &mut Client, ctx: &str| c.list().unwrap().into_iter().find(|i| i.ctx == ctx).unwrap().tokens;
+    let before = tokens(&mut c, &a);
+
+    let filler = fill_disk(&d, &mnt);
+    let err = c.call(&Call { ctx: a.clone(), prompt: PROMPTS[1].into(), ..base_call() }, &mut |_| {}).unwrap_err();
+    assert!(format!("{err:#}").contains("No space left on device"), "{err:#}");
+    assert_eq!(tokens(&mut c, &a), before, "a failed call leaves its context as it was");
+    std::fs::remove_dir_all(&filler).unwrap();
+    call(&mut c, &a, PROMPTS[1], 8);
+    assert_eq!(tokens(&mut c, &a), tokens(&mut c, &r), "the retry added the turn once");
+
+    // Stop with the disk full: the log tells whether every chunk reached flash.
+    fill_disk(&d, &mnt);
+    let _ = c.call(&Call { ctx: a.clone(), prompt: PROMPTS[2].into(), ..base_call() }, &mut |_| {});
+    let st = c.stats().unwrap();
+    let acknowledged = tokens(&mut c, &a);
+    let log = dir.path().join("full.log");
+    d.stop();
+    let log = std::fs::read_to_string(log).unwrap();
+    if st.write_failures > 0 {
+        assert!(st.last_write_error.contains("No space left"), "{st:?}");
+        assert!(log.contains("not on flash") && !log.contains("every context is on flash"), "{log}");
+    }
+    // The disk image is mounted again in a fresh namespace (its filler is still there: free
+    // it from inside once up). Every acknowledged turn came back.
+    let d = Daemon::start_on(dir.path(), "full2", &state, settings, Some(&img));
+    std::fs::remove_dir_all(PathBuf::from(format!("/proc/{}/root{}", d.child.id(), mnt.join("filler").display()))).unwrap();
+    let mut c = d.client("app");
+    assert_eq!(tokens(&mut c, &a), acknowledged);
+    call(&mut c, &a, PROMPTS[3], 4);
     d.stop();
 }

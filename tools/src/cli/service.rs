@@ -170,6 +170,9 @@ fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
         "calls {}  switch latency p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  faults {}  evicted chunks {}  AoT writes {}  sync writes {}",
         s.calls, s.switch_p50_ms, s.switch_p90_ms, s.switch_p99_ms, s.faults, s.evicted_chunks, s.written_aot, s.written_sync
     );
+    if s.write_failures > 0 {
+        println!("swap store: {} write batch(es) failed, last: {}", s.write_failures, s.last_write_error);
+    }
     if s.weights_budget_bytes > 0 {
         println!(
             "weights paged: {:.1} MiB of the budget, {:.1} MiB resident, {:.1} MiB read from flash",

@@ -15,7 +15,7 @@ use std::time::Instant;
 use engine::model::Scratch;
 use engine::{Logits, Sampler, SamplerConfig, Session, Utf8Stream};
 use mm::Strategy;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use super::registry::Saved;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
@@ -108,7 +108,7 @@ impl Service {
     fn run(&self, job: &Job, scratch: &mut Scratch) -> Result<(String, CallStats), Refusal> {
         let start = Instant::now();
         let c = &job.call;
-        let (mut s, mut saved) = {
+        let (mut s, before) = {
             let mut reg = lock(&self.registry);
             let e = match reg.get_mut(&c.ctx) {
                 Some(e) if e.saved.owner == job.owner => e,
@@ -120,6 +120,7 @@ impl Service {
             let s = e.session.take().ok_or_else(|| refuse(ErrorCode::Busy, "the context is in a call"))?;
             (s, e.saved.clone())
         };
+        let mut saved = before.clone();
         s.set_scratch(std::mem::take(scratch));
         // A panic in the call (a bug, or data that got past validation) must not take the
         // worker with it: the call fails, the context is quarantined as it was before the call
@@ -129,25 +130,41 @@ impl Service {
             Err(panic) => return Err(self.quarantine(&c.ctx, s, saved.mm_id, panic.as_ref())),
         };
         *scratch = s.take_scratch();
-        // Whatever the cache holds now is the context (a cancelled call keeps what it made).
-        saved.tokens.clone_from(&s.tokens);
-        if let Some(a) = &s.attention {
-            saved.attention_sum.clone_from(&a.sum);
-            saved.attention_count.clone_from(&a.count);
-        }
-        if r.is_ok() {
-            saved.calls += 1;
-        }
-        self.refill.set_tokens(saved.mm_id, &saved.tokens);
-        let persisted = self.save(&saved);
-        {
-            let mut reg = lock(&self.registry);
-            if let Some(e) = reg.get_mut(&c.ctx) {
-                e.session = Some(s);
-                e.saved = saved;
+        // A call is atomic: its turn is in the context once the context file holding it is on
+        // disk, and only then acknowledged (a cancelled call keeps what it made). A call that
+        // failed anywhere (a full disk included) leaves the context as it was before it.
+        let r = r.and_then(|out| {
+            saved.tokens.clone_from(&s.tokens);
+            if let Some(a) = &s.attention {
+                saved.attention_sum.clone_from(&a.sum);
+                saved.attention_count.clone_from(&a.count);
             }
+            saved.calls += 1;
+            self.save(&saved).map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
+            Ok(out)
+        });
+        let (session, saved, unusable) = match &r {
+            Ok(_) => {
+                self.refill.set_tokens(saved.mm_id, &saved.tokens);
+                (Some(s), saved, None)
+            }
+            Err(e) => {
+                warn!(ctx = %c.ctx, "call failed, the context is rolled back to before it: {}", e.1);
+                drop(s);
+                match self.roll_back(&before) {
+                    Ok(s) => (Some(s), before, None),
+                    Err(why) => {
+                        warn!(ctx = %c.ctx, "the context cannot be rolled back: {why}");
+                        (None, before, Some(why))
+                    }
+                }
+            }
+        };
+        if let Some(e) = lock(&self.registry).get_mut(&c.ctx) {
+            e.session = session;
+            e.saved = saved;
+            e.unavailable = unusable;
         }
-        persisted.map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
         let (text, mut stats) = r?;
         stats.queue_ms = ms(start.duration_since(job.received));
         let mut m = lock(&self.metrics);
@@ -159,11 +176,25 @@ impl Service {
         Ok((text, stats))
     }
 
+    /// The context as it was saved before a failed call: mm forgets its memory and reopens
+    /// its records for the saved tokens (records the call wrote for other tokens do not match
+    /// and are recomputed at the next call).
+    fn roll_back(&self, before: &Saved) -> Result<Session, String> {
+        let mut mm = lock(&self.mm);
+        match mm.close(before.mm_id) {
+            Ok(()) | Err(mm::MmError::NoContext(_)) => {}
+            Err(e) => return Err(format!("damaged: rolling back a failed call: {e}")),
+        }
+        self.reopen(&mut mm, before)
+    }
+
     /// After a call panicked: unpins what mm can, marks the context unavailable (its data
     /// kept, its owner told why, deletable) and says so.
-    fn quarantine(&self, ctx: &str, mut s: Session, mm_id: u64, panic: &(dyn Any + Send)) -> Refusal {
+    fn quarantine(&self, ctx: &str, s: Session, mm_id: u64, panic: &(dyn Any + Send)) -> Refusal {
         let what = panic_message(panic);
-        let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).end(mm_id, &mut SessionKv(&mut s))));
+        // Its memory goes (the session may be half-way through anything); its records stay.
+        drop(s);
+        let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).close(mm_id)));
         let why = format!("damaged: a call failed inside the service ({what}); quarantined — delete it");
         error!(ctx, "call panicked; the context is quarantined and the service goes on: {what}");
         if let Some(e) = lock(&self.registry).get_mut(ctx) {

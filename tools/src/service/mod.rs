@@ -245,8 +245,19 @@ impl Service {
         self.accept(listener);
         self.queued.notify_all();
         let _ = worker.join();
-        lock(&self.mm).flush();
-        info!("stopped; every context is on flash");
+        let mm = lock(&self.mm);
+        mm.flush();
+        // Say what is true: a chunk whose write failed (a full disk) is not on flash; its
+        // context's tokens are (every acknowledged call saved its context file), so it is
+        // recomputed from them at the next start.
+        match mm.write_failures() {
+            (0, _) => info!("stopped; every context is on flash"),
+            (n, last) => tracing::warn!(
+                failed_batches = n,
+                "stopped; {n} chunk write batch(es) failed (last: {last}): those chunks are not on flash and will be recomputed \
+                 from their contexts' tokens at the next start; every acknowledged call is on flash"
+            ),
+        }
         Ok(())
     }
 

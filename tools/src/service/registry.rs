@@ -125,7 +125,7 @@ impl Service {
     }
 
     /// A saved context's session with its chunks known to mm, or why it cannot be used.
-    fn reopen(&self, mm: &mut Manager, saved: &Saved) -> Result<Session, String> {
+    pub(super) fn reopen(&self, mm: &mut Manager, saved: &Saved) -> Result<Session, String> {
         let vocab = self.model.config.vocab;
         if let Some(&t) = saved.tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(format!("damaged: token id {t} is outside the vocabulary ({vocab} tokens); quarantined — delete it"));
@@ -306,6 +306,8 @@ impl Service {
             weights_resident_bytes: self.weights.as_ref().map_or(0, |w| w.stats().resident_bytes),
             weights_read_bytes: self.weights.as_ref().map_or(0, |w| w.stats().bytes_read),
             weights_plan: self.weights.as_ref().and_then(|w| w.plan()).map(|p| crate::weights::plan::describe(&p)).unwrap_or_default(),
+            write_failures: mm.write_failures().0,
+            last_write_error: mm.write_failures().1,
             pressure: lock(&self.pressure).clone(),
             mine,
         }
