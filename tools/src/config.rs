@@ -81,6 +81,16 @@ pub struct Config {
     pub max_connections: usize,
     /// Calls waiting for the model at most.
     pub max_queue: usize,
+    /// What one uid may hold (app names are self-declared, the uid is the kernel's): open
+    /// connections, contexts over all its apps, calls waiting, bytes of text not yet run
+    /// (system prompts), and bytes of its contexts' records on flash.
+    pub max_connections_per_uid: usize,
+    pub max_contexts_per_uid: usize,
+    pub max_queued_per_uid: usize,
+    #[serde(deserialize_with = "size_or_string")]
+    pub max_text_per_uid: String,
+    #[serde(deserialize_with = "size_or_string")]
+    pub max_disk_per_uid: String,
 }
 
 impl Default for Config {
@@ -113,6 +123,11 @@ impl Default for Config {
             io_timeout_s: 10,
             max_connections: 64,
             max_queue: 256,
+            max_connections_per_uid: 16,
+            max_contexts_per_uid: 64,
+            max_queued_per_uid: 16,
+            max_text_per_uid: "1MiB".into(),
+            max_disk_per_uid: "1GiB".into(),
         }
     }
 }
@@ -126,6 +141,16 @@ impl Config {
 
     pub fn budget_bytes(&self) -> Result<usize> {
         parse_bytes(&self.budget).with_context(|| format!("budget {:?}", self.budget))
+    }
+
+    /// Bytes of text (system prompts waiting for a first call) one uid may hold.
+    pub fn max_text_bytes_per_uid(&self) -> Result<usize> {
+        parse_bytes(&self.max_text_per_uid).with_context(|| format!("max_text_per_uid {:?}", self.max_text_per_uid))
+    }
+
+    /// Bytes of swap-store records one uid's contexts may hold.
+    pub fn max_disk_bytes_per_uid(&self) -> Result<usize> {
+        parse_bytes(&self.max_disk_per_uid).with_context(|| format!("max_disk_per_uid {:?}", self.max_disk_per_uid))
     }
 
     /// The weight budget, when weights are paged.
@@ -199,6 +224,8 @@ impl Config {
 
     /// Checks every setting; the service refuses to start on the first bad one.
     pub fn validate(&self) -> Result<()> {
+        self.max_text_bytes_per_uid()?;
+        self.max_disk_bytes_per_uid()?;
         if self.budget_bytes()? == 0 {
             bail!("budget {:?} is zero: no context could hold a single chunk", self.budget);
         }
@@ -233,6 +260,9 @@ impl Config {
             ("max_contexts", self.max_contexts),
             ("max_connections", self.max_connections),
             ("max_queue", self.max_queue),
+            ("max_connections_per_uid", self.max_connections_per_uid),
+            ("max_contexts_per_uid", self.max_contexts_per_uid),
+            ("max_queued_per_uid", self.max_queued_per_uid),
         ] {
             if v == 0 {
                 bail!("{name} must be at least 1");

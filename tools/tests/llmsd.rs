@@ -714,9 +714,13 @@ fn one_bad_context_never_stops_the_service() {
     assert!(st.queue_ms > 0.0 && st.ttft_ms >= st.queue_ms && st.ttft_ms <= seen_ms, "{st:?}, caller saw {seen_ms:.1} ms");
     d.stop();
 
-    // A token id outside the vocabulary in a context file.
+    // A token id outside the vocabulary in a context file (one an older build wrote: no
+    // checksum to catch the edit, so the vocabulary check must).
     let file = state.join("contexts").join(format!("{bad}.json"));
-    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let text = std::fs::read_to_string(&file).unwrap();
+    let body = text.rsplit_once("\n#crc32c ").map_or(text.as_str(), |(b, _)| b);
+    let mut v: serde_json::Value = serde_json::from_str(body).unwrap();
+    v["version"] = serde_json::json!(1);
     v["tokens"][3] = serde_json::json!(999_999);
     std::fs::write(&file, serde_json::to_vec(&v).unwrap()).unwrap();
     let d = Daemon::start(dir.path(), "b", &state, settings);
@@ -837,4 +841,162 @@ fn a_full_disk_fails_calls_whole_and_the_stop_tells_the_truth() {
     assert_eq!(tokens(&mut c, &a), acknowledged);
     call(&mut c, &a, PROMPTS[3], 4);
     d.stop();
+}
+
+/// Limits per uid (app names are the client's to choose, the uid is the kernel's): connections,
+/// contexts over all its apps, text held, calls waiting and records on flash; each refusal
+/// names its limit. A frame trickled a byte at a time is cut off at `io_timeout_s`.
+#[test]
+fn one_uid_cannot_take_the_service_for_itself() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let settings = "io_timeout_s = 1\nmax_connections_per_uid = 4\nmax_contexts_per_uid = 4\nmax_queued_per_uid = 1\n\
+                    max_text_per_uid = \"2KiB\"\nmax_disk_per_uid = \"4MiB\"\n";
+    let d = Daemon::start(dir.path(), "u", &dir.path().join("state"), settings);
+    let mut c = d.client("a");
+
+    // Connections: the main client and three more; a fifth is refused, naming the limit.
+    let mut extra: Vec<UnixStream> = (0..3).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    let mut fifth = UnixStream::connect(&d.socket).unwrap();
+    match read_event(&mut fifth) {
+        Some(Event::Error { code: ErrorCode::TooMany, message }) => assert!(message.contains("max_connections_per_uid"), "{message}"),
+        e => panic!("{e:?}"),
+    }
+    extra.clear();
+
+    // A trickled frame: one byte every 300 ms is hung up on at the frame's deadline.
+    let mut slow = (0..100)
+        .find_map(|_| {
+            let mut s = UnixStream::connect(&d.socket).ok()?;
+            s.write_all(&[0, 0, 0, 50]).ok()?;
+            Some(s)
+        })
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    let mut sent = 0;
+    let mut buf = [0u8; 64];
+    let hung_up = loop {
+        if slow.write_all(b" ").is_err() {
+            break true;
+        }
+        sent += 1;
+        match slow.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => panic!("an answer to half a frame"),
+            Err(_) if sent < 49 => {}
+            Err(_) => break false,
+        }
+    };
+    assert!(hung_up && sent < 20, "the trickled frame was still open after {sent} bytes");
+    drop(slow);
+
+    // Text held: a system prompt over the uid's text limit is refused.
+    let err = c.new_ctx(Some(&"You are brief. ".repeat(200))).unwrap_err();
+    assert!(format!("{err:#}").contains("max_text_per_uid"), "{err:#}");
+    // Contexts over all of a uid's app names.
+    let mut b = d.client("b");
+    let ids = [c.new_ctx(None).unwrap(), c.new_ctx(None).unwrap(), b.new_ctx(None).unwrap(), b.new_ctx(None).unwrap()];
+    let err = d.client("c").new_ctx(None).unwrap_err();
+    assert!(format!("{err:#}").contains("max_contexts_per_uid"), "{err:#}");
+    drop(b);
+
+    // Calls waiting: one runs, one waits, the next is refused.
+    let socket = d.socket.clone();
+    let running = {
+        let id = ids[0].clone();
+        std::thread::spawn(move || {
+            // Counting, raw: a continuation that does not end early.
+            let long = Call { ctx: id, prompt: "1, 2, 3, 4, 5, 6, 7, 8,".into(), max_tokens: 200, raw: true, ..base_call() };
+            Client::connect(&socket, "a").unwrap().call(&long, &mut |_| {}).unwrap()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut waiting = UnixStream::connect(&d.socket).unwrap();
+    raw_frame(&mut waiting, &proto::encode(&Request::Bind { app: "a".into(), version: proto::VERSION }));
+    assert!(matches!(read_event(&mut waiting), Some(Event::Bound { .. })));
+    raw_frame(&mut waiting, &proto::encode(&Request::Call(Call { ctx: ids[1].clone(), prompt: "Hi.".into(), ..base_call() })));
+    std::thread::sleep(Duration::from_millis(100));
+    let err = d.client("b").call(&Call { ctx: ids[2].clone(), prompt: "Hi.".into(), ..base_call() }, &mut |_| {}).unwrap_err();
+    assert!(format!("{err:#}").contains("max_queued_per_uid"), "{err:#}");
+    running.join().unwrap();
+    drop(waiting);
+
+    // Records on flash: calls go on until the uid's contexts hold more than its share.
+    let mut refused = None;
+    for _ in 0..30 {
+        match c.call(&Call { ctx: ids[0].clone(), prompt: "Go on.".into(), max_tokens: 64, ..base_call() }, &mut |_| {}) {
+            Ok(_) => {}
+            Err(e) => {
+                refused = Some(format!("{e:#}"));
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("the disk limit was never reached");
+    assert!(refused.contains("max_disk_per_uid"), "{refused}");
+    // Deleting frees the share.
+    c.del_ctx(&ids[0]).unwrap();
+    call(&mut c, &ids[1], "Hi.", 4);
+    d.stop();
+}
+
+/// Context files carry a checksum and a previous good copy: an edited token id is caught and
+/// the previous copy used (loudly, one call behind); a context whose files are both damaged is
+/// left as it is with its store data; `llms doctor --state-dir` reports both.
+#[test]
+fn damaged_context_files_are_caught_never_continued() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let d = Daemon::start(dir.path(), "a", &state, "");
+    let mut c = d.client("app");
+    let ids = new_contexts(&mut c, 3);
+    for id in &ids {
+        call(&mut c, id, PROMPTS[0], 6);
+    }
+    let after_one: Vec<u32> = c.list().unwrap().iter().map(|i| i.tokens).collect();
+    let order: Vec<String> = c.list().unwrap().iter().map(|i| i.ctx.clone()).collect();
+    for id in &ids {
+        call(&mut c, id, PROMPTS[1], 6);
+    }
+    d.stop();
+    let records = || walk(&state.join("store")).into_iter().filter(|p| p.to_string_lossy().contains("ctx-")).count();
+    assert_eq!(records(), 3);
+    let file = |id: &str| state.join("contexts").join(format!("{id}.json"));
+
+    // An edited token id (the JSON still well-formed).
+    let (edited, broken) = (&order[0], &order[1]);
+    let text = std::fs::read_to_string(file(edited)).unwrap();
+    let at = text.find("\"tokens\":[").unwrap() + 10;
+    let end = at + text[at..].find(',').unwrap();
+    std::fs::write(file(edited), format!("{}{}{}", &text[..at], text[at..end].parse::<u32>().unwrap() ^ 1, &text[end..])).unwrap();
+    // A flipped bit in both copies of another.
+    for f in [file(broken), state.join("contexts").join(format!("{broken}.json.prev"))] {
+        let mut b = std::fs::read(&f).unwrap();
+        b[20] ^= 0x10;
+        std::fs::write(&f, b).unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_llms")).args(["doctor", "--json", "--state-dir"]).arg(&state).output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let status =
+        |id: &str| report.as_array().unwrap().iter().find(|c| c["facility"] == format!("context {id}")).map(|c| c["status"].clone());
+    assert_eq!(status(edited), Some(serde_json::json!("previous copy")), "{report}");
+    assert_eq!(status(broken), Some(serde_json::json!("damaged")), "{report}");
+
+    let d = Daemon::start(dir.path(), "b", &state, "");
+    let mut c = d.client("app");
+    let list = c.list().unwrap();
+    assert_eq!(list.len(), 2, "the damaged context is not served: {list:?}");
+    let e = list.iter().find(|i| &i.ctx == edited).unwrap();
+    assert_eq!(e.tokens, after_one[0], "the edited context went back to its previous copy");
+    assert!(d.log_text().contains("previous copy is used"), "{}", d.log_text());
+    for i in &list {
+        call(&mut c, &i.ctx, PROMPTS[2], 4);
+    }
+    d.stop();
+    assert_eq!(records(), 3, "the damaged context's store data is kept");
 }

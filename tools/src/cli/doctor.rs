@@ -9,18 +9,24 @@ use serde_json::json;
 pub struct DoctorArgs {
     #[arg(long)]
     pub json: bool,
+    /// Also check llmsd's state directory: every context file's checksum and structure, and
+    /// which are damaged (left as they are, their data kept) or restored from their previous
+    /// copy.
+    #[arg(long)]
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl DoctorArgs {
     pub fn run(self) -> Result<()> {
-        let Self { json } = self;
-        doctor(json);
+        let Self { json, state_dir } = self;
+        let contexts = state_dir.as_deref().map(crate::service::check_state_dir).transpose()?;
+        doctor(json, state_dir.as_deref(), contexts.as_deref());
         Ok(())
     }
 }
 
 /// One line per facility: present/usable, and the fix when not.
-fn doctor(json: bool) {
+fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[crate::service::ContextCheck]>) {
     let mut checks = Vec::new();
     match uffd_handler::Pager::new() {
         Ok(p) => {
@@ -44,6 +50,16 @@ fn doctor(json: bool) {
     });
     let simd = ::engine::kernels::simd_name();
     checks.push(json!({"facility": "cpu kernels", "ok": simd != "scalar", "detail": format!("{simd} (AVX2+FMA+F16C {})", if simd == "scalar" { "missing: slow scalar code" } else { "present" })}));
+    if let (Some(dir), Some(contexts)) = (state_dir, contexts) {
+        let bad: Vec<_> = contexts.iter().filter(|c| c.status != "ok").collect();
+        checks.push(json!({"facility": "state dir", "ok": bad.iter().all(|c| c.status != "damaged"),
+            "detail": format!("{}: {} context file(s), {} damaged, {} from their previous copy", dir.display(), contexts.len(),
+                bad.iter().filter(|c| c.status == "damaged").count(), bad.iter().filter(|c| c.status == "previous copy").count())}));
+        for c in bad {
+            checks.push(json!({"facility": format!("context {}", c.ctx), "ok": c.status != "damaged", "status": c.status,
+                "detail": c.detail, "app": c.app, "uid": c.uid, "tokens": c.tokens}));
+        }
+    }
     if json {
         println!("{}", serde_json::to_string(&checks).unwrap_or_default());
         return;

@@ -36,8 +36,10 @@ impl Service {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(refuse(ErrorCode::ShuttingDown, "the service is stopping"));
         }
+        let uid = owner.uid;
         {
             let reg = lock(&self.registry);
+            self.check_disk(&reg, uid)?;
             match reg.get(&call.ctx) {
                 Some(e) if e.saved.owner == *owner => {
                     if let Some(why) = &e.unavailable {
@@ -64,7 +66,14 @@ impl Service {
         let (tx, rx) = mpsc::channel();
         let mut q = lock(&self.queue);
         if q.len() >= self.cfg.max_queue {
-            return Err(refuse(ErrorCode::TooMany, format!("{} calls are waiting; try later", q.len())));
+            return Err(refuse(ErrorCode::TooMany, format!("{} calls are waiting, the maximum (max_queue); try later", q.len())));
+        }
+        let theirs = q.iter().filter(|j| j.owner.uid == uid).count();
+        if theirs >= self.cfg.max_queued_per_uid {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("uid {uid} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later"),
+            ));
         }
         q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), events: tx, cancel });
         self.queued.notify_one();

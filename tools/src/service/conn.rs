@@ -2,20 +2,22 @@
 //! identify the peer (SO_PEERCRED), bind it to an app, and turn requests into service calls,
 //! streaming a call's events back. Timeouts and limits keep one client from holding a thread.
 
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use super::{refuse, Owner, Service};
+use super::{lock, refuse, Owner, Service};
 use crate::proto::{self, Call, ErrorCode, Event, FrameError, Request};
 
 impl Service {
-    /// Accepts connections until the service stops, one thread each, up to `max_connections`.
+    /// Accepts connections until the service stops, one thread each, up to `max_connections`
+    /// in all and `max_connections_per_uid` per uid.
     pub(super) fn accept(self: &Arc<Self>, listener: UnixListener) {
         for conn in listener.incoming() {
             if self.stopping.load(Ordering::SeqCst) {
@@ -29,30 +31,58 @@ impl Service {
                     continue;
                 }
             };
-            if self.connections.fetch_add(1, Ordering::SeqCst) >= self.cfg.max_connections {
-                self.connections.fetch_sub(1, Ordering::SeqCst);
+            // The peer's uid, from the kernel: the unit every per-user limit counts in.
+            let Ok(cred) = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) else {
+                continue;
+            };
+            let uid = cred.uid();
+            if let Err(why) = self.admit_connection(uid) {
                 let mut s = stream;
                 let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = proto::write_frame(&mut s, &proto::encode(&Event::error(ErrorCode::TooMany, "too many connections")));
+                let _ = proto::write_frame(&mut s, &proto::encode(&Event::error(ErrorCode::TooMany, why)));
                 continue;
             }
             let svc = Arc::clone(self);
             let spawned = std::thread::Builder::new().name("llmsd-conn".into()).spawn(move || {
-                svc.connection(stream);
-                svc.connections.fetch_sub(1, Ordering::SeqCst);
+                svc.connection(stream, uid);
+                svc.release_connection(uid);
             });
             if let Err(e) = spawned {
-                self.connections.fetch_sub(1, Ordering::SeqCst);
+                self.release_connection(uid);
                 warn!("cannot start a connection thread: {e}");
             }
         }
     }
 
-    fn connection(&self, mut stream: UnixStream) {
-        let Ok(cred) = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials) else {
-            return;
-        };
-        let uid = cred.uid();
+    /// Counts a new connection of `uid`, or says which limit it would break.
+    fn admit_connection(&self, uid: u32) -> Result<(), String> {
+        let mut per_uid = lock(&self.uid_connections);
+        let total: usize = per_uid.values().sum();
+        if total >= self.cfg.max_connections {
+            return Err(format!("too many connections: the service holds its maximum of {} (max_connections)", self.cfg.max_connections));
+        }
+        let mine = per_uid.entry(uid).or_insert(0);
+        if *mine >= self.cfg.max_connections_per_uid {
+            return Err(format!(
+                "too many connections: uid {uid} holds its maximum of {} (max_connections_per_uid)",
+                self.cfg.max_connections_per_uid
+            ));
+        }
+        *mine += 1;
+        Ok(())
+    }
+
+    fn release_connection(&self, uid: u32) {
+        let mut per_uid = lock(&self.uid_connections);
+        if let Some(n) = per_uid.get_mut(&uid) {
+            *n -= 1;
+            if *n == 0 {
+                per_uid.remove(&uid);
+            }
+        }
+    }
+
+    fn connection(&self, mut stream: UnixStream, uid: u32) {
         let idle = Duration::from_secs(self.cfg.idle_timeout_s.max(1));
         let io = Duration::from_secs(self.cfg.io_timeout_s.max(1));
         let _ = stream.set_write_timeout(Some(io));
@@ -67,8 +97,7 @@ impl Service {
                 let _ = send(&mut stream, &Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
                 return;
             }
-            let _ = stream.set_read_timeout(Some(io));
-            let body = match proto::read_frame(&mut stream) {
+            let body = match proto::read_frame(&mut Deadline { stream: &stream, until: Instant::now() + io }) {
                 Ok(b) => b,
                 Err(FrameError::TooLarge(n)) => {
                     // The rest of the frame cannot be skipped safely: answer and hang up.
@@ -156,6 +185,25 @@ impl Service {
 
 fn send(stream: &mut UnixStream, ev: &Event) -> Result<(), FrameError> {
     proto::write_frame(stream, &proto::encode(ev))
+}
+
+/// Reads from a stream until a deadline: each read waits only for what is left of it, so a
+/// frame trickled a byte at a time still ends at the deadline (a per-read timeout would let
+/// one byte every few seconds hold a connection thread forever).
+struct Deadline<'a> {
+    stream: &'a UnixStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the frame did not arrive within io_timeout_s"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
 }
 
 /// Waits until the socket has data (or the peer hung up: the read that follows sees it);

@@ -14,6 +14,7 @@
 
 mod call;
 mod conn;
+mod ctxfile;
 mod pressure;
 mod registry;
 mod state_dir;
@@ -23,7 +24,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -39,6 +40,7 @@ use crate::config::Config;
 use crate::kvmm::EngineRecompute;
 use crate::proto::{ErrorCode, Event};
 use call::Job;
+pub use ctxfile::{check_state_dir, ContextCheck};
 use registry::CtxEntry;
 use turns::Turns;
 
@@ -87,7 +89,8 @@ pub struct Service {
     queue: Mutex<VecDeque<Job>>,
     queued: Condvar,
     stopping: AtomicBool,
-    connections: AtomicUsize,
+    /// Open connections per uid.
+    uid_connections: Mutex<HashMap<u32, usize>>,
     metrics: Mutex<Metrics>,
     pressure: Mutex<String>,
     budget: usize,
@@ -197,7 +200,7 @@ impl Service {
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
             stopping: AtomicBool::new(false),
-            connections: AtomicUsize::new(0),
+            uid_connections: Mutex::new(HashMap::new()),
             metrics: Mutex::new(Metrics::default()),
             pressure: Mutex::new("unknown".into()),
             budget,

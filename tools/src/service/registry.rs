@@ -2,8 +2,7 @@
 //! each saved as a small file beside mm's swap store so it continues after a restart; on start
 //! every saved context is restored and store data no context names is removed.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::collections::HashMap;
 
 use anyhow::{Context as _, Result};
 use engine::model::AttentionStats;
@@ -12,6 +11,7 @@ use mm::Manager;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
+use super::ctxfile;
 use super::turns::Turns;
 use super::{lock, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::SessionKv;
@@ -83,21 +83,31 @@ impl Service {
                 let _ = std::fs::remove_file(&path);
                 continue;
             }
+            // A previous copy whose context was deleted (a crash between the two removals).
+            if let Some(id) = name.strip_suffix(".json.prev") {
+                if !self.ctx_dir.join(format!("{id}.json")).exists() {
+                    let _ = std::fs::remove_file(&path);
+                }
+                continue;
+            }
             let Some(id) = name.strip_suffix(".json").filter(|s| valid_ctx_id(s)) else { continue };
-            let saved: Saved =
-                match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice::<Saved>(&b)?)) {
-                    Ok(s) if s.ctx == id && s.version == 1 => s,
-                    Ok(_) => {
-                        warn!(file = %path.display(), "context file names another context or version; left as it is, its store data kept");
-                        unreadable += 1;
-                        continue;
-                    }
-                    Err(e) => {
-                        warn!(file = %path.display(), "context file unreadable, left as it is, its store data kept: {e}");
-                        unreadable += 1;
-                        continue;
-                    }
-                };
+            let saved = match ctxfile::read(&self.ctx_dir, id) {
+                ctxfile::Found::Current(s) => s,
+                ctxfile::Found::Previous(s, why) => {
+                    // Loud, never silent: the context goes back one call. The damaged file is
+                    // kept aside for whoever wants to look at it.
+                    let aside = self.ctx_dir.join(format!("{id}.json.damaged"));
+                    warn!(file = %path.display(), aside = %aside.display(), "context file damaged ({why}); its previous copy is used: its last call is lost");
+                    std::fs::rename(&path, &aside).with_context(|| format!("setting {} aside", path.display()))?;
+                    ctxfile::write(&self.ctx_dir, &s).with_context(|| format!("rewriting {}", path.display()))?;
+                    s
+                }
+                ctxfile::Found::Damaged(why) => {
+                    warn!(file = %path.display(), "context file damaged and no good previous copy ({why}); left as it is, its store data kept (llms doctor --state-dir lists it)");
+                    unreadable += 1;
+                    continue;
+                }
+            };
             let entry = match self.reopen(&mut mm, &saved) {
                 Ok(s) => {
                     info!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, tokens = saved.tokens.len(), "context restored");
@@ -152,15 +162,7 @@ impl Service {
     }
 
     pub(super) fn save(&self, saved: &Saved) -> Result<()> {
-        let path = self.ctx_dir.join(format!("{}.json", saved.ctx));
-        let tmp = self.ctx_dir.join(format!("{}.json.tmp", saved.ctx));
-        // Conversations are private to the service: 0600 whatever the umask.
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-        f.write_all(&serde_json::to_vec(saved)?)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        std::fs::File::open(&self.ctx_dir)?.sync_all()?;
-        Ok(())
+        ctxfile::write(&self.ctx_dir, saved)
     }
 
     pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>) -> Result<String, Refusal> {
@@ -171,19 +173,47 @@ impl Service {
         };
         let mut reg = lock(&self.registry);
         if reg.len() >= self.cfg.max_contexts {
-            return Err(refuse(ErrorCode::TooMany, format!("the service holds its maximum of {} contexts", self.cfg.max_contexts)));
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("the service holds its maximum of {} contexts (max_contexts)", self.cfg.max_contexts),
+            ));
         }
         let mine = reg.values().filter(|e| e.saved.owner == *owner).count();
         if mine >= self.cfg.max_contexts_per_app {
-            return Err(refuse(ErrorCode::TooMany, format!("app {} holds its maximum of {mine} contexts", owner.app)));
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("app {} holds its maximum of {mine} contexts (max_contexts_per_app)", owner.app),
+            ));
         }
+        let uid = owner.uid;
+        let theirs: Vec<&CtxEntry> = reg.values().filter(|e| e.saved.owner.uid == uid).collect();
+        if theirs.len() >= self.cfg.max_contexts_per_uid {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!(
+                    "uid {uid} holds its maximum of {} contexts over all its apps (max_contexts_per_uid)",
+                    self.cfg.max_contexts_per_uid
+                ),
+            ));
+        }
+        // System prompts wait as text until the first call: they count against the owner.
+        let text: usize = theirs.iter().map(|e| e.saved.pending.len()).sum::<usize>() + pending.len();
+        let max_text = self.cfg.max_text_bytes_per_uid().map_err(fail)?;
+        if text > max_text {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("uid {uid} would hold {text} bytes of text not yet run, over {max_text} (max_text_per_uid)"),
+            ));
+        }
+        drop(theirs);
+        self.check_disk(&reg, uid)?;
         let (id, mm_id) = new_ctx_id().map_err(fail)?;
         if reg.values().any(|e| e.saved.mm_id == mm_id) {
             return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
         }
         lock(&self.mm).create(mm_id).map_err(|e| fail(e.into()))?;
         let saved = Saved {
-            version: 1,
+            version: ctxfile::VERSION,
             ctx: id.clone(),
             mm_id,
             owner: owner.clone(),
@@ -217,7 +247,7 @@ impl Service {
         let e = reg.remove(ctx).expect("checked");
         // The saved file goes first: a crash in between leaves store data without a context,
         // which the next start removes.
-        let _ = std::fs::remove_file(self.ctx_dir.join(format!("{ctx}.json")));
+        ctxfile::remove(&self.ctx_dir, ctx);
         drop(e.session);
         self.refill.forget(e.saved.mm_id);
         let mut mm = lock(&self.mm);
@@ -233,18 +263,38 @@ impl Service {
         Ok(())
     }
 
+    /// Bytes of swap-store records of context `mm_id` (whether or not mm has it open).
+    fn flash_bytes(&self, mm: &Manager, mm_id: u64) -> u64 {
+        let chunks = self.cfg.max_context_tokens.div_ceil(self.cfg.chunk_tokens) + 1;
+        (0..chunks)
+            .filter_map(|i| u32::try_from(i).ok().and_then(|i| mm.store().entry(mm_id, i)))
+            .map(|r| u64::from(r.layer_len) * self.model.config.n_layers as u64)
+            .sum()
+    }
+
+    /// Refuses when `uid`'s contexts hold more records on flash than `max_disk_per_uid`.
+    pub(super) fn check_disk(&self, reg: &HashMap<String, CtxEntry>, uid: u32) -> Result<(), Refusal> {
+        let max = self.cfg.max_disk_bytes_per_uid().map_err(|e| refuse(ErrorCode::Failed, format!("{e:#}")))? as u64;
+        let mm = lock(&self.mm);
+        let used: u64 = reg.values().filter(|e| e.saved.owner.uid == uid).map(|e| self.flash_bytes(&mm, e.saved.mm_id)).sum();
+        if used > max {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("uid {uid}'s contexts hold {used} bytes on flash, over {max} (max_disk_per_uid): delete some"),
+            ));
+        }
+        Ok(())
+    }
+
     fn ctx_info(&self, mm: &Manager, id: &str, e: &CtxEntry) -> CtxInfo {
         let mut levels = std::collections::BTreeMap::new();
         let n = mm.n_chunks(e.saved.mm_id);
-        let mut flash = 0u64;
         for i in 0..n {
             if let Some(c) = mm.chunk_info(e.saved.mm_id, i) {
                 *levels.entry(crate::kvmm::format(c.format).name().to_string()).or_insert(0) += 1;
             }
-            if let Some(r) = u32::try_from(i).ok().and_then(|i| mm.store().entry(e.saved.mm_id, i)) {
-                flash += u64::from(r.layer_len) * self.model.config.n_layers as u64;
-            }
         }
+        let flash = self.flash_bytes(mm, e.saved.mm_id);
         CtxInfo {
             ctx: id.to_string(),
             tokens: u32::try_from(e.saved.tokens.len()).unwrap_or(u32::MAX),
