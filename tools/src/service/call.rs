@@ -246,7 +246,9 @@ impl Service {
         let mut stats = CallStats { prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX), ..CallStats::default() };
 
         // Sliding window: the context's start and its most recent tokens stay; the cache is
-        // rebuilt from them (the dropped middle changes every later position).
+        // rebuilt from them (the dropped middle changes every later position). As llama.cpp's
+        // context shift, half of what could stay after `keep` is dropped, not just enough for
+        // this call: the rebuild is paid once per half window of turns, not at every call.
         let room = self.cfg.max_context_tokens - c.max_tokens as usize - 1;
         if s.n_past() + ids.len() > room {
             let keep = saved.keep.min(s.n_past());
@@ -255,7 +257,7 @@ impl Service {
                 let cut = keep + ids.len() - room;
                 ids.drain(..cut.min(ids.len()));
             }
-            let tail = room.saturating_sub(keep + ids.len()).min(s.n_past() - keep);
+            let tail = (room.saturating_sub(keep + ids.len()) / 2).min(s.n_past() - keep);
             let mut kept: Vec<u32> = s.tokens[..keep].to_vec();
             kept.extend_from_slice(&s.tokens[s.n_past() - tail..]);
             stats.slid_tokens = u32::try_from(s.n_past() - kept.len()).unwrap_or(u32::MAX);
