@@ -17,7 +17,7 @@ mod probe;
 mod signals;
 mod trigger;
 
-pub use monitor::{run, spawn, MonitorOptions};
+pub use monitor::{run, run_noting, spawn, spawn_noting, Evictions, MonitorOptions};
 pub use policy::{replay, BudgetController, Classifier, Event, Level, Signals, Thresholds};
 pub use probe::{probe, CgroupMode, Probe, Sources};
 pub use signals::{

@@ -1,5 +1,7 @@
 //! The live monitor loop: sample, classify, control, publish.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::policy::{BudgetController, Classifier, Event, Level, Thresholds};
@@ -35,11 +37,39 @@ impl Default for MonitorOptions {
     }
 }
 
+/// How whoever obeys the budget tells a running monitor that it just freed memory: the next
+/// sample's headroom dip is then held off (`Classifier::note_eviction`, docs/pressure.md) until
+/// the eviction's effect is measured, instead of escalating on memory already on its way back.
+#[derive(Debug, Clone, Default)]
+pub struct Evictions(Arc<AtomicBool>);
+
+impl Evictions {
+    /// Memory was freed just now.
+    pub fn note(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether memory was freed since the last call.
+    fn take(&self) -> bool {
+        self.0.swap(false, Ordering::AcqRel)
+    }
+}
+
 /// Runs the monitor until `sink` returns false. Each sample and the event it produced go to
 /// `sink`. A PSI trigger (when PSI is there) wakes the loop early; a trigger event that the
 /// `total` counter does not confirm (unprivileged triggers can fire once after arming) only
 /// causes a sample. If the trigger fails (EPOLLERR) the loop falls back to polling.
 pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &Event) -> bool) -> Result<(), SignalError> {
+    run_noting(probe, opts, &Evictions::default(), sink)
+}
+
+/// [`run`], told of evictions through `evictions`.
+pub fn run_noting(
+    probe: &Probe,
+    opts: MonitorOptions,
+    evictions: &Evictions,
+    sink: &mut dyn FnMut(&Sample, &Event) -> bool,
+) -> Result<(), SignalError> {
     let sources = probe.sources();
     // The cgroup's own pressure file when there is one (it sees the service's stalls
     // without the rest of the system's noise), else the system's.
@@ -77,6 +107,9 @@ pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &E
             fast_until = t_ms + opts.trigger.map_or(1000, |(_, w)| w / 1000);
         }
         last_total = total;
+        if evictions.take() {
+            classifier.note_eviction(t_ms);
+        }
         let (level, signals) = classifier.update(&s);
         if signals.headroom < opts.thresholds.headroom_enter[0] * 1.5 {
             fast_until = fast_until.max(t_ms + opts.slow_ms);
@@ -93,10 +126,35 @@ pub fn run(probe: &Probe, opts: MonitorOptions, sink: &mut dyn FnMut(&Sample, &E
 /// when the receiver is dropped (or a signal file becomes unreadable, reported as the
 /// thread's result).
 pub fn spawn(probe: Probe, opts: MonitorOptions) -> (std::sync::mpsc::Receiver<Event>, std::thread::JoinHandle<Result<(), SignalError>>) {
+    spawn_noting(probe, opts, Evictions::default())
+}
+
+/// [`spawn`], told of evictions through `evictions` (keep a clone to [`Evictions::note`] them).
+pub fn spawn_noting(
+    probe: Probe,
+    opts: MonitorOptions,
+    evictions: Evictions,
+) -> (std::sync::mpsc::Receiver<Event>, std::thread::JoinHandle<Result<(), SignalError>>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let h = std::thread::Builder::new()
         .name("llms-pressure".into())
-        .spawn(move || run(&probe, opts, &mut |_, e| tx.send(*e).is_ok()))
+        .spawn(move || run_noting(&probe, opts, &evictions, &mut |_, e| tx.send(*e).is_ok()))
         .expect("spawn the pressure monitor thread");
     (rx, h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_eviction_is_taken_once() {
+        let e = Evictions::default();
+        let seen_by_monitor = e.clone();
+        assert!(!seen_by_monitor.take());
+        e.note();
+        e.note();
+        assert!(seen_by_monitor.take());
+        assert!(!seen_by_monitor.take(), "one hold-off per eviction report");
+    }
 }

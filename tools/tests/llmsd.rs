@@ -528,7 +528,10 @@ fn pressure_on_the_services_cgroup_lowers_the_budget_and_reclaims() {
     let again = rounds(&mut c, &ids, 1..2);
     assert!(again[0].iter().all(|(t, _)| !t.is_empty()));
     d.stop();
-    assert!(std::fs::read_to_string(dir.path().join("p.log")).unwrap().contains("reclaim under pressure"), "the reclaim was logged");
+    let log = std::fs::read_to_string(dir.path().join("p.log")).unwrap();
+    assert!(log.contains("reclaim under pressure"), "the reclaim was logged");
+    // ...and told to the monitor (its post-eviction hold-off, docs/pressure.md).
+    assert!(log.contains("the monitor holds off headroom"), "the reclaim was told to the monitor");
 }
 
 #[test]

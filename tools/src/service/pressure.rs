@@ -17,10 +17,11 @@ impl Service {
     pub(super) fn spawn_pressure_follower(self: &Arc<Self>) -> Result<()> {
         let probe = cgroup::probe(self.cfg.cgroup.as_deref());
         let opts = cgroup::MonitorOptions { budget_max: self.budget as u64, ..Default::default() };
-        let (rx, monitor) = cgroup::spawn(probe, opts);
+        let evictions = cgroup::Evictions::default();
+        let (rx, monitor) = cgroup::spawn_noting(probe, opts, evictions.clone());
         let svc = Arc::clone(self);
         std::thread::Builder::new().name("llmsd-pressure".into()).spawn(move || {
-            svc.follow_pressure(&rx);
+            svc.follow_pressure(&rx, &evictions);
             if !svc.stopping.load(Ordering::SeqCst) {
                 let why = match monitor.join() {
                     Ok(Err(e)) => e.to_string(),
@@ -34,8 +35,9 @@ impl Service {
     }
 
     /// Follows the pressure monitor: its budget target (never above the configured budget)
-    /// becomes mm's budget; every reclaim is logged with the bytes freed and why.
-    fn follow_pressure(&self, events: &Receiver<cgroup::Event>) {
+    /// becomes mm's budget; every reclaim is logged with the bytes freed and why, and told to
+    /// the monitor, which re-measures before acting on a headroom dip again.
+    fn follow_pressure(&self, events: &Receiver<cgroup::Event>, evictions: &cgroup::Evictions) {
         let mut last = usize::MAX;
         while let Ok(e) = events.recv() {
             if self.stopping.load(Ordering::SeqCst) {
@@ -63,7 +65,10 @@ impl Service {
             };
             let target = target.saturating_sub(w);
             match lock(&self.mm).set_budget(target) {
-                Ok(freed) if freed > 0 => info!(freed, budget = target, level = ?e.level, need = e.need_to_free, "reclaim under pressure"),
+                Ok(freed) if freed > 0 => {
+                    evictions.note();
+                    info!(freed, budget = target, level = ?e.level, need = e.need_to_free, "reclaim under pressure; the monitor holds off headroom until it is re-measured");
+                }
                 Ok(_) => info!(budget = target, level = ?e.level, "budget follows pressure"),
                 Err(err) => warn!("setting the budget to {target}: {err}"),
             }
