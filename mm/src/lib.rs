@@ -25,4 +25,4 @@ pub use lctru::{ChunkId, Lctru};
 pub use manager::{ChunkInfo, Features, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, Strategy};
 pub use planner::{plan, plan_forced, Linear, Plan};
 pub use profile::{Profile, ProfileError};
-pub use store::{RecordMeta, Store, StoreError, StoreGeometry};
+pub use store::{Durability, RecordMeta, Store, StoreError, StoreGeometry};

@@ -187,10 +187,101 @@ pub struct Store {
     align: usize,
     header_len: usize,
     record_len: usize,
-    /// fdatasync after each batch of writes (durability against power loss, not only crashes).
-    sync: bool,
+    durability: Durability,
+    /// With [`Durability::Group`]: the files written since the last group sync, and its thread.
+    group: Option<GroupSync>,
     index: Mutex<Index>,
     reaper: Reaper,
+}
+
+/// When written records reach the disk itself, not only its cache. Every mode is safe against a
+/// crash of the process (a write is complete before its record is current); they differ on
+/// power loss, where a record that had not reached the disk is found missing or torn (its
+/// checksum fails) and its chunk is recomputed from the context's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// No fdatasync: after a power loss, recent records may be lost (recomputed).
+    Off,
+    /// fdatasync after every batch, before its records become current: a current record
+    /// survives a power loss. The writing thread waits for the disk.
+    Batch,
+    /// fdatasync of the files written, by a thread of the store, every period: a power loss
+    /// loses at most the last period's records (recomputed); no writer waits for the disk.
+    Group(std::time::Duration),
+}
+
+impl From<bool> for Durability {
+    /// `true`: [`Durability::Batch`]; `false`: [`Durability::Off`].
+    fn from(sync: bool) -> Self {
+        if sync {
+            Self::Batch
+        } else {
+            Self::Off
+        }
+    }
+}
+
+impl std::str::FromStr for Durability {
+    type Err = String;
+    /// `off`, `batch`, `group` (every 100 ms) or `group:<ms>`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" => Ok(Self::Off),
+            "batch" => Ok(Self::Batch),
+            "group" => Ok(Self::Group(std::time::Duration::from_millis(100))),
+            _ => match s.strip_prefix("group:").and_then(|ms| ms.parse::<u64>().ok()) {
+                Some(ms) if (1..=60_000).contains(&ms) => Ok(Self::Group(std::time::Duration::from_millis(ms))),
+                _ => Err(format!("{s:?}: off, batch, group or group:<ms> (1-60000)")),
+            },
+        }
+    }
+}
+
+/// The group-commit thread: syncs the files written since its last round, every period, and a
+/// last time when the store closes.
+#[derive(Debug)]
+struct GroupSync {
+    dirty: Arc<Mutex<HashMap<u64, Arc<File>>>>,
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GroupSync {
+    fn spawn(period: std::time::Duration) -> Self {
+        let dirty: Arc<Mutex<HashMap<u64, Arc<File>>>> = Arc::default();
+        let stop: Arc<(Mutex<bool>, std::sync::Condvar)> = Arc::default();
+        let (d, st) = (Arc::clone(&dirty), Arc::clone(&stop));
+        let handle = std::thread::Builder::new()
+            .name("llms-store-sync".into())
+            .spawn(move || loop {
+                let stopping = {
+                    let g = st.0.lock().unwrap_or_else(|e| e.into_inner());
+                    let (g, _) = st.1.wait_timeout_while(g, period, |s| !*s).unwrap_or_else(|e| e.into_inner());
+                    *g
+                };
+                let files: Vec<Arc<File>> = std::mem::take(&mut *d.lock().unwrap_or_else(|e| e.into_inner())).into_values().collect();
+                for f in files {
+                    if let Err(e) = f.sync_data() {
+                        eprintln!("llms: group sync of the swap store failed: {e}; records written since may not survive a power loss");
+                    }
+                }
+                if stopping {
+                    return;
+                }
+            })
+            .expect("spawn the store's sync thread");
+        Self { dirty, stop, handle: Some(handle) }
+    }
+}
+
+impl Drop for GroupSync {
+    fn drop(&mut self) {
+        *self.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.stop.1.notify_all();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
@@ -217,7 +308,10 @@ pub fn dio_align(path: &Path) -> usize {
 impl Store {
     /// Opens (creating) the store of the model `fingerprint` under `dir` and rebuilds the
     /// index from the records found there.
-    pub fn open(dir: &Path, fingerprint: u64, geom: StoreGeometry, sync: bool) -> Result<Self> {
+    /// `durability` says when records reach the disk itself ([`Durability`]; `true` is
+    /// `Batch`, `false` is `Off`).
+    pub fn open(dir: &Path, fingerprint: u64, geom: StoreGeometry, durability: impl Into<Durability>) -> Result<Self> {
+        let durability = durability.into();
         if geom.n_layers == 0 || geom.n_layers > MAX_LAYERS || geom.max_layer_bytes == 0 {
             return Err(StoreError::Invalid(format!("{} layers of {} bytes: unsupported", geom.n_layers, geom.max_layer_bytes)));
         }
@@ -233,7 +327,11 @@ impl Store {
             align,
             header_len,
             record_len,
-            sync,
+            durability,
+            group: match durability {
+                Durability::Group(period) => Some(GroupSync::spawn(period)),
+                _ => None,
+            },
             index: Mutex::new(Index::default()),
             reaper: Reaper::default(),
         };
@@ -393,6 +491,8 @@ impl Store {
         let mut ops = Vec::with_capacity(recs.len());
         let mut next = Vec::with_capacity(recs.len());
         let mut files = Vec::new();
+        // The copies these records replace: freed once the new ones are current.
+        let mut stale: Vec<(Arc<File>, u64)> = Vec::new();
         for (i, (meta, payload)) in recs.iter().enumerate() {
             let nl = self.geom.n_layers;
             if !payload.len().is_multiple_of(nl) || payload.len() / nl > self.geom.max_layer_bytes {
@@ -407,12 +507,15 @@ impl Store {
             }
             let layer_len = payload.len() / nl;
             let f = self.open_file(meta.context, true)?;
-            let (copy, seq) = {
+            let (copy, seq, replaced) = {
                 let mut ix = self.lock();
                 ix.seq += 1;
-                let copy = ix.entries.get(&(meta.context, meta.chunk)).map_or(0, |e| 1 - e.copy);
-                (copy, ix.seq)
+                let prev = ix.entries.get(&(meta.context, meta.chunk)).map(|e| e.copy);
+                (prev.map_or(0, |c| 1 - c), ix.seq, prev)
             };
+            if let Some(c) = replaced {
+                stale.push((Arc::clone(&f), self.offset(meta.chunk, c)));
+            }
             let total = self.header_len + round_up(payload.len(), self.align);
             let mut buf = AlignedBuf::new(total);
             let mut h = Header::zeroed();
@@ -444,8 +547,8 @@ impl Store {
                 write: true,
             });
             next.push(Entry { copy, seq, meta: *meta, layer_len: h.layer_len, payload_crc: h.payload_crc });
-            if !files.iter().any(|g: &Arc<File>| Arc::ptr_eq(g, &f)) {
-                files.push(Arc::clone(&f));
+            if !files.iter().any(|(c, _): &(u64, Arc<File>)| *c == meta.context) {
+                files.push((meta.context, Arc::clone(&f)));
             }
             bufs.push(buf);
         }
@@ -454,14 +557,29 @@ impl Store {
         unsafe { ring.submit(0, &ops) }.map_err(io_err(&path))?;
         ring.wait(0).map_err(io_err(&path))?;
         drop(bufs);
-        if self.sync {
-            for f in &files {
-                f.sync_data().map_err(io_err(&path))?;
+        match (&self.durability, &self.group) {
+            (Durability::Batch, _) => {
+                for (_, f) in &files {
+                    f.sync_data().map_err(io_err(&path))?;
+                }
             }
+            (Durability::Group(_), Some(g)) => g.dirty.lock().unwrap_or_else(|e| e.into_inner()).extend(files),
+            _ => {}
         }
         let mut ix = self.lock();
         for e in next {
             ix.entries.insert((e.meta.context, e.meta.chunk), e);
+        }
+        drop(ix);
+        // The replaced copies are no longer anyone's record: give their blocks back, so a
+        // chunk costs one record on disk, not two. (The A/B scheme needs the old copy only
+        // until the new one is complete — and, with `sync`, durable — which it now is. A
+        // reader still holding the old entry reads a hole: it fails its checksum and is
+        // recomputed, never served.) A file system without hole punching keeps the blocks.
+        for (f, off) in stale {
+            let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(self.record_len)) else { continue };
+            // SAFETY: fallocate on a descriptor this store owns, within its own record place.
+            let _ = unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) };
         }
         Ok(())
     }

@@ -81,6 +81,10 @@ pub struct Config {
     pub max_connections: usize,
     /// Calls waiting for the model at most.
     pub max_queue: usize,
+    /// When swap-store records reach the disk itself: `off`, `batch` or `group[:ms]`
+    /// (mm::Durability; docs/llmsd.md). Acknowledged turns survive a power loss in every mode
+    /// (the context file is synced per call); this sets how much KV is recomputed after one.
+    pub durability: String,
     /// What one uid may hold (app names are self-declared, the uid is the kernel's): open
     /// connections, contexts over all its apps, calls waiting, bytes of text not yet run
     /// (system prompts), and bytes of its contexts' records on flash.
@@ -123,6 +127,7 @@ impl Default for Config {
             io_timeout_s: 10,
             max_connections: 64,
             max_queue: 256,
+            durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,
             max_queued_per_uid: 16,
@@ -151,6 +156,11 @@ impl Config {
     /// Bytes of swap-store records one uid's contexts may hold.
     pub fn max_disk_bytes_per_uid(&self) -> Result<usize> {
         parse_bytes(&self.max_disk_per_uid).with_context(|| format!("max_disk_per_uid {:?}", self.max_disk_per_uid))
+    }
+
+    /// [`Config::durability`], parsed.
+    pub fn durability(&self) -> Result<mm::Durability> {
+        self.durability.parse().map_err(|e| anyhow::anyhow!("durability {e}"))
     }
 
     /// The weight budget, when weights are paged.
@@ -225,6 +235,7 @@ impl Config {
     /// Checks every setting; the service refuses to start on the first bad one.
     pub fn validate(&self) -> Result<()> {
         self.max_text_bytes_per_uid()?;
+        self.durability()?;
         self.max_disk_bytes_per_uid()?;
         if self.budget_bytes()? == 0 {
             bail!("budget {:?} is zero: no context could hold a single chunk", self.budget);

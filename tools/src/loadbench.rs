@@ -42,11 +42,24 @@ pub fn fresh_state(dir: &Path, profiles: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A manager over a store in `dir` for `model` (int8 base) with chunks of `chunk_tokens`.
+/// A manager over a store in `dir` for `model` (int8 base) with chunks of `chunk_tokens`, its
+/// records not synced (benches; llmsd chooses with [`manager_with`]).
 pub fn manager(dir: &Path, model: &Model, chunk_tokens: usize, cfg: MmConfig, profile: Option<Profile>) -> Result<Manager> {
+    manager_with(dir, model, chunk_tokens, cfg, profile, mm::Durability::Off)
+}
+
+/// [`manager`], its store's records reaching the disk as `durability` says.
+pub fn manager_with(
+    dir: &Path,
+    model: &Model,
+    chunk_tokens: usize,
+    cfg: MmConfig,
+    profile: Option<Profile>,
+    durability: mm::Durability,
+) -> Result<Manager> {
     let codec = EngineCodec::new(model, chunk_tokens);
     let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
-    let store = Arc::new(Store::open(dir, codec.fingerprint(), geom, false)?);
+    let store = Arc::new(Store::open(dir, codec.fingerprint(), geom, durability)?);
     Ok(Manager::new(cfg, Arc::new(codec), store, profile)?)
 }
 

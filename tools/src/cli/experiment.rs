@@ -478,6 +478,10 @@ pub enum TraceCmd {
         /// Send calls at their trace times instead of back to back (idle gaps compressed).
         #[arg(long)]
         realtime: bool,
+        /// When the started service's swap-store records reach the disk: off, batch, group or
+        /// group:<ms> [default: llmsd's, batch].
+        #[arg(long)]
+        durability: Option<String>,
         /// Where the load profile is (measured there if missing); runs use a fresh store under it.
         #[arg(long)]
         state_dir: Option<PathBuf>,
@@ -514,14 +518,15 @@ pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
             max_context_tokens,
             ablate,
             realtime,
+            durability,
             state_dir,
             out,
             json,
             m,
         } => {
             let (h, recs) = crate::trace::read(&trace)?;
-            if socket.is_some() && !ablate.is_empty() {
-                bail!("--ablate configures a service this command starts; with --socket, set it in that llmsd's configuration");
+            if socket.is_some() && (!ablate.is_empty() || durability.is_some()) {
+                bail!("--ablate and --durability configure a service this command starts; with --socket, set them in that llmsd's configuration");
             }
             let mut local = None;
             let mut work = None;
@@ -548,6 +553,7 @@ pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
                         max_context_tokens,
                         ablate,
                         pressure: false,
+                        durability: durability.unwrap_or_else(|| crate::config::Config::default().durability),
                         ..crate::config::Config::default()
                     };
                     let l = crate::service::Local::start(cfg)?;

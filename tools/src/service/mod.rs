@@ -181,7 +181,8 @@ impl Service {
         };
         let max_chunks = cfg.max_context_tokens.div_ceil(cfg.chunk_tokens) + 1;
         let store_dir = cfg.state_dir.join("store");
-        let mut mm = crate::loadbench::manager(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile)?;
+        let mut mm =
+            crate::loadbench::manager_with(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile, cfg.durability()?)?;
         let budget = total;
         let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
         mm.set_budget(budget - weights_share)?;
