@@ -479,7 +479,7 @@ pub enum TraceCmd {
         #[arg(long)]
         realtime: bool,
         /// When the started service's swap-store records reach the disk: off, batch, group or
-        /// group:<ms> [default: llmsd's, batch].
+        /// group:MS [default: llmsd's, batch].
         #[arg(long)]
         durability: Option<String>,
         /// Where the load profile is (measured there if missing); runs use a fresh store under it.
