@@ -232,6 +232,21 @@ fn compressed_levels_survive_eviction_and_recompute_stays_close() {
     assert_eq!(top(&got), top(&reference));
     let diff = got.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(diff <= d, "a mixed load moved the logits by {diff}, more than compression's own {d}");
+
+    // A damaged record of a lowered chunk: read, its checksum fails, it is recomputed and
+    // lowered back to its level (never left at int8). It attends to the lowered chunks before
+    // it (they were int8 when it was first computed), so it is close, not bit-exact.
+    let lowered = (0..N / CT).rev().find(|&i| formats[i] != code(KvFormat::Int8)).expect("a lowered chunk");
+    force_out(&mut mm, 7);
+    damage(&mm, 7, u32::try_from(lowered).unwrap(), 3);
+    let (got, r) = next_logits(&mut mm, 7, &mut sess, tok, Strategy::AllRead);
+    assert_eq!((r.unreadable, r.recomputed), (1, 1), "{r:?}");
+    let after: Vec<u32> = (0..N / CT).map(|i| mm.chunk_info(7, i).unwrap().format).collect();
+    assert_eq!(after, formats, "the recomputed chunk is back at its level");
+    assert_eq!(mm.context_bytes(7), resident, "and costs that level's pages");
+    assert_eq!(top(&got), top(&reference));
+    let diff = got.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff <= d, "a recomputed damaged chunk moved the logits by {diff}, more than compression's own {d}");
 }
 
 #[test]
