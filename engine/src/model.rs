@@ -571,6 +571,11 @@ impl Session {
             }
         }
         let toks: Vec<u32> = positions.iter().map(|&p| self.tokens[p]).collect();
+        // `tokens` is the caller's to set (a restored context): checked here as `eval` checks
+        // its input, so a bad id is an error, never an out-of-range embedding row.
+        if let Some(&bad) = toks.iter().find(|&&t| t as usize >= self.model.config.vocab) {
+            return Err(ModelError::BadToken(bad));
+        }
         for (b, pb) in toks.chunks(512).zip(positions.chunks(512)) {
             self.forward(b, pb, Logits::None, before_layer);
         }

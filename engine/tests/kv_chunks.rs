@@ -55,6 +55,19 @@ fn recompute_of_any_chunks_is_exact() {
     }
 }
 
+/// A context's tokens are the caller's to set (a restored context): a recompute over a token
+/// id outside the vocabulary is an error naming it, not an out-of-range read.
+#[test]
+fn recompute_refuses_a_token_outside_the_vocabulary() {
+    let (m, p, toks) = setup();
+    let mut s = session(&m, &p, KvFormat::Int8, false);
+    s.eval(&toks[..40], Logits::None).unwrap();
+    s.kv.wipe(1);
+    s.tokens[20] = u32::try_from(m.config.vocab).unwrap() + 7;
+    let err = s.recompute(&(16..32).collect::<Vec<_>>(), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, engine::ModelError::BadToken(t) if t as usize == m.config.vocab + 7), "{err}");
+}
+
 /// Attention over chunks in mixed formats agrees with attention over the same values held
 /// dequantized (in f16 chunks).
 #[test]

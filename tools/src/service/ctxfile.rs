@@ -116,7 +116,10 @@ pub(super) fn write(dir: &Path, saved: &Saved) -> Result<()> {
         // under a temporary name and renamed: `prev` is always a whole file).
         let prev_tmp = dir.join(format!("{}.json.prev.tmp", saved.ctx));
         let _ = std::fs::remove_file(&prev_tmp);
-        std::fs::hard_link(&p, &prev_tmp)?;
+        if std::fs::hard_link(&p, &prev_tmp).is_err() {
+            // A file system without hard links: a copy serves as well (the file is small).
+            std::fs::copy(&p, &prev_tmp)?;
+        }
         std::fs::rename(&prev_tmp, &prev)?;
     }
     std::fs::rename(&tmp, &p)?;
