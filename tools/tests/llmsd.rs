@@ -754,6 +754,29 @@ fn one_bad_context_never_stops_the_service() {
     d.stop();
 }
 
+/// A small ext4 image of `bytes` with `inodes` inodes (few, so they run out fast: see
+/// [`fill_disk`]) and the directory to mount it on ([`Daemon::start_on`]): a temporary
+/// directory, the image, the mount point. `None` where the test cannot run (loop mounts need
+/// root; with LLMS_REQUIRE_KERNEL=1 that is a failure).
+fn small_disk(bytes: u64, inodes: u32) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+    if !kernel_ok() {
+        return None;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(!llms_tests::kernel_required(), "a full disk is made by loop-mounting a small file system, which needs root");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
+    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-N", &inodes.to_string()]).arg(&img).output().expect("mkfs.ext4 runs");
+    assert!(mkfs.status.success(), "{}", String::from_utf8_lossy(&mkfs.stderr));
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    Some((dir, img, mnt))
+}
+
 /// Fills the file system llmsd's state is on (through its mount namespace) until ENOSPC: its
 /// blocks, then its inodes (a small file can still be written into a full ext4 — the context
 /// files are small — but not created without an inode). Returns the filler directory.
@@ -788,22 +811,7 @@ fn fill_disk(d: &Daemon, mnt: &Path) -> PathBuf {
 /// says what is not on flash; after a restart every acknowledged turn is there.
 #[test]
 fn a_full_disk_fails_calls_whole_and_the_stop_tells_the_truth() {
-    if !kernel_ok() {
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(!llms_tests::kernel_required(), "a full disk is made by loop-mounting a small file system, which needs root");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
-    std::fs::File::create(&img).unwrap().set_len(24 << 20).unwrap();
-    // Few inodes, so they run out fast (see fill_disk).
-    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-N", "256"]).arg(&img).output().expect("mkfs.ext4 runs");
-    assert!(mkfs.status.success(), "{}", String::from_utf8_lossy(&mkfs.stderr));
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
+    let Some((dir, img, mnt)) = small_disk(24 << 20, 256) else { return };
     let state = mnt.join("state");
     let settings = "budget = \"64MiB\"\n";
     let d = Daemon::start_on(dir.path(), "full", &state, settings, Some(&img));
@@ -1092,21 +1100,7 @@ fn soak_client(socket: &Path, k: usize, until: Instant) -> Result<(usize, Known,
 /// context, and the store within the uid's disk share plus one context's records.
 #[test]
 fn soak_many_clients_a_full_disk_and_a_kill() {
-    if !kernel_ok() {
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(!llms_tests::kernel_required(), "the soak's full disk needs root (a loop mount)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
-    std::fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
-    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-N", "2048"]).arg(&img).output().expect("mkfs.ext4 runs");
-    assert!(mkfs.status.success(), "{}", String::from_utf8_lossy(&mkfs.stderr));
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
+    let Some((dir, img, mnt)) = small_disk(256 << 20, 2048) else { return };
     let state = mnt.join("state");
     const BUDGET: u64 = 8 << 20;
     const DISK: u64 = 96 << 20;
