@@ -4,13 +4,11 @@
 //! The map of the crates and of these modules: docs/ARCHITECTURE.md.
 
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod experiment;
 pub mod figure;
 pub mod kvmm;
 pub mod loadbench;
-pub mod proto;
 pub mod replay;
 pub mod report;
 pub mod service;
@@ -18,3 +16,7 @@ pub mod size;
 pub mod switchbench;
 pub mod trace;
 pub mod weights;
+
+// The protocol and the client live in `llms_client` (shared with the C library); these names
+// keep `tools::client` and `tools::proto` for the service and the CLI.
+pub use llms_client::{client, proto};

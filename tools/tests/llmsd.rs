@@ -1179,3 +1179,47 @@ fn soak_many_clients_a_full_disk_and_a_kill() {
     }
     d.stop();
 }
+
+/// Compiles a C program of the client crate against the C library (the static archive cargo
+/// built beside this test) and returns the executable.
+fn build_c(dir: &Path, source: &str, name: &str) -> PathBuf {
+    let client = Path::new(env!("CARGO_MANIFEST_DIR")).join("../client");
+    let deps = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
+    let lib = deps.join("libllms_client.a");
+    assert!(lib.exists(), "the C library was not built at {}", lib.display());
+    let exe = dir.join(name);
+    let out = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_DEFAULT_SOURCE", "-I"])
+        .arg(client.join("include"))
+        .arg(client.join(source))
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .arg(&exe)
+        .output()
+        .expect("cc runs");
+    assert!(out.status.success(), "cc {source}: {}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
+
+/// The C library against a live llmsd: its test program (errors, a streamed two-turn
+/// conversation, cancellation from the callback and from another thread, listing, deleting)
+/// and the example chat, both compiled here with the header.
+#[test]
+fn the_c_library_talks_to_llmsd() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "c", &dir.path().join("state"), "");
+    let test = build_c(dir.path(), "tests/c/client_test.c", "client_test");
+    let out = Command::new(&test).arg(&d.socket).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("passed, 0 failed"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let chat = build_c(dir.path(), "examples/chat.c", "chat");
+    let out = Command::new(&chat).arg(&d.socket).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stdout.matches("> ").count(), 2, "two turns: {stdout}");
+    assert!(stdout.lines().filter(|l| !l.starts_with("> ") && !l.trim().is_empty()).count() >= 2, "two answers: {stdout}");
+    d.stop();
+}

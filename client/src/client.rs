@@ -48,6 +48,12 @@ impl Client {
         Ok(c)
     }
 
+    /// A second handle on the connection's socket (to shut it down from another thread: the
+    /// service cancels a call whose client hangs up).
+    pub fn try_clone_stream(&self) -> std::io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+
     /// Sends `req` and reads one answer (an error answer is an `Err` with a [`ServiceError`]).
     pub fn request(&mut self, req: &Request) -> Result<Event> {
         self.send(req)?;
