@@ -9,7 +9,7 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean
+.PHONY: all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross
 
 all: build
 
@@ -67,6 +67,13 @@ test: model deps lint
 
 fmt:
 	$(CARGO) fmt --all
+
+# The workspace type-checked for ARM64 Linux and Android (docs/android.md); rustup adds the
+# targets' standard libraries when missing. Not linked or run: see docs/android.md for what is.
+check-cross:
+	rustup target add aarch64-unknown-linux-gnu aarch64-linux-android
+	$(CARGO) check --workspace --all-targets --target aarch64-unknown-linux-gnu
+	$(CARGO) check --workspace --all-targets --target aarch64-linux-android
 
 # Side-by-side speed against llama.cpp (installs llama-cpp-python into a private venv).
 bench-vs-llama-cpp: model build

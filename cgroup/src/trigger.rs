@@ -63,7 +63,9 @@ impl PsiTrigger {
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: fstatfs on our open fd into a zeroed struct of the right type.
         if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut fs) } != 0
-            || ![libc::PROC_SUPER_MAGIC, libc::CGROUP_SUPER_MAGIC, libc::CGROUP2_SUPER_MAGIC].contains(&fs.f_type)
+            || ![libc::PROC_SUPER_MAGIC, libc::CGROUP_SUPER_MAGIC, libc::CGROUP2_SUPER_MAGIC]
+                .iter()
+                .any(|&m| fs_magic(m) == fs_magic(fs.f_type))
         {
             return Err(TriggerError::NotPsi { path: path.into() });
         }
@@ -105,4 +107,11 @@ impl PsiTrigger {
         let _ = &self.file;
         Ok(n > 0 && ev.events & libc::EPOLLPRI as u32 != 0)
     }
+}
+
+/// A file system magic number as u64: `statfs::f_type` and the `*_MAGIC` constants are i64 in
+/// glibc and u64 in Android's bionic; the magic numbers are small and positive either way.
+#[allow(clippy::cast_sign_loss, clippy::unnecessary_cast, clippy::cast_possible_truncation)]
+pub(crate) fn fs_magic<T: Into<i128>>(x: T) -> u64 {
+    x.into() as u64
 }

@@ -304,7 +304,10 @@ pub fn matvec_tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize
             false
         };
         #[cfg(not(target_arch = "x86_64"))]
-        let done = false;
+        let done = {
+            let _ = acc; // the vector kernels' accumulators: x86_64 only so far
+            false
+        };
         if !done {
             for tile in t0..t1 {
                 let mut part = [0.0; TILE];

@@ -878,9 +878,16 @@ fn one_uid_cannot_take_the_service_for_itself() {
     extra.clear();
 
     // A trickled frame: one byte every 300 ms is hung up on at the frame's deadline.
+    // (Bound first: the three connections just closed may not be released yet, and a refused
+    // connection's answer must not be taken for an answer to the trickle.)
     let mut slow = (0..100)
         .find_map(|_| {
             let mut s = UnixStream::connect(&d.socket).ok()?;
+            raw_frame(&mut s, &proto::encode(&Request::Bind { app: "slow".into(), version: proto::VERSION }));
+            if !matches!(read_event(&mut s), Some(Event::Bound { .. })) {
+                std::thread::sleep(Duration::from_millis(50));
+                return None;
+            }
             s.write_all(&[0, 0, 0, 50]).ok()?;
             Some(s)
         })
@@ -928,11 +935,22 @@ fn one_uid_cannot_take_the_service_for_itself() {
     raw_frame(&mut waiting, &proto::encode(&Request::Bind { app: "a".into(), version: proto::VERSION }));
     assert!(matches!(read_event(&mut waiting), Some(Event::Bound { .. })));
     raw_frame(&mut waiting, &proto::encode(&Request::Call(Call { ctx: ids[1].clone(), prompt: "Hi.".into(), ..base_call() })));
-    std::thread::sleep(Duration::from_millis(100));
-    let err = d.client("b").call(&Call { ctx: ids[2].clone(), prompt: "Hi.".into(), ..base_call() }, &mut |_| {}).unwrap_err();
+    let mut b = d.client("b");
+    let t = Instant::now();
+    while b.stats().unwrap().queue == 0 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the second call never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = b.call(&Call { ctx: ids[2].clone(), prompt: "Hi.".into(), ..base_call() }, &mut |_| {}).unwrap_err();
     assert!(format!("{err:#}").contains("max_queued_per_uid"), "{err:#}");
     running.join().unwrap();
     drop(waiting);
+    // The waiting call is dropped with its client: let the worker take it off the queue.
+    let t = Instant::now();
+    while c.stats().unwrap().queue > 0 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the queue never drained");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     // Records on flash: calls go on until the uid's contexts hold more than its share.
     let mut refused = None;

@@ -49,6 +49,12 @@ fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[cr
         Err(e) => json!({"facility": "memory cgroup", "ok": false, "detail": format!("{e}; give the service a cgroup (llms pressure --cgroup DIR) or rely on system-wide signals")}),
     });
     let simd = ::engine::kernels::simd_name();
+    // io_uring carries the swap store's and the weight pager's reads and writes; a kernel or
+    // a sandbox (Android's seccomp before 12, say) may refuse it.
+    checks.push(match mm::ring::Ring::new(8) {
+        Ok(_) => json!({"facility": "io_uring", "ok": true, "detail": "usable (swap store and weight reads)"}),
+        Err(e) => json!({"facility": "io_uring", "ok": false, "detail": format!("{e}: the swap store and paged weights cannot run here (a kernel with io_uring, not blocked by seccomp or io_uring_disabled, is needed)")}),
+    });
     checks.push(json!({"facility": "cpu kernels", "ok": simd != "scalar", "detail": format!("{simd} (AVX2+FMA+F16C {})", if simd == "scalar" { "missing: slow scalar code" } else { "present" })}));
     if let (Some(dir), Some(contexts)) = (state_dir, contexts) {
         let bad: Vec<_> = contexts.iter().filter(|c| c.status != "ok").collect();

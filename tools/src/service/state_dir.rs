@@ -84,5 +84,6 @@ fn on_tmpfs(dir: &Path) -> bool {
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a NUL-terminated path and `st` a valid statfs to fill.
     let r = unsafe { libc::statfs(c.as_ptr(), &raw mut st) };
-    r == 0 && st.f_type == libc::TMPFS_MAGIC
+    // Compared as i128: f_type and the magic are i64 in glibc, u64 in Android's bionic.
+    r == 0 && i128::from(st.f_type) == i128::from(libc::TMPFS_MAGIC)
 }
