@@ -4,6 +4,11 @@
 use std::sync::LazyLock;
 
 static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
+    // `LLMS_SIMD=scalar` turns the vector kernels off, so the scalar references can be run and
+    // compared (and an ISA's kernels tested both ways) on any machine.
+    if std::env::var_os("LLMS_SIMD").is_some_and(|v| v == "scalar") {
+        return false;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
