@@ -201,30 +201,34 @@ mod tests {
 
     #[test]
     fn damage_is_detected_and_the_previous_copy_used() {
-        let dir = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().join("contexts");
+        std::fs::create_dir(&dir).unwrap();
         let id = "0123456789abcdef0123456789abcdef";
         let mut s = saved(id);
-        write(dir.path(), &s).unwrap();
-        assert!(matches!(read(dir.path(), id), Found::Current(x) if x.tokens == [1, 2, 3]));
+        write(dir.as_path(), &s).unwrap();
+        assert!(matches!(read(dir.as_path(), id), Found::Current(x) if x.tokens == [1, 2, 3]));
         s.tokens.push(4);
-        write(dir.path(), &s).unwrap();
+        write(dir.as_path(), &s).unwrap();
         // An edited token id: the checksum catches it; the previous copy is one save behind.
-        let p = path(dir.path(), id);
+        let p = path(dir.as_path(), id);
         let text = std::fs::read_to_string(&p).unwrap().replace("[1,2,3,4]", "[1,2,9,4]");
         std::fs::write(&p, text).unwrap();
-        match read(dir.path(), id) {
+        match read(dir.as_path(), id) {
             Found::Previous(x, why) => assert!(x.tokens == [1, 2, 3] && why.contains("checksum"), "{why}"),
             f => panic!("{f:?}"),
         }
         // A flipped bit in both: damaged, never read as something else.
-        for f in [&p, &prev_path(dir.path(), id)] {
+        for f in [&p, &prev_path(dir.as_path(), id)] {
             let mut b = std::fs::read(f).unwrap();
             b[10] ^= 1;
             std::fs::write(f, b).unwrap();
         }
-        assert!(matches!(read(dir.path(), id), Found::Damaged(_)));
-        let checks = check_state_dir(dir.path().parent().unwrap()).unwrap();
-        assert!(checks.is_empty(), "no contexts/ under the parent");
+        assert!(matches!(read(dir.as_path(), id), Found::Damaged(_)));
+        // The doctor's view of the same state directory.
+        let checks = check_state_dir(state.path()).unwrap();
+        assert_eq!(checks.len(), 1, "{checks:?}");
+        assert_eq!((checks[0].ctx.as_str(), checks[0].status.as_str()), (id, "damaged"), "{checks:?}");
     }
 
     #[test]
