@@ -65,6 +65,7 @@ typedef enum LlmsStatus {
   LLMS_ERR_BUSY = 16,
   LLMS_ERR_FAILED = 17,
   LLMS_ERR_SHUTTING_DOWN = 18,
+  LLMS_ERR_TOO_LONG = 19,
 } LlmsStatus;
 
 /**

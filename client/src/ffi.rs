@@ -45,6 +45,7 @@ pub enum LlmsStatus {
     LlmsErrBusy = 16,
     LlmsErrFailed = 17,
     LlmsErrShuttingDown = 18,
+    LlmsErrTooLong = 19,
 }
 
 /// Bytes a context id takes with its terminating NUL (32 hex digits).
@@ -107,6 +108,7 @@ fn status_of(e: &anyhow::Error) -> LlmsStatus {
             ErrorCode::Busy => LlmsErrBusy,
             ErrorCode::Failed => LlmsErrFailed,
             ErrorCode::ShuttingDown => LlmsErrShuttingDown,
+            ErrorCode::TooLong => LlmsErrTooLong,
         },
         None if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some() || c.to_string().contains("connection closed")) => LlmsErrIo,
         None => LlmsErrProtocol,
@@ -303,6 +305,7 @@ pub unsafe extern "C" fn llms_call(
             seed: o.seed,
             stop: Vec::new(),
             raw: o.raw,
+            top_p: None,
         };
         c.cancelled.store(false, Ordering::SeqCst);
         let mut text = String::new();
@@ -423,6 +426,7 @@ pub extern "C" fn llms_status_name(status: c_int) -> *const c_char {
         LlmsErrBusy,
         LlmsErrFailed,
         LlmsErrShuttingDown,
+        LlmsErrTooLong,
     ];
     let s: &'static CStr = match all.into_iter().find(|&x| x as c_int == status) {
         Some(LlmsOk) => c"ok",
@@ -441,6 +445,7 @@ pub extern "C" fn llms_status_name(status: c_int) -> *const c_char {
         Some(LlmsErrBusy) => c"the context is in a call",
         Some(LlmsErrFailed) => c"the call failed",
         Some(LlmsErrShuttingDown) => c"llmsd is stopping",
+        Some(LlmsErrTooLong) => c"the conversation does not fit in a context",
         None => c"unknown status",
     };
     s.as_ptr()

@@ -60,6 +60,9 @@ pub struct Call {
     /// Append `prompt` as it is instead of as a chat turn.
     #[serde(default)]
     pub raw: bool,
+    /// Nucleus sampling's cut (0, 1]; unset: the engine's default (0.95).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -88,6 +91,8 @@ pub enum ErrorCode {
     Failed,
     /// The service is stopping.
     ShuttingDown,
+    /// The call's tokens do not fit in a context (`max_context_tokens`).
+    TooLong,
 }
 
 /// Per-call measurements, reported with `done`.

@@ -95,6 +95,22 @@ pub struct Config {
     pub max_text_per_uid: String,
     #[serde(deserialize_with = "size_or_string")]
     pub max_disk_per_uid: String,
+    /// The OpenAI-compatible HTTP front's Unix socket (docs/http.md); unset: beside `socket`
+    /// (`llmsd.sock` -> `llmsd.http.sock`); empty: no HTTP socket. Peers are identified by
+    /// SO_PEERCRED as on the native socket; its permission bits are `socket_mode`.
+    pub http_socket: Option<PathBuf>,
+    /// The HTTP front on a loopback TCP address too (`127.0.0.1:8080`), for clients that cannot
+    /// reach a Unix socket; needs `http_tokens`. Unset: no TCP.
+    pub http: Option<String>,
+    /// Bearer tokens for TCP clients: a file of `<app> <token>` lines (mode 0600, owned by the
+    /// service's user), each token naming the app it acts as.
+    pub http_tokens: Option<PathBuf>,
+    /// App names a uid may act as, beyond the one of its contexts: `"1000" = ["mail", "notes"]`
+    /// (`"*"`: any). Root and the service's own user may use any name.
+    pub app_names: std::collections::BTreeMap<String, Vec<String>>,
+    /// Contexts the HTTP front keeps per app for stateless clients; at the limit the least
+    /// recently used one it made is retired.
+    pub http_contexts_per_app: usize,
 }
 
 impl Default for Config {
@@ -133,6 +149,11 @@ impl Default for Config {
             max_queued_per_uid: 16,
             max_text_per_uid: "1MiB".into(),
             max_disk_per_uid: "1GiB".into(),
+            http_socket: None,
+            http: None,
+            http_tokens: None,
+            app_names: std::collections::BTreeMap::new(),
+            http_contexts_per_app: 8,
         }
     }
 }
@@ -142,6 +163,18 @@ impl Config {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("{}: not a valid llmsd configuration", path.display()))
+    }
+
+    /// The HTTP front's Unix socket, if it has one.
+    pub fn http_socket_path(&self) -> Option<PathBuf> {
+        match &self.http_socket {
+            Some(p) if p.as_os_str().is_empty() => None,
+            Some(p) => Some(p.clone()),
+            None => {
+                let stem = self.socket.file_stem().map_or_else(|| "llmsd".into(), |s| s.to_string_lossy().into_owned());
+                Some(self.socket.with_file_name(format!("{stem}.http.sock")))
+            }
+        }
     }
 
     pub fn budget_bytes(&self) -> Result<usize> {
@@ -277,6 +310,26 @@ impl Config {
         ] {
             if v == 0 {
                 bail!("{name} must be at least 1");
+            }
+        }
+        for (uid, names) in &self.app_names {
+            if uid.parse::<u32>().is_err() {
+                bail!("app_names: {uid:?} is not a uid");
+            }
+            if let Some(bad) = names.iter().find(|n| n.as_str() != "*" && !(1..=64).contains(&n.len())) {
+                bail!("app_names {uid}: {bad:?} is not an app name");
+            }
+        }
+        if self.http_contexts_per_app == 0 {
+            bail!("http_contexts_per_app must be at least 1");
+        }
+        if let Some(a) = &self.http {
+            let addr: std::net::SocketAddr = a.parse().with_context(|| format!("http {a:?}: an address such as 127.0.0.1:8080"))?;
+            if !addr.ip().is_loopback() {
+                bail!("http {a:?}: the TCP front listens on loopback addresses only (127.0.0.1, ::1); reach it from elsewhere through a proxy that terminates TLS");
+            }
+            if self.http_tokens.is_none() {
+                bail!("http {a:?} needs http_tokens: TCP peers have no uid, a bearer token names each app");
             }
         }
         if self.threads > 256 {

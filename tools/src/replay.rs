@@ -169,6 +169,7 @@ pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each
                 seed: 0,
                 stop: vec![],
                 raw: false,
+                top_p: None,
             };
             let (text, st) = c.call(&call, &mut |_| {}).with_context(|| format!("record {i} (context {})", r.ctx))?;
             let s = c.stats()?;

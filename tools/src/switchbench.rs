@@ -33,7 +33,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn call(c: &mut Client, ctx: &str, prompt: &str) -> Result<CallStats> {
-    let call = Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens: 1, temperature: 0.0, seed: 0, stop: vec![], raw: true };
+    let call =
+        Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens: 1, temperature: 0.0, seed: 0, stop: vec![], raw: true, top_p: None };
     Ok(c.call(&call, &mut |_| {})?.1)
 }
 

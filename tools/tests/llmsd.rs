@@ -113,7 +113,8 @@ fn kernel_ok() -> bool {
 }
 
 fn call(c: &mut Client, ctx: &str, prompt: &str, max_tokens: u32) -> (String, CallStats) {
-    let call = Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens, temperature: 0.0, seed: 0, stop: vec![], raw: false };
+    let call =
+        Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens, temperature: 0.0, seed: 0, stop: vec![], raw: false, top_p: None };
     let mut streamed = String::new();
     let (text, st) = c.call(&call, &mut |t| streamed.push_str(t)).expect("call");
     assert_eq!(streamed, text, "the streamed pieces make the output");
@@ -298,7 +299,7 @@ fn kill_nine_and_corrupt_records_lose_nothing() {
 }
 
 fn base_call() -> Call {
-    Call { ctx: String::new(), prompt: String::new(), max_tokens: 8, temperature: 0.0, seed: 0, stop: vec![], raw: false }
+    Call { ctx: String::new(), prompt: String::new(), max_tokens: 8, temperature: 0.0, seed: 0, stop: vec![], raw: false, top_p: None }
 }
 
 fn walk(p: &Path) -> Vec<PathBuf> {

@@ -16,6 +16,7 @@ fn valid_frames() -> Vec<u8> {
             seed: 7,
             stop: vec!["\n".into()],
             raw: false,
+            top_p: None,
         }),
         Request::List {},
         Request::Stats {},

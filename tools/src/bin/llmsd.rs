@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Parser;
 use tools::config::Config;
-use tools::service::{bind_socket, Service};
+use tools::service::{bind_socket, HttpListeners, Service};
 
 #[derive(Parser, Debug)]
 #[command(name = "llmsd", version, about = "LLMS: the LLM system service")]
@@ -66,6 +66,15 @@ struct Cli {
     max_context_tokens: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
+    /// The OpenAI-compatible HTTP front's Unix socket ("" for none) [default: beside --socket, `<name>.http.sock`]
+    #[arg(long)]
+    http_socket: Option<PathBuf>,
+    /// Also serve HTTP on this loopback TCP address (e.g. 127.0.0.1:8080); needs --http-tokens
+    #[arg(long)]
+    http: Option<String>,
+    /// Bearer tokens of TCP clients: `<app> <token>` lines, mode 0600
+    #[arg(long)]
+    http_tokens: Option<PathBuf>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -101,6 +110,15 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
     );
     if cli.cgroup.is_some() {
         c.cgroup = cli.cgroup;
+    }
+    if cli.http_socket.is_some() {
+        c.http_socket = cli.http_socket;
+    }
+    if cli.http.is_some() {
+        c.http = cli.http;
+    }
+    if cli.http_tokens.is_some() {
+        c.http_tokens = cli.http_tokens;
     }
     if cli.weights_budget.is_some() {
         c.weights_budget = cli.weights_budget;
@@ -152,7 +170,8 @@ fn run() -> Result<()> {
     let socket = cfg.socket.clone();
     let svc = Service::open(cfg)?;
     let listener = bind_socket(&socket, mode)?;
-    tracing::info!(socket = %socket.display(), budget = svc.config().budget, policy = %svc.config().policy, "llmsd ready");
+    let http = HttpListeners::bind(svc.config())?;
+    tracing::info!(socket = %socket.display(), http = %http.describe(), budget = svc.config().budget, policy = %svc.config().policy, "llmsd ready");
     let stopper = Arc::clone(&svc);
     std::thread::Builder::new().name("llmsd-signals".into()).spawn(move || {
         if let Ok(sig) = sigs.wait() {
@@ -160,7 +179,7 @@ fn run() -> Result<()> {
             stopper.stop();
         }
     })?;
-    let r = svc.serve(listener);
+    let r = svc.serve(listener, http);
     let _ = std::fs::remove_file(&socket);
     r
 }

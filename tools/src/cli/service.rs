@@ -79,7 +79,7 @@ pub fn ctx_cmd(cmd: CtxCmd) -> Result<()> {
         CtxCmd::New { system, d } => println!("{}", d.connect()?.new_ctx(system.as_deref())?),
         CtxCmd::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, json, stats, d } => {
             let mut c = d.connect()?;
-            let call = crate::proto::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw };
+            let call = crate::proto::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, top_p: None };
             let mut out = std::io::stdout().lock();
             let (text, st) = c.call(&call, &mut |t| {
                 if !json {
@@ -207,6 +207,7 @@ pub(crate) fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperat
             seed,
             stop: Vec::new(),
             raw: false,
+            top_p: None,
         };
         let mut out = std::io::stdout().lock();
         let (_, st) = c.call(&call, &mut |t| {

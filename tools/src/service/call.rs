@@ -17,6 +17,7 @@ use engine::{Logits, Sampler, SamplerConfig, Session, Utf8Stream};
 use mm::Strategy;
 use tracing::{error, info, warn};
 
+use super::history::History;
 use super::registry::Saved;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::SessionKv;
@@ -28,11 +29,31 @@ pub(super) struct Job {
     received: Instant,
     events: Sender<Event>,
     cancel: Arc<AtomicBool>,
+    /// A stateless client's whole history: the worker chooses the context (`call.ctx` is
+    /// unused) and prefills only what it lacks (history.rs).
+    history: Option<History>,
 }
 
 impl Service {
     /// Queues a call; its events arrive on the returned channel.
     pub(super) fn submit(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>) -> Result<Receiver<Event>, Refusal> {
+        self.enqueue(owner, call, cancel, None)
+    }
+
+    /// Queues a stateless client's call: its history goes to the context that holds the
+    /// longest prefix of it, or to a new one; the choice is sent on `history.chosen` before
+    /// any event.
+    pub(super) fn submit_history(
+        &self,
+        owner: &Owner,
+        call: Call,
+        history: History,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<Receiver<Event>, Refusal> {
+        self.enqueue(owner, call, cancel, Some(history))
+    }
+
+    fn enqueue(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>, history: Option<History>) -> Result<Receiver<Event>, Refusal> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(refuse(ErrorCode::ShuttingDown, "the service is stopping"));
         }
@@ -40,13 +61,16 @@ impl Service {
         {
             let reg = lock(&self.registry);
             self.check_disk(&reg, uid)?;
-            match reg.get(&call.ctx) {
-                Some(e) if e.saved.owner == *owner => {
-                    if let Some(why) = &e.unavailable {
-                        return Err(unavailable(&call.ctx, why));
+            let named = if history.is_some() { history.as_ref().and_then(|h| h.pin.as_ref()) } else { Some(&call.ctx) };
+            if let Some(ctx) = named {
+                match reg.get(ctx) {
+                    Some(e) if e.saved.owner == *owner => {
+                        if let Some(why) = &e.unavailable {
+                            return Err(unavailable(ctx, why));
+                        }
                     }
+                    _ => return Err(not_found(ctx)),
                 }
-                _ => return Err(not_found(&call.ctx)),
             }
         }
         // A call that may generate nothing would still add its prompt (and, as it was, one
@@ -59,6 +83,9 @@ impl Service {
         }
         if !(call.temperature.is_finite() && (0.0..=10.0).contains(&call.temperature)) {
             return Err(refuse(ErrorCode::BadRequest, "temperature must be between 0 and 10"));
+        }
+        if call.top_p.is_some_and(|p| !(p.is_finite() && p > 0.0 && p <= 1.0)) {
+            return Err(refuse(ErrorCode::BadRequest, "top_p must be in (0, 1]"));
         }
         if call.stop.len() > 16 || call.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
             return Err(refuse(ErrorCode::BadRequest, "stop: at most 16 non-empty strings of at most 256 bytes"));
@@ -75,7 +102,7 @@ impl Service {
                 format!("uid {uid} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later"),
             ));
         }
-        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), events: tx, cancel });
+        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), events: tx, cancel, history });
         self.queued.notify_one();
         Ok(rx)
     }
@@ -100,8 +127,14 @@ impl Service {
                 }
             };
             let ev = match catch_unwind(AssertUnwindSafe(|| self.run(&job, &mut scratch))) {
-                Ok(Ok((text, stats))) => Event::Done { text, stats },
-                Ok(Err(r)) => r.into(),
+                Ok(Ok((text, stats))) => {
+                    self.prom.call(&stats);
+                    Event::Done { text, stats }
+                }
+                Ok(Err(r)) => {
+                    self.prom.failed();
+                    r.into()
+                }
                 Err(panic) => {
                     let what = panic_message(panic.as_ref());
                     error!(ctx = %job.call.ctx, "a call panicked outside the model: {what}");
@@ -116,15 +149,42 @@ impl Service {
     /// One call, start to end (see docs/llmsd.md "The call path").
     fn run(&self, job: &Job, scratch: &mut Scratch) -> Result<(String, CallStats), Refusal> {
         let start = Instant::now();
-        let c = &job.call;
+        // A stateless client's call: which context, and what it lacks.
+        let (ctx, given) = match &job.history {
+            None => (job.call.ctx.clone(), None),
+            Some(h) => {
+                let (chosen, ids) = self.resolve(&job.owner, h)?;
+                let ctx = chosen.ctx.clone();
+                let made = chosen.how != "continued";
+                self.prom.cached(chosen.cached_tokens);
+                let _ = h.chosen.send(chosen);
+                let r = self.run_ctx(job, &ctx, Some(ids), start, scratch);
+                if r.is_err() && made {
+                    // A context made for a call that failed holds nothing: it goes.
+                    let _ = self.del_ctx(&job.owner, &ctx);
+                }
+                return r;
+            }
+        };
+        self.run_ctx(job, &ctx, given, start, scratch)
+    }
+
+    fn run_ctx(
+        &self,
+        job: &Job,
+        ctx: &str,
+        given: Option<Vec<u32>>,
+        start: Instant,
+        scratch: &mut Scratch,
+    ) -> Result<(String, CallStats), Refusal> {
         let (mut s, before) = {
             let mut reg = lock(&self.registry);
-            let e = match reg.get_mut(&c.ctx) {
+            let e = match reg.get_mut(ctx) {
                 Some(e) if e.saved.owner == job.owner => e,
-                _ => return Err(not_found(&c.ctx)),
+                _ => return Err(not_found(ctx)),
             };
             if let Some(why) = &e.unavailable {
-                return Err(unavailable(&c.ctx, why));
+                return Err(unavailable(ctx, why));
             }
             let s = e.session.take().ok_or_else(|| refuse(ErrorCode::Busy, "the context is in a call"))?;
             (s, e.saved.clone())
@@ -134,9 +194,9 @@ impl Service {
         // A panic in the call (a bug, or data that got past validation) must not take the
         // worker with it: the call fails, the context is quarantined as it was before the call
         // (its saved state is not touched), and the service goes on with the others.
-        let r = match catch_unwind(AssertUnwindSafe(|| self.run_in(job, &mut s, &mut saved, start))) {
+        let r = match catch_unwind(AssertUnwindSafe(|| self.run_in(job, ctx, given, &mut s, &mut saved, start))) {
             Ok(r) => r,
-            Err(panic) => return Err(self.quarantine(&c.ctx, s, saved.mm_id, panic.as_ref())),
+            Err(panic) => return Err(self.quarantine(ctx, s, saved.mm_id, panic.as_ref())),
         };
         *scratch = s.take_scratch();
         // A call is atomic: its turn is in the context once the context file holding it is on
@@ -149,6 +209,7 @@ impl Service {
                 saved.attention_count.clone_from(&a.count);
             }
             saved.calls += 1;
+            saved.last_used = super::history::now_ms();
             self.save(&saved).map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
             Ok(out)
         });
@@ -158,18 +219,18 @@ impl Service {
                 (Some(s), saved, None)
             }
             Err(e) => {
-                warn!(ctx = %c.ctx, "call failed, the context is rolled back to before it: {}", e.1);
+                warn!(ctx, "call failed, the context is rolled back to before it: {}", e.1);
                 drop(s);
                 match self.roll_back(&before) {
                     Ok(s) => (Some(s), before, None),
                     Err(why) => {
-                        warn!(ctx = %c.ctx, "the context cannot be rolled back: {why}");
+                        warn!(ctx, "the context cannot be rolled back: {why}");
                         (None, before, Some(why))
                     }
                 }
             }
         };
-        if let Some(e) = lock(&self.registry).get_mut(&c.ctx) {
+        if let Some(e) = lock(&self.registry).get_mut(ctx) {
             e.session = session;
             e.saved = saved;
             e.unavailable = unusable;
@@ -213,32 +274,23 @@ impl Service {
     }
 
     #[allow(clippy::too_many_lines)]
-    fn run_in(&self, job: &Job, s: &mut Session, saved: &mut Saved, start: Instant) -> Result<(String, CallStats), Refusal> {
+    #[allow(clippy::too_many_arguments)]
+    fn run_in(
+        &self,
+        job: &Job,
+        ctx: &str,
+        given: Option<Vec<u32>>,
+        s: &mut Session,
+        saved: &mut Saved,
+        start: Instant,
+    ) -> Result<(String, CallStats), Refusal> {
         let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
         let c = &job.call;
-        let tk = &self.model.tokenizer;
-        let enc = |t: &str, special: bool| tk.encode(t, false, special).map_err(|e| fail(&e));
-        // The new tokens: pending text (a system prompt), the end of the last assistant turn,
-        // then the prompt as a user turn (markup parsed for special tokens, the user's text
-        // not: an app cannot forge turns) or raw.
-        let mut ids = Vec::new();
-        if s.n_past() == 0 && tk.add_bos {
-            ids.extend(tk.bos);
-        }
-        if !saved.pending.is_empty() {
-            ids.extend(enc(&saved.pending, true)?);
-        }
-        if saved.open_turn {
-            ids.extend(enc(&self.turns.close_assistant, true)?);
-        }
-        if c.raw {
-            ids.extend(enc(&c.prompt, true)?);
-        } else {
-            let first = s.n_past() == 0 && saved.pending.is_empty();
-            ids.extend(enc(if first { &self.turns.first_open } else { &self.turns.open }, true)?);
-            ids.extend(enc(&c.prompt, false)?);
-            ids.extend(enc(&self.turns.close_user, true)?);
-        }
+        let stateless = given.is_some();
+        let mut ids = match given {
+            Some(ids) => ids,
+            None => self.native_ids(c, s, saved)?,
+        };
         if s.n_past() == 0 {
             saved.keep = ids.len().min(self.cfg.keep_tokens);
         }
@@ -250,6 +302,19 @@ impl Service {
         // context shift, half of what could stay after `keep` is dropped, not just enough for
         // this call: the rebuild is paid once per half window of turns, not at every call.
         let room = self.cfg.max_context_tokens - c.max_tokens as usize - 1;
+        if stateless && s.n_past() + ids.len() > room {
+            // A stateless client sent the history itself: dropping part of it would answer
+            // another conversation than the one it sent.
+            return Err(refuse(
+                ErrorCode::TooLong,
+                format!(
+                    "the conversation is {} tokens and max_tokens {}: over this service's max_context_tokens {}",
+                    s.n_past() + ids.len(),
+                    c.max_tokens,
+                    self.cfg.max_context_tokens
+                ),
+            ));
+        }
         if s.n_past() + ids.len() > room {
             let keep = saved.keep.min(s.n_past());
             if keep + ids.len() > room {
@@ -285,14 +350,42 @@ impl Service {
         let ended = lock(&self.mm).end(mm_id, &mut SessionKv(s));
         let text = out?;
         ended.map_err(|e| fail(&e))?;
-        saved.open_turn = !c.raw && stats.finish != "cancelled";
+        // A stateless client sends the turn's end itself with its next history.
+        saved.open_turn = !c.raw && !stateless && stats.finish != "cancelled";
         stats.context_tokens = u32::try_from(s.n_past()).unwrap_or(u32::MAX);
         info!(
-            ctx = %c.ctx, app = %job.owner.app, switch_ms = stats.switch_ms, read = stats.read_chunks,
+            ctx, app = %job.owner.app, switch_ms = stats.switch_ms, read = stats.read_chunks,
             recomputed = stats.recomputed_chunks, prompt = stats.prompt_tokens, output = stats.output_tokens,
             finish = %stats.finish, "call"
         );
         Ok((text, stats))
+    }
+
+    /// A native call's new tokens: pending text (a system prompt), the end of the last
+    /// assistant turn, then the prompt as a user turn (markup parsed for special tokens, the
+    /// user's text not: an app cannot forge turns) or raw.
+    fn native_ids(&self, c: &Call, s: &Session, saved: &Saved) -> Result<Vec<u32>, Refusal> {
+        let tk = &self.model.tokenizer;
+        let enc = |t: &str, special: bool| tk.encode(t, false, special).map_err(|e| refuse(ErrorCode::Failed, e.to_string()));
+        let mut ids = Vec::new();
+        if s.n_past() == 0 && tk.add_bos {
+            ids.extend(tk.bos);
+        }
+        if !saved.pending.is_empty() {
+            ids.extend(enc(&saved.pending, true)?);
+        }
+        if saved.open_turn {
+            ids.extend(enc(&self.turns.close_assistant, true)?);
+        }
+        if c.raw {
+            ids.extend(enc(&c.prompt, true)?);
+        } else {
+            let first = s.n_past() == 0 && saved.pending.is_empty();
+            ids.extend(enc(if first { &self.turns.first_open } else { &self.turns.open }, true)?);
+            ids.extend(enc(&c.prompt, false)?);
+            ids.extend(enc(&self.turns.close_user, true)?);
+        }
+        Ok(ids)
     }
 
     /// Prefill and decode; new chunks get their slots from mm as the context grows.
@@ -308,7 +401,12 @@ impl Service {
         };
         let t0 = Instant::now();
         grow(s, s.n_past() + ids.len())?;
-        let mut sampler = Sampler::new(SamplerConfig { temperature: c.temperature, seed: c.seed, ..SamplerConfig::default() });
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: c.temperature,
+            seed: c.seed,
+            top_p: c.top_p.unwrap_or(SamplerConfig::default().top_p),
+            ..SamplerConfig::default()
+        });
         let mut next = sampler.sample(s.eval(ids, Logits::Last).map_err(|e| fail(&e))?);
         stats.prefill_ms = ms(t0.elapsed());
         // From the call's arrival: its queue wait is in it once.

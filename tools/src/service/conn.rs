@@ -54,8 +54,34 @@ impl Service {
         }
     }
 
+    /// Whether `uid` may act as `app`. An app name is tied to the uid that uses it: a uid acts
+    /// as one app (the one its contexts belong to) unless `app_names` grants it more; root and
+    /// the service's own user may use any (they can read the state directory anyway). Contexts
+    /// are owned by (uid, app), so another uid never reaches them whatever name it declares.
+    pub(super) fn may_use_app(&self, uid: u32, app: &str) -> Result<(), String> {
+        // SAFETY: geteuid has no preconditions.
+        if uid == 0 || uid == unsafe { libc::geteuid() } {
+            return Ok(());
+        }
+        if let Some(names) = self.cfg.app_names.get(&uid.to_string()) {
+            return if names.iter().any(|n| n == "*" || n == app) {
+                Ok(())
+            } else {
+                Err(format!("uid {uid} may act as {} only (app_names), not as {}", names.join(", "), proto::quote(app)))
+            };
+        }
+        let reg = lock(&self.registry);
+        match reg.values().map(|e| &e.saved.owner).find(|o| o.uid == uid && o.app != app) {
+            Some(o) => Err(format!(
+                "uid {uid} acts as app {}, the app of its contexts; one uid is one app unless the configuration grants it more names (app_names)",
+                proto::quote(&o.app)
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Counts a new connection of `uid`, or says which limit it would break.
-    fn admit_connection(&self, uid: u32) -> Result<(), String> {
+    pub(super) fn admit_connection(&self, uid: u32) -> Result<(), String> {
         let mut per_uid = lock(&self.uid_connections);
         let total: usize = per_uid.values().sum();
         if total >= self.cfg.max_connections {
@@ -72,7 +98,7 @@ impl Service {
         Ok(())
     }
 
-    fn release_connection(&self, uid: u32) {
+    pub(super) fn release_connection(&self, uid: u32) {
         let mut per_uid = lock(&self.uid_connections);
         if let Some(n) = per_uid.get_mut(&uid) {
             *n -= 1;
@@ -122,6 +148,8 @@ impl Service {
                         Err(refuse(ErrorCode::Version, format!("this service speaks protocol {}, not {version}", proto::VERSION)))
                     } else if !valid_app(&app) {
                         Err(refuse(ErrorCode::BadRequest, "app: 1-64 characters of A-Z a-z 0-9 . _ -"))
+                    } else if let Err(why) = self.may_use_app(uid, &app) {
+                        Err(refuse(ErrorCode::NotBound, why))
                     } else {
                         let o = Owner { uid, app };
                         let ev = Event::Bound { protocol: proto::VERSION, uid, app: o.app.clone() };
@@ -131,7 +159,9 @@ impl Service {
                 }
                 (Request::Bind { .. }, Some(_)) => Err(refuse(ErrorCode::NotBound, "this connection is already bound")),
                 (_, None) => Err(refuse(ErrorCode::NotBound, "bind first")),
-                (Request::NewCtx { system_prompt }, Some(o)) => self.new_ctx(o, system_prompt.as_deref()).map(|ctx| Event::Created { ctx }),
+                (Request::NewCtx { system_prompt }, Some(o)) => {
+                    self.new_ctx(o, system_prompt.as_deref(), false).map(|ctx| Event::Created { ctx })
+                }
                 (Request::DelCtx { ctx }, Some(o)) => self.del_ctx(o, &ctx).map(|()| Event::Deleted { ctx }),
                 (Request::List {}, Some(o)) => Ok(Event::List { contexts: self.list(o) }),
                 (Request::Stats {}, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),

@@ -196,6 +196,8 @@ mod tests {
             calls: 1,
             attention_sum: Vec::new(),
             attention_count: Vec::new(),
+            auto: false,
+            last_used: 0,
         }
     }
 

@@ -10,11 +10,16 @@
 //! contexts and their persistence, `conn.rs` the native protocol's connections, `pressure.rs` the
 //! budget following the pressure monitor, `turns.rs` the chat template's turn pieces. This file
 //! holds the service's state, its start and its stop. A future front door (HTTP) is another
-//! room beside `conn` that ends in the same `Service::submit`.
+//! room beside `conn` that ends in the same `Service::submit`: `http/` (the OpenAI-compatible
+//! API and `/metrics`), with `history.rs` choosing the context a stateless client continues
+//! and `metrics.rs` what Prometheus scrapes.
 
 mod call;
 mod conn;
 mod ctxfile;
+mod history;
+mod http;
+mod metrics;
 mod pressure;
 mod registry;
 mod state_dir;
@@ -41,6 +46,7 @@ use crate::kvmm::EngineRecompute;
 use crate::proto::{ErrorCode, Event};
 use call::Job;
 pub use ctxfile::{check_state_dir, ContextCheck};
+pub use http::{Listeners as HttpListeners, NETWORK_UID};
 use registry::CtxEntry;
 use turns::Turns;
 
@@ -92,6 +98,8 @@ pub struct Service {
     /// Open connections per uid.
     uid_connections: Mutex<HashMap<u32, usize>>,
     metrics: Mutex<Metrics>,
+    /// What Prometheus scrapes (`GET /metrics`).
+    prom: metrics::Prom,
     pressure: Mutex<String>,
     budget: usize,
     /// Paged weights and their share of `budget` as configured (the rest is mm's).
@@ -203,6 +211,7 @@ impl Service {
             stopping: AtomicBool::new(false),
             uid_connections: Mutex::new(HashMap::new()),
             metrics: Mutex::new(Metrics::default()),
+            prom: metrics::Prom::default(),
             pressure: Mutex::new("unknown".into()),
             budget,
             weights,
@@ -238,7 +247,9 @@ impl Service {
 
     /// Serves until `stop` is called: accepts connections, runs the worker and the pressure
     /// follower. Returns after the worker finished and every AoT write is on flash.
-    pub fn serve(self: &Arc<Self>, listener: UnixListener) -> Result<()> {
+    pub fn serve(self: &Arc<Self>, listener: UnixListener, http: HttpListeners) -> Result<()> {
+        let http_socket = self.cfg.http_socket_path();
+        let front = self.start_http(http)?;
         let worker = {
             let svc = Arc::clone(self);
             std::thread::Builder::new().name("llmsd-worker".into()).spawn(move || svc.worker())?
@@ -248,6 +259,12 @@ impl Service {
         }
         self.accept(listener);
         self.queued.notify_all();
+        if let Some(f) = front {
+            f.stop();
+            if let Some(p) = http_socket {
+                let _ = std::fs::remove_file(p);
+            }
+        }
         let _ = worker.join();
         let mm = lock(&self.mm);
         mm.flush();
@@ -287,8 +304,9 @@ impl Local {
         let mode = cfg.socket_mode_bits()?;
         let svc = Service::open(cfg)?;
         let listener = bind_socket(&socket, mode)?;
+        let http = HttpListeners::bind(svc.config())?;
         let s = Arc::clone(&svc);
-        let thread = std::thread::spawn(move || s.serve(listener));
+        let thread = std::thread::spawn(move || s.serve(listener, http));
         Ok(Self { svc, socket, thread })
     }
 

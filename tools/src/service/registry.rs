@@ -34,6 +34,12 @@ pub(super) struct Saved {
     pub(super) calls: u64,
     pub(super) attention_sum: Vec<f64>,
     pub(super) attention_count: Vec<u64>,
+    /// Made by the HTTP front for a stateless client (retired least recently used first).
+    #[serde(default)]
+    pub(super) auto: bool,
+    /// When the context's last call ended, ms since the epoch.
+    #[serde(default)]
+    pub(super) last_used: u64,
 }
 
 pub(super) struct CtxEntry {
@@ -165,7 +171,7 @@ impl Service {
         ctxfile::write(&self.ctx_dir, saved)
     }
 
-    pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>) -> Result<String, Refusal> {
+    pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>, auto: bool) -> Result<String, Refusal> {
         let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, format!("{e:#}"));
         let pending = match system_prompt {
             Some(p) => Turns::system(&self.model, p).map_err(fail)?,
@@ -224,6 +230,8 @@ impl Service {
             calls: 0,
             attention_sum: Vec::new(),
             attention_count: Vec::new(),
+            auto,
+            last_used: super::history::now_ms(),
         };
         if let Err(e) = self.save(&saved) {
             let _ = lock(&self.mm).delete(mm_id);

@@ -1,0 +1,469 @@
+//! The OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+//! A request's history goes to the worker, which continues the app's context holding the
+//! longest prefix of it (history.rs); the answer names that context (`X-LLMS-Context`) and
+//! counts the tokens it did not prefill (`usage.prompt_tokens_details.cached_tokens`).
+//! Streaming answers are Server-Sent Events ending in `data: [DONE]`.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::super::history::{render_chat, ChatMessage, Chosen, History, Segment};
+use super::super::turns::Turns;
+use super::{body_bytes, error, owner, refused, Front, Peer};
+use crate::proto::{Call, CallStats, Event};
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// What both endpoints take besides their input (unknown fields are ignored, as OpenAI's
+/// clients send many).
+#[derive(Debug, Deserialize)]
+struct Params {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    params: Params,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: Prompt,
+    #[serde(default)]
+    echo: bool,
+    #[serde(flatten)]
+    params: Params,
+}
+
+/// Which endpoint is answering: the shape of its answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+fn bad(message: impl AsRef<str>) -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request", message)
+}
+
+fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Response> {
+    serde_json::from_slice(b).map_err(|e| bad(format!("the body is not a valid request: {e}")))
+}
+
+pub(super) async fn models(State(front): State<Arc<Front>>, Extension(peer): Extension<Peer>, headers: HeaderMap) -> Response {
+    if let Err(r) = owner(&front, peer, &headers) {
+        return r;
+    }
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": front.model_id, "object": "model", "created": 0, "owned_by": "llms"}],
+    }))
+    .into_response()
+}
+
+pub(super) async fn chat(State(front): State<Arc<Front>>, Extension(peer): Extension<Peer>, headers: HeaderMap, body: Body) -> Response {
+    let b = match body_bytes(body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let req: ChatRequest = match parse(&b) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let mut msgs = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.into_iter().enumerate() {
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut t = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(x)) => t.push_str(&x),
+                        (k, _) => {
+                            return bad(format!("messages[{i}]: content of type {} is not supported (text only)", crate::proto::quote(k)))
+                        }
+                    }
+                }
+                t
+            }
+        };
+        msgs.push(ChatMessage { role: m.role, content });
+    }
+    let svc = &front.svc;
+    let segments = match render_chat(&svc.turns, |t| Turns::system(&svc.model, t), &msgs) {
+        Ok(s) => s,
+        Err(e) => return bad(e),
+    };
+    run(&front, peer, &headers, Kind::Chat, segments, req.params).await
+}
+
+pub(super) async fn completions(
+    State(front): State<Arc<Front>>,
+    Extension(peer): Extension<Peer>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let b = match body_bytes(body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let req: CompletionRequest = match parse(&b) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if req.echo {
+        return bad("echo is not supported");
+    }
+    let prompt = match req.prompt {
+        Prompt::One(p) => p,
+        Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+        Prompt::Many(_) => return bad("prompt: one prompt per request"),
+    };
+    if prompt.is_empty() {
+        return bad("prompt is empty");
+    }
+    // As the native protocol's raw calls: control tokens written in the prompt are parsed.
+    let segments = vec![Segment { text: prompt, special: true }];
+    run(&front, peer, &headers, Kind::Text, segments, req.params).await
+}
+
+/// What the pump passes from the worker's channels to the answer.
+enum Out {
+    Chosen(Chosen),
+    Ev(Event),
+}
+
+async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, segments: Vec<Segment>, p: Params) -> Response {
+    let owner = match owner(front, peer, headers) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    if let Some(m) = p.model.as_deref().filter(|m| *m != front.model_id && *m != "default") {
+        return error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("model {} is not served here (this service serves {})", crate::proto::quote(m), front.model_id),
+        );
+    }
+    if p.n.is_some_and(|n| n != 1) {
+        return bad("n: one choice per request");
+    }
+    if p.logprobs.as_ref().is_some_and(|l| !l.is_null() && *l != Value::Bool(false)) {
+        return bad("logprobs are not supported");
+    }
+    let pin = match headers.get("x-llms-context").map(HeaderValue::to_str) {
+        None => None,
+        Some(Ok(c)) => Some(c.to_string()),
+        Some(Err(_)) => return bad("X-LLMS-Context: a context id"),
+    };
+    let stop = match p.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    let svc = Arc::clone(&front.svc);
+    let limit = u32::try_from(svc.cfg.max_context_tokens / 2 - 3).unwrap_or(u32::MAX);
+    let call = Call {
+        ctx: String::new(),
+        prompt: String::new(),
+        max_tokens: p.max_completion_tokens.or(p.max_tokens).unwrap_or(256.min(limit)),
+        // OpenAI's defaults: temperature 1, no nucleus cut.
+        temperature: p.temperature.unwrap_or(1.0),
+        seed: p.seed.map_or_else(rand::random, |s| u64::from_ne_bytes(s.to_ne_bytes())),
+        stop,
+        raw: kind == Kind::Text,
+        top_p: Some(p.top_p.unwrap_or(1.0)),
+    };
+    let (chosen_tx, chosen_rx) = std::sync::mpsc::channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let history = History { segments, pin, chosen: chosen_tx };
+    let events = match svc.submit_history(&owner, call, history, Arc::clone(&cancel)) {
+        Ok(rx) => rx,
+        Err(r) => return refused(r.0, &r.1),
+    };
+    // The worker's channels are blocking; a pump thread forwards them, and cancels the call
+    // when the client has gone (the answer dropped its receiver).
+    let (tx, mut rx) = mpsc::channel::<Out>(64);
+    tokio::task::spawn_blocking(move || pump(&chosen_rx, &events, &tx, &cancel));
+    let chosen = match rx.recv().await {
+        Some(Out::Chosen(c)) => c,
+        Some(Out::Ev(Event::Error { code, message })) => return refused(code, &message),
+        Some(Out::Ev(_)) | None => {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer")
+        }
+    };
+    let id = format!("{}-{:024x}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, rand::random::<u128>() >> 32);
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let answer = Answer { kind, id, created, model: front.model_id.clone(), cached: chosen.cached_tokens };
+    let mut r = if p.stream.unwrap_or(false) {
+        let usage = p.stream_options.unwrap_or_default().include_usage;
+        stream(answer, rx, usage)
+    } else {
+        loop {
+            match rx.recv().await {
+                Some(Out::Ev(Event::Done { text, stats })) => break axum::Json(answer.whole(&text, &stats)).into_response(),
+                Some(Out::Ev(Event::Error { code, message })) => break refused(code, &message),
+                Some(_) => {}
+                None => break error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer"),
+            }
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&chosen.ctx) {
+        r.headers_mut().insert("x-llms-context", v);
+    }
+    r.headers_mut().insert("x-llms-context-match", HeaderValue::from_static(chosen.how));
+    r
+}
+
+/// Forwards the chosen context, then the call's events; on a client gone, cancels the call.
+fn pump(
+    chosen: &std::sync::mpsc::Receiver<Chosen>,
+    events: &std::sync::mpsc::Receiver<Event>,
+    tx: &mpsc::Sender<Out>,
+    cancel: &AtomicBool,
+) {
+    let tick = Duration::from_millis(200);
+    loop {
+        match chosen.recv_timeout(tick) {
+            Ok(c) => {
+                if tx.blocking_send(Out::Chosen(c)).is_err() {
+                    cancel.store(true, Ordering::SeqCst);
+                    return;
+                }
+                break;
+            }
+            Err(RecvTimeoutError::Timeout) if tx.is_closed() => {
+                cancel.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            // Refused before a context was chosen: the error follows on `events`.
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    loop {
+        match events.recv_timeout(tick) {
+            Ok(ev) => {
+                let last = matches!(ev, Event::Done { .. } | Event::Error { .. });
+                if tx.blocking_send(Out::Ev(ev)).is_err() {
+                    cancel.store(true, Ordering::SeqCst);
+                    return;
+                }
+                if last {
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) if tx.is_closed() => {
+                cancel.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+struct Answer {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    cached: u32,
+}
+
+fn finish_reason(stats: &CallStats) -> &'static str {
+    if stats.finish == "length" {
+        "length"
+    } else {
+        "stop"
+    }
+}
+
+impl Answer {
+    fn usage(&self, s: &CallStats) -> Value {
+        let prompt = s.prompt_tokens + self.cached;
+        json!({
+            "prompt_tokens": prompt,
+            "completion_tokens": s.output_tokens,
+            "total_tokens": prompt + s.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        }
+    }
+
+    fn whole(&self, text: &str, s: &CallStats) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_reason(s)})
+            }
+            Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(s)}),
+        };
+        json!({"id": self.id, "object": self.object(false), "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(s)})
+    }
+
+    /// One streamed chunk: a piece of text, or the end (`finish`).
+    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+        };
+        json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]})
+    }
+
+    fn usage_chunk(&self, s: &CallStats) -> Value {
+        json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [], "usage": self.usage(s)})
+    }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// The answer as Server-Sent Events: a first chunk (the assistant's role), one chunk per
+/// piece of text, the finish, the usage when asked, then `data: [DONE]`. An error after the
+/// answer has begun is sent as an error object in the stream.
+fn stream(a: Answer, rx: mpsc::Receiver<Out>, include_usage: bool) -> Response {
+    struct St {
+        a: Answer,
+        rx: mpsc::Receiver<Out>,
+        first: bool,
+        queued: Vec<Bytes>,
+        done: bool,
+        usage: bool,
+    }
+    let st = St { a, rx, first: true, queued: Vec::new(), done: false, usage: include_usage };
+    let s = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if !st.queued.is_empty() {
+                let b = st.queued.remove(0);
+                return Some((Ok::<Bytes, Infallible>(b), st));
+            }
+            if st.done {
+                return None;
+            }
+            if st.first && st.a.kind == Kind::Chat {
+                st.first = false;
+                st.queued.push(sse(&st.a.chunk(Some(""), true, None)));
+                continue;
+            }
+            match st.rx.recv().await {
+                Some(Out::Ev(Event::Token { text })) => st.queued.push(sse(&st.a.chunk(Some(&text), false, None))),
+                Some(Out::Ev(Event::Done { stats, .. })) => {
+                    st.queued.push(sse(&st.a.chunk(None, false, Some(finish_reason(&stats)))));
+                    if st.usage {
+                        st.queued.push(sse(&st.a.usage_chunk(&stats)));
+                    }
+                    st.queued.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                    st.done = true;
+                }
+                Some(Out::Ev(Event::Error { message, .. })) => {
+                    st.queued.push(sse(&json!({"error": {"message": message, "type": "server_error", "param": null, "code": "failed"}})));
+                    st.queued.push(Bytes::from_static(b"data: [DONE]\n\n"));
+                    st.done = true;
+                }
+                Some(_) => {}
+                None => {
+                    st.queued.push(sse(&json!({"error": {"message": "the call ended without an answer", "type": "server_error", "param": null, "code": "failed"}})));
+                    st.done = true;
+                }
+            }
+        }
+    });
+    let mut r = Response::new(Body::from_stream(s));
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
