@@ -9,7 +9,7 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64
+.PHONY: pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64
 
 all: build
 
@@ -62,7 +62,19 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 
-test: model deps lint
+# The real clients the HTTP front is tested against (openai, prometheus_client; pinned in
+# tools/tests/py/requirements.txt), in a venv under target/ (Debian's python3-venv when missing).
+PYENV := target/py/.installed
+pyenv: $(PYENV)
+$(PYENV): tools/tests/py/requirements.txt
+	@python3 -c "import ensurepip, venv" 2>/dev/null || { \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends python3-venv || \
+		{ $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends python3-venv; }; }
+	rm -rf target/py && python3 -m venv target/py
+	target/py/bin/pip install --quiet --disable-pip-version-check -r tools/tests/py/requirements.txt
+	touch $@
+
+test: model deps lint pyenv
 	LLMS_REQUIRE_KERNEL=1 $(CARGO) test --workspace
 
 fmt:

@@ -8,12 +8,15 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use llms_tests::{model_path, require_kernel};
+mod common;
+
+use common::{kernel_ok, refused_start, Daemon};
+use llms_tests::model_path;
 use tools::client::{Client, ServiceError};
 use tools::proto::{self, Call, CallStats, ErrorCode, Event, Request};
 
@@ -25,92 +28,6 @@ const PROMPTS: [&str; 6] = [
     "Give me a word that rhymes with cat.",
     "What do bees make?",
 ];
-
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    log: PathBuf,
-}
-
-impl Daemon {
-    /// Starts llmsd with `settings` (TOML lines) over the state directory `state`.
-    fn start(dir: &Path, name: &str, state: &Path, settings: &str) -> Self {
-        Self::start_on(dir, name, state, settings, None)
-    }
-
-    /// [`Daemon::start`], with `disk` (a file system image) loop-mounted at `state`'s parent in
-    /// a mount namespace of llmsd's own (nothing outside it sees the mount).
-    fn start_on(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>) -> Self {
-        let socket = dir.join(format!("{name}.sock"));
-        let cfg = dir.join(format!("{name}.toml"));
-        let toml = format!(
-            "model = {:?}\nsocket = {:?}\nstate_dir = {:?}\nload_profile = false\nthreads = 2\n{}{settings}\n",
-            model_path(),
-            socket,
-            state,
-            if settings.contains("pressure") { "" } else { "pressure = false\n" }
-        );
-        std::fs::write(&cfg, toml).unwrap();
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = match disk {
-            None => Command::new(env!("CARGO_BIN_EXE_llmsd")),
-            Some(img) => {
-                // unshare(1) and sh exec in place: the child's pid is llmsd's.
-                let mut c = Command::new("unshare");
-                c.args(["-m", "sh", "-c", "mount -o loop \"$0\" \"$1\" && exec \"$2\" \"$3\" \"$4\""])
-                    .arg(img)
-                    .arg(state.parent().unwrap())
-                    .arg(env!("CARGO_BIN_EXE_llmsd"));
-                c
-            }
-        };
-        let child =
-            cmd.arg("--config").arg(&cfg).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().expect("llmsd starts");
-        let mut d = Self { child, socket, log };
-        let t = Instant::now();
-        while UnixStream::connect(&d.socket).is_err() {
-            if let Some(st) = d.child.try_wait().unwrap() {
-                panic!("llmsd exited ({st}): {}", std::fs::read_to_string(&d.log).unwrap_or_default());
-            }
-            assert!(t.elapsed() < Duration::from_secs(120), "llmsd did not start: {}", d.log_text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        d
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn client(&self, app: &str) -> Client {
-        Client::connect(&self.socket, app).expect("connect")
-    }
-
-    /// SIGTERM and wait: the clean shutdown.
-    fn stop(mut self) {
-        // SAFETY: plain kill(2) on our child.
-        unsafe { libc::kill(i32::try_from(self.child.id()).unwrap(), libc::SIGTERM) };
-        let st = self.child.wait().unwrap();
-        assert!(st.success(), "llmsd stopped with {st}: {}", self.log_text());
-        assert!(!self.socket.exists(), "the socket is removed at shutdown");
-    }
-
-    fn kill9(mut self) {
-        self.child.kill().unwrap();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn kernel_ok() -> bool {
-    require_kernel("userfaultfd", uffd_handler::Pager::new()).is_some()
-}
 
 fn call(c: &mut Client, ctx: &str, prompt: &str, max_tokens: u32) -> (String, CallStats) {
     let call =
@@ -590,17 +507,6 @@ fn paged_weights_share_the_budget_and_change_no_output() {
 }
 
 /// Runs llmsd with `settings` and expects it to refuse to start; returns what it printed.
-fn refused_start(dir: &Path, name: &str, settings: &str) -> String {
-    let cfg = dir.join(format!("{name}.toml"));
-    // A `model` line in `settings` replaces the default (TOML refuses a key twice).
-    let model = if settings.contains("model =") { String::new() } else { format!("model = {:?}\n", model_path()) };
-    std::fs::write(&cfg, format!("{model}load_profile = false\npressure = false\nthreads = 2\n{settings}\n")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_llmsd")).arg("--config").arg(&cfg).stdout(Stdio::null()).output().expect("llmsd runs");
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "{name}: llmsd started with {settings:?}: {err}");
-    err
-}
-
 /// A state directory is one service's: a second instance, a regular file in the socket's place,
 /// another user's directory, tmpfs and bad settings are refused with a message that says what
 /// is wrong; what the service writes is private to its uid.

@@ -169,8 +169,9 @@ fn run() -> Result<()> {
     let mode = cfg.socket_mode_bits()?;
     let socket = cfg.socket.clone();
     let svc = Service::open(cfg)?;
-    let listener = bind_socket(&socket, mode)?;
+    // The HTTP front first: once the native socket exists, both are there.
     let http = HttpListeners::bind(svc.config())?;
+    let listener = bind_socket(&socket, mode)?;
     tracing::info!(socket = %socket.display(), http = %http.describe(), budget = svc.config().budget, policy = %svc.config().policy, "llmsd ready");
     let stopper = Arc::clone(&svc);
     std::thread::Builder::new().name("llmsd-signals".into()).spawn(move || {

@@ -303,8 +303,8 @@ impl Local {
         let socket = cfg.socket.clone();
         let mode = cfg.socket_mode_bits()?;
         let svc = Service::open(cfg)?;
-        let listener = bind_socket(&socket, mode)?;
         let http = HttpListeners::bind(svc.config())?;
+        let listener = bind_socket(&socket, mode)?;
         let s = Arc::clone(&svc);
         let thread = std::thread::spawn(move || s.serve(listener, http));
         Ok(Self { svc, socket, thread })

@@ -1,0 +1,153 @@
+//! llmsd's OpenAI-compatible HTTP front end to end: the real `openai` and `prometheus_client`
+//! Python packages (tools/tests/py, installed into target/py by `make pyenv`) against the real
+//! daemon, a conversation continued across a restart, `curl -N` reading the event stream, and
+//! hostile HTTP (oversized bodies, headers that never end, bad settings).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{kernel_ok, refused_start, Daemon};
+use llms_tests::kernel_required;
+
+const TOKEN_A: &str = "tok-a-0123456789abcdef";
+const TOKEN_B: &str = "tok-b-0123456789abcdef";
+
+/// The venv's Python with the pinned clients, or `None` (a failure under `make test`).
+fn python() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/py/bin/python");
+    let ok = p.exists() && Command::new(&p).args(["-c", "import openai, prometheus_client"]).output().is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(p);
+    }
+    let msg = format!("{} with openai and prometheus_client is missing (make pyenv)", p.display());
+    assert!(!kernel_required(), "{msg}");
+    eprintln!("skipping: {msg}");
+    None
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn tokens_file(dir: &Path, mode: u32) -> PathBuf {
+    let p = dir.join(format!("tokens-{mode:o}"));
+    std::fs::write(&p, format!("# app token\npy-tcp {TOKEN_A}\npy-tcp2 {TOKEN_B}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    p
+}
+
+fn run_py(py: &Path, phase: &str, http: &Path, port: u16, state: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/openai_client.py");
+    let out = Command::new(py)
+        .arg(script)
+        .args([phase, &http.display().to_string(), &format!("http://127.0.0.1:{port}"), TOKEN_A, TOKEN_B, &state.display().to_string()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("ok "), "{phase}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A raw HTTP exchange on the HTTP socket: what comes back before the server closes or
+/// `wait` passes.
+fn raw_http(sock: &Path, request: &[u8], wait: Duration) -> String {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(wait)).unwrap();
+    let _ = s.write_all(request);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn settings(port: u16, tokens: &Path) -> String {
+    // int8 only: no lossy level, so a continued context's greedy output equals a fresh one's.
+    // A 2 MiB budget evicts; max_queue = 2 makes a burst of calls meet 429.
+    format!(
+        "levels = [\"int8\"]\nbudget = \"2MiB\"\nmax_context_tokens = 512\nmax_queue = 2\nio_timeout_s = 2\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"
+    )
+}
+
+/// Every client-visible behaviour of the front, with the real clients; the conversation goes
+/// on after the service was stopped and started again.
+#[test]
+fn openai_clients_continue_persistent_contexts() {
+    if !kernel_ok() {
+        return;
+    }
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let tokens = tokens_file(dir.path(), 0o600);
+    let port = free_port();
+    let d = Daemon::start(dir.path(), "h", &state, &settings(port, &tokens));
+    let http = dir.path().join("h.http.sock");
+    assert!(http.exists(), "the HTTP socket sits beside the native one");
+    let conv = dir.path().join("conversation.json");
+    run_py(&py, "main", &http, port, &conv);
+
+    // curl -N reads the events as they come.
+    let out = Command::new("curl")
+        .args(["-sN", "--unix-socket"])
+        .arg(&http)
+        .args(["-H", "X-LLMS-App: curl", "http://llmsd/v1/chat/completions", "-d"])
+        .arg(r#"{"messages":[{"role":"user","content":"Hi!"}],"stream":true,"max_tokens":8,"temperature":0}"#)
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+    assert!(events.len() >= 4 && events.iter().all(|e| e.starts_with("data: ")), "{text}");
+    assert_eq!(events.last().copied(), Some("data: [DONE]"), "{text}");
+
+    // Hostile HTTP: an oversized body, headers that never end, a body that is not JSON.
+    let big = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", 2 << 20);
+    let mut req = big.into_bytes();
+    req.extend(std::iter::repeat_n(b'x', 2 << 20));
+    let r = raw_http(&http, &req, Duration::from_secs(10));
+    assert!(r.starts_with("HTTP/1.1 413") && r.contains("request_too_large"), "{}", &r[..r.len().min(300)]);
+    let t = Instant::now();
+    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nx-slow: ", Duration::from_secs(30));
+    assert!(t.elapsed() < Duration::from_secs(20), "a connection whose headers never end is closed (io_timeout_s)");
+    assert!(!r.contains("200 OK"), "{r}");
+    let r = raw_http(
+        &http,
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 3\r\n\r\n\xff\xfe{",
+        Duration::from_secs(10),
+    );
+    assert!(r.starts_with("HTTP/1.1 400") && r.contains("invalid_request_error"), "{r}");
+    // The service still answers.
+    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+
+    d.stop();
+    assert!(!http.exists(), "the HTTP socket is removed at shutdown");
+    let d = Daemon::start(dir.path(), "h", &state, &settings(port, &tokens));
+    run_py(&py, "restart", &http, port, &conv);
+    d.stop();
+}
+
+/// TCP without tokens, on an address others can reach, or with a token file others can read
+/// is refused at start, saying why.
+#[test]
+fn the_http_front_refuses_unsafe_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = |name: &str| format!("socket = {:?}\nstate_dir = {:?}\n", dir.path().join(format!("{name}.sock")), dir.path().join(name));
+    let e = refused_start(dir.path(), "t1", &format!("{}http = \"127.0.0.1:{}\"\n", base("t1"), free_port()));
+    assert!(e.contains("needs http_tokens"), "{e}");
+    let e = refused_start(dir.path(), "t2", &format!("{}http = \"0.0.0.0:{}\"\nhttp_tokens = \"/x\"\n", base("t2"), free_port()));
+    assert!(e.contains("loopback"), "{e}");
+    if kernel_ok() {
+        let loose = tokens_file(dir.path(), 0o644);
+        let e = refused_start(dir.path(), "t3", &format!("{}http = \"127.0.0.1:{}\"\nhttp_tokens = {loose:?}\n", base("t3"), free_port()));
+        assert!(e.contains("must be mode 0600"), "{e}");
+        let short = dir.path().join("short");
+        std::fs::write(&short, "app short\n").unwrap();
+        std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let e = refused_start(dir.path(), "t4", &format!("{}http = \"127.0.0.1:{}\"\nhttp_tokens = {short:?}\n", base("t4"), free_port()));
+        assert!(e.contains("at least 16 characters"), "{e}");
+    }
+}
