@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{kernel_ok, refused_start, Daemon};
-use llms_tests::model_path;
 use tools::client::{Client, ServiceError};
 use tools::proto::{self, Call, CallStats, ErrorCode, Event, Request};
 
