@@ -37,12 +37,15 @@ $(FONT):
 build: deps
 	$(CARGO) build --release --workspace
 
-demo: model build
+demo: model build pyenv
 	@echo "== llms doctor: what this machine offers LLMS"
 	./target/release/llms doctor
 	@echo
 	@echo "== the service: llmsd with a small KV budget, three apps, nine contexts, interleaved calls"
 	tools/demo/service
+	@echo
+	@echo "== the OpenAI API: a stateless client's conversation continued from its context, across a restart (docs/http.md)"
+	tools/demo/http
 	@echo
 	@echo "== paged weights: the model computing with half of its weight bytes in memory (docs/weights.md)"
 	./target/release/llms generate --chat --stats --max-tokens 48 --weights-budget 50% \

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod experiment;
 pub mod figure;
+pub mod httpbench;
 pub mod kvmm;
 pub mod loadbench;
 pub mod replay;

@@ -47,6 +47,9 @@ enum Cmd {
     /// The service's switch latency and time to first token for contexts that are resident,
     /// partly evicted, fully evicted, and recomputed whole (lmk), in process over a socket.
     BenchSwitch(bench::BenchSwitchArgs),
+    /// The HTTP front: a stateless client's TTFT with its context continued vs its history
+    /// prefilled in full (resident and after eviction), and the front's overhead per call.
+    BenchHttp(bench::BenchHttpArgs),
     /// Context-switching traces: synthesize them, replay them against llmsd.
     Trace {
         #[command(subcommand)]
@@ -100,6 +103,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Profile(a) => a.run(),
         Cmd::BenchLoad(a) => a.run(),
         Cmd::BenchSwitch(a) => a.run(),
+        Cmd::BenchHttp(a) => a.run(),
         Cmd::Trace { cmd } => experiment::trace_cmd(cmd),
         Cmd::Report(a) => a.run(),
         Cmd::Experiment { cmd } => experiment::experiment_cmd(cmd),

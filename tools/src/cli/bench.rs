@@ -87,6 +87,82 @@ impl BenchSwitchArgs {
     }
 }
 
+/// `llms bench-http`.
+#[derive(Args, Debug)]
+pub struct BenchHttpArgs {
+    /// Turns of the conversation (its history reaches ~100 tokens a turn).
+    #[arg(long, default_value_t = 10)]
+    pub turns: usize,
+    /// Tokens of each user message (about).
+    #[arg(long, default_value_t = 40)]
+    pub user_tokens: usize,
+    /// Tokens of each reply at most.
+    #[arg(long, default_value_t = 48)]
+    pub reply_tokens: usize,
+    /// The service's KV levels. int8 alone by default: the continued context then holds what
+    /// a full prefill would compute, so both sides run at the same quality.
+    #[arg(long, value_delimiter = ',', default_value = "int8")]
+    pub levels: Vec<String>,
+    /// Conversations (medians over them); the overhead takes 10x as many call pairs.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Where the load profile is (measured there if missing) and the run's store goes.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl BenchHttpArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { turns, user_tokens, reply_tokens, levels, reps, state_dir, json, m } = self;
+        if !(2..=16).contains(&turns) || reps == 0 || !(8..=400).contains(&user_tokens) || !(1..=200).contains(&reply_tokens) {
+            bail!("--turns must be in 2..=16, --user-tokens in 8..=400, --reply-tokens in 1..=200, --reps at least 1");
+        }
+        let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let (model, pool) = load(&m)?;
+        crate::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
+        drop((model, pool));
+        let base =
+            crate::config::Config { model: model_path(&m), threads: m.threads.unwrap_or(0), levels, ..crate::config::Config::default() };
+        base.level_formats()?;
+        let work = dir.join(format!("bench-http-{}", std::process::id()));
+        let shape = crate::httpbench::Shape { turns, user_tokens, reply_tokens };
+        let r = crate::httpbench::run(&base, shape, reps, &work, &dir);
+        let _ = std::fs::remove_dir_all(&work);
+        let r = r?;
+        if json {
+            println!("{}", serde_json::to_string(&r)?);
+            return Ok(());
+        }
+        println!(
+            "a stateless client's turn {} ({} prompt tokens; user messages of ~{} tokens, replies of <= {}; KV levels {}; medians of {} conversations):",
+            r.turns,
+            r.history_tokens,
+            r.user_tokens,
+            r.reply_tokens,
+            r.levels.join(","),
+            r.reps
+        );
+        println!("  TTFT continued {:.1} ms, full prefill {:.1} ms: {:.1}x", r.ttft_continued_ms, r.ttft_full_prefill_ms, r.speedup);
+        println!(
+            "  after eviction ({:.0}% of its chunks off memory): {:.1} ms, full prefill {:.1} ms: {:.1}x",
+            r.evicted_share * 100.0,
+            r.ttft_after_eviction_ms,
+            r.ttft_full_prefill_after_ms,
+            r.speedup_after_eviction
+        );
+        println!(
+            "the same one-token call: native {:.2} ms, HTTP {:.2} ms: overhead {:.2} ms",
+            r.native_call_ms, r.http_call_ms, r.http_overhead_ms
+        );
+        Ok(())
+    }
+}
+
 /// `llms bench-uffd`.
 #[derive(Args, Debug)]
 pub struct BenchUffdArgs {
