@@ -123,6 +123,33 @@ fn openai_clients_continue_persistent_contexts() {
     let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
 
+    // A stop: the call running finishes its answer, a queued one gets 503.
+    let mut first = UnixStream::connect(&http).unwrap();
+    first.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body =
+        r#"{"messages":[{"role":"user","content":"Count from one to fifty in words."}],"stream":true,"max_tokens":60,"temperature":0}"#;
+    write!(first, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: stop-a\r\ncontent-length: {}\r\n\r\n{body}", body.len())
+        .unwrap();
+    let mut head = [0u8; 64];
+    let n = first.read(&mut head).unwrap();
+    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head[..n]));
+    let queued = std::thread::spawn({
+        let http = http.clone();
+        move || {
+            let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#;
+            let req = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: stop-b\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+            raw_http(&http, req.as_bytes(), Duration::from_secs(60))
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: plain kill(2) on our child.
+    unsafe { libc::kill(i32::try_from(d.child.id()).unwrap(), libc::SIGTERM) };
+    let mut rest = Vec::new();
+    let _ = first.read_to_end(&mut rest);
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("data: [DONE]") && rest.contains("\"finish_reason\":\""), "the running call is answered whole: {rest}");
+    let r = queued.join().unwrap();
+    assert!(r.starts_with("HTTP/1.1 503") && r.contains("shutting_down") && r.to_lowercase().contains("retry-after"), "{r}");
     d.stop();
     assert!(!http.exists(), "the HTTP socket is removed at shutdown");
     let d = Daemon::start(dir.path(), "h", &state, &settings(port, &tokens));

@@ -38,6 +38,8 @@ use crate::proto::ErrorCode;
 
 /// The uid TCP clients count as (they have none): the per-uid limits hold them together.
 pub const NETWORK_UID: u32 = u32::MAX - 1;
+/// How long a stop waits for the HTTP requests in flight.
+const STOP_GRACE: Duration = Duration::from_secs(30);
 /// Largest request body: a whole conversation fits many times over.
 pub const MAX_BODY: usize = crate::proto::MAX_FRAME;
 
@@ -163,6 +165,10 @@ enum Peer {
 
 struct Front {
     svc: Arc<Service>,
+    /// Connections being served (a stop waits for them).
+    active: std::sync::atomic::AtomicUsize,
+    /// True once the service stops: connections finish their request and close.
+    stopped: watch::Receiver<bool>,
     tokens: Tokens,
     /// The model's name in `/v1/models` and the `model` field.
     model_id: String,
@@ -170,18 +176,30 @@ struct Front {
 }
 
 /// The running front; dropped when the service stops.
-#[derive(Debug)]
 pub(super) struct Running {
     stop: watch::Sender<bool>,
+    front: Arc<Front>,
     rt: Option<tokio::runtime::Runtime>,
 }
 
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running").finish_non_exhaustive()
+    }
+}
+
 impl Running {
-    /// Stops accepting, gives calls in flight a moment to end, and drops the rest.
+    /// Stops accepting; requests in flight finish (the call running ends, queued ones are
+    /// answered 503 by the worker as it stops), idle connections close; whatever is left
+    /// after [`STOP_GRACE`] (a client that stopped reading) is dropped.
     pub(super) fn stop(mut self) {
         let _ = self.stop.send(true);
+        let until = std::time::Instant::now() + STOP_GRACE;
+        while self.front.active.load(std::sync::atomic::Ordering::SeqCst) > 0 && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_timeout(Duration::from_secs(2));
+            rt.shutdown_timeout(Duration::from_secs(1));
         }
     }
 }
@@ -195,9 +213,16 @@ impl Service {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("llmsd-http").enable_all().build()?;
         let model_id = self.cfg.model.file_stem().map_or_else(|| "llms".into(), |s| s.to_string_lossy().into_owned());
         let registry = self.prom.registry(self);
-        let front = Arc::new(Front { svc: Arc::clone(self), tokens: l.tokens, model_id, registry });
-        let router = router(Arc::clone(&front));
         let (stop, stopped) = watch::channel(false);
+        let front = Arc::new(Front {
+            svc: Arc::clone(self),
+            active: std::sync::atomic::AtomicUsize::new(0),
+            stopped: stopped.clone(),
+            tokens: l.tokens,
+            model_id,
+            registry,
+        });
+        let router = router(Arc::clone(&front));
         if let Some((u, path)) = l.unix {
             u.set_nonblocking(true)?;
             let _g = rt.enter();
@@ -212,7 +237,7 @@ impl Service {
             info!(addr = %t.local_addr()?, "HTTP front (OpenAI API) listening on TCP (bearer tokens)");
             rt.spawn(accept_tcp(Arc::clone(&front), t, router, stopped));
         }
-        Ok(Some(Running { stop, rt: Some(rt) }))
+        Ok(Some(Running { stop, front, rt: Some(rt) }))
     }
 }
 
@@ -287,6 +312,9 @@ where
     }
     let io = Duration::from_secs(svc.cfg.io_timeout_s.max(1));
     let app = router.clone().layer(Extension(peer));
+    let mut stopped = front.stopped.clone();
+    let front = Arc::clone(front);
+    front.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     tokio::spawn(async move {
         let service = hyper_util::service::TowerToHyperService::new(app);
         let conn = hyper::server::conn::http1::Builder::new()
@@ -294,8 +322,17 @@ where
             .header_read_timeout(io)
             .max_buf_size(64 * 1024)
             .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        let _ = conn.await;
+        let mut conn = std::pin::pin!(conn);
+        tokio::select! {
+            _ = conn.as_mut() => {}
+            () = async { let _ = stopped.wait_for(|s| *s).await; } => {
+                // The request in flight is answered, then the connection closes.
+                conn.as_mut().graceful_shutdown();
+                let _ = conn.await;
+            }
+        }
         svc.release_connection(uid);
+        front.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     });
 }
 
