@@ -66,7 +66,7 @@ struct Cli {
     max_context_tokens: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
-    /// The OpenAI-compatible HTTP front's Unix socket ("" for none) [default: beside --socket, `<name>.http.sock`]
+    /// The OpenAI-compatible HTTP front's Unix socket ("" for none); by default beside --socket, `<name>.http.sock`
     #[arg(long)]
     http_socket: Option<PathBuf>,
     /// Also serve HTTP on this loopback TCP address (e.g. 127.0.0.1:8080); needs --http-tokens
