@@ -8,6 +8,7 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -177,4 +178,79 @@ fn the_http_front_refuses_unsafe_settings() {
         let e = refused_start(dir.path(), "t4", &format!("{}http = \"127.0.0.1:{}\"\nhttp_tokens = {short:?}\n", base("t4"), free_port()));
         assert!(e.contains("at least 16 characters"), "{e}");
     }
+}
+
+/// `curl` as uid 65534 on the HTTP socket: exit status and output.
+fn curl_as_nobody(http: &Path, app: &str, extra: &[&str], body: &str) -> String {
+    let out = Command::new("curl")
+        .args(["-s", "--unix-socket"])
+        .arg(http)
+        .args(["-H", &format!("X-LLMS-App: {app}")])
+        .args(extra)
+        .args(["http://llmsd/v1/chat/completions", "-d", body])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("curl runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Another uid cannot reach a context by naming it or its app, and acts as one app; a flood
+/// of connections from one uid is refused past its limit while the service goes on answering.
+#[test]
+fn other_uids_and_floods_over_http() {
+    if !kernel_ok() {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        let msg = "switching to another uid needs root";
+        assert!(!kernel_required(), "{msg}");
+        eprintln!("skipping: {msg}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let d = Daemon::start(dir.path(), "u", &dir.path().join("state"), "socket_mode = \"0666\"\nmax_connections_per_uid = 4\n");
+    let http = dir.path().join("u.http.sock");
+    let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":4,"temperature":0}"#;
+    // Root's context, named by another uid with the same app name: not found.
+    let r = raw_http(
+        &http,
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: shared\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+        Duration::from_secs(60),
+    );
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let ctx = r.lines().find_map(|l| l.strip_prefix("x-llms-context: ")).expect("a context header").trim().to_string();
+    let theirs = curl_as_nobody(&http, "shared", &["-H", &format!("X-LLMS-Context: {ctx}")], body);
+    let none = curl_as_nobody(&http, "shared", &["-H", &format!("X-LLMS-Context: {}", "0".repeat(32))], body);
+    assert!(theirs.contains("context_not_found"), "{theirs}");
+    assert_eq!(theirs.replace(&ctx, "X"), none.replace(&"0".repeat(32), "X"), "the same answer whether it exists or not");
+    // A uid acts as one app: after its first context, another name is refused.
+    let first = curl_as_nobody(&http, "nobody-app", &[], body);
+    assert!(first.contains("chat.completion"), "{first}");
+    let other = curl_as_nobody(&http, "another-app", &[], body);
+    assert!(other.contains("app_not_granted") && other.contains("nobody-app"), "{other}");
+    let native = Command::new(env!("CARGO_BIN_EXE_llms"))
+        .args(["ctx", "list", "--app", "another-app"])
+        .env("LLMS_SOCKET", &d.socket)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(!native.status.success() && String::from_utf8_lossy(&native.stderr).contains("app_names"), "{native:?}");
+    // A flood: past max_connections_per_uid, 429 and closed; the others are still served.
+    let held: Vec<UnixStream> = (0..4).map(|_| UnixStream::connect(&http).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", Duration::from_secs(10));
+    assert!(r.starts_with("HTTP/1.1 429") && r.contains("max_connections_per_uid"), "{r}");
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    d.stop();
 }
