@@ -791,7 +791,11 @@ fn one_uid_cannot_take_the_service_for_itself() {
     let mut slow = (0..100)
         .find_map(|_| {
             let mut s = UnixStream::connect(&d.socket).ok()?;
-            raw_frame(&mut s, &proto::encode(&Request::Bind { app: "slow".into(), version: proto::VERSION }));
+            // A refused connection may be closed before the bind is written: try again.
+            if proto::write_frame(&mut s, &proto::encode(&Request::Bind { app: "slow".into(), version: proto::VERSION })).is_err() {
+                std::thread::sleep(Duration::from_millis(50));
+                return None;
+            }
             if !matches!(read_event(&mut s), Some(Event::Bound { .. })) {
                 std::thread::sleep(Duration::from_millis(50));
                 return None;
