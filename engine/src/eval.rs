@@ -272,8 +272,8 @@ fn level_rank(f: KvFormat) -> u8 {
     match f {
         KvFormat::F16 => 0,
         KvFormat::Int8 => 1,
-        KvFormat::Q4 => 2,
-        KvFormat::Q2 => 3,
+        KvFormat::Q4 | KvFormat::Q4R => 2,
+        KvFormat::Q2 | KvFormat::Q2R => 3,
     }
 }
 

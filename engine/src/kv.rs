@@ -10,6 +10,8 @@
 //! head block (Int8) = scales [token] f16, codes [token][head_dim] i8      (x = s_t * q)
 //! head block (Q4/Q2)= scales [token] f16, per-channel (min i8, step u8) [head_dim],
 //!                     codes [token][head_dim] at 4 or 2 bits             (x = s_t * (min_c + code * step_c))
+//! head block (Q4R/Q2R) = per token (step f16, min f16), codes [token][head_dim] at 4 or 2 bits,
+//!                     of the head vector rotated by H (x = H (min_t + code * step_t))
 //! ```
 //!
 //! Int8 is the default base: per-token, per-head symmetric quantization, which can be written
@@ -17,6 +19,14 @@
 //! the int8 codes over the chunk's tokens (each channel gets its own offset and step, which
 //! tames the outlier channels of K). They exist only for full chunks; converting back to Int8
 //! is exact (the reduced values are int8 codes).
+//!
+//! Q4R and Q2R quantize the values themselves (the f32 the engine computed, or the int8 a
+//! chunk holds, dequantized), not int8 codes, after an orthogonal rotation of each head vector:
+//! the normalized Walsh-Hadamard transform H over `head_dim` (a power of two), as QuaRot-style
+//! KV quantization does. H spreads an outlier channel's energy over every channel, so one
+//! step and offset per token (4 bytes) serve the whole vector: q4r costs 0.55x int8's bytes at
+//! 16-token chunks where q4 costs 0.64x. Reading decodes and rotates back (H is its own
+//! inverse), so attention sees plain K/V rows; the format code says the rotation.
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use half::f16;
@@ -28,10 +38,13 @@ pub enum KvFormat {
     Int8,
     Q4,
     Q2,
+    Q4R,
+    Q2R,
 }
 
 impl KvFormat {
-    pub const ALL: [Self; 4] = [Self::F16, Self::Int8, Self::Q4, Self::Q2];
+    /// Every format, in the order of their stored codes (never reorder: records name them).
+    pub const ALL: [Self; 6] = [Self::F16, Self::Int8, Self::Q4, Self::Q2, Self::Q4R, Self::Q2R];
 
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -39,6 +52,8 @@ impl KvFormat {
             "int8" | "q8" => Self::Int8,
             "q4" => Self::Q4,
             "q2" => Self::Q2,
+            "q4r" => Self::Q4R,
+            "q2r" => Self::Q2R,
             _ => return None,
         })
     }
@@ -48,7 +63,13 @@ impl KvFormat {
             Self::Int8 => "int8",
             Self::Q4 => "q4",
             Self::Q2 => "q2",
+            Self::Q4R => "q4r",
+            Self::Q2R => "q2r",
         }
+    }
+    /// Whether head vectors are stored rotated by the Walsh-Hadamard transform.
+    pub fn rotated(self) -> bool {
+        matches!(self, Self::Q4R | Self::Q2R)
     }
     /// Formats tokens can be appended to one at a time.
     pub fn is_base(self) -> bool {
@@ -59,15 +80,15 @@ impl KvFormat {
         match self {
             Self::F16 => 16,
             Self::Int8 => 8,
-            Self::Q4 => 4,
-            Self::Q2 => 2,
+            Self::Q4 | Self::Q4R => 4,
+            Self::Q2 | Self::Q2R => 2,
         }
     }
     /// Largest code of a reduced level.
     fn levels(self) -> i32 {
         match self {
-            Self::Q4 => 15,
-            Self::Q2 => 3,
+            Self::Q4 | Self::Q4R => 15,
+            Self::Q2 | Self::Q2R => 3,
             _ => 0,
         }
     }
@@ -90,6 +111,7 @@ impl KvGeometry {
             KvFormat::F16 => t * hd * 2,
             KvFormat::Int8 => t * 2 + t * hd,
             KvFormat::Q4 | KvFormat::Q2 => t * 2 + hd * 2 + (t * hd * f.bits()).div_ceil(8),
+            KvFormat::Q4R | KvFormat::Q2R => t * 4 + (t * hd * f.bits()).div_ceil(8),
         }
     }
     pub fn layer_bytes(&self, f: KvFormat) -> usize {
@@ -143,7 +165,101 @@ pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32
                 *c = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
             }
         }
-        KvFormat::Q4 | KvFormat::Q2 => panic!("tokens are appended only to base-format chunks (f16, int8)"),
+        KvFormat::Q4 | KvFormat::Q2 | KvFormat::Q4R | KvFormat::Q2R => {
+            panic!("tokens are appended only to base-format chunks (f16, int8)")
+        }
+    }
+}
+
+/// The normalized fast Walsh-Hadamard transform of `x` in place (`x.len()` a power of two):
+/// orthogonal and symmetric, so it is its own inverse and keeps dot products.
+pub fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let norm = 1.0 / (n as f32).sqrt();
+    for v in x.iter_mut() {
+        *v *= norm;
+    }
+}
+
+/// Whether a rotated format can hold heads of `hd` channels.
+pub fn rotation_fits(hd: usize) -> bool {
+    hd.is_power_of_two() && hd <= MAX_FAST_HD
+}
+
+/// Decodes `n` tokens of a Q4R/Q2R block: codes to rotated values, then rotated back.
+fn read_rotated(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
+    let bits = f.bits();
+    let data = &blk[t_cap * 4..];
+    let mask = (1u8 << bits) - 1;
+    for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
+        let (step, lo) = (f16_at(blk, 2 * t), f16_at(blk, 2 * t + 1));
+        for (c, v) in o.iter_mut().enumerate() {
+            let idx = (t * hd + c) * bits;
+            let code = (data[idx / 8] >> (idx % 8)) & mask;
+            *v = lo + f32::from(code) * step;
+        }
+        fwht(o);
+    }
+}
+
+/// Encodes `n` tokens' values into a Q4R/Q2R block: each head vector rotated, then quantized
+/// with its own step and offset (both rounded to f16 first, so decoding sees the same ones).
+fn write_rotated(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, vals: &[f32]) {
+    let bits = f.bits();
+    #[allow(clippy::cast_precision_loss)]
+    let levels = f.levels() as f32;
+    let (params, data) = blk.split_at_mut(t_cap * 4);
+    data[..(t_cap * hd * bits).div_ceil(8)].fill(0);
+    let mut r = vec![0.0f32; hd];
+    for t in 0..n {
+        r.copy_from_slice(&vals[t * hd..(t + 1) * hd]);
+        fwht(&mut r);
+        let (lo, hi) = r.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+        let lo = f16::from_f32(lo).to_f32();
+        let step = f16::from_f32((hi - lo) / levels).to_f32();
+        put_f16(params, 2 * t, step);
+        put_f16(params, 2 * t + 1, lo);
+        let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+        for (c, &v) in r.iter().enumerate() {
+            let code = ((v - lo) * inv).round().clamp(0.0, levels) as u8;
+            let idx = (t * hd + c) * bits;
+            data[idx / 8] |= code << (idx % 8);
+        }
+    }
+}
+
+/// Encodes `n` tokens' values `[token][head_dim]` into a head block of any format (Q4/Q2 go
+/// through int8 codes, as they are defined).
+pub fn write_block_f32(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, vals: &[f32]) {
+    match f {
+        KvFormat::F16 | KvFormat::Int8 => {
+            for t in 0..n {
+                write_token(f, blk, t, t_cap, &vals[t * hd..(t + 1) * hd]);
+            }
+        }
+        KvFormat::Q4R | KvFormat::Q2R => write_rotated(f, blk, t_cap, hd, n, vals),
+        KvFormat::Q4 | KvFormat::Q2 => {
+            let mut tmp = vec![0u8; t_cap * 2 + t_cap * hd];
+            for t in 0..n {
+                write_token(KvFormat::Int8, &mut tmp, t, t_cap, &vals[t * hd..(t + 1) * hd]);
+            }
+            let (mut scales, mut codes) = (vec![0.0f32; t_cap], vec![0i8; t_cap * hd]);
+            read_block_i8(KvFormat::Int8, &tmp, t_cap, hd, n, &mut scales, &mut codes);
+            write_block_i8(f, blk, t_cap, hd, n, &scales, &codes);
+        }
     }
 }
 
@@ -166,6 +282,7 @@ pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize
                 }
             }
         }
+        KvFormat::Q4R | KvFormat::Q2R => read_rotated(f, blk, t_cap, hd, n, out),
         KvFormat::Q4 | KvFormat::Q2 => {
             let bits = f.bits();
             let per_byte = 8 / bits;
@@ -207,8 +324,16 @@ pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize
 /// 64-128 wide).
 const MAX_FAST_HD: usize = 256;
 
-/// Decodes `n` tokens of an Int8/Q4/Q2 head block to per-token scales and int8 codes.
+/// Decodes `n` tokens of an Int8/Q4/Q2 head block to per-token scales and int8 codes (a
+/// Q4R/Q2R block is decoded and quantized to int8 per token).
 pub fn read_block_i8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, scales: &mut [f32], codes: &mut [i8]) {
+    if f.rotated() {
+        let mut vals = vec![0.0f32; n * hd];
+        read_rotated(f, blk, t_cap, hd, n, &mut vals);
+        let mut tmp = vec![0u8; t_cap * 2 + t_cap * hd];
+        write_block_f32(KvFormat::Int8, &mut tmp, t_cap, hd, n, &vals);
+        return read_block_i8(KvFormat::Int8, &tmp, t_cap, hd, n, scales, codes);
+    }
     for (t, s) in scales[..n].iter_mut().enumerate() {
         *s = f16_at(blk, t);
     }
@@ -233,11 +358,16 @@ pub fn read_block_i8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize,
             }
         }
         KvFormat::F16 => panic!("read_block_i8 on an f16 block"),
+        KvFormat::Q4R | KvFormat::Q2R => unreachable!("decoded above"),
     }
 }
 
 /// Encodes per-token scales and int8 codes of `n` tokens into an Int8/Q4/Q2 head block.
 pub fn write_block_i8(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, scales: &[f32], codes: &[i8]) {
+    if f.rotated() {
+        let vals: Vec<f32> = (0..n * hd).map(|i| scales[i / hd] * f32::from(codes[i])).collect();
+        return write_rotated(f, blk, t_cap, hd, n, &vals);
+    }
     for (t, &s) in scales[..n].iter().enumerate() {
         put_f16(blk, t, s);
     }
@@ -276,11 +406,13 @@ pub fn write_block_i8(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: u
             }
         }
         KvFormat::F16 => panic!("write_block_i8 into an f16 block"),
+        KvFormat::Q4R | KvFormat::Q2R => unreachable!("encoded above"),
     }
 }
 
 /// Converts the first `n` tokens of a whole chunk from one format to another, block by block.
 /// Lowering to Q4/Q2 quantizes the int8 codes per channel; F16 goes through int8 when lowered.
+/// To and from Q4R/Q2R the values go through f32 (the int8 a chunk holds, dequantized).
 pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, dst: &mut [u8], n: usize) {
     let (t_cap, hd) = (g.chunk_tokens, g.head_dim);
     let mut vals = vec![0.0f32; t_cap * hd];
@@ -292,6 +424,10 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
                 let s = &src[g.block_offset(from, layer, kv, h)..][..g.head_block_bytes(from)];
                 let d = &mut dst[g.block_offset(to, layer, kv, h)..][..g.head_block_bytes(to)];
                 match (from, to) {
+                    (KvFormat::Q4R | KvFormat::Q2R, _) | (_, KvFormat::Q4R | KvFormat::Q2R) => {
+                        read_block_f32(from, s, t_cap, hd, n, &mut vals);
+                        write_block_f32(to, d, t_cap, hd, n, &vals);
+                    }
                     (_, KvFormat::F16) => {
                         read_block_f32(from, s, t_cap, hd, n, &mut vals);
                         for (i, &v) in vals[..n * hd].iter().enumerate() {
@@ -388,6 +524,74 @@ mod tests {
         assert_eq!(g.chunk_bytes(KvFormat::F16), 368_640, "the 368 KiB chunk of the default model");
         let (i8b, q4, q2) = (g.chunk_bytes(KvFormat::Int8), g.chunk_bytes(KvFormat::Q4), g.chunk_bytes(KvFormat::Q2));
         assert!(i8b < 368_640 / 2 + 8_000 && q4 < i8b * 2 / 3 && q2 < i8b * 2 / 5, "{i8b} {q4} {q2}");
+    }
+
+    /// H is orthogonal and symmetric: H H = I, q.k = Hq.Hk, and an outlier is spread.
+    #[test]
+    fn the_rotation_is_its_own_inverse_and_keeps_dot_products() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for n in [8usize, 64, 128] {
+            let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            let q: Vec<f32> = (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            let (mut hx, mut hq) = (x.clone(), q.clone());
+            fwht(&mut hx);
+            fwht(&mut hq);
+            let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(u, v)| f64::from(*u) * f64::from(*v)).sum::<f64>();
+            assert!((dot(&x, &q) - dot(&hx, &hq)).abs() < 1e-3 * n as f64, "q.k unchanged by rotating both");
+            assert!((dot(&x, &x) - dot(&hx, &hx)).abs() < 1e-3 * n as f64, "norm kept");
+            let mut back = hx.clone();
+            fwht(&mut back);
+            assert!(back.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5), "H H = I");
+            // An outlier channel is spread over every channel.
+            let mut spike = vec![0.0f32; n];
+            spike[5] = 8.0;
+            fwht(&mut spike);
+            assert!(spike.iter().all(|v| (v.abs() - 8.0 / (n as f32).sqrt()).abs() < 1e-5));
+        }
+        assert!(rotation_fits(64) && rotation_fits(128) && !rotation_fits(96) && !rotation_fits(512));
+    }
+
+    /// Q4R/Q2R: per token within half a step of the rotated vector's range (its error norm,
+    /// which rotating back keeps); less error than Q4/Q2 of the same bits, in fewer bytes.
+    #[test]
+    fn rotated_levels_round_trip_within_their_bounds() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
+        let (vals, f16c) = random_chunk(&mut rng);
+        let max_abs = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let mut int8 = vec![0u8; G.chunk_bytes(KvFormat::Int8)];
+        convert_chunk(&G, KvFormat::F16, &f16c, KvFormat::Int8, &mut int8, 16);
+        let d8 = decode_all(KvFormat::Int8, &int8);
+        for (f, levels) in [(KvFormat::Q4R, 15.0f32), (KvFormat::Q2R, 3.0)] {
+            let mut q = vec![0u8; G.chunk_bytes(f)];
+            convert_chunk(&G, KvFormat::Int8, &int8, f, &mut q, 16);
+            let dq = decode_all(f, &q);
+            // Per token: the rotated vector's range r over `levels` steps, half a step of error
+            // per rotated channel; rotating back keeps the error's norm, so no channel is off by
+            // more than half a step times sqrt(head_dim).
+            for (t, (a, b)) in dq.chunks(64).zip(d8.chunks(64)).enumerate() {
+                let mut r = b.to_vec();
+                fwht(&mut r);
+                let range = r.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) - r.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+                let half = range / levels / 2.0 * 1.01 + 1e-3;
+                let err: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f32>().sqrt();
+                assert!(err <= half * 8.0, "{f:?} token row {t}: error norm {err} over {}", half * 8.0);
+            }
+            // The rotated level beats the channel-wise one of the same bits on the same data.
+            let plain = if f == KvFormat::Q4R { KvFormat::Q4 } else { KvFormat::Q2 };
+            let mut p = vec![0u8; G.chunk_bytes(plain)];
+            convert_chunk(&G, KvFormat::Int8, &int8, plain, &mut p, 16);
+            let mse = |x: &[f32]| x.iter().zip(&d8).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>();
+            assert!(mse(&dq) < mse(&decode_all(plain, &p)), "{f:?} loses less than {plain:?}");
+            assert!(G.chunk_bytes(f) < G.chunk_bytes(plain));
+            // Back to int8 and to f16: decoded values, quantized again (int8: within a step).
+            let mut back = vec![0u8; G.chunk_bytes(KvFormat::Int8)];
+            convert_chunk(&G, f, &q, KvFormat::Int8, &mut back, 16);
+            assert!(max_abs(&decode_all(KvFormat::Int8, &back), &dq) <= 8.0 / 127.0);
+            let mut h = vec![0u8; G.chunk_bytes(KvFormat::F16)];
+            convert_chunk(&G, f, &q, KvFormat::F16, &mut h, 16);
+            assert!(max_abs(&decode_all(KvFormat::F16, &h), &dq) <= 8.0 * 1e-3);
+        }
+        let _ = vals;
     }
 
     /// Every format round-trips within its documented bound: int8 within half a step of each

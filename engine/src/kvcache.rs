@@ -17,6 +17,8 @@ pub enum KvError {
     NotBase { chunk: usize, format: &'static str },
     #[error("chunk {chunk} memory is {len} bytes, {format} needs {need}")]
     TooSmall { chunk: usize, len: usize, need: usize, format: &'static str },
+    #[error("{format} rotates head vectors by a Walsh-Hadamard transform: head_dim {head_dim} is not a power of two up to 256")]
+    NoRotation { format: &'static str, head_dim: usize },
 }
 
 #[derive(Debug)]
@@ -176,8 +178,11 @@ impl ChunkedKv {
         if from == to {
             return Ok(());
         }
-        let n = self.chunk_len(i);
         let g = self.geom;
+        if to.rotated() && !kv::rotation_fits(g.head_dim) {
+            return Err(KvError::NoRotation { format: to.name(), head_dim: g.head_dim });
+        }
+        let n = self.chunk_len(i);
         let mut out = vec![0u8; g.chunk_bytes(to)];
         kv::convert_chunk(&g, from, self.chunk(i), to, &mut out, n);
         let c = &mut self.chunks[i];

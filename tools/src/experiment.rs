@@ -726,7 +726,7 @@ pub fn accuracy_vs_memory(
     for name in &plans {
         let plan = engine::eval::KvPlan::parse(name).with_context(|| format!("plan {name:?}: f16, int8, q4, q2 or mix:R"))?;
         let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio);
+        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &crate::kvmm::MIX_LEVELS);
         let mut top = Vec::new();
         let (p, bytes) = engine::eval::perplexity_kv(
             model,

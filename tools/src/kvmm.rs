@@ -17,6 +17,8 @@ pub fn code(f: KvFormat) -> Format {
         KvFormat::Int8 => 1,
         KvFormat::Q4 => 2,
         KvFormat::Q2 => 3,
+        KvFormat::Q4R => 4,
+        KvFormat::Q2R => 5,
     }
 }
 
@@ -25,16 +27,20 @@ pub fn format(c: Format) -> KvFormat {
     KvFormat::ALL.get(c as usize).copied().unwrap_or(KvFormat::Int8)
 }
 
-/// The tolerance-aware level choice (mm's eq. 2-3) over {int8, q4, q2} at `ratio` x int8
-/// bytes, as a function of chunk densities: what `engine::eval::perplexity_kv` calls for a mix.
-pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64) -> impl Fn(&[f64]) -> Vec<KvFormat> {
+/// The tolerance-aware level choice (mm's eq. 2-3) over `levels` (the base first) at `ratio` x
+/// int8 bytes, as a function of chunk densities: what `engine::eval::perplexity_kv` calls for a
+/// mix.
+pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvFormat]) -> impl Fn(&[f64]) -> Vec<KvFormat> {
     let codec = EngineCodec::new(model, chunk_tokens);
-    let levels = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2];
+    let levels = levels.to_vec();
     #[allow(clippy::cast_precision_loss)]
-    let sizes = levels.map(|f| codec.geom.chunk_bytes(f) as f64);
-    let losses = levels.map(|f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, code(f))));
+    let sizes: Vec<f64> = levels.iter().map(|&f| codec.geom.chunk_bytes(f) as f64).collect();
+    let losses: Vec<f64> = levels.iter().map(|&f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, code(f)))).collect();
     move |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
 }
+
+/// The levels of LLMS's mix: {int8, q4, q2}.
+pub const MIX_LEVELS: [KvFormat; 3] = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2];
 
 /// Chunk sizes of a model's KV cache.
 #[derive(Debug, Clone, Copy)]

@@ -186,6 +186,9 @@ pub struct PerplexityArgs {
     /// Tokens per KV chunk (with --kv).
     #[arg(long, default_value_t = 16)]
     pub chunk_tokens: usize,
+    /// The levels a mix chooses from, the base first (with --kv mix:R).
+    #[arg(long, value_delimiter = ',', default_value = "int8,q4,q2")]
+    pub kv_levels: Vec<String>,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -194,7 +197,14 @@ pub struct PerplexityArgs {
 
 impl PerplexityArgs {
     pub fn run(self) -> Result<()> {
-        let Self { text_file, ctx, chunks, kv, chunk_tokens, json, m } = self;
+        let Self { text_file, ctx, chunks, kv, chunk_tokens, kv_levels, json, m } = self;
+        let levels: Vec<::engine::kv::KvFormat> = kv_levels
+            .iter()
+            .map(|l| ::engine::kv::KvFormat::parse(l).with_context(|| format!("--kv-levels: {l:?} is not a KV format")))
+            .collect::<Result<_>>()?;
+        if levels.first() != Some(&::engine::kv::KvFormat::Int8) {
+            bail!("--kv-levels: the base level int8 comes first");
+        }
         let (model, pool, sp) = load_sparse(&m)?;
         if ctx < 8 || ctx > model.config.ctx_len {
             bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
@@ -225,7 +235,7 @@ impl PerplexityArgs {
                 }
                 // The mix's levels are mm's policy (eq. 2-3), over {int8, q4, q2}.
                 let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-                let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio);
+                let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
                 let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
                 (r, Some(ratio))
             }
