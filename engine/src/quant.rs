@@ -16,6 +16,8 @@ pub enum GgmlType {
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
     Q6K,
@@ -28,6 +30,8 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
             12 => Self::Q4K,
             14 => Self::Q6K,
@@ -39,7 +43,7 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
             Self::Q4K | Self::Q6K => QK_K,
         }
     }
@@ -50,6 +54,8 @@ impl GgmlType {
             Self::F16 | Self::BF16 => 2,
             Self::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
             Self::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            Self::Q5_0 => std::mem::size_of::<BlockQ5_0>(),
+            Self::Q5_1 => std::mem::size_of::<BlockQ5_1>(),
             Self::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
             Self::Q4K => std::mem::size_of::<BlockQ4K>(),
             Self::Q6K => std::mem::size_of::<BlockQ6K>(),
@@ -80,6 +86,40 @@ pub struct BlockQ4_1 {
     pub qs: [u8; QK / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+
+/// 32 weights at 5 bits, `w = (q - 16) d`: low nibbles as Q4_0's, the fifth bits in `qh`
+/// (bit `j` for element `j`, bit `16 + j` for element `16 + j`; little-endian).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5_0 {
+    pub d: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+
+/// 32 weights at 5 bits, `w = q d + m`, laid out as [`BlockQ5_0`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
+
+/// The 5-bit codes (0..32) of a Q5 block: element `j` and `16 + j` for `j < 16`.
+#[inline]
+pub fn q5_codes(qh: [u8; 4], qs: &[u8; QK / 2]) -> [u8; QK] {
+    let h = u32::from_le_bytes(qh);
+    let mut out = [0u8; QK];
+    for j in 0..QK / 2 {
+        out[j] = (qs[j] & 0xF) | ((((h >> j) & 1) as u8) << 4);
+        out[j + QK / 2] = (qs[j] >> 4) | ((((h >> (j + 16)) & 1) as u8) << 4);
+    }
+    out
+}
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
@@ -299,6 +339,22 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 => {
+            for (b, o) in blocks::<BlockQ5_0>(src).iter().zip(out.chunks_exact_mut(QK)) {
+                let d = b.d.to_f32();
+                for (o, &q) in o.iter_mut().zip(&q5_codes(b.qh, &b.qs)) {
+                    *o = (f32::from(q) - 16.0) * d;
+                }
+            }
+        }
+        GgmlType::Q5_1 => {
+            for (b, o) in blocks::<BlockQ5_1>(src).iter().zip(out.chunks_exact_mut(QK)) {
+                let (d, m) = (b.d.to_f32(), b.m.to_f32());
+                for (o, &q) in o.iter_mut().zip(&q5_codes(b.qh, &b.qs)) {
+                    *o = f32::from(q) * d + m;
+                }
+            }
+        }
         GgmlType::Q8_0 => {
             for (b, o) in blocks::<BlockQ8_0>(src).iter().zip(out.chunks_exact_mut(QK)) {
                 let d = b.d.to_f32();
@@ -398,6 +454,28 @@ pub fn dot_q4_1_ref(w: &[BlockQ4_1], a: &Q8Acts, row: usize) -> f32 {
     sum
 }
 
+/// As llama.cpp's `ggml_vec_dot_q5_0_q8_0`: the integer sum of `(q - 16) x`, then both scales.
+pub fn dot_q5_0_ref(w: &[BlockQ5_0], a: &Q8Acts, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let s: i32 = q5_codes(b.qh, &b.qs).iter().zip(&a.qs[k]).map(|(&c, &x)| (i32::from(c) - 16) * i32::from(x)).sum();
+        sum += b.d.to_f32() * a.d[k] * s as f32;
+    }
+    sum
+}
+
+/// As llama.cpp's `ggml_vec_dot_q5_1_q8_1`: `d d_x sum(q x) + m s_x`.
+pub fn dot_q5_1_ref(w: &[BlockQ5_1], a: &Q8Acts, row: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for (i, b) in w.iter().enumerate() {
+        let k = row * a.nb + i;
+        let s: i32 = q5_codes(b.qh, &b.qs).iter().zip(&a.qs[k]).map(|(&c, &x)| i32::from(c) * i32::from(x)).sum();
+        sum += b.d.to_f32() * a.d[k] * s as f32 + b.m.to_f32() * a.s[k];
+    }
+    sum
+}
+
 pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &Q8Acts, row: usize) -> f32 {
     let mut sum = 0.0f32;
     for (i, b) in w.iter().enumerate() {
@@ -457,4 +535,34 @@ pub fn dot_q6k_ref(w: &[BlockQ6K], a: &Q8KActs, row: usize) -> f32 {
         sum += b.d.to_f32() * a.d[k] * sumi as f32;
     }
     sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Q5 codes as ggml defines them: low nibbles as Q4's, fifth bits from `qh` (bit j for
+    /// element j, bit 16 + j for element 16 + j); Q5_0 is `(q - 16) d`, Q5_1 `q d + m`.
+    #[test]
+    fn q5_blocks_decode_as_ggml_defines_them() {
+        let mut qs = [0u8; QK / 2];
+        for (j, q) in qs.iter_mut().enumerate() {
+            *q = (j as u8 & 0xF) | ((15 - j as u8) << 4);
+        }
+        // Fifth bit set for elements 0, 3 and 16 + 2.
+        let qh = (1u32 | 1 << 3 | 1 << 18).to_le_bytes();
+        let c = q5_codes(qh, &qs);
+        assert_eq!(&c[..4], &[16, 1, 2, 19]);
+        assert_eq!(&c[16..19], &[15, 14, 13 + 16]);
+        let b0 = BlockQ5_0 { d: f16::from_f32(0.5), qh, qs };
+        let mut out = [0.0f32; QK];
+        dequantize_row(GgmlType::Q5_0, bytemuck::bytes_of(&b0), &mut out);
+        assert_eq!(&out[..4], &[0.0, -7.5, -7.0, 1.5]);
+        let b1 = BlockQ5_1 { d: f16::from_f32(0.25), m: f16::from_f32(-1.0), qh, qs };
+        dequantize_row(GgmlType::Q5_1, bytemuck::bytes_of(&b1), &mut out);
+        assert_eq!(&out[..4], &[3.0, -0.75, -0.5, 3.75]);
+        assert_eq!(GgmlType::from_u32(6), Some(GgmlType::Q5_0));
+        assert_eq!(GgmlType::from_u32(7), Some(GgmlType::Q5_1));
+        assert_eq!(GgmlType::Q5_1.row_bytes(64), 48);
+    }
 }

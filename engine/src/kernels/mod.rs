@@ -11,7 +11,7 @@ use half::f16;
 
 pub use crate::pool::OutPtr;
 use crate::pool::ThreadPool;
-use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
+use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 pub use crate::simd::{has_avx2, simd_name};
 
@@ -44,7 +44,7 @@ pub enum ActKind {
 
 pub fn act_kind(ty: GgmlType) -> ActKind {
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => ActKind::Q8,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => ActKind::Q8,
         GgmlType::Q4K | GgmlType::Q6K => ActKind::Q8K,
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActKind::F32,
     }
@@ -157,6 +157,8 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
             let v = match w.ty {
                 GgmlType::Q4_0 => quant::dot_q4_0_ref(quant::blocks::<BlockQ4_0>(row), &a.q8, t),
                 GgmlType::Q4_1 => quant::dot_q4_1_ref(quant::blocks::<BlockQ4_1>(row), &a.q8, t),
+                GgmlType::Q5_0 => quant::dot_q5_0_ref(quant::blocks::<BlockQ5_0>(row), &a.q8, t),
+                GgmlType::Q5_1 => quant::dot_q5_1_ref(quant::blocks::<BlockQ5_1>(row), &a.q8, t),
                 GgmlType::Q8_0 => quant::dot_q8_0_ref(quant::blocks::<BlockQ8_0>(row), &a.q8, t),
                 GgmlType::Q4K => quant::dot_q4k_ref(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
                 GgmlType::Q6K => quant::dot_q6k_ref(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
@@ -308,8 +310,8 @@ mod tests {
         for blk in data.chunks_exact_mut(bs) {
             let put = |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
             match ty {
-                GgmlType::Q4_0 | GgmlType::Q8_0 => put(blk, 0, rng.gen_range(0.001..0.05)),
-                GgmlType::Q4_1 => {
+                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => put(blk, 0, rng.gen_range(0.001..0.05)),
+                GgmlType::Q4_1 | GgmlType::Q5_1 => {
                     put(blk, 0, rng.gen_range(0.001..0.05));
                     put(blk, 2, rng.gen_range(-0.2..0.2));
                 }
@@ -357,7 +359,7 @@ mod tests {
     #[test]
     fn quantized_dots_match_dequantized_f32() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
             let (rows, cols) = (6, 512);
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = WeightView { ty, rows, cols, data: &data };
