@@ -111,7 +111,7 @@ impl PackedWeight {
         let blocks = rows.div_ceil(ROWS) * (cols / QK);
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
-            GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
+            GgmlType::Q8_0 | GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
             _ => None,
         }
     }
@@ -170,6 +170,26 @@ impl PackedWeight {
                         o.d[lane] = blk.d;
                         for k in 0..8 {
                             o.qs[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
+                        }
+                    }
+                }
+                Packed::Q8(Blocks::Owned(out))
+            }
+            // Q5_0's codes minus 16 are 8-bit codes with the same scale: packed as Q8, exact,
+            // so it runs the Q8 kernels (at 8 bits a weight in memory instead of 5.5).
+            GgmlType::Q5_0 => {
+                let mut out = vec![BlockQ8x8::zeroed(); groups * nb];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ5_0>(row).iter().enumerate() {
+                        let o = &mut out[g * nb + b];
+                        o.d[lane] = blk.d;
+                        let codes = crate::quant::q5_codes(blk.qh, &blk.qs);
+                        for k in 0..8 {
+                            for j in 0..4 {
+                                o.qs[32 * k + 4 * lane + j] = codes[4 * k + j] as i8 - 16;
+                            }
                         }
                     }
                 }

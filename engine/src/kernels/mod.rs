@@ -329,7 +329,7 @@ mod tests {
     #[test]
     fn packed_kernels_match_row_major_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
             for &(rows, cols, toks) in &[(8, 32, 1), (13, 64, 6), (40, 576, 9), (3, 96, 4)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
