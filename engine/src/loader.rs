@@ -29,6 +29,8 @@ pub enum ModelError {
     Kv(#[from] crate::kvcache::KvError),
     #[error("token id {0} is outside the vocabulary")]
     BadToken(u32),
+    #[error("batch: {0}")]
+    Batch(&'static str),
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

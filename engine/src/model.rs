@@ -522,6 +522,58 @@ impl Session {
         })
     }
 
+    /// One decode step for several sessions at once: `tokens[i]` is appended to `sessions[i]`
+    /// and the logits of each session's new position are returned, `[i][vocab]`, in `scratch`.
+    /// The weights are read once for the whole batch (the matrix products run over all rows);
+    /// each session writes its own cache and attends over its own context. A row's arithmetic
+    /// does not depend on the others, so each session's logits are bit for bit those its own
+    /// [`Session::eval`] would give. The sessions must share the model and its sparsity, hold
+    /// no calibrator or channel counter, and have room for one more position (a batch does not
+    /// slide a window); on an error no session has changed.
+    pub fn decode_batch<'s>(sessions: &mut [&mut Session], tokens: &[u32], scratch: &'s mut Scratch) -> Result<&'s [f32]> {
+        if sessions.len() != tokens.len() {
+            return Err(ModelError::Batch("one token per session"));
+        }
+        let Some(first) = sessions.first() else { return Ok(&[]) };
+        let (model, pool, sparsity) = (Arc::clone(&first.model), Arc::clone(&first.pool), first.sparsity.clone());
+        let vocab = model.config.vocab;
+        for (s, &t) in sessions.iter().zip(tokens) {
+            if !Arc::ptr_eq(&s.model, &model) {
+                return Err(ModelError::Batch("the sessions must share one model"));
+            }
+            let same = match (&s.sparsity, &sparsity) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            };
+            if !same || s.calibrator.is_some() || s.channel_use.is_some() {
+                return Err(ModelError::Batch("the sessions must share one sparsity and collect no statistics"));
+            }
+            if s.n_past() + 1 > s.kv.capacity() {
+                return Err(ModelError::ContextFull { needed: s.n_past() + 1, capacity: s.kv.capacity() });
+            }
+            if t as usize >= vocab {
+                return Err(ModelError::BadToken(t));
+            }
+        }
+        for s in sessions.iter_mut() {
+            s.kv.ensure(s.n_past() + 1)?;
+        }
+        let positions: Vec<usize> = sessions.iter().map(|s| s.n_past()).collect();
+        for ((s, &t), &pos) in sessions.iter_mut().zip(tokens).zip(&positions) {
+            s.tokens.push(t);
+            if let Some(a) = &mut s.attention {
+                let end = (pos + 1).max(a.sum.len());
+                a.sum.resize(end, 0.0);
+                a.count.resize(end, 0);
+            }
+        }
+        let mut sp = Sparse { sparsity: sparsity.as_deref(), calibrator: None, channel_use: None };
+        let mut caches = ManyCaches { sessions };
+        forward_rows(&model, &pool, scratch, &mut sp, &mut caches, tokens, &positions, Logits::All, &mut |_| {});
+        Ok(&scratch.logits[..tokens.len() * vocab])
+    }
+
     /// Drops at least `drop` positions, whole chunks right after the first `sink` tokens
     /// (rounded up to chunks), re-rotating the K of the chunks that move down so their RoPE
     /// positions match their new places (as llama.cpp's context shift does).
@@ -583,110 +635,185 @@ impl Session {
     }
 
     fn forward(&mut self, tokens: &[u32], positions: &[usize], want: Logits, before_layer: &mut dyn FnMut(usize)) {
-        let model = Arc::clone(&self.model);
-        let pool = Arc::clone(&self.pool);
-        let c = &model.config;
-        let n = tokens.len();
-        let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
-        let s = &mut self.scratch;
-        s.x.resize(n * dim, 0.0);
-        s.xb.resize(n * dim, 0.0);
-        s.qkv.resize(n * (dim + 2 * kvd), 0.0);
-        s.att.resize(n * dim, 0.0);
-        s.ffn.resize(n * 2 * c.ffn_dim, 0.0);
         if let Some(a) = &mut self.attention {
             let end = positions.iter().copied().max().map_or(0, |p| p + 1).max(a.sum.len());
             a.sum.resize(end, 0.0);
             a.count.resize(end, 0);
         }
+        let mut sp =
+            Sparse { sparsity: self.sparsity.as_deref(), calibrator: self.calibrator.as_mut(), channel_use: self.channel_use.as_mut() };
+        let mut caches = OneCache { kv: &mut self.kv, observer: self.attention.as_mut() };
+        forward_rows(&self.model, &self.pool, &mut self.scratch, &mut sp, &mut caches, tokens, positions, want, before_layer);
+    }
+}
 
-        let emb = model.view(&model.tok_embd);
-        for (t, &tok) in tokens.iter().enumerate() {
-            quant::dequantize_row(emb.ty, emb.row(tok as usize), &mut s.x[t * dim..(t + 1) * dim]);
+/// The caches a forward pass writes K/V into and attends over: one session's (every row is
+/// one of its positions), or several sessions' (row `t` is session `t`'s next position).
+trait Caches {
+    fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]);
+    #[allow(clippy::too_many_arguments)]
+    fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]);
+}
+
+struct OneCache<'a> {
+    kv: &'a mut ChunkedKv,
+    observer: Option<&'a mut AttentionStats>,
+}
+
+impl Caches for OneCache<'_> {
+    fn write(&mut self, layer: usize, _row: usize, pos: usize, k: &[f32], v: &[f32]) {
+        self.kv.write(layer, pos, k, v);
+    }
+    fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
+        attention(pool, c, self.kv, layer, qkv, ld, positions, out, self.observer.as_deref_mut());
+    }
+}
+
+/// Row `t` belongs to `sessions[t]`: K/V go to its cache, and it attends over its own context.
+struct ManyCaches<'a, 'b> {
+    sessions: &'a mut [&'b mut Session],
+}
+
+impl Caches for ManyCaches<'_, '_> {
+    fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]) {
+        self.sessions[row].kv.write(layer, pos, k, v);
+    }
+    fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
+        for (t, s) in self.sessions.iter_mut().enumerate() {
+            let s = &mut **s;
+            attention(
+                pool,
+                c,
+                &s.kv,
+                layer,
+                &qkv[t * ld..(t + 1) * ld],
+                ld,
+                &positions[t..=t],
+                &mut out[t * c.dim..(t + 1) * c.dim],
+                s.attention.as_mut(),
+            );
         }
+    }
+}
 
-        for (li, l) in model.layers.iter().enumerate() {
-            before_layer(li);
-            if let Some(img) = model.image.as_deref().filter(|_| model.image_span == 0) {
-                if !img.advise(li) {
-                    pool.rest();
-                    img.wait(li);
+/// Top-K sparsity and its statistics, as a forward pass applies them.
+struct Sparse<'a> {
+    sparsity: Option<&'a crate::sparsity::Sparsity>,
+    calibrator: Option<&'a mut crate::sparsity::Calibrator>,
+    channel_use: Option<&'a mut crate::sparsity::ChannelUse>,
+}
+
+/// The forward pass over `tokens` at `positions`: embeddings, every layer (K/V written to and
+/// attention read from `caches`), and the logits asked for, into `s.logits`. A row's arithmetic
+/// does not depend on the other rows (activations are quantized per row, the kernels compute
+/// each output from its own row), so a row gives the same result alone or in a batch.
+#[allow(clippy::too_many_arguments, clippy::too_many_lines)]
+fn forward_rows(
+    model: &Arc<Model>,
+    pool: &Arc<ThreadPool>,
+    s: &mut Scratch,
+    sp: &mut Sparse,
+    caches: &mut dyn Caches,
+    tokens: &[u32],
+    positions: &[usize],
+    want: Logits,
+    before_layer: &mut dyn FnMut(usize),
+) {
+    let c = &model.config;
+    let n = tokens.len();
+    let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
+    s.x.resize(n * dim, 0.0);
+    s.xb.resize(n * dim, 0.0);
+    s.qkv.resize(n * (dim + 2 * kvd), 0.0);
+    s.att.resize(n * dim, 0.0);
+    s.ffn.resize(n * 2 * c.ffn_dim, 0.0);
+
+    let emb = model.view(&model.tok_embd);
+    for (t, &tok) in tokens.iter().enumerate() {
+        quant::dequantize_row(emb.ty, emb.row(tok as usize), &mut s.x[t * dim..(t + 1) * dim]);
+    }
+
+    for (li, l) in model.layers.iter().enumerate() {
+        before_layer(li);
+        if let Some(img) = model.image.as_deref().filter(|_| model.image_span == 0) {
+            if !img.advise(li) {
+                pool.rest();
+                img.wait(li);
+            }
+        }
+        // Attention block.
+        rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
+        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);
+        announce(model, pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
+        matmul_multi(pool, model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
+        let ld = dim + 2 * kvd;
+        for (t, &pos) in positions.iter().enumerate() {
+            let row = &mut s.qkv[t * ld..(t + 1) * ld];
+            for (b, off) in [(&l.bq, 0), (&l.bk, dim), (&l.bv, dim + kvd)] {
+                if let Some(b) = b {
+                    row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
                 }
             }
-            // Attention block.
-            rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 0, &mut s.xb[..n * dim]);
-            announce(&model, &pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
-            matmul_multi(&pool, &model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
-            let ld = dim + 2 * kvd;
-            for (t, &pos) in positions.iter().enumerate() {
-                let row = &mut s.qkv[t * ld..(t + 1) * ld];
-                for (b, off) in [(&l.bq, 0), (&l.bk, dim), (&l.bv, dim + kvd)] {
-                    if let Some(b) = b {
-                        row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
-                    }
-                }
-                let (q, rest) = row.split_at_mut(dim);
-                rope(q, hd, c.rope_dims, pos, model.theta_scale);
-                rope(&mut rest[..kvd], hd, c.rope_dims, pos, model.theta_scale);
-                self.kv.write(li, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
-            }
-            attention(&pool, c, &self.kv, li, &s.qkv, ld, positions, &mut s.att, self.attention.as_mut());
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 1, &mut s.att[..n * dim]);
-            announce(&model, &pool, li, 1, &s.att[..n * dim], n, &mut s.ranges);
-            matmul_multi(&pool, &model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
-            s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+            let (q, rest) = row.split_at_mut(dim);
+            rope(q, hd, c.rope_dims, pos, model.theta_scale);
+            rope(&mut rest[..kvd], hd, c.rope_dims, pos, model.theta_scale);
+            caches.write(li, t, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
+        }
+        caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
+        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 1, &mut s.att[..n * dim]);
+        announce(model, pool, li, 1, &s.att[..n * dim], n, &mut s.ranges);
+        matmul_multi(pool, model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
+        s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
 
-            // Feed-forward block.
-            rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 2, &mut s.xb[..n * dim]);
-            announce(&model, &pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
-            matmul_multi(&pool, &model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
-            let f = c.ffn_dim;
-            for t in 0..n {
-                let row = &mut s.ffn[t * 2 * f..(t + 1) * 2 * f];
-                let (g, u) = row.split_at_mut(f);
-                for (gv, uv) in g.iter_mut().zip(u.iter()) {
-                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
-                }
+        // Feed-forward block.
+        rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
+        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 2, &mut s.xb[..n * dim]);
+        announce(model, pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
+        matmul_multi(pool, model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
+        let f = c.ffn_dim;
+        for t in 0..n {
+            let row = &mut s.ffn[t * 2 * f..(t + 1) * 2 * f];
+            let (g, u) = row.split_at_mut(f);
+            for (gv, uv) in g.iter_mut().zip(u.iter()) {
+                *gv = *gv / (1.0 + (-*gv).exp()) * uv;
             }
-            // Compact the gated halves into [n][f] for the down projection.
-            for t in 0..n {
-                s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
-            }
-            sparsify(self.sparsity.as_deref(), self.calibrator.as_mut(), self.channel_use.as_mut(), li, 3, &mut s.ffn[..n * f]);
-            announce(&model, &pool, li, 3, &s.ffn[..n * f], n, &mut s.ranges);
-            matmul_multi(&pool, &model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
-            s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
         }
+        // Compact the gated halves into [n][f] for the down projection.
+        for t in 0..n {
+            s.ffn.copy_within(t * 2 * f..t * 2 * f + f, t * f);
+        }
+        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 3, &mut s.ffn[..n * f]);
+        announce(model, pool, li, 3, &s.ffn[..n * f], n, &mut s.ranges);
+        matmul_multi(pool, model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
+        s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+    }
 
-        let rows: Vec<usize> = match want {
-            Logits::None => return,
-            Logits::Last => vec![n - 1],
-            Logits::All => (0..n).collect(),
-        };
-        let m = rows.len();
-        let mut xn = vec![0.0; m * dim];
-        for (i, &r) in rows.iter().enumerate() {
-            rmsnorm(&s.x[r * dim..(r + 1) * dim], &model.output_norm, c.norm_eps, &mut xn[i * dim..(i + 1) * dim]);
-        }
-        s.logits.resize(m * c.vocab, 0.0);
-        let mut col0 = 0;
-        for (part, head) in model.output.iter().enumerate() {
-            if let Some(img) = &model.image {
-                if model.image_span > 0 {
-                    if let Some(next) = model.output.get(part + 1) {
-                        img.prefetch(&[next.image_range()]);
-                    }
-                    img.need(&[head.image_range()], &|| pool.rest());
-                } else if !img.advise(model.layers.len() + part) {
-                    pool.rest();
-                    img.wait(model.layers.len() + part);
+    let rows: Vec<usize> = match want {
+        Logits::None => return,
+        Logits::Last => vec![n - 1],
+        Logits::All => (0..n).collect(),
+    };
+    let m = rows.len();
+    let mut xn = vec![0.0; m * dim];
+    for (i, &r) in rows.iter().enumerate() {
+        rmsnorm(&s.x[r * dim..(r + 1) * dim], &model.output_norm, c.norm_eps, &mut xn[i * dim..(i + 1) * dim]);
+    }
+    s.logits.resize(m * c.vocab, 0.0);
+    let mut col0 = 0;
+    for (part, head) in model.output.iter().enumerate() {
+        if let Some(img) = &model.image {
+            if model.image_span > 0 {
+                if let Some(next) = model.output.get(part + 1) {
+                    img.prefetch(&[next.image_range()]);
                 }
+                img.need(&[head.image_range()], &|| pool.rest());
+            } else if !img.advise(model.layers.len() + part) {
+                pool.rest();
+                img.wait(model.layers.len() + part);
             }
-            matmul_cols(&pool, &model, &[head], &xn, m, &mut s.acts, &mut s.logits, c.vocab, col0);
-            col0 += head.raw.rows;
         }
+        matmul_cols(pool, model, &[head], &xn, m, &mut s.acts, &mut s.logits, c.vocab, col0);
+        col0 += head.raw.rows;
     }
 }
 

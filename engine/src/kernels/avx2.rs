@@ -32,9 +32,13 @@ pub(super) unsafe fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ld
             packed_tile::<4>(w, a, g, t, out, ldo);
             t += 4;
         }
-        while t < n_tok {
-            packed_tile::<1>(w, a, g, t, out, ldo);
-            t += 1;
+        // The rest in one pass over the weights (a batch of 2 or 3 decoding contexts reads
+        // the group once, not once per token); a token's arithmetic is the same in any tile.
+        match n_tok - t {
+            3 => packed_tile::<3>(w, a, g, t, out, ldo),
+            2 => packed_tile::<2>(w, a, g, t, out, ldo),
+            1 => packed_tile::<1>(w, a, g, t, out, ldo),
+            _ => {}
         }
     }
 }

@@ -50,6 +50,9 @@ enum Cmd {
     /// The HTTP front: a stateless client's TTFT with its context continued vs its history
     /// prefilled in full (resident and after eviction), and the front's overhead per call.
     BenchHttp(bench::BenchHttpArgs),
+    /// Decoding several contexts in one forward pass per step (Session::decode_batch):
+    /// aggregate tokens/s and step time per batch size, against one context at a time.
+    BenchBatch(bench::BenchBatchArgs),
     /// Context-switching traces: synthesize them, replay them against llmsd.
     Trace {
         #[command(subcommand)]
@@ -104,6 +107,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchLoad(a) => a.run(),
         Cmd::BenchSwitch(a) => a.run(),
         Cmd::BenchHttp(a) => a.run(),
+        Cmd::BenchBatch(a) => a.run(),
         Cmd::Trace { cmd } => experiment::trace_cmd(cmd),
         Cmd::Report(a) => a.run(),
         Cmd::Experiment { cmd } => experiment::experiment_cmd(cmd),

@@ -163,6 +163,100 @@ impl BenchHttpArgs {
     }
 }
 
+/// `llms bench-batch`.
+#[derive(Args, Debug)]
+pub struct BenchBatchArgs {
+    /// Contexts decoded together per step (1 is one context at a time).
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = [1usize, 2, 4, 8])]
+    pub sizes: Vec<usize>,
+    /// Tokens in each context before decoding.
+    #[arg(long, default_value_t = 128)]
+    pub depth: usize,
+    /// Decode steps measured.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl BenchBatchArgs {
+    /// For each batch size B: B contexts of `depth` tokens (different text), `tokens` decode
+    /// steps with `Session::decode_batch` (one forward pass per step for all B), timed; the
+    /// median over `reps` of aggregate tokens/s and of the step time (each context's
+    /// inter-token latency), and both as ratios to B = 1 measured in the same run.
+    pub fn run(self) -> Result<()> {
+        use ::engine::model::{Scratch, SessionOptions};
+        use ::engine::{Logits, Session};
+        let Self { sizes, depth, tokens, reps, json, m } = self;
+        if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
+            bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
+        }
+        let (model, pool) = load(&m)?;
+        let text = read_text(Path::new(CALIB_TEXT)).unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(400));
+        let ids = model.tokenizer.encode(&text, false, false)?;
+        let max_b = sizes.iter().copied().max().unwrap_or(1);
+        if ids.len() < depth + max_b * 7 {
+            bail!("the text is too short for --depth {depth}");
+        }
+        let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
+        let mut rows = Vec::new();
+        for &b in &sizes {
+            let (mut rates, mut steps) = (Vec::new(), Vec::new());
+            for _ in 0..reps {
+                let mut sessions: Vec<Session> =
+                    (0..b).map(|_| Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts)).collect();
+                let mut next = Vec::with_capacity(b);
+                for (i, s) in sessions.iter_mut().enumerate() {
+                    next.push(::engine::sampler::argmax(s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?));
+                }
+                let mut scratch = Scratch::default();
+                let t0 = std::time::Instant::now();
+                for _ in 0..tokens {
+                    let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+                    let logits = Session::decode_batch(&mut refs, &next, &mut scratch)?;
+                    for (n, row) in next.iter_mut().zip(logits.chunks_exact(model.config.vocab)) {
+                        *n = ::engine::sampler::argmax(row);
+                    }
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                #[allow(clippy::cast_precision_loss)]
+                rates.push((b * tokens) as f64 / secs);
+                #[allow(clippy::cast_precision_loss)]
+                steps.push(secs * 1000.0 / tokens as f64);
+            }
+            rows.push((b, median(rates), median(steps)));
+        }
+        let base = rows.iter().find(|r| r.0 == 1).map(|r| (r.1, r.2));
+        if json {
+            let v: Vec<_> = rows
+                .iter()
+                .map(|&(b, rate, step)| {
+                    json!({"batch": b, "aggregate_tok_s": rate, "step_ms": step,
+                           "vs_one": base.map(|(r, _)| rate / r), "step_vs_one": base.map(|(_, s)| step / s)})
+                })
+                .collect();
+            println!("{}", serde_json::to_string(&v)?);
+            return Ok(());
+        }
+        println!("decode of B contexts of {depth} tokens together, {tokens} steps, medians of {reps} ({} threads)", pool.threads());
+        println!("{:>5} {:>12} {:>10} {:>8} {:>10}", "B", "agg tok/s", "step ms", "vs B=1", "step/B=1");
+        for &(b, rate, step) in &rows {
+            let (r1, s1) = base.unwrap_or((rate, step));
+            println!("{b:>5} {rate:>12.1} {step:>10.2} {:>8.2} {:>10.2}", rate / r1, step / s1);
+        }
+        Ok(())
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// `llms bench-uffd`.
 #[derive(Args, Debug)]
 pub struct BenchUffdArgs {

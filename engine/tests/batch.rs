@@ -1,0 +1,114 @@
+//! One decode step for several sessions (`Session::decode_batch`) on the real model: each
+//! session's logits are bit for bit those of its own decode, whatever the batch holds.
+#![allow(clippy::needless_range_loop)]
+
+use std::sync::Arc;
+
+use engine::kv::KvFormat;
+use engine::model::{Scratch, SessionOptions};
+use engine::{Logits, Model, Session, ThreadPool};
+use llms_tests::{fixture, model_path};
+
+fn session(m: &Arc<Model>, p: &Arc<ThreadPool>, base: KvFormat, observe: bool) -> Session {
+    Session::with_options(
+        Arc::clone(m),
+        Arc::clone(p),
+        SessionOptions { capacity: 256, chunk_tokens: 16, base, observe_attention: observe, sliding_window: None },
+    )
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    engine::sampler::argmax(v)
+}
+
+/// Four contexts of different lengths and formats (one with a lowered chunk), decoded 12 steps
+/// one at a time and as one batch, then in batches of other sizes: identical logits and tokens.
+#[test]
+fn batched_decode_equals_each_sessions_own() {
+    let m = Arc::new(Model::load(&model_path()).unwrap());
+    let p = Arc::new(ThreadPool::new(2));
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
+    let toks = m.tokenizer.encode(&text, false, false).unwrap();
+    let prompts: [&[u32]; 4] = [&toks[..7], &toks[100..140], &toks[300..301], &toks[500..590]];
+    let bases = [KvFormat::Int8, KvFormat::F16, KvFormat::Int8, KvFormat::Int8];
+    let build = || -> Vec<(Session, u32)> {
+        prompts
+            .iter()
+            .zip(bases)
+            .enumerate()
+            .map(|(i, (pr, base))| {
+                let mut s = session(&m, &p, base, i == 1);
+                let next = argmax(s.eval(pr, Logits::Last).unwrap());
+                if i == 3 {
+                    // A lowered chunk: attention decodes it; batching must not change that.
+                    s.kv.set_format(2, KvFormat::Q4).unwrap();
+                }
+                (s, next)
+            })
+            .collect()
+    };
+    // Reference: each session alone.
+    let mut solo = build();
+    let mut want: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 4];
+    for (i, (s, next)) in solo.iter_mut().enumerate() {
+        for _ in 0..12 {
+            let l = s.eval(&[*next], Logits::Last).unwrap().to_vec();
+            *next = argmax(&l);
+            want[i].push(l);
+        }
+    }
+    // Batches of 4, then of 1, 2 and 3 over the same steps.
+    for sizes in [vec![4usize], vec![1, 2, 1], vec![3, 1], vec![2, 2]] {
+        let mut st = build();
+        let mut scratch = Scratch::default();
+        for step in 0..12 {
+            let mut at = 0;
+            for &k in &sizes {
+                let (sessions, nexts): (Vec<&mut Session>, Vec<u32>) = st[at..at + k].iter_mut().map(|(s, n)| (s, *n)).unzip();
+                let mut sessions = sessions;
+                let vocab = m.config.vocab;
+                let logits = Session::decode_batch(&mut sessions, &nexts, &mut scratch).unwrap().to_vec();
+                for (j, row) in logits.chunks_exact(vocab).enumerate() {
+                    let i = at + j;
+                    assert!(
+                        row == want[i][step].as_slice(),
+                        "batch {sizes:?}, session {i}, step {step}: logits differ from its own decode"
+                    );
+                    st[i].1 = argmax(row);
+                }
+                at += k;
+            }
+        }
+        for (i, (s, _)) in st.iter().enumerate() {
+            assert_eq!(s.tokens, solo[i].0.tokens, "session {i}'s tokens");
+            assert_eq!(s.attention.is_some(), i == 1);
+        }
+        assert_eq!(st[1].0.attention.as_ref().unwrap().count, solo[1].0.attention.as_ref().unwrap().count, "attention observed alike");
+    }
+}
+
+/// A bad batch changes no session: a token outside the vocabulary, a full session, sessions of
+/// different models, a token count that does not match.
+#[test]
+fn a_bad_batch_changes_nothing() {
+    let m = Arc::new(Model::load(&model_path()).unwrap());
+    let p = Arc::new(ThreadPool::new(2));
+    let mut a = session(&m, &p, KvFormat::Int8, false);
+    let mut b = Session::with_options(
+        Arc::clone(&m),
+        Arc::clone(&p),
+        SessionOptions { capacity: 4, chunk_tokens: 16, base: KvFormat::Int8, observe_attention: false, sliding_window: None },
+    );
+    a.eval(&[1, 2, 3], Logits::None).unwrap();
+    b.eval(&[1, 2, 3, 4], Logits::None).unwrap();
+    let mut scratch = Scratch::default();
+    let vocab = u32::try_from(m.config.vocab).unwrap();
+    assert!(Session::decode_batch(&mut [&mut a], &[vocab], &mut scratch).is_err());
+    assert!(Session::decode_batch(&mut [&mut a, &mut b], &[5, 6], &mut scratch).is_err(), "b is full");
+    assert!(Session::decode_batch(&mut [&mut a], &[5, 6], &mut scratch).is_err());
+    let other = Arc::new(Model::load(&model_path()).unwrap());
+    let mut c = session(&other, &p, KvFormat::Int8, false);
+    assert!(Session::decode_batch(&mut [&mut a, &mut c], &[5, 6], &mut scratch).is_err());
+    assert_eq!((a.tokens.len(), b.tokens.len(), c.tokens.len()), (3, 4, 0));
+    assert!(Session::decode_batch(&mut [], &[], &mut scratch).unwrap().is_empty());
+}
