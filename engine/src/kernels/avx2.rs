@@ -21,28 +21,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// # Safety
-/// Needs AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    let n_tok = a.rows;
-    for g in g0..g1 {
-        let mut t = 0;
-        while t + 4 <= n_tok {
-            packed_tile::<4>(w, a, g, t, out, ldo);
-            t += 4;
-        }
-        // The rest in one pass over the weights (a batch of 2 or 3 decoding contexts reads
-        // the group once, not once per token); a token's arithmetic is the same in any tile.
-        match n_tok - t {
-            3 => packed_tile::<3>(w, a, g, t, out, ldo),
-            2 => packed_tile::<2>(w, a, g, t, out, ldo),
-            1 => packed_tile::<1>(w, a, g, t, out, ldo),
-            _ => {}
-        }
-    }
-}
-
 /// Four activation bytes starting at `p`, broadcast to every 32-bit lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -51,80 +29,148 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()))
 }
 
-/// One group of 8 rows against `T` tokens starting at `t0`, over every block.
-#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+/// The packed matrix kernels, stamped out once per instruction set: `$q4`/`$q4_end`/`$q8` are
+/// how 4-byte dot products accumulate. Every variant computes the same integers (the sums
+/// never overflow), so they agree bit for bit.
+macro_rules! packed_kernels {
+    ($all:ident, $tile:ident, $feat:literal, $q4:ident, $q4_end:ident, $q8:ident) => {
+        /// # Safety
+        /// Needs AVX2, FMA and F16C.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $all(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+            let n_tok = a.rows;
+            for g in g0..g1 {
+                let mut t = 0;
+                while t + 4 <= n_tok {
+                    $tile::<4>(w, a, g, t, out, ldo);
+                    t += 4;
+                }
+                // The rest in one pass over the weights (a batch of 2 or 3 decoding contexts reads
+                // the group once, not once per token); a token's arithmetic is the same in any tile.
+                match n_tok - t {
+                    3 => $tile::<3>(w, a, g, t, out, ldo),
+                    2 => $tile::<2>(w, a, g, t, out, ldo),
+                    1 => $tile::<1>(w, a, g, t, out, ldo),
+                    _ => {}
+                }
+            }
+        }
+
+        /// One group of 8 rows against `T` tokens starting at `t0`, over every block.
+        #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+            let nb = w.blocks_per_row();
+            let mask = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); T];
+            let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+            match &w.data {
+                Packed::Q4(v) => {
+                    let blks = &v[g * nb..(g + 1) * nb];
+                    for (b, blk) in blks.iter().enumerate() {
+                        let mut p = [_mm256_setzero_si256(); T];
+                        for k in 0..4 {
+                            let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                            let lo = _mm256_and_si256(wv, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+                            for t in 0..T {
+                                let xq = a.qs[xrow[t] + b].as_ptr();
+                                p[t] = $q4(p[t], lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+                            }
+                        }
+                        let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                        let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
+                        for t in 0..T {
+                            let k8 = xrow[t] + b;
+                            let pf = _mm256_cvtepi32_ps($q4_end(p[t]));
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                        }
+                    }
+                }
+                Packed::Q8(v) => {
+                    let blks = &v[g * nb..(g + 1) * nb];
+                    for (b, blk) in blks.iter().enumerate() {
+                        let mut p = [_mm256_setzero_si256(); T];
+                        for k in 0..8 {
+                            let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                            let aw = _mm256_sign_epi8(wv, wv);
+                            for t in 0..T {
+                                let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+                                p[t] = $q8(p[t], aw, _mm256_sign_epi8(x, wv));
+                            }
+                        }
+                        let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                        for t in 0..T {
+                            let pf = _mm256_cvtepi32_ps(p[t]);
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                        }
+                    }
+                }
+            }
+            let r0 = g * ROWS;
+            let valid = (w.rows - r0).min(ROWS);
+            for t in 0..T {
+                let idx = (t0 + t) * ldo + r0;
+                if valid == ROWS {
+                    assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+                    // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+                    _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
+                } else {
+                    let mut tmp = [0.0f32; ROWS];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
+                    for (r, &v) in tmp.iter().enumerate().take(valid) {
+                        out.write(idx + r, v);
+                    }
+                }
+            }
+        }
+    };
+}
+
+packed_kernels!(matmul_packed, packed_tile, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs);
+packed_kernels!(matmul_packed_vnni, packed_tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", q4_dpbusd, q4_end_dpbusd, q8_dpbusd);
+
+/// Q4 codes (`lo`, `hi`: unsigned nibbles) against 4 activation bytes each, into i16 lanes:
+/// |sum| <= 8 * 2 * 15 * 127 < 2^15 per block, so the i16 adds cannot overflow.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn packed_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
-    let nb = w.blocks_per_row();
-    let ones = _mm256_set1_epi16(1);
-    let mask = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); T];
-    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
-    match &w.data {
-        Packed::Q4(v) => {
-            let blks = &v[g * nb..(g + 1) * nb];
-            for (b, blk) in blks.iter().enumerate() {
-                let mut p = [_mm256_setzero_si256(); T];
-                for k in 0..4 {
-                    let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
-                    let lo = _mm256_and_si256(wv, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
-                    for t in 0..T {
-                        let xq = a.qs[xrow[t] + b].as_ptr();
-                        // |sum| <= 8 * 2 * 15 * 127 < 2^15: the i16 adds cannot overflow.
-                        let pl = _mm256_maddubs_epi16(lo, bcast4(xq.add(4 * k)));
-                        let ph = _mm256_maddubs_epi16(hi, bcast4(xq.add(16 + 4 * k)));
-                        p[t] = _mm256_add_epi16(p[t], _mm256_add_epi16(pl, ph));
-                    }
-                }
-                let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
-                let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
-                for t in 0..T {
-                    let k8 = xrow[t] + b;
-                    let pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t], ones));
-                    acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
-                }
-            }
-        }
-        Packed::Q8(v) => {
-            let blks = &v[g * nb..(g + 1) * nb];
-            for (b, blk) in blks.iter().enumerate() {
-                let mut p = [_mm256_setzero_si256(); T];
-                for k in 0..8 {
-                    let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
-                    let aw = _mm256_sign_epi8(wv, wv);
-                    for t in 0..T {
-                        let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
-                        let pr = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, wv));
-                        p[t] = _mm256_add_epi32(p[t], _mm256_madd_epi16(pr, ones));
-                    }
-                }
-                let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
-                for t in 0..T {
-                    let pf = _mm256_cvtepi32_ps(p[t]);
-                    acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[xrow[t] + b])), acc[t]);
-                }
-            }
-        }
-    }
-    let r0 = g * ROWS;
-    let valid = (w.rows - r0).min(ROWS);
-    for t in 0..T {
-        let idx = (t0 + t) * ldo + r0;
-        if valid == ROWS {
-            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
-            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
-            _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
-        } else {
-            let mut tmp = [0.0f32; ROWS];
-            _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
-            for (r, &v) in tmp.iter().enumerate().take(valid) {
-                out.write(idx + r, v);
-            }
-        }
-    }
+unsafe fn q4_maddubs(p: __m256i, lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
+    _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)))
+}
+
+/// The i16 pairs summed into the i32 lanes (one per row).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_end_maddubs(p: __m256i) -> __m256i {
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// Q8: |w| against x with w's sign, pairs into i16 (|sum| <= 2 * 127 * 127 < 2^15), then i32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_maddubs(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+    _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)))
+}
+
+/// VNNI: four u8 x i8 products and the accumulator in one instruction, straight into i32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn q4_dpbusd(p: __m256i, lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p, lo, xl), hi, xh)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn q4_end_dpbusd(p: __m256i) -> __m256i {
+    p
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn q8_dpbusd(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(p, aw, sx)
 }
 
 /// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one

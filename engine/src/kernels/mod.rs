@@ -96,6 +96,12 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
 pub fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
     #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_vnni() {
+        // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL (checked at run time).
+        unsafe { avx2::matmul_packed_vnni(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
         unsafe { avx2::matmul_packed(w, a, out, ldo, g0, g1) };
@@ -339,6 +345,20 @@ mod tests {
                 a.prepare(&x, toks, cols, &[ActKind::Q8], &ThreadPool::new(2));
                 let mut want = vec![f32::NAN; toks * rows];
                 matmul_rows_ref(&w, &a, OutPtr::new(&mut want), rows, 0, rows, toks);
+                #[cfg(target_arch = "x86_64")]
+                if crate::simd::has_vnni() {
+                    // The VNNI and AVX2 kernels compute the same integers: equal bit for bit.
+                    let (mut v, mut x) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
+                    // SAFETY: has_vnni implies AVX2/FMA/F16C and AVX512-VNNI/VL.
+                    unsafe {
+                        avx2::matmul_packed_vnni(&p, &a.q8, OutPtr::new(&mut v), rows, 0, p.groups());
+                        avx2::matmul_packed(&p, &a.q8, OutPtr::new(&mut x), rows, 0, p.groups());
+                    }
+                    assert!(
+                        v.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty:?} {rows}x{cols}x{toks}: VNNI differs from AVX2"
+                    );
+                }
                 for scalar in [false, true] {
                     let mut got = vec![f32::NAN; toks * rows];
                     if scalar {
