@@ -39,12 +39,24 @@ pub struct BlockQ8x8 {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8x8>() == 272);
 
+/// 8 rows x 32 columns of 8-bit codes with an offset, `w = q * d + m` (Q5_1's 5-bit codes).
+/// Laid out as [`BlockQ8x8`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ8Mx8 {
+    pub d: [f16; ROWS],
+    pub m: [f16; ROWS],
+    pub qs: [i8; QK * ROWS],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8Mx8>() == 288);
+
 /// A weight matrix repacked by groups of 8 rows; blocks are stored group-major
 /// (`[group][block]`). Rows past `rows` in the last group are zero (scale 0).
 #[derive(Debug)]
 pub enum Packed {
     Q4(Blocks<BlockQ4x8>),
     Q8(Blocks<BlockQ8x8>),
+    Q8M(Blocks<BlockQ8Mx8>),
 }
 
 /// Where packed blocks live: the heap (packed at load), or memory someone else owns, such as
@@ -103,6 +115,7 @@ impl PackedWeight {
         match &self.data {
             Packed::Q4(v) => bytemuck::cast_slice(v),
             Packed::Q8(v) => bytemuck::cast_slice(v),
+            Packed::Q8M(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -112,6 +125,7 @@ impl PackedWeight {
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
             GgmlType::Q8_0 | GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
+            GgmlType::Q5_1 => Some(blocks * std::mem::size_of::<BlockQ8Mx8>()),
             _ => None,
         }
     }
@@ -132,6 +146,7 @@ impl PackedWeight {
         }
         let data = match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
+            GgmlType::Q5_1 => Packed::Q8M(cast(bytes)?),
             _ => Packed::Q8(cast(bytes)?),
         };
         Some(Self { rows, cols, data })
@@ -194,6 +209,27 @@ impl PackedWeight {
                     }
                 }
                 Packed::Q8(Blocks::Owned(out))
+            }
+            // Q5_1's codes (0..32) as 8-bit codes beside the offset: exact, the Q8 kernels
+            // with Q4_1's offset term.
+            GgmlType::Q5_1 => {
+                let mut out = vec![BlockQ8Mx8::zeroed(); groups * nb];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ5_1>(row).iter().enumerate() {
+                        let o = &mut out[g * nb + b];
+                        o.d[lane] = blk.d;
+                        o.m[lane] = blk.m;
+                        let codes = crate::quant::q5_codes(blk.qh, &blk.qs);
+                        for k in 0..8 {
+                            for j in 0..4 {
+                                o.qs[32 * k + 4 * lane + j] = codes[4 * k + j] as i8;
+                            }
+                        }
+                    }
+                }
+                Packed::Q8M(Blocks::Owned(out))
             }
             _ => return None,
         };

@@ -108,6 +108,28 @@ macro_rules! packed_kernels {
                         }
                     }
                 }
+                Packed::Q8M(v) => {
+                    // Codes 0..32 (Q5_1): as Q8, plus Q4_1's offset term `m * s_x`.
+                    let blks = &v[g * nb..(g + 1) * nb];
+                    for (b, blk) in blks.iter().enumerate() {
+                        let mut p = [_mm256_setzero_si256(); T];
+                        for k in 0..8 {
+                            let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
+                            for t in 0..T {
+                                let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+                                p[t] = $q8(p[t], wv, x);
+                            }
+                        }
+                        let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                        let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
+                        for t in 0..T {
+                            let k8 = xrow[t] + b;
+                            let pf = _mm256_cvtepi32_ps(p[t]);
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                        }
+                    }
+                }
             }
             let r0 = g * ROWS;
             let valid = (w.rows - r0).min(ROWS);

@@ -146,6 +146,16 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                             }
                             sum += blk.d[lane].to_f32() * a.d[k8] * s as f32;
                         }
+                        Packed::Q8M(v) => {
+                            let blk = &v[g * nb + b];
+                            let mut s = 0i32;
+                            for k in 0..8 {
+                                for j in 0..4 {
+                                    s += i32::from(blk.qs[32 * k + 4 * lane + j]) * i32::from(xq[4 * k + j]);
+                                }
+                            }
+                            sum += blk.d[lane].to_f32() * a.d[k8] * s as f32 + blk.m[lane].to_f32() * a.s[k8];
+                        }
                     }
                 }
                 out.write(t * ldo + r, sum);
@@ -335,7 +345,7 @@ mod tests {
     #[test]
     fn packed_kernels_match_row_major_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
             for &(rows, cols, toks) in &[(8, 32, 1), (13, 64, 6), (40, 576, 9), (3, 96, 4)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
