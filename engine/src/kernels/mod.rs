@@ -86,8 +86,26 @@ impl Acts {
 pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
     debug_assert_eq!(a.cols, w.cols);
     debug_assert!(r1 <= w.rows);
-    // Types with fast kernels are repacked at load and go through `matmul_packed`; the rest
-    // (K-quants, float weights) take the reference path.
+    // Types with fast kernels are repacked at load and go through `matmul_packed`; K-quants
+    // have row kernels; float weights take the reference path.
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K) {
+        for r in r0..r1 {
+            let row = w.row(r);
+            for t in 0..a.rows {
+                // SAFETY: the CPU has AVX2/FMA/F16C (checked); the blocks and activation rows
+                // are whole (`row` is one weight row, `t` < rows).
+                let v = unsafe {
+                    match w.ty {
+                        GgmlType::Q4K => avx2::dot_q4k(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
+                        _ => avx2::dot_q6k(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
+                    }
+                };
+                out.write(t * ldo + r, v);
+            }
+        }
+        return;
+    }
     matmul_rows_ref(w, a, out, ldo, r0, r1, a.rows);
 }
 
@@ -380,6 +398,28 @@ mod tests {
                         assert!((g - s).abs() <= 1e-4 * (1.0 + s.abs()), "{ty:?} {rows}x{cols}x{toks} scalar={scalar} at {i}: {g} vs {s}");
                     }
                 }
+            }
+        }
+    }
+
+    /// The K-quant row kernels give the scalar references' results bit for bit.
+    #[test]
+    fn k_quant_kernels_equal_the_references() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3)] {
+                let data = random_weights(ty, rows, cols, &mut rng);
+                let w = WeightView { ty, rows, cols, data: &data };
+                let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let mut a = Acts::default();
+                a.prepare(&x, toks, cols, &[w.act_kind()], &ThreadPool::new(1));
+                let (mut fast, mut slow) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
+                matmul_rows(&w, &a, OutPtr::new(&mut fast), rows, 0, rows);
+                matmul_rows_ref(&w, &a, OutPtr::new(&mut slow), rows, 0, rows, toks);
+                assert!(
+                    fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                    "{ty:?} {rows}x{cols}x{toks}: {fast:?} vs {slow:?}"
+                );
             }
         }
     }
