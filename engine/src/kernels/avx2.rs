@@ -388,59 +388,65 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// Q4_K row · Q8_K activation row: the same integer sums as `quant::dot_q4k_ref` (nibbles
-/// times activations in `maddubs`, times the 6-bit sub-block scales in `madd`, never
-/// overflowing), combined with the same float operations, so the result is bit for bit the
-/// reference's.
+/// Q4_K row · `T` Q8_K activation rows from `t0` (one pass over the row's blocks: the
+/// nibbles and the sub-block scales are unpacked once for all `T`): the same integer sums as
+/// `quant::dot_q4k_ref` (nibbles times activations in `maddubs`, times the 6-bit scales in
+/// `madd`, never overflowing), combined with the same float operations, so each result is bit
+/// for bit the reference's.
 ///
 /// # Safety
-/// Needs AVX2/FMA/F16C.
+/// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_q4k(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, row: usize) -> f32 {
+pub(super) unsafe fn dot_q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
     let mask = _mm256_set1_epi8(0x0F);
-    let mut sum = 0.0f32;
+    let mut sum = [0.0f32; T];
     for (i, b) in w.iter().enumerate() {
-        let k = row * a.nb + i;
-        let q8 = a.qs[k].as_ptr();
-        let mut acc = _mm256_setzero_si256();
-        let mut sumi_mins = 0i32;
+        let mut acc = [_mm256_setzero_si256(); T];
+        let mut mins = [0i32; T];
         for j in 0..4 {
             let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
             let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
+            let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
             let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j).cast());
             let lo = _mm256_and_si256(q, mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-            // |pair sum| <= 2 * 15 * 128 < 2^15; times a scale < 64, summed in pairs: < 2^22.
-            let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8.add(64 * j).cast()));
-            let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(i16::from(sc1))));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(i16::from(sc2))));
-            let bs = &a.bsums[k];
-            sumi_mins += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
-            sumi_mins += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
+            for t in 0..T {
+                let k = (t0 + t) * a.nb + i;
+                let q8 = a.qs[k].as_ptr();
+                // |pair sum| <= 2 * 15 * 128 < 2^15; times a scale < 64, summed in pairs: < 2^22.
+                let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8.add(64 * j).cast()));
+                let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(plo, s1));
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(phi, s2));
+                let bs = &a.bsums[k];
+                mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
+                mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
+            }
         }
-        let sumi = hsum_i32(acc);
-        sum += a.d[k] * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * sumi_mins as f32);
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for t in 0..T {
+            let k = (t0 + t) * a.nb + i;
+            sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins[t] as f32);
+        }
     }
     sum
 }
 
-/// Q6_K row · Q8_K activation row, as `quant::dot_q6k_ref` bit for bit: the 6-bit codes are
-/// rebuilt 32 at a time, multiplied unsigned (`maddubs`) with 32 x the activations taken back
-/// off, then times the signed 16-value sub-block scales (`madd`).
+/// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit: the
+/// 6-bit codes are rebuilt 32 at a time (once for all `T`), multiplied unsigned (`maddubs`)
+/// with 32 x the activations taken back off, then times the signed 16-value sub-block scales
+/// (`madd`).
 ///
 /// # Safety
-/// Needs AVX2/FMA/F16C.
+/// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_q6k(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, row: usize) -> f32 {
+pub(super) unsafe fn dot_q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(0x03);
     let m32 = _mm256_set1_epi8(32);
-    let mut sum = 0.0f32;
+    let mut sum = [0.0f32; T];
     for (i, b) in w.iter().enumerate() {
-        let k = row * a.nb + i;
-        let q8 = a.qs[k].as_ptr();
-        let mut acc = _mm256_setzero_si256();
+        let mut acc = [_mm256_setzero_si256(); T];
         for n in 0..2 {
             let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n).cast());
             let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32).cast());
@@ -457,17 +463,21 @@ pub(super) unsafe fn dot_q6k(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8K
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3),
             ];
             for (g, &qg) in q.iter().enumerate() {
-                let x = _mm256_loadu_si256(q8.add(128 * n + 32 * g).cast());
-                // (q - 32) x per pair: |.| <= 2 * 32 * 128 < 2^15.
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(qg, x), _mm256_maddubs_epi16(m32, x));
                 let s0 = i16::from(b.scales[8 * n + 2 * g]);
                 let s1 = i16::from(b.scales[8 * n + 2 * g + 1]);
                 let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm256_loadu_si256(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g).cast());
+                    // (q - 32) x per pair: |.| <= 2 * 32 * 128 < 2^15.
+                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(qg, x), _mm256_maddubs_epi16(m32, x));
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, sc));
+                }
             }
         }
-        let sumi = hsum_i32(acc);
-        sum += b.d.to_f32() * a.d[k] * sumi as f32;
+        let d = b.d.to_f32();
+        for t in 0..T {
+            sum[t] += d * a.d[(t0 + t) * a.nb + i] * hsum_i32(acc[t]) as f32;
+        }
     }
     sum
 }

@@ -90,18 +90,30 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
     // have row kernels; float weights take the reference path.
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K) {
-        for r in r0..r1 {
+        /// One row against tokens `t..t + T`, written to `out`.
+        fn tile<const T: usize>(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r: usize, t: usize) {
             let row = w.row(r);
-            for t in 0..a.rows {
-                // SAFETY: the CPU has AVX2/FMA/F16C (checked); the blocks and activation rows
-                // are whole (`row` is one weight row, `t` < rows).
-                let v = unsafe {
-                    match w.ty {
-                        GgmlType::Q4K => avx2::dot_q4k(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
-                        _ => avx2::dot_q6k(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
-                    }
-                };
-                out.write(t * ldo + r, v);
+            // SAFETY: the CPU has AVX2/FMA/F16C (checked by the caller); `row` is one weight
+            // row of whole blocks and `t + T <= a.rows`.
+            let v: [f32; T] = unsafe {
+                match w.ty {
+                    GgmlType::Q4K => avx2::dot_q4k::<T>(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
+                    _ => avx2::dot_q6k::<T>(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
+                }
+            };
+            for (j, &x) in v.iter().enumerate() {
+                out.write((t + j) * ldo + r, x);
+            }
+        }
+        for r in r0..r1 {
+            let mut t = 0;
+            while t + 4 <= a.rows {
+                tile::<4>(w, a, out, ldo, r, t);
+                t += 4;
+            }
+            while t < a.rows {
+                tile::<1>(w, a, out, ldo, r, t);
+                t += 1;
             }
         }
         return;
@@ -407,7 +419,7 @@ mod tests {
     fn k_quant_kernels_equal_the_references() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
         for ty in [GgmlType::Q4K, GgmlType::Q6K] {
-            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3)] {
+            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3), (4, 512, 9)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
                 let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
