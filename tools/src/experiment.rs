@@ -28,6 +28,7 @@ use crate::config::Config;
 use crate::figure::{ensure_font, Figure, Panel, Series, COLORS};
 use crate::replay::{replay_paced, summarize, Pace, Summary};
 use crate::service::Local;
+use crate::stats::median;
 use crate::trace::{generate, GenParams, Pattern};
 
 /// Each baseline's own best configuration on this engine (same store, budget and trace):
@@ -556,11 +557,6 @@ pub struct InferenceRow {
     pub length: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Runs it: the same token ids through a session whose KV cache is its own memory and through

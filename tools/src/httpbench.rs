@@ -29,6 +29,7 @@ use crate::client::Client;
 use crate::config::Config;
 use crate::proto::Call;
 use crate::service::Local;
+use crate::stats::median;
 
 /// The conversation: turns, and tokens per user message and per reply (at most).
 #[derive(Debug, Clone, Copy)]
@@ -59,11 +60,6 @@ pub struct Report {
     pub http_call_ms: f64,
     pub http_overhead_ms: f64,
     pub reps: usize,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn ms(d: Duration) -> f64 {

@@ -14,6 +14,7 @@ pub mod replay;
 pub mod report;
 pub mod service;
 pub mod size;
+pub mod stats;
 pub mod switchbench;
 pub mod trace;
 pub mod weights;

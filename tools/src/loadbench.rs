@@ -11,6 +11,7 @@ use engine::{Logits, Model, Session, ThreadPool};
 use mm::{Codec, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
 
 use crate::kvmm::{code, EngineCodec, SessionKv};
+use crate::stats::median;
 
 /// Where swap stores and profiles live unless told: `$LLMS_STATE_DIR`, else
 /// `$XDG_STATE_HOME/llms`, else `~/.local/state/llms`. Not a tmpfs: the store must be on flash.
@@ -141,11 +142,6 @@ pub fn timed_load(mm: &mut Manager, id: u64, s: &mut Session, n: usize, strategy
     Ok(r)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Measures `T_re(x)` and `T_io(m)` through real loads of a context of at least 512 tokens and
 /// 32 chunks (recompute x chunks; read x chunks, x up to 32) and fits them.
 pub fn measure_profile(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, chunk_tokens: usize) -> Result<Profile> {
@@ -166,8 +162,8 @@ pub fn measure_profile(dir: &Path, model: &Arc<Model>, pool: &Arc<ThreadPool>, c
             ti.push(r.seconds);
             bytes = r.read_bytes;
         }
-        re.push((x as u64, median(&mut tr)));
-        io.push((bytes, median(&mut ti)));
+        re.push((x as u64, median(tr)));
+        io.push((bytes, median(ti)));
     }
     drop(mm);
     let _ = std::fs::remove_dir_all(&tmp);

@@ -11,6 +11,7 @@ use crate::client::Client;
 use crate::config::Config;
 use crate::proto::{Call, CallStats};
 use crate::service::Local;
+use crate::stats::median;
 
 /// One scenario's medians.
 #[derive(Debug, Clone, Serialize)]
@@ -26,11 +27,6 @@ pub struct Row {
 
 /// A budget nothing reaches.
 const UNLIMITED: usize = 1 << 40;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
 
 fn call(c: &mut Client, ctx: &str, prompt: &str) -> Result<CallStats> {
     let call =

@@ -9,6 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use super::*;
+use crate::stats::median;
 
 /// `llms profile`.
 #[derive(Args, Debug)]
@@ -121,15 +122,9 @@ impl BenchHttpArgs {
         if !(2..=16).contains(&turns) || reps == 0 || !(8..=400).contains(&user_tokens) || !(1..=200).contains(&reply_tokens) {
             bail!("--turns must be in 2..=16, --user-tokens in 8..=400, --reply-tokens in 1..=200, --reps at least 1");
         }
-        let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let (model, pool) = load(&m)?;
-        crate::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
-        drop((model, pool));
-        let base =
-            crate::config::Config { model: model_path(&m), threads: m.threads.unwrap_or(0), levels, ..crate::config::Config::default() };
+        let (dir, mut base, work) = service_bench(&m, state_dir, json, "http")?;
+        base.levels = levels;
         base.level_formats()?;
-        let work = dir.join(format!("bench-http-{}", std::process::id()));
         let shape = crate::httpbench::Shape { turns, user_tokens, reply_tokens };
         let r = crate::httpbench::run(&base, shape, reps, &work, &dir);
         let _ = std::fs::remove_dir_all(&work);
@@ -252,11 +247,6 @@ impl BenchBatchArgs {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// `llms bench-uffd`.
 #[derive(Args, Debug)]
 pub struct BenchUffdArgs {
@@ -274,18 +264,25 @@ impl BenchUffdArgs {
     }
 }
 
+/// What a benchmark of the service in process starts from: the state directory (its load
+/// profile measured first, so every run plans with it), a configuration with the model and
+/// threads, and a fresh work directory under the state directory for the runs' stores.
+fn service_bench(m: &ModelArgs, state_dir: Option<PathBuf>, json: bool, name: &str) -> Result<(PathBuf, crate::config::Config, PathBuf)> {
+    let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let (model, pool) = load(m)?;
+    crate::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
+    drop((model, pool));
+    let base = crate::config::Config { model: model_path(m), threads: m.threads.unwrap_or(0), ..crate::config::Config::default() };
+    let work = dir.join(format!("bench-{name}-{}", std::process::id()));
+    Ok((dir, base, work))
+}
+
 fn bench_switch(m: &ModelArgs, tokens: &[usize], reps: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
     if tokens.is_empty() || tokens.iter().any(|&n| !(32..=7000).contains(&n)) || reps == 0 {
         bail!("--tokens must be between 32 and 7000 and --reps at least 1");
     }
-    let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let (model, pool) = load(m)?;
-    // The profile first, so every run plans with it.
-    crate::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
-    drop((model, pool));
-    let base = crate::config::Config { model: model_path(m), threads: m.threads.unwrap_or(0), ..crate::config::Config::default() };
-    let work = dir.join(format!("bench-switch-{}", std::process::id()));
+    let (dir, base, work) = service_bench(m, state_dir, json, "switch")?;
     let rows = crate::switchbench::run(&base, tokens, reps, &work, &dir);
     let _ = std::fs::remove_dir_all(&work);
     let rows = rows?;

@@ -228,14 +228,14 @@ impl Service {
             let _g = rt.enter();
             let u = tokio::net::UnixListener::from_std(u)?;
             info!(socket = %path.display(), "HTTP front (OpenAI API) listening");
-            rt.spawn(accept_unix(Arc::clone(&front), u, router.clone(), stopped.clone()));
+            rt.spawn(accept_loop(Arc::clone(&front), u, router.clone(), stopped.clone()));
         }
         if let Some(t) = l.tcp {
             t.set_nonblocking(true)?;
             let _g = rt.enter();
             let t = tokio::net::TcpListener::from_std(t)?;
             info!(addr = %t.local_addr()?, "HTTP front (OpenAI API) listening on TCP (bearer tokens)");
-            rt.spawn(accept_tcp(Arc::clone(&front), t, router, stopped));
+            rt.spawn(accept_loop(Arc::clone(&front), t, router, stopped));
         }
         Ok(Some(Running { stop, front, rt: Some(rt) }))
     }
@@ -261,31 +261,42 @@ async fn count(State(front): State<Arc<Front>>, req: Request, next: Next) -> Res
     r
 }
 
-async fn accept_unix(front: Arc<Front>, l: tokio::net::UnixListener, router: Router, mut stop: watch::Receiver<bool>) {
-    loop {
-        let stream = tokio::select! {
-            r = l.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => { warn!("http accept: {e}"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
-            },
-            _ = stop.changed() => return,
-        };
-        let Ok(uid) = stream.peer_cred().map(|c| c.uid()) else { continue };
-        serve(&front, stream, &router, Peer::Unix { uid }, uid);
+/// A listener the front accepts from: the connection, who is at the other end, and the uid
+/// its connections count against.
+trait Accept {
+    type Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    /// `Ok(None)`: a connection that is dropped at once (its peer cannot be identified).
+    fn next(&self) -> impl std::future::Future<Output = std::io::Result<Option<(Self::Io, Peer, u32)>>> + Send;
+}
+
+impl Accept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    async fn next(&self) -> std::io::Result<Option<(Self::Io, Peer, u32)>> {
+        let (s, _) = self.accept().await?;
+        Ok(s.peer_cred().ok().map(|c| (s, Peer::Unix { uid: c.uid() }, c.uid())))
     }
 }
 
-async fn accept_tcp(front: Arc<Front>, l: tokio::net::TcpListener, router: Router, mut stop: watch::Receiver<bool>) {
+impl Accept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    async fn next(&self) -> std::io::Result<Option<(Self::Io, Peer, u32)>> {
+        let (s, _) = self.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok(Some((s, Peer::Tcp, NETWORK_UID)))
+    }
+}
+
+async fn accept_loop<L: Accept>(front: Arc<Front>, l: L, router: Router, mut stop: watch::Receiver<bool>) {
     loop {
-        let stream = tokio::select! {
-            r = l.accept() => match r {
-                Ok((s, _)) => s,
+        let (stream, peer, uid) = tokio::select! {
+            r = l.next() => match r {
+                Ok(Some(c)) => c,
+                Ok(None) => continue,
                 Err(e) => { warn!("http accept: {e}"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
             },
             _ = stop.changed() => return,
         };
-        let _ = stream.set_nodelay(true);
-        serve(&front, stream, &router, Peer::Tcp, NETWORK_UID);
+        serve(&front, stream, &router, peer, uid);
     }
 }
 
