@@ -118,6 +118,14 @@ pub struct CallStats {
     pub slid_tokens: u32,
     /// `stop`, `length` (max_tokens), `eog` (end of generation) or `cancelled`.
     pub finish: String,
+    /// Of `queue_ms`, the time this call waited for memory: the calls running beside it
+    /// pinned so much of the budget that its chunks did not fit (docs/llmsd.md, "Batching").
+    #[serde(default)]
+    pub memory_wait_ms: f64,
+    /// The most calls that shared a forward pass with this one, itself included (1: it ran
+    /// alone).
+    #[serde(default)]
+    pub batch_max: u32,
 }
 
 /// One context as `list` and `stats` show it.
@@ -178,6 +186,10 @@ pub struct ServiceStats {
     pub write_failures: u64,
     #[serde(default)]
     pub last_write_error: String,
+    /// Times the first call in line waited because the running calls left its chunks no room
+    /// in the budget.
+    #[serde(default)]
+    pub memory_waits: u64,
 }
 
 /// A frame from the service.

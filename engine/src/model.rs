@@ -524,20 +524,32 @@ impl Session {
 
     /// One decode step for several sessions at once: `tokens[i]` is appended to `sessions[i]`
     /// and the logits of each session's new position are returned, `[i][vocab]`, in `scratch`.
-    /// The weights are read once for the whole batch (the matrix products run over all rows);
-    /// each session writes its own cache and attends over its own context. A row's arithmetic
-    /// does not depend on the others, so each session's logits are bit for bit those its own
-    /// [`Session::eval`] would give. The sessions must share the model and its sparsity, hold
-    /// no calibrator or channel counter, and have room for one more position (a batch does not
-    /// slide a window); on an error no session has changed.
+    /// [`Session::step_batch`] with one token per session.
     pub fn decode_batch<'s>(sessions: &mut [&mut Session], tokens: &[u32], scratch: &'s mut Scratch) -> Result<&'s [f32]> {
         if sessions.len() != tokens.len() {
             return Err(ModelError::Batch("one token per session"));
         }
+        let pieces: Vec<&[u32]> = tokens.chunks(1).collect();
+        Session::step_batch(sessions, &pieces, scratch)
+    }
+
+    /// One forward pass for several sessions: `tokens[i]` (one token or more: a decode step or
+    /// a piece of a prefill) is appended to `sessions[i]`, and the logits of each session's
+    /// last new position are returned, `[i][vocab]`, in `scratch`. The weights are read once
+    /// for all the rows (the matrix products run over them together); each session writes its
+    /// own cache and attends over its own context. A row's arithmetic does not depend on the
+    /// other rows, so each session's logits and cache are bit for bit those its own
+    /// [`Session::eval`] of the same tokens would give. The sessions must share the model and
+    /// its sparsity, hold no calibrator or channel counter, and have room for their tokens (a
+    /// batch does not slide a window); on an error no session has changed.
+    pub fn step_batch<'s>(sessions: &mut [&mut Session], tokens: &[&[u32]], scratch: &'s mut Scratch) -> Result<&'s [f32]> {
+        if sessions.len() != tokens.len() {
+            return Err(ModelError::Batch("one token list per session"));
+        }
         let Some(first) = sessions.first() else { return Ok(&[]) };
         let (model, pool, sparsity) = (Arc::clone(&first.model), Arc::clone(&first.pool), first.sparsity.clone());
         let vocab = model.config.vocab;
-        for (s, &t) in sessions.iter().zip(tokens) {
+        for (s, t) in sessions.iter().zip(tokens) {
             if !Arc::ptr_eq(&s.model, &model) {
                 return Err(ModelError::Batch("the sessions must share one model"));
             }
@@ -549,29 +561,38 @@ impl Session {
             if !same || s.calibrator.is_some() || s.channel_use.is_some() {
                 return Err(ModelError::Batch("the sessions must share one sparsity and collect no statistics"));
             }
-            if s.n_past() + 1 > s.kv.capacity() {
-                return Err(ModelError::ContextFull { needed: s.n_past() + 1, capacity: s.kv.capacity() });
+            if t.is_empty() {
+                return Err(ModelError::Batch("every session needs a token"));
             }
-            if t as usize >= vocab {
-                return Err(ModelError::BadToken(t));
+            if s.n_past() + t.len() > s.kv.capacity() {
+                return Err(ModelError::ContextFull { needed: s.n_past() + t.len(), capacity: s.kv.capacity() });
+            }
+            if let Some(&bad) = t.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::BadToken(bad));
             }
         }
-        for s in sessions.iter_mut() {
-            s.kv.ensure(s.n_past() + 1)?;
+        for (s, t) in sessions.iter_mut().zip(tokens) {
+            s.kv.ensure(s.n_past() + t.len())?;
         }
-        let positions: Vec<usize> = sessions.iter().map(|s| s.n_past()).collect();
-        for ((s, &t), &pos) in sessions.iter_mut().zip(tokens).zip(&positions) {
-            s.tokens.push(t);
+        let n: usize = tokens.iter().map(|t| t.len()).sum();
+        let (mut rows, mut positions, mut spans, mut last) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::new(), Vec::new());
+        for (s, t) in sessions.iter_mut().zip(tokens) {
+            let pos0 = s.n_past();
+            spans.push(rows.len()..rows.len() + t.len());
+            rows.extend_from_slice(t);
+            positions.extend(pos0..pos0 + t.len());
+            last.push(rows.len() - 1);
+            s.tokens.extend_from_slice(t);
             if let Some(a) = &mut s.attention {
-                let end = (pos + 1).max(a.sum.len());
+                let end = (pos0 + t.len()).max(a.sum.len());
                 a.sum.resize(end, 0.0);
                 a.count.resize(end, 0);
             }
         }
         let mut sp = Sparse { sparsity: sparsity.as_deref(), calibrator: None, channel_use: None };
-        let mut caches = ManyCaches { sessions };
-        forward_rows(&model, &pool, scratch, &mut sp, &mut caches, tokens, &positions, Logits::All, &mut |_| {});
-        Ok(&scratch.logits[..tokens.len() * vocab])
+        let mut caches = ManyCaches { sessions, spans };
+        forward_rows(&model, &pool, scratch, &mut sp, &mut caches, &rows, &positions, &last, &mut |_| {});
+        Ok(&scratch.logits[..last.len() * vocab])
     }
 
     /// Drops at least `drop` positions, whole chunks right after the first `sink` tokens
@@ -643,7 +664,12 @@ impl Session {
         let mut sp =
             Sparse { sparsity: self.sparsity.as_deref(), calibrator: self.calibrator.as_mut(), channel_use: self.channel_use.as_mut() };
         let mut caches = OneCache { kv: &mut self.kv, observer: self.attention.as_mut() };
-        forward_rows(&self.model, &self.pool, &mut self.scratch, &mut sp, &mut caches, tokens, positions, want, before_layer);
+        let rows: Vec<usize> = match want {
+            Logits::None => Vec::new(),
+            Logits::Last => vec![tokens.len() - 1],
+            Logits::All => (0..tokens.len()).collect(),
+        };
+        forward_rows(&self.model, &self.pool, &mut self.scratch, &mut sp, &mut caches, tokens, positions, &rows, before_layer);
     }
 }
 
@@ -669,27 +695,31 @@ impl Caches for OneCache<'_> {
     }
 }
 
-/// Row `t` belongs to `sessions[t]`: K/V go to its cache, and it attends over its own context.
+/// Rows `spans[i]` belong to `sessions[i]`: their K/V go to its cache, and they attend over
+/// its context as its own forward pass would.
 struct ManyCaches<'a, 'b> {
     sessions: &'a mut [&'b mut Session],
+    spans: Vec<std::ops::Range<usize>>,
 }
 
 impl Caches for ManyCaches<'_, '_> {
     fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]) {
-        self.sessions[row].kv.write(layer, pos, k, v);
+        // The spans are in row order: a binary search finds the row's session.
+        let i = self.spans.partition_point(|r| r.end <= row);
+        self.sessions[i].kv.write(layer, pos, k, v);
     }
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
-        for (t, s) in self.sessions.iter_mut().enumerate() {
+        for (s, r) in self.sessions.iter_mut().zip(&self.spans) {
             let s = &mut **s;
             attention(
                 pool,
                 c,
                 &s.kv,
                 layer,
-                &qkv[t * ld..(t + 1) * ld],
+                &qkv[r.start * ld..r.end * ld],
                 ld,
-                &positions[t..=t],
-                &mut out[t * c.dim..(t + 1) * c.dim],
+                &positions[r.clone()],
+                &mut out[r.start * c.dim..r.end * c.dim],
                 s.attention.as_mut(),
             );
         }
@@ -716,7 +746,7 @@ fn forward_rows(
     caches: &mut dyn Caches,
     tokens: &[u32],
     positions: &[usize],
-    want: Logits,
+    logit_rows: &[usize],
     before_layer: &mut dyn FnMut(usize),
 ) {
     let c = &model.config;
@@ -788,11 +818,10 @@ fn forward_rows(
         s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
     }
 
-    let rows: Vec<usize> = match want {
-        Logits::None => return,
-        Logits::Last => vec![n - 1],
-        Logits::All => (0..n).collect(),
-    };
+    if logit_rows.is_empty() {
+        return;
+    }
+    let rows = logit_rows;
     let m = rows.len();
     let mut xn = vec![0.0; m * dim];
     for (i, &r) in rows.iter().enumerate() {

@@ -432,6 +432,29 @@ impl Manager {
         self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes())
     }
 
+    /// Bytes pinned by the contexts in a call: reclaim cannot take them, so while they run
+    /// the budget holds only what is left beside them.
+    pub fn pinned_bytes(&self) -> usize {
+        self.ctxs.values().filter(|c| c.in_call).map(|c| c.region.resident_bytes()).sum()
+    }
+
+    /// What a call on `ctx` keeps resident while it runs: every chunk it holds, at its level
+    /// (`begin` loads and pins them all), and new chunks in the base format until it holds
+    /// `positions` positions. With [`Manager::pinned_bytes`], whether a call fits beside the
+    /// ones running; a context mm does not hold needs only its new chunks.
+    pub fn call_bytes(&self, ctx: u64, positions: usize) -> usize {
+        let held = self.ctxs.get(&ctx).map_or(0, |c| c.chunks.len());
+        let now: usize = (0..held).map(|i| self.chunk_len(ctx, i)).sum();
+        let more = positions.div_ceil(self.codec.chunk_tokens()).saturating_sub(held);
+        let base = self.cfg.levels.first().map_or(0, |&f| self.codec.chunk_bytes(f));
+        now + more * base
+    }
+
+    /// The budget of resident chunk memory in force.
+    pub fn budget(&self) -> usize {
+        self.cfg.budget
+    }
+
     /// The address range of a context's slots (for tests and metrics).
     pub fn region_range(&self, ctx: u64) -> Option<(usize, usize)> {
         self.ctxs.get(&ctx).map(|c| (c.region.slot_ptr(0) as usize, c.region.slot_size() * c.region.n_slots()))

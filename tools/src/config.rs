@@ -81,6 +81,12 @@ pub struct Config {
     pub max_connections: usize,
     /// Calls waiting for the model at most.
     pub max_queue: usize,
+    /// Calls that share the model's forward passes at most (1: one call at a time). Each
+    /// decode step reads the weights once for all of them (docs/llmsd.md, "Batching").
+    pub max_batch: usize,
+    /// Tokens of a prompt prefilled per forward pass while other calls decode: its prefill is
+    /// split so theirs are not stalled (a whole prompt runs at once when nothing decodes).
+    pub prefill_piece: usize,
     /// When swap-store records reach the disk itself: `off`, `batch` or `group[:ms]`
     /// (mm::Durability; docs/llmsd.md). Acknowledged turns survive a power loss in every mode
     /// (the context file is synced per call); this sets how much KV is recomputed after one.
@@ -143,6 +149,8 @@ impl Default for Config {
             io_timeout_s: 10,
             max_connections: 64,
             max_queue: 256,
+            max_batch: 8,
+            prefill_piece: 32,
             durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,
@@ -304,6 +312,8 @@ impl Config {
             ("max_contexts", self.max_contexts),
             ("max_connections", self.max_connections),
             ("max_queue", self.max_queue),
+            ("max_batch", self.max_batch),
+            ("prefill_piece", self.prefill_piece),
             ("max_connections_per_uid", self.max_connections_per_uid),
             ("max_contexts_per_uid", self.max_contexts_per_uid),
             ("max_queued_per_uid", self.max_queued_per_uid),

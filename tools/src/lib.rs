@@ -12,6 +12,7 @@ pub mod kvmm;
 pub mod loadbench;
 pub mod replay;
 pub mod report;
+pub mod servebench;
 pub mod service;
 pub mod size;
 pub mod stats;

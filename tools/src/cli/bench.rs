@@ -247,6 +247,114 @@ impl BenchBatchArgs {
     }
 }
 
+/// `llms bench-serve`.
+#[derive(Args, Debug)]
+pub struct BenchServeArgs {
+    /// Concurrent clients, each on its own connection and context.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Calls each client makes, one after the other.
+    #[arg(long, default_value_t = 4)]
+    pub calls: usize,
+    /// Tokens of each call's prompt (raw text, continued greedily).
+    #[arg(long, default_value_t = 32)]
+    pub prompt_tokens: usize,
+    /// Tokens each call generates at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Calls sharing a forward pass at most (1: batching off) [default: the service's, 8].
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Prompt tokens per pass while others decode [default: the service's, 32].
+    #[arg(long)]
+    pub prefill_piece: Option<usize>,
+    /// One more client sends prompts of this many tokens (fresh contexts, one token each) all
+    /// through the run: what a long prefill costs the others' inter-token latency.
+    #[arg(long, default_value_t = 0)]
+    pub long_prefill: usize,
+    /// Run the same calls with one client first (same service settings) and report the ratios.
+    #[arg(long)]
+    pub vs_solo: bool,
+    /// An llmsd to run against instead of one started in process.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Where the load profile is (measured there if missing) and the run's store goes.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl BenchServeArgs {
+    pub fn run(self) -> Result<()> {
+        use crate::servebench::{run, Load};
+        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, socket, state_dir, json, m } =
+            self;
+        if !(1..=64).contains(&clients) || !(1..=1000).contains(&calls) || !(1..=4000).contains(&prompt_tokens) {
+            bail!("--clients in 1..=64, --calls in 1..=1000, --prompt-tokens in 1..=4000");
+        }
+        if !(1..=1000).contains(&max_tokens) || long_prefill > 4000 {
+            bail!("--max-tokens in 1..=1000, --long-prefill at most 4000");
+        }
+        let (dir, mut base, work) = service_bench(&m, state_dir, json, "serve")?;
+        base.max_batch = max_batch.unwrap_or(base.max_batch);
+        base.prefill_piece = prefill_piece.unwrap_or(base.prefill_piece);
+        base.max_context_tokens = base.max_context_tokens.max((calls * (prompt_tokens + max_tokens + 8)).next_power_of_two().min(8192));
+        base.validate()?;
+        let text = read_text(Path::new(CALIB_TEXT))?;
+        let load = Load { clients, calls, prompt_tokens, max_tokens, long_prefill };
+        let r = (|| {
+            let solo = if vs_solo {
+                Some(run(&base, Load { clients: 1, long_prefill: 0, ..load }, socket.as_deref(), &work, &dir, &text)?)
+            } else {
+                None
+            };
+            Ok::<_, anyhow::Error>((solo, run(&base, load, socket.as_deref(), &work, &dir, &text)?))
+        })();
+        let _ = std::fs::remove_dir_all(&work);
+        let (solo, r) = r?;
+        if json {
+            let mut v = serde_json::to_value(&r)?;
+            if let Some(s) = &solo {
+                v["solo"] = serde_json::to_value(s)?;
+                v["aggregate_vs_solo"] = json!(r.aggregate_tok_s / s.aggregate_tok_s);
+                v["itl_p99_vs_solo"] = json!(r.itl_ms_p99 / s.itl_ms_p99);
+            }
+            println!("{}", serde_json::to_string(&v)?);
+            return Ok(());
+        }
+        let batch = if r.max_batch == 0 { "the service's".to_string() } else { r.max_batch.to_string() };
+        println!(
+            "{} clients x {} calls ({} prompt tokens, {} generated), max_batch {batch}{}:",
+            clients,
+            calls,
+            prompt_tokens,
+            max_tokens,
+            if long_prefill > 0 {
+                format!(", {long_prefill}-token prompts arriving throughout ({} ran)", r.long_prefill_calls)
+            } else {
+                String::new()
+            }
+        );
+        let line = |name: &str, r: &crate::servebench::Report| {
+            println!(
+                "  {name:<8} {:>8.1} tok/s aggregate   TTFT p50 {:>7.1} p99 {:>7.1} ms   ITL p50 {:>6.2} p99 {:>6.2} ms",
+                r.aggregate_tok_s, r.ttft_ms_p50, r.ttft_ms_p99, r.itl_ms_p50, r.itl_ms_p99
+            );
+        };
+        if let Some(s) = &solo {
+            line("1 client", s);
+        }
+        line(&format!("{clients} clients"), &r);
+        if let Some(s) = &solo {
+            println!("  aggregate {:.2}x one client's; ITL p99 {:.2}x", r.aggregate_tok_s / s.aggregate_tok_s, r.itl_ms_p99 / s.itl_ms_p99);
+        }
+        Ok(())
+    }
+}
+
 /// `llms bench-uffd`.
 #[derive(Args, Debug)]
 pub struct BenchUffdArgs {

@@ -1,8 +1,10 @@
-//! The call path, top to bottom: a call is queued ([`Service::submit`]), the worker takes it
-//! ([`Service::worker`]), and [`Service::run`] takes the context out of the registry, brings its
-//! chunks back (mm `begin`: read or recompute as planned, then pinned), prefills and decodes
-//! ([`Service::infer`]), ends it in mm (unpin, AoT write, re-level, reclaim) and saves the
-//! context. One call runs at a time on the shared model; the registry and mm are never locked
+//! The call path, top to bottom: a call is queued ([`Service::submit`]); the worker, a
+//! scheduler, admits it when the batch has room and its chunks fit in the budget beside the
+//! running calls' ([`Service::admit`]); [`Service::start`] takes its context out of the
+//! registry and brings its chunks back (mm `begin`: read or recompute as planned, then
+//! pinned); [`Service::step`] runs one forward pass for every call in the batch (each decoding
+//! call's next token, a piece of one prompt); [`Service::finish`] ends a call in mm (unpin,
+//! AoT write, re-level, reclaim) and saves its context. The registry and mm are never locked
 //! while the model computes.
 
 use std::any::Any;
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine::model::Scratch;
-use engine::{Logits, Sampler, SamplerConfig, Session, Utf8Stream};
+use engine::{Sampler, SamplerConfig, Session, Utf8Stream};
 use mm::Strategy;
 use tracing::{error, info, warn};
 
@@ -32,6 +34,72 @@ pub(super) struct Job {
     /// A stateless client's whole history: the worker chooses the context (`call.ctx` is
     /// unused) and prefills only what it lacks (history.rs).
     history: Option<History>,
+}
+
+/// The most tokens one forward pass runs (the engine's own split of a long `eval`).
+const MAX_PASS: usize = 512;
+
+/// A call in the batch: its context out of the registry with its chunks pinned, its prompt
+/// being prefilled (`next` is `None`) or its answer being decoded.
+struct Active {
+    job: Job,
+    ctx: String,
+    /// Made for this call (a stateless client's new or branched context): a failed call
+    /// deletes it.
+    made: bool,
+    /// Runs alone: its last call failed in a batch whose pass panicked.
+    solo: bool,
+    s: Session,
+    /// The context as saved before the call (what a failure rolls back to), and as it will
+    /// be saved after it.
+    before: Saved,
+    saved: Saved,
+    stats: CallStats,
+    /// The prompt's tokens, and how many of them have run.
+    ids: Vec<u32>,
+    fed: usize,
+    sampler: Sampler,
+    /// Chunk memory it keeps pinned while it runs (admission's estimate).
+    reserved: usize,
+    t_prefill: Instant,
+    t_decode: Instant,
+    /// The token sampled and not yet run.
+    next: Option<u32>,
+    out: Output,
+}
+
+/// What `begin_call` hands to the batch.
+struct Begun {
+    ctx: String,
+    made: bool,
+    solo: bool,
+    s: Session,
+    before: Saved,
+    saved: Saved,
+    stats: CallStats,
+    ids: Vec<u32>,
+    sampler: Sampler,
+}
+
+/// A call's answer so far.
+#[derive(Default)]
+struct Output {
+    utf8: Utf8Stream,
+    text: String,
+    bytes: Vec<u8>,
+    /// `text`'s length before the last token's piece.
+    before: usize,
+    /// Bytes of `text` streamed.
+    sent: usize,
+    n_out: u32,
+}
+
+/// How a call left the batch.
+enum Outcome {
+    Done,
+    Failed(Refusal),
+    /// Its context is quarantined.
+    Panicked(String),
 }
 
 impl Service {
@@ -107,101 +175,209 @@ impl Service {
         Ok(rx)
     }
 
-    /// The inference worker: runs queued calls one at a time until the service stops.
+    /// The inference worker, a scheduler over the shared model: the calls it runs share each
+    /// forward pass (up to `max_batch` of them), so the weights are read once per step for all;
+    /// a call joins between steps when its chunks fit in the budget beside the running calls'
+    /// (it waits otherwise, and says so in its stats); a prompt is prefilled in pieces of
+    /// `prefill_piece` tokens inside the others' decode steps (whole when nothing decodes); a
+    /// call that ends leaves at once. Runs until the service stops and its calls have ended.
     pub(super) fn worker(&self) {
         let mut scratch = Scratch::default();
+        let mut active: Vec<Active> = Vec::new();
+        let mut waiting_since = None;
+        while self.admit(&mut active, &mut scratch, &mut waiting_since) {
+            self.step(&mut active, &mut scratch);
+        }
+    }
+
+    /// Starts queued calls while the batch has room and their memory fits; blocks while
+    /// nothing runs and nothing waits. False once the service stops with nothing running.
+    fn admit(&self, active: &mut Vec<Active>, scratch: &mut Scratch, waiting_since: &mut Option<Instant>) -> bool {
         loop {
-            let job = {
+            let (at, job) = {
                 let mut q = lock(&self.queue);
                 loop {
                     if self.stopping.load(Ordering::SeqCst) {
                         for j in q.drain(..) {
                             let _ = j.events.send(Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
                         }
-                        return;
+                        return !active.is_empty();
                     }
-                    if let Some(j) = q.pop_front() {
-                        break j;
+                    // A context that was in a batch that failed runs alone (see `step`).
+                    if active.len() >= self.cfg.max_batch.max(1) || active.iter().any(|a| a.solo) {
+                        return true;
+                    }
+                    // Calls on one context run one after the other: a call whose context is
+                    // in the batch waits for it (the first call in line that can start does).
+                    let in_batch = |j: &Job| {
+                        let ctx = match &j.history {
+                            None => Some(&j.call.ctx),
+                            Some(h) => h.pin.as_ref(),
+                        };
+                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c))
+                    };
+                    if let Some(i) = q.iter().position(|j| !in_batch(j)) {
+                        break (i, q.remove(i).expect("in the queue"));
+                    }
+                    if !active.is_empty() {
+                        return true;
                     }
                     q = self.queued.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             };
-            let ev = match catch_unwind(AssertUnwindSafe(|| self.run(&job, &mut scratch))) {
-                Ok(Ok((text, stats))) => {
-                    self.prom.call(&stats);
-                    Event::Done { text, stats }
+            // Outside the queue's lock: `stats` takes mm's before the queue's.
+            let reserved = self.estimate(&job);
+            let pinned: usize = active.iter().map(|a| a.reserved).sum();
+            if !active.is_empty() && pinned + reserved > lock(&self.mm).budget() {
+                // It waits for memory where it was in line, and the calls behind it with it.
+                let mut q = lock(&self.queue);
+                let at = at.min(q.len());
+                q.insert(at, job);
+                drop(q);
+                if waiting_since.is_none() {
+                    *waiting_since = Some(Instant::now());
+                    lock(&self.metrics).memory_waits += 1;
                 }
-                Ok(Err(r)) => {
-                    self.prom.failed();
-                    r.into()
-                }
-                Err(panic) => {
-                    let what = panic_message(panic.as_ref());
-                    error!(ctx = %job.call.ctx, "a call panicked outside the model: {what}");
-                    scratch = Scratch::default();
-                    Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})"))
-                }
-            };
-            let _ = job.events.send(ev);
+                return true;
+            }
+            let memory_wait = waiting_since.take().map_or(0.0, |t| ms(t.elapsed()));
+            if let Some(a) = self.start(job, scratch, reserved, memory_wait) {
+                active.push(a);
+            }
         }
     }
 
-    /// One call, start to end (see docs/llmsd.md "The call path").
-    fn run(&self, job: &Job, scratch: &mut Scratch) -> Result<(String, CallStats), Refusal> {
-        let start = Instant::now();
+    /// Bytes of chunk memory a queued call will keep pinned while it runs, at most: its
+    /// context's chunks and new ones for its prompt (a token is at least a byte of text) and
+    /// answer, within the context window.
+    fn estimate(&self, j: &Job) -> usize {
+        const MARKUP: usize = 16;
+        let (mm_id, positions) = match &j.history {
+            Some(h) => (u64::MAX, h.segments.iter().map(|s| s.text.len()).sum::<usize>()),
+            None => lock(&self.registry)
+                .get(&j.call.ctx)
+                .map_or((u64::MAX, 0), |e| (e.saved.mm_id, e.saved.tokens.len() + e.saved.pending.len() + j.call.prompt.len())),
+        };
+        let positions = (positions + MARKUP + j.call.max_tokens as usize).min(self.cfg.max_context_tokens);
+        lock(&self.mm).call_bytes(mm_id, positions)
+    }
+
+    /// Takes a call from the queue to the batch: its context is chosen and taken out of the
+    /// registry, its chunks loaded and pinned, its prompt encoded. A call that cannot start is
+    /// answered here.
+    fn start(&self, job: Job, scratch: &mut Scratch, reserved: usize, memory_wait_ms: f64) -> Option<Active> {
+        let t0 = Instant::now();
+        match catch_unwind(AssertUnwindSafe(|| self.begin_call(&job, t0, scratch))) {
+            Ok(Ok(b)) => {
+                let mut stats = b.stats;
+                stats.memory_wait_ms = memory_wait_ms;
+                stats.queue_ms = ms(t0.duration_since(job.received));
+                Some(Active {
+                    job,
+                    ctx: b.ctx,
+                    made: b.made,
+                    solo: b.solo,
+                    s: b.s,
+                    before: b.before,
+                    saved: b.saved,
+                    stats,
+                    ids: b.ids,
+                    fed: 0,
+                    sampler: b.sampler,
+                    reserved,
+                    t_prefill: Instant::now(),
+                    t_decode: Instant::now(),
+                    next: None,
+                    out: Output::default(),
+                })
+            }
+            Ok(Err(r)) => {
+                self.prom.failed();
+                let _ = job.events.send(r.into());
+                None
+            }
+            Err(panic) => {
+                let what = panic_message(panic.as_ref());
+                error!(ctx = %job.call.ctx, "a call panicked outside the model: {what}");
+                *scratch = Scratch::default();
+                self.prom.failed();
+                let _ = job.events.send(Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})")));
+                None
+            }
+        }
+    }
+
+    /// The call's context, out of the registry and ready: see [`Service::prepare`].
+    fn begin_call(&self, job: &Job, t0: Instant, scratch: &mut Scratch) -> Result<Begun, Refusal> {
         // A stateless client's call: which context, and what it lacks.
-        let (ctx, given) = match &job.history {
-            None => (job.call.ctx.clone(), None),
+        let (ctx, given, made) = match &job.history {
+            None => (job.call.ctx.clone(), None, false),
             Some(h) => {
                 let (chosen, ids) = self.resolve(&job.owner, h)?;
                 let ctx = chosen.ctx.clone();
                 let made = chosen.how != "continued";
                 self.prom.cached(chosen.cached_tokens);
                 let _ = h.chosen.send(chosen);
-                let r = self.run_ctx(job, &ctx, Some(ids), start, scratch);
-                if r.is_err() && made {
-                    // A context made for a call that failed holds nothing: it goes.
-                    let _ = self.del_ctx(&job.owner, &ctx);
-                }
-                return r;
+                (ctx, Some(ids), made)
             }
         };
-        self.run_ctx(job, &ctx, given, start, scratch)
-    }
-
-    fn run_ctx(
-        &self,
-        job: &Job,
-        ctx: &str,
-        given: Option<Vec<u32>>,
-        start: Instant,
-        scratch: &mut Scratch,
-    ) -> Result<(String, CallStats), Refusal> {
-        let (mut s, before) = {
+        let taken = {
             let mut reg = lock(&self.registry);
-            let e = match reg.get_mut(ctx) {
-                Some(e) if e.saved.owner == job.owner => e,
-                _ => return Err(not_found(ctx)),
-            };
-            if let Some(why) = &e.unavailable {
-                return Err(unavailable(ctx, why));
+            match reg.get_mut(&ctx) {
+                Some(e) if e.saved.owner == job.owner => match (&e.unavailable, e.session.take()) {
+                    (Some(why), _) => Err(unavailable(&ctx, why)),
+                    (None, None) => Err(refuse(ErrorCode::Busy, "the context is in a call")),
+                    (None, Some(s)) => Ok((s, e.saved.clone(), e.solo)),
+                },
+                _ => Err(not_found(&ctx)),
             }
-            let s = e.session.take().ok_or_else(|| refuse(ErrorCode::Busy, "the context is in a call"))?;
-            (s, e.saved.clone())
+        };
+        let (mut s, before, solo) = match taken {
+            Ok(t) => t,
+            Err(r) => {
+                if made {
+                    let _ = self.del_ctx(&job.owner, &ctx);
+                }
+                return Err(r);
+            }
         };
         let mut saved = before.clone();
         s.set_scratch(std::mem::take(scratch));
         // A panic in the call (a bug, or data that got past validation) must not take the
-        // worker with it: the call fails, the context is quarantined as it was before the call
+        // worker with it: the call fails, its context is quarantined as it was before the call
         // (its saved state is not touched), and the service goes on with the others.
-        let r = match catch_unwind(AssertUnwindSafe(|| self.run_in(job, ctx, given, &mut s, &mut saved, start))) {
-            Ok(r) => r,
-            Err(panic) => return Err(self.quarantine(ctx, s, saved.mm_id, panic.as_ref())),
-        };
+        let r = catch_unwind(AssertUnwindSafe(|| self.prepare(job, given, &mut s, &mut saved, t0)));
         *scratch = s.take_scratch();
-        // A call is atomic: its turn is in the context once the context file holding it is on
-        // disk, and only then acknowledged (a cancelled call keeps what it made). A call that
-        // failed anywhere (a full disk included) leaves the context as it was before it.
+        match r {
+            Ok(Ok((ids, stats, sampler))) => Ok(Begun { ctx, made, solo, s, before, saved, stats, ids, sampler }),
+            Ok(Err(e)) => Err(self.settle(job, &ctx, made, false, s, before, saved, Err(e)).expect_err("failed")),
+            Err(panic) => {
+                let r = self.quarantine(&ctx, s, saved.mm_id, &panic_message(panic.as_ref()));
+                if made {
+                    let _ = self.del_ctx(&job.owner, &ctx);
+                }
+                Err(r)
+            }
+        }
+    }
+
+    /// A call's end in the registry. A call is atomic: its turn is in the context once the
+    /// context file holding it is on disk, and only then acknowledged (a cancelled call keeps
+    /// what it made). A call that failed anywhere (a full disk included) leaves the context as
+    /// it was before it; a context made for a failed call goes. `solo_next`: the context's
+    /// next call runs alone (this one failed in a batch that panicked).
+    #[allow(clippy::too_many_arguments)]
+    fn settle(
+        &self,
+        job: &Job,
+        ctx: &str,
+        made: bool,
+        solo_next: bool,
+        s: Session,
+        before: Saved,
+        mut saved: Saved,
+        r: Result<(String, CallStats), Refusal>,
+    ) -> Result<(String, CallStats), Refusal> {
         let r = r.and_then(|out| {
             saved.tokens.clone_from(&s.tokens);
             if let Some(a) = &s.attention {
@@ -230,20 +406,24 @@ impl Service {
                 }
             }
         };
+        let ok = r.is_ok();
         if let Some(e) = lock(&self.registry).get_mut(ctx) {
             e.session = session;
             e.saved = saved;
             e.unavailable = unusable;
+            e.solo = solo_next;
         }
-        let (text, mut stats) = r?;
-        stats.queue_ms = ms(start.duration_since(job.received));
+        if !ok && made {
+            let _ = self.del_ctx(&job.owner, ctx);
+        }
+        let out = r?;
         let mut m = lock(&self.metrics);
         m.calls += 1;
-        m.switch_ms.push_back(stats.switch_ms);
+        m.switch_ms.push_back(out.1.switch_ms);
         if m.switch_ms.len() > 4096 {
             m.switch_ms.pop_front();
         }
-        Ok((text, stats))
+        Ok(out)
     }
 
     /// The context as it was saved before a failed call: mm forgets its memory and reopens
@@ -260,8 +440,7 @@ impl Service {
 
     /// After a call panicked: unpins what mm can, marks the context unavailable (its data
     /// kept, its owner told why, deletable) and says so.
-    fn quarantine(&self, ctx: &str, s: Session, mm_id: u64, panic: &(dyn Any + Send)) -> Refusal {
-        let what = panic_message(panic);
+    fn quarantine(&self, ctx: &str, s: Session, mm_id: u64, what: &str) -> Refusal {
         // Its memory goes (the session may be half-way through anything); its records stay.
         drop(s);
         let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).close(mm_id)));
@@ -273,17 +452,17 @@ impl Service {
         unavailable(ctx, &why)
     }
 
-    #[allow(clippy::too_many_lines)]
-    #[allow(clippy::too_many_arguments)]
-    fn run_in(
+    /// Before a call's first forward pass: its new tokens (a sliding window makes room for
+    /// them), its chunks back (read or recomputed as the planner says) and pinned, slots for
+    /// its prompt, its sampler. On an error after the load, mm ends the call.
+    fn prepare(
         &self,
         job: &Job,
-        ctx: &str,
         given: Option<Vec<u32>>,
         s: &mut Session,
         saved: &mut Saved,
         start: Instant,
-    ) -> Result<(String, CallStats), Refusal> {
+    ) -> Result<(Vec<u32>, CallStats, Sampler), Refusal> {
         let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
         let c = &job.call;
         let stateless = given.is_some();
@@ -345,20 +524,26 @@ impl Service {
         stats.recomputed_chunks = u32::try_from(report.recomputed).unwrap_or(u32::MAX);
         saved.pending.clear();
         saved.open_turn = false;
-        let out = self.infer(job, s, mm_id, &ids, &mut stats);
-        // Always end the call: unpin, write out what changed, re-level, reclaim.
-        let ended = lock(&self.mm).end(mm_id, &mut SessionKv(s));
-        let text = out?;
-        ended.map_err(|e| fail(&e))?;
-        // A stateless client sends the turn's end itself with its next history.
-        saved.open_turn = !c.raw && !stateless && stats.finish != "cancelled";
-        stats.context_tokens = u32::try_from(s.n_past()).unwrap_or(u32::MAX);
-        info!(
-            ctx, app = %job.owner.app, switch_ms = stats.switch_ms, read = stats.read_chunks,
-            recomputed = stats.recomputed_chunks, prompt = stats.prompt_tokens, output = stats.output_tokens,
-            finish = %stats.finish, "call"
-        );
-        Ok((text, stats))
+        if let Err(e) = self.grow(s, mm_id, ids.len()) {
+            let _ = lock(&self.mm).end(mm_id, &mut SessionKv(s));
+            return Err(e);
+        }
+        let sampler = Sampler::new(SamplerConfig {
+            temperature: c.temperature,
+            seed: c.seed,
+            top_p: c.top_p.unwrap_or(SamplerConfig::default().top_p),
+            ..SamplerConfig::default()
+        });
+        Ok((ids, stats, sampler))
+    }
+
+    /// Slots for `more` positions after the context's (mm claims them from the budget).
+    fn grow(&self, s: &mut Session, mm_id: u64, more: usize) -> Result<(), Refusal> {
+        let positions = s.n_past() + more;
+        if positions > s.kv.n_chunks() * self.cfg.chunk_tokens {
+            lock(&self.mm).prepare(mm_id, &mut SessionKv(s), positions).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?;
+        }
+        Ok(())
     }
 
     /// A native call's new tokens: pending text (a system prompt), the end of the last
@@ -388,85 +573,232 @@ impl Service {
         Ok(ids)
     }
 
-    /// Prefill and decode; new chunks get their slots from mm as the context grows.
-    fn infer(&self, job: &Job, s: &mut Session, mm_id: u64, ids: &[u32], stats: &mut CallStats) -> Result<String, Refusal> {
-        let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
-        let c = &job.call;
-        let ct = self.cfg.chunk_tokens;
-        let grow = |s: &mut Session, n: usize| -> Result<(), Refusal> {
-            if n > s.kv.n_chunks() * ct {
-                lock(&self.mm).prepare(mm_id, &mut SessionKv(s), n).map_err(|e| fail(&e))?;
+    /// One forward pass for the running calls: each decoding call's sampled token and a piece
+    /// of the first prompt still to prefill (all of it, up to a pass's 512 tokens, when no
+    /// call decodes). Then each call takes its logits; the calls that ended leave the batch.
+    fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch) {
+        let mut ended: Vec<(usize, Outcome)> = Vec::new();
+        let mut rows: Vec<usize> = Vec::new();
+        let mut pieces: Vec<Vec<u32>> = Vec::new();
+        let alone = active.iter().position(|a| a.solo);
+        let decoding = active.iter().filter(|a| a.next.is_some()).count();
+        let mut prefilling = false;
+        for (i, a) in active.iter_mut().enumerate() {
+            if alone.is_some_and(|k| k != i) {
+                continue;
             }
-            Ok(())
-        };
-        let t0 = Instant::now();
-        grow(s, s.n_past() + ids.len())?;
-        let mut sampler = Sampler::new(SamplerConfig {
-            temperature: c.temperature,
-            seed: c.seed,
-            top_p: c.top_p.unwrap_or(SamplerConfig::default().top_p),
-            ..SamplerConfig::default()
-        });
-        let mut next = sampler.sample(s.eval(ids, Logits::Last).map_err(|e| fail(&e))?);
-        stats.prefill_ms = ms(t0.elapsed());
-        // From the call's arrival: its queue wait is in it once.
-        stats.ttft_ms = ms(job.received.elapsed());
-        let t1 = Instant::now();
-        let tk = &self.model.tokenizer;
-        let mut utf8 = Utf8Stream::default();
-        let mut text = String::new();
-        let mut bytes = Vec::new();
-        let mut sent = 0;
-        let mut n_out = 0u32;
-        stats.finish = "length".into();
-        loop {
-            if tk.is_eog(next) {
-                stats.finish = "eog".into();
-                break;
-            }
-            bytes.clear();
-            tk.token_bytes(next, false, &mut bytes);
-            let before = text.len();
-            text.push_str(&utf8.push(&bytes));
-            n_out += 1;
-            // The token joins the context whatever happens to the output.
-            grow(s, s.n_past() + 1)?;
-            let logits = s.eval(&[next], Logits::Last).map_err(|e| fail(&e))?;
-            // Only a match ending in the new piece is new: search from one stop string's
-            // length before it, not the whole output at every token.
-            let from = |p: &String| floor_boundary(&text, before.saturating_sub(p.len()));
-            if let Some(at) = c.stop.iter().filter_map(|p| text[from(p)..].find(p.as_str()).map(|i| i + from(p))).min() {
-                text.truncate(at);
-                stats.finish = "stop".into();
-                break;
-            }
-            // Stream what can no longer become part of a stop string.
-            let hold = c.stop.iter().map(|p| held_back(&text, p)).max().unwrap_or(0);
-            let safe = text.len() - hold;
-            if safe > sent && text.is_char_boundary(safe) {
-                if job.events.send(Event::Token { text: text[sent..safe].to_string() }).is_err() {
-                    job.cancel.store(true, Ordering::SeqCst);
+            if let Some(t) = a.next {
+                match catch_unwind(AssertUnwindSafe(|| self.put_token(a, t))) {
+                    Ok(Ok(true)) => {
+                        rows.push(i);
+                        pieces.push(vec![t]);
+                    }
+                    Ok(Ok(false)) => ended.push((i, Outcome::Done)),
+                    Ok(Err(r)) => ended.push((i, Outcome::Failed(r))),
+                    Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
                 }
-                sent = safe;
+            } else if !prefilling {
+                prefilling = true;
+                let piece = if decoding == 0 { MAX_PASS } else { self.cfg.prefill_piece.clamp(1, MAX_PASS) };
+                let end = (a.fed + piece).min(a.ids.len());
+                rows.push(i);
+                pieces.push(a.ids[a.fed..end].to_vec());
             }
-            if job.cancel.load(Ordering::SeqCst) {
-                stats.finish = "cancelled".into();
-                break;
+        }
+        if !rows.is_empty() {
+            let t0 = Instant::now();
+            let n = rows.len();
+            let vocab = self.model.config.vocab;
+            let run = {
+                let mut sessions: Vec<&mut Session> = Vec::with_capacity(n);
+                // Disjoint: `rows` is increasing.
+                let mut rest: &mut [Active] = active;
+                let mut at = 0;
+                for &i in &rows {
+                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - at);
+                    let (one, tail) = tail.split_first_mut().expect("row in range");
+                    sessions.push(&mut one.s);
+                    rest = tail;
+                    at = i + 1;
+                }
+                let refs: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
+                catch_unwind(AssertUnwindSafe(|| Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::to_vec)))
+            };
+            let pass_ms = ms(t0.elapsed());
+            match run {
+                Ok(Ok(logits)) => {
+                    for ((&i, piece), row) in rows.iter().zip(&pieces).zip(logits.chunks_exact(vocab)) {
+                        let a = &mut active[i];
+                        a.stats.batch_max = a.stats.batch_max.max(u32::try_from(n).unwrap_or(u32::MAX));
+                        let r = catch_unwind(AssertUnwindSafe(|| {
+                            if a.next.is_some() {
+                                self.take_logits(a, row)
+                            } else {
+                                a.fed += piece.len();
+                                if a.fed == a.ids.len() {
+                                    a.next = Some(a.sampler.sample(row));
+                                    a.stats.prefill_ms = ms(a.t_prefill.elapsed());
+                                    // From the call's arrival: its queue wait is in it once.
+                                    a.stats.ttft_ms = ms(a.job.received.elapsed());
+                                    a.stats.finish = "length".into();
+                                    a.t_decode = Instant::now();
+                                }
+                                true
+                            }
+                        }));
+                        match r {
+                            Ok(true) => {}
+                            Ok(false) => ended.push((i, Outcome::Done)),
+                            Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
+                        }
+                    }
+                    if decoding > 0 {
+                        self.prom.step(n, pass_ms);
+                    }
+                }
+                Ok(Err(e)) => {
+                    // Checked before any session changed: each call in the pass fails.
+                    for &i in &rows {
+                        ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string()))));
+                    }
+                }
+                Err(p) => {
+                    // Which context's data made the model panic is not known: alone, it is
+                    // quarantined; in a batch, every call in it fails and its context runs its
+                    // next call alone (where a second panic quarantines it).
+                    let what = panic_message(p.as_ref());
+                    *scratch = Scratch::default();
+                    for &i in &rows {
+                        if rows.len() == 1 {
+                            ended.push((i, Outcome::Panicked(what.clone())));
+                        } else {
+                            active[i].solo = true;
+                            ended.push((
+                                i,
+                                Outcome::Failed(refuse(ErrorCode::Failed, format!("the call failed inside the service ({what})"))),
+                            ));
+                        }
+                    }
+                }
             }
-            if n_out >= c.max_tokens {
-                break;
+        }
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
+        ended.dedup_by_key(|e| e.0);
+        for (i, how) in ended {
+            let a = active.remove(i);
+            self.finish(a, how);
+        }
+    }
+
+    /// A decoding call's sampled token goes into its context, unless it ends the generation:
+    /// its text joins the output and its slot is made. False: the call has ended.
+    fn put_token(&self, a: &mut Active, t: u32) -> Result<bool, Refusal> {
+        let tk = &self.model.tokenizer;
+        if tk.is_eog(t) {
+            a.stats.finish = "eog".into();
+            return Ok(false);
+        }
+        let o = &mut a.out;
+        o.bytes.clear();
+        tk.token_bytes(t, false, &mut o.bytes);
+        o.before = o.text.len();
+        o.text.push_str(&o.utf8.push(&o.bytes));
+        o.n_out += 1;
+        // The token joins the context whatever happens to the output.
+        self.grow(&mut a.s, a.saved.mm_id, 1)?;
+        Ok(true)
+    }
+
+    /// After a decode pass: stop strings, streaming, cancellation, the length limit, and the
+    /// next token. False: the call has ended.
+    fn take_logits(&self, a: &mut Active, logits: &[f32]) -> bool {
+        let c = &a.job.call;
+        let o = &mut a.out;
+        // Only a match ending in the new piece is new: search from one stop string's length
+        // before it, not the whole output at every token.
+        let text = &o.text;
+        let from = |p: &String| floor_boundary(text, o.before.saturating_sub(p.len()));
+        if let Some(at) = c.stop.iter().filter_map(|p| text[from(p)..].find(p.as_str()).map(|i| i + from(p))).min() {
+            o.text.truncate(at);
+            a.stats.finish = "stop".into();
+            return false;
+        }
+        // Stream what can no longer become part of a stop string.
+        let hold = c.stop.iter().map(|p| held_back(&o.text, p)).max().unwrap_or(0);
+        let safe = o.text.len() - hold;
+        if safe > o.sent && o.text.is_char_boundary(safe) {
+            if a.job.events.send(Event::Token { text: o.text[o.sent..safe].to_string() }).is_err() {
+                a.job.cancel.store(true, Ordering::SeqCst);
             }
-            next = sampler.sample(logits);
+            o.sent = safe;
         }
-        if stats.finish != "stop" {
-            text.push_str(&utf8.finish());
+        if a.job.cancel.load(Ordering::SeqCst) {
+            a.stats.finish = "cancelled".into();
+            return false;
         }
-        if text.len() > sent && stats.finish != "cancelled" {
-            let _ = job.events.send(Event::Token { text: text[sent..].to_string() });
+        if o.n_out >= c.max_tokens {
+            return false;
         }
-        stats.output_tokens = n_out;
-        stats.decode_ms = ms(t1.elapsed());
-        Ok(text)
+        a.next = Some(a.sampler.sample(logits));
+        true
+    }
+
+    /// A call leaves the batch: the rest of its output, its end in mm (unpin, AoT write,
+    /// re-level, reclaim), its context saved (or rolled back, or quarantined after a panic),
+    /// and its answer.
+    fn finish(&self, mut a: Active, mut how: Outcome) {
+        if !matches!(how, Outcome::Panicked(_)) {
+            let (o, st) = (&mut a.out, &mut a.stats);
+            if st.finish != "stop" {
+                o.text.push_str(&o.utf8.finish());
+            }
+            if matches!(how, Outcome::Done) && o.text.len() > o.sent && st.finish != "cancelled" {
+                let _ = a.job.events.send(Event::Token { text: o.text[o.sent..].to_string() });
+            }
+            st.output_tokens = o.n_out;
+            st.decode_ms = if a.next.is_some() { ms(a.t_decode.elapsed()) } else { 0.0 };
+            st.context_tokens = u32::try_from(a.s.n_past()).unwrap_or(u32::MAX);
+            // Always end the call in mm: unpin, write out what changed, re-level, reclaim.
+            match catch_unwind(AssertUnwindSafe(|| lock(&self.mm).end(a.saved.mm_id, &mut SessionKv(&mut a.s)))) {
+                Err(p) => how = Outcome::Panicked(panic_message(p.as_ref())),
+                Ok(Err(e)) if matches!(how, Outcome::Done) => how = Outcome::Failed(refuse(ErrorCode::Failed, e.to_string())),
+                Ok(_) => {}
+            }
+        }
+        let r = match how {
+            Outcome::Panicked(what) => {
+                let r = self.quarantine(&a.ctx, a.s, a.saved.mm_id, &what);
+                if a.made {
+                    let _ = self.del_ctx(&a.job.owner, &a.ctx);
+                }
+                Err(r)
+            }
+            Outcome::Failed(r) => self.settle(&a.job, &a.ctx, a.made, a.solo, a.s, a.before, a.saved, Err(r)),
+            Outcome::Done => {
+                let c = &a.job.call;
+                // A stateless client sends the turn's end itself with its next history.
+                a.saved.open_turn = !c.raw && a.job.history.is_none() && a.stats.finish != "cancelled";
+                let st = &a.stats;
+                info!(
+                    ctx = %a.ctx, app = %a.job.owner.app, switch_ms = st.switch_ms, read = st.read_chunks,
+                    recomputed = st.recomputed_chunks, prompt = st.prompt_tokens, output = st.output_tokens,
+                    batch = st.batch_max, finish = %st.finish, "call"
+                );
+                let out = (std::mem::take(&mut a.out.text), a.stats);
+                self.settle(&a.job, &a.ctx, a.made, false, a.s, a.before, a.saved, Ok(out))
+            }
+        };
+        let ev = match r {
+            Ok((text, stats)) => {
+                self.prom.call(&stats);
+                Event::Done { text, stats }
+            }
+            Err(r) => {
+                self.prom.failed();
+                r.into()
+            }
+        };
+        let _ = a.job.events.send(ev);
     }
 }
 

@@ -42,6 +42,8 @@ pub(super) struct Prom {
     cached: Counter,
     read_chunks: Counter,
     recomputed_chunks: Counter,
+    batch: Histogram,
+    pass: Histogram,
     pub(super) http: Family<HttpLabels, Counter>,
 }
 
@@ -60,6 +62,8 @@ impl Default for Prom {
             cached: Counter::default(),
             read_chunks: Counter::default(),
             recomputed_chunks: Counter::default(),
+            batch: Histogram::new(exponential_buckets(1.0, 2.0, 8)),
+            pass: secs(),
             http: Family::default(),
         }
     }
@@ -77,6 +81,14 @@ impl Prom {
         if s.decode_ms > 0.0 && s.output_tokens > 1 {
             self.decode_rate.set(f64::from(s.output_tokens) / (s.decode_ms / 1000.0));
         }
+    }
+
+    /// A forward pass with decoding calls: how many calls shared it and how long it took
+    /// (each decoding call's time between two tokens).
+    #[allow(clippy::cast_precision_loss)]
+    pub(super) fn step(&self, calls: usize, pass_ms: f64) {
+        self.batch.observe(calls as f64);
+        self.pass.observe(pass_ms / 1000.0);
     }
 
     pub(super) fn failed(&self) {
@@ -109,6 +121,13 @@ impl Prom {
         );
         r.register("read_chunks", "KV chunks read from flash when a context was switched in", self.read_chunks.clone());
         r.register("recomputed_chunks", "KV chunks recomputed when a context was switched in", self.recomputed_chunks.clone());
+        r.register("batch_calls", "Calls sharing a forward pass that decodes (max_batch)", self.batch.clone());
+        r.register_with_unit(
+            "decode_pass",
+            "One forward pass of the batch: a decoding call's time between two tokens",
+            Unit::Seconds,
+            self.pass.clone(),
+        );
         r.register("http_requests", "HTTP requests answered, by endpoint and status", self.http.clone());
         r.register_collector(Box::new(Levels(Arc::downgrade(svc))));
         r

@@ -1,8 +1,8 @@
 //! llmsd: the LLM system service. One model, many persistent contexts owned by apps, their KV
 //! caches held by mm under a memory budget that follows the kernel's pressure signals.
 //!
-//! Threads: one per connection (frames in, events out), one inference worker (calls run one at
-//! a time, FIFO, on the shared model), the pressure monitor and its budget follower, and mm's
+//! Threads: one per connection (frames in, events out), one inference worker (a scheduler:
+//! the calls it admits, FIFO, share each forward pass of the shared model), the pressure monitor and its budget follower, and mm's
 //! own (AoT writer, userfaultfd handler). Locks: the context registry, then mm — never the other
 //! way round; neither is held while the model computes.
 //!
@@ -78,6 +78,8 @@ fn not_found(ctx: &str) -> Refusal {
 #[derive(Default)]
 struct Metrics {
     calls: u64,
+    /// Times the first call in line waited for memory (see `call.rs`, `admit`).
+    memory_waits: u64,
     /// Recent switch latencies, ms.
     switch_ms: VecDeque<f64>,
 }

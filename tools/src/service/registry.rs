@@ -49,11 +49,14 @@ pub(super) struct CtxEntry {
     /// Why the context cannot be used, if it cannot: its data is kept (never deleted for
     /// it), its owner is told why at every call, and it can be deleted.
     pub(super) unavailable: Option<String>,
+    /// Its next call runs alone: its last one failed in a batch whose forward pass panicked
+    /// (not kept across restarts).
+    pub(super) solo: bool,
 }
 
 impl CtxEntry {
     fn usable(saved: Saved, session: Session) -> Self {
-        Self { saved, session: Some(session), unavailable: None }
+        Self { saved, session: Some(session), unavailable: None, solo: false }
     }
 }
 
@@ -121,7 +124,7 @@ impl Service {
                 }
                 Err(why) => {
                     warn!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, file = %path.display(), "context unavailable, its data kept: {why}");
-                    CtxEntry { saved, session: None, unavailable: Some(why) }
+                    CtxEntry { saved, session: None, unavailable: Some(why), solo: false }
                 }
             };
             reg.insert(id.to_string(), entry);
@@ -366,6 +369,7 @@ impl Service {
             weights_plan: self.weights.as_ref().and_then(|w| w.plan()).map(|p| crate::weights::plan::describe(&p)).unwrap_or_default(),
             write_failures: mm.write_failures().0,
             last_write_error: mm.write_failures().1,
+            memory_waits: m.memory_waits,
             pressure: lock(&self.pressure).clone(),
             mine,
         }

@@ -1,0 +1,211 @@
+//! `llms bench-serve`: many apps calling llmsd at once. N clients, each on its own connection
+//! and context, make M calls each (a raw prompt of about P tokens of text, then T tokens
+//! generated greedily) at the same time; the run reports the aggregate decode rate and, from
+//! the streamed events as the clients saw them, time to first token and inter-token latency
+//! percentiles. The service runs in process with `max_batch` (1: batching off), or is reached
+//! at `--socket`.
+//!
+//! With `--long-prefill L`, one more client sends calls of an L-token prompt on fresh contexts
+//! (one token each) all through the run: the others' inter-token latency then shows what a long
+//! prefill arriving during their decoding costs them.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde::Serialize;
+
+use crate::client::Client;
+use crate::config::Config;
+use crate::proto::Call;
+use crate::service::Local;
+
+/// What the clients do.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Load {
+    pub clients: usize,
+    pub calls: usize,
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+    /// Tokens of the interfering prompts (0: none).
+    pub long_prefill: usize,
+}
+
+/// The run's figures: rates in tokens/s, latencies in ms (percentiles over every token of every
+/// call but the interfering ones).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    #[serde(flatten)]
+    pub load: Load,
+    /// The service's `max_batch` (0: an outside service, not known).
+    pub max_batch: usize,
+    pub aggregate_tok_s: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    pub output_tokens: u64,
+    /// Calls whose answers came with more than one call in a pass at some step.
+    pub batched_calls: u64,
+    pub long_prefill_calls: u64,
+    pub seconds: f64,
+}
+
+/// Percentile `p` (0..=1) of `v`, nearest rank (0 for none).
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i]
+}
+
+/// `n` tokens of the text from token `at` (wrapping), as text: distinct prompts per client and
+/// call, real prose.
+fn prompt(tk: &engine::Tokenizer, ids: &[u32], at: usize, n: usize) -> String {
+    let piece: Vec<u32> = (0..n).map(|k| ids[(at + k) % ids.len()]).collect();
+    String::from_utf8_lossy(&tk.decode(&piece, false)).into_owned()
+}
+
+/// A raw greedy call: the prompt's text continued.
+fn call(ctx: &str, prompt: String, max_tokens: u32) -> Call {
+    Call { ctx: ctx.into(), prompt, max_tokens, temperature: 0.0, seed: 0, stop: Vec::new(), raw: true, top_p: None }
+}
+
+/// Starts the service in process under `work` (unless `socket` names one) and runs the load.
+pub fn run(base: &Config, load: Load, socket: Option<&Path>, work: &Path, profile_dir: &Path, text: &str) -> Result<Report> {
+    let model = engine::Model::load(&base.model).with_context(|| format!("loading {}", base.model.display()))?;
+    let ids = model.tokenizer.encode(text, false, false)?;
+    if ids.len() < 2 * load.prompt_tokens.max(load.long_prefill) {
+        bail!("the text is too short for {} prompt tokens", load.prompt_tokens.max(load.long_prefill));
+    }
+    let tk = &model.tokenizer;
+    let prompts: Vec<Vec<String>> = (0..load.clients)
+        .map(|c| (0..load.calls).map(|k| prompt(tk, &ids, (c * 7919 + k * 104_729) % ids.len(), load.prompt_tokens)).collect())
+        .collect();
+    let long = prompt(tk, &ids, ids.len() / 2, load.long_prefill);
+    drop(model);
+    let (local, sock) = match socket {
+        Some(s) => (None, s.to_path_buf()),
+        None => {
+            let state = work.join("serve");
+            crate::loadbench::fresh_state(&state, profile_dir)?;
+            let cfg = Config {
+                socket: work.join("bench.sock"),
+                state_dir: state,
+                pressure: false,
+                http_socket: Some(PathBuf::new()),
+                ..base.clone()
+            };
+            let l = Local::start(cfg)?;
+            let s = l.socket.clone();
+            (Some(l), s)
+        }
+    };
+    let r = drive(prompts, long, load, &sock);
+    if let Some(l) = local {
+        l.stop()?;
+    }
+    let mut r = r?;
+    r.max_batch = if socket.is_some() { 0 } else { base.max_batch };
+    Ok(r)
+}
+
+/// Per call: time to first token, the gaps between tokens, tokens, the most calls in a pass.
+type CallFigures = (f64, Vec<f64>, u64, u32);
+
+fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Result<Report> {
+    let Load { clients, max_tokens, long_prefill, .. } = load;
+    let start = Arc::new(Barrier::new(clients + 1 + usize::from(long_prefill > 0)));
+    let done = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    let max_tokens = u32::try_from(max_tokens)?;
+    for (c, prompts) in prompts.into_iter().enumerate() {
+        let (start, sock) = (Arc::clone(&start), sock.to_path_buf());
+        threads.push(std::thread::spawn(move || -> Result<Vec<CallFigures>> {
+            let mut cl = Client::connect(&sock, &format!("bench-serve{c}"))?;
+            let ctx = cl.new_ctx(None)?;
+            start.wait();
+            let mut out = Vec::new();
+            for p in prompts {
+                let call = call(&ctx, p, max_tokens);
+                let t0 = Instant::now();
+                let mut stamps = Vec::new();
+                let (_, st) = cl.call(&call, &mut |_| stamps.push(t0.elapsed().as_secs_f64() * 1e3))?;
+                let Some(&first) = stamps.first() else { continue };
+                let gaps = stamps.windows(2).map(|w| w[1] - w[0]).collect();
+                out.push((first, gaps, u64::from(st.output_tokens), st.batch_max));
+            }
+            let _ = cl.del_ctx(&ctx);
+            Ok(out)
+        }));
+    }
+    let intruder = (long_prefill > 0).then(|| {
+        let (start, done, sock) = (Arc::clone(&start), Arc::clone(&done), sock.to_path_buf());
+        std::thread::spawn(move || -> Result<u64> {
+            let mut cl = Client::connect(&sock, "bench-serve-long")?;
+            start.wait();
+            let mut n = 0;
+            while !done.load(Ordering::SeqCst) {
+                let ctx = cl.new_ctx(None)?;
+                cl.call(&call(&ctx, long.clone(), 1), &mut |_| {})?;
+                cl.del_ctx(&ctx)?;
+                n += 1;
+            }
+            Ok(n)
+        })
+    });
+    start.wait();
+    let t0 = Instant::now();
+    let mut figures = Vec::new();
+    let mut failed = None;
+    for t in threads {
+        match t.join().map_err(|_| anyhow!("a client panicked")).and_then(|r| r) {
+            Ok(f) => figures.extend(f),
+            Err(e) => failed = failed.or(Some(e)),
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    done.store(true, Ordering::SeqCst);
+    let long_prefill_calls = match intruder {
+        Some(t) => t.join().map_err(|_| anyhow!("the long-prefill client panicked"))??,
+        None => 0,
+    };
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let mut ttft: Vec<f64> = figures.iter().map(|f| f.0).collect();
+    let mut itl: Vec<f64> = figures.iter().flat_map(|f| f.1.iter().copied()).collect();
+    let output_tokens: u64 = figures.iter().map(|f| f.2).sum();
+    #[allow(clippy::cast_precision_loss)]
+    Ok(Report {
+        load,
+        max_batch: 0,
+        aggregate_tok_s: output_tokens as f64 / seconds,
+        ttft_ms_p50: percentile(&mut ttft, 0.5),
+        ttft_ms_p99: percentile(&mut ttft, 0.99),
+        itl_ms_p50: percentile(&mut itl, 0.5),
+        itl_ms_p99: percentile(&mut itl, 0.99),
+        output_tokens,
+        batched_calls: figures.iter().filter(|f| f.3 > 1).count() as u64,
+        long_prefill_calls,
+        seconds,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 0.5), 51.0);
+        assert_eq!(percentile(&mut v, 0.99), 99.0);
+        assert_eq!(percentile(&mut [], 0.5), 0.0);
+    }
+}

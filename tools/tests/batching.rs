@@ -1,0 +1,189 @@
+//! llmsd's scheduler (batched decoding) end to end, on the real daemon and model: calls made at
+//! the same time share forward passes and answer exactly what each answers alone; a call whose
+//! chunks do not fit in the budget beside the running ones waits for them, and says so; a call
+//! cancelled in a batch leaves it and the others go on.
+
+use std::net::Shutdown;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+mod common;
+
+use common::{kernel_ok, Daemon};
+use tools::client::Client;
+use tools::proto::{Call, CallStats};
+
+/// Raw text continued greedily: long answers (no end of turn), each context its own text.
+const TEXTS: [&str; 4] = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "To bake a loaf of bread you need flour, water, salt and yeast. First,",
+    "The river runs through the valley and past the old mill, where",
+    "Operating systems manage memory by dividing it into pages, and",
+];
+
+fn raw(ctx: &str, prompt: &str, max_tokens: u32) -> Call {
+    Call { ctx: ctx.into(), prompt: prompt.into(), max_tokens, temperature: 0.0, seed: 0, stop: vec![], raw: true, top_p: None }
+}
+
+/// Exact KV (one level) so outputs can be compared bit for bit between services.
+const EXACT: &str = "levels = [\"int8\"]\nratio = 1.0\n";
+
+/// Each of `TEXTS.len()` clients, on its own connection and context, makes `calls` calls at
+/// the same time as the others (a barrier starts them together): outputs and stats per client.
+fn concurrent(d: &Daemon, calls: usize, max_tokens: u32) -> Vec<Vec<(String, CallStats)>> {
+    let start = Arc::new(Barrier::new(TEXTS.len()));
+    let threads: Vec<_> = TEXTS
+        .iter()
+        .enumerate()
+        .map(|(k, text)| {
+            let (start, socket) = (Arc::clone(&start), d.socket.clone());
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&socket, &format!("app{k}")).unwrap();
+                let ctx = c.new_ctx(None).unwrap();
+                start.wait();
+                (0..calls)
+                    .map(|j| {
+                        let prompt = if j == 0 { (*text).to_string() } else { format!(" And then, part {j}:") };
+                        let mut streamed = String::new();
+                        let (out, st) = c.call(&raw(&ctx, &prompt, max_tokens), &mut |t| streamed.push_str(t)).unwrap();
+                        assert_eq!(streamed, out, "the streamed pieces make the output");
+                        (out, st)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+#[test]
+fn concurrent_calls_share_passes_and_answer_as_alone() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Reference: one call at a time.
+    let d = Daemon::start(dir.path(), "solo", &dir.path().join("solo"), &format!("{EXACT}max_batch = 1\n"));
+    let solo = concurrent(&d, 2, 40);
+    let st = d.client("app0").stats().unwrap();
+    d.stop();
+    assert!(solo.iter().flatten().all(|(_, s)| s.batch_max == 1), "max_batch 1 runs calls alone");
+    assert_eq!(st.memory_waits, 0);
+
+    // Batched, with prompts prefilled in pieces of 8 tokens inside the others' decode steps.
+    let d = Daemon::start(dir.path(), "batch", &dir.path().join("batch"), &format!("{EXACT}max_batch = 4\nprefill_piece = 8\n"));
+    let batched = concurrent(&d, 2, 40);
+    d.stop();
+    for (k, (a, b)) in solo.iter().zip(&batched).enumerate() {
+        for (j, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(!x.0.is_empty(), "client {k} call {j} generated nothing");
+            assert_eq!(x.0, y.0, "client {k} call {j}: the batched answer differs from the one alone");
+            assert_eq!(
+                (x.1.prompt_tokens, x.1.output_tokens, x.1.context_tokens),
+                (y.1.prompt_tokens, y.1.output_tokens, y.1.context_tokens)
+            );
+            assert!(y.1.batch_max <= 4);
+        }
+    }
+    let shared = batched.iter().flatten().filter(|(_, s)| s.batch_max > 1).count();
+    assert!(shared > 0, "four clients calling together never shared a pass: {batched:?}");
+    eprintln!("{shared} of 8 calls shared forward passes");
+}
+
+#[test]
+fn a_call_that_does_not_fit_beside_the_running_ones_waits() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // An int8 chunk of 16 tokens is ~190 KiB for this model: 3 MiB holds ~16 chunks, and
+    // each call below needs ~7 (its prompt and 96 answer tokens), so no more than two fit
+    // beside each other and the other calls wait.
+    let settings = format!("{EXACT}budget = {}\nmax_batch = 4\n", 3 << 20);
+    let d = Daemon::start(dir.path(), "tight", &dir.path().join("tight"), &settings);
+    let out = concurrent(&d, 1, 96);
+    let st = d.client("app0").stats().unwrap();
+    d.stop();
+    assert!(st.memory_waits > 0, "no call waited for memory: {st:?}");
+    let waited = out.iter().flatten().filter(|(_, s)| s.memory_wait_ms > 0.0).count();
+    assert!(waited > 0, "no call says it waited for memory: {out:?}");
+    for (_, s) in out.iter().flatten() {
+        assert!(s.batch_max <= 2, "more calls ran together than the budget holds: {s:?}");
+        assert!(s.memory_wait_ms <= s.queue_ms, "{s:?}");
+    }
+
+    // The same calls with room for all: the same answers.
+    let d = Daemon::start(dir.path(), "roomy", &dir.path().join("roomy"), &format!("{EXACT}max_batch = 4\n"));
+    let free = concurrent(&d, 1, 96);
+    d.stop();
+    for (k, (a, b)) in out.iter().zip(&free).enumerate() {
+        assert_eq!(a[0].0, b[0].0, "client {k}: the answer depends on waiting for memory");
+    }
+}
+
+#[test]
+fn a_call_cancelled_in_a_batch_leaves_and_the_others_go_on() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "cancel", &dir.path().join("cancel"), &format!("{EXACT}max_batch = 4\n"));
+    let mut quitter = d.client("quitter");
+    let qctx = quitter.new_ctx(None).unwrap();
+    let stream = quitter.try_clone_stream().unwrap();
+    // The stayer joins once the quitter decodes; the quitter hangs up once the stayer has
+    // tokens too: the cancel happens inside a batch of two.
+    let (go, started) = std::sync::mpsc::channel::<()>();
+    let stayer_has_tokens = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stayer = std::thread::spawn({
+        let (socket, flag) = (d.socket.clone(), Arc::clone(&stayer_has_tokens));
+        move || {
+            let mut c = Client::connect(&socket, "stayer").unwrap();
+            let ctx = c.new_ctx(None).unwrap();
+            started.recv().unwrap();
+            let mut n = 0;
+            let r = c
+                .call(&raw(&ctx, TEXTS[1], 64), &mut |_| {
+                    n += 1;
+                    if n == 8 {
+                        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                })
+                .unwrap();
+            (c, r)
+        }
+    });
+    let mut seen = 0;
+    let r = quitter.call(&raw(&qctx, TEXTS[0], 400), &mut |_| {
+        seen += 1;
+        if seen == 1 {
+            go.send(()).unwrap();
+        }
+        if stayer_has_tokens.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    });
+    assert!(r.is_err(), "the call was cut by the hang-up");
+    let (mut c, (text, st)) = stayer.join().unwrap();
+    assert_eq!(st.output_tokens, 64, "the other call ran to its length: {st:?}");
+    assert_eq!(st.batch_max, 2, "the stayer shared passes with the quitter: {st:?}");
+    // Alone on a fresh context, the stayer's call answers the same.
+    let ctx2 = c.new_ctx(None).unwrap();
+    let (again, alone) = c.call(&raw(&ctx2, TEXTS[1], 64), &mut |_| {}).unwrap();
+    assert_eq!(alone.batch_max, 1);
+    assert_eq!(text, again);
+    // The cancelled call kept what it made, far less than its 400 tokens.
+    let mut q = d.client("quitter");
+    let mut tokens = 0;
+    for _ in 0..100 {
+        let list = q.list().unwrap();
+        let i = list.iter().find(|i| i.ctx == qctx).unwrap();
+        tokens = i.tokens;
+        if !i.busy {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(tokens > 10 && tokens < 300, "the cancelled context holds {tokens} tokens");
+    d.stop();
+}
