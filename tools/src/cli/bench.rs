@@ -275,6 +275,9 @@ pub struct BenchServeArgs {
     /// Run the same calls with one client first (same service settings) and report the ratios.
     #[arg(long)]
     pub vs_solo: bool,
+    /// The service's KV levels [default: the service's, int8,q4,q2].
+    #[arg(long, value_delimiter = ',')]
+    pub levels: Option<Vec<String>>,
     /// An llmsd to run against instead of one started in process.
     #[arg(long)]
     pub socket: Option<PathBuf>,
@@ -290,8 +293,21 @@ pub struct BenchServeArgs {
 impl BenchServeArgs {
     pub fn run(self) -> Result<()> {
         use crate::servebench::{run, Load};
-        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, socket, state_dir, json, m } =
-            self;
+        let Self {
+            clients,
+            calls,
+            prompt_tokens,
+            max_tokens,
+            max_batch,
+            prefill_piece,
+            long_prefill,
+            vs_solo,
+            levels,
+            socket,
+            state_dir,
+            json,
+            m,
+        } = self;
         if !(1..=64).contains(&clients) || !(1..=1000).contains(&calls) || !(1..=4000).contains(&prompt_tokens) {
             bail!("--clients in 1..=64, --calls in 1..=1000, --prompt-tokens in 1..=4000");
         }
@@ -301,6 +317,9 @@ impl BenchServeArgs {
         let (dir, mut base, work) = service_bench(&m, state_dir, json, "serve")?;
         base.max_batch = max_batch.unwrap_or(base.max_batch);
         base.prefill_piece = prefill_piece.unwrap_or(base.prefill_piece);
+        if let Some(l) = levels {
+            base.levels = l;
+        }
         base.max_context_tokens = base.max_context_tokens.max((calls * (prompt_tokens + max_tokens + 8)).next_power_of_two().min(8192));
         base.validate()?;
         let text = read_text(Path::new(CALIB_TEXT))?;
