@@ -150,7 +150,7 @@ impl Default for Config {
             max_connections: 64,
             max_queue: 256,
             max_batch: 8,
-            prefill_piece: 32,
+            prefill_piece: 16,
             durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,

@@ -265,7 +265,7 @@ pub struct BenchServeArgs {
     /// Calls sharing a forward pass at most (1: batching off) [default: the service's, 8].
     #[arg(long)]
     pub max_batch: Option<usize>,
-    /// Prompt tokens per pass while others decode [default: the service's, 32].
+    /// Prompt tokens per pass while others decode [default: the service's, 16].
     #[arg(long)]
     pub prefill_piece: Option<usize>,
     /// One more client sends prompts of this many tokens (fresh contexts, one token each) all

@@ -574,7 +574,7 @@ impl Service {
     }
 
     /// One forward pass for the running calls: each decoding call's sampled token and a piece
-    /// of the first prompt still to prefill (all of it, up to a pass's 512 tokens, when no
+    /// of the shortest prompt still to prefill (all of it, up to a pass's 512 tokens, when no
     /// call decodes). Then each call takes its logits; the calls that ended leave the batch.
     fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch) {
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
@@ -582,7 +582,15 @@ impl Service {
         let mut pieces: Vec<Vec<u32>> = Vec::new();
         let alone = active.iter().position(|a| a.solo);
         let decoding = active.iter().filter(|a| a.next.is_some()).count();
-        let mut prefilling = false;
+        // The prompt with the fewest tokens left goes first: a short prompt does not wait
+        // behind a long one's pieces (its caller waits for a first token; the long one's
+        // caller waits far longer anyway).
+        let prefill = active
+            .iter()
+            .enumerate()
+            .filter(|(k, a)| a.next.is_none() && alone.is_none_or(|j| j == *k))
+            .min_by_key(|(_, a)| a.ids.len() - a.fed)
+            .map(|(k, _)| k);
         for (i, a) in active.iter_mut().enumerate() {
             if alone.is_some_and(|k| k != i) {
                 continue;
@@ -597,8 +605,7 @@ impl Service {
                     Ok(Err(r)) => ended.push((i, Outcome::Failed(r))),
                     Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
                 }
-            } else if !prefilling {
-                prefilling = true;
+            } else if prefill == Some(i) {
                 let piece = if decoding == 0 { MAX_PASS } else { self.cfg.prefill_piece.clamp(1, MAX_PASS) };
                 let end = (a.fed + piece).min(a.ids.len());
                 rows.push(i);
