@@ -304,18 +304,53 @@ pub fn read_block_f32(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize
                 step[c] = f32::from(params[2 * c + 1]);
             }
             let data = &blk[t_cap * 2 + hd * 2..];
-            let row = hd / per_byte;
-            let mask = (1u8 << bits) - 1;
-            for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
-                let s = f16_at(blk, t);
-                for (j, &b) in data[t * row..(t + 1) * row].iter().enumerate() {
-                    for k in 0..per_byte {
-                        let c = j * per_byte + k;
-                        let code = f32::from((b >> (k * bits)) & mask);
-                        o[c] = s * (lo[c] + code * step[c]).clamp(-127.0, 127.0);
-                    }
-                }
+            if bits == 4 {
+                decode_rows::<4>(data, blk, &lo[..hd], &step[..hd], n, out);
+            } else {
+                decode_rows::<2>(data, blk, &lo[..hd], &step[..hd], n, out);
             }
+        }
+    }
+}
+
+/// A byte's codes as floats (low bits first), looked up: one copy per byte instead of a
+/// shift, mask and conversion per code.
+const fn code_table(bits: u32) -> [[f32; 4]; 256] {
+    let mut t = [[0.0f32; 4]; 256];
+    let mask = (1u32 << bits) - 1;
+    let mut b = 0;
+    while b < 256 {
+        let mut k = 0;
+        while k < 8 / bits {
+            t[b][k as usize] = ((b as u32 >> (k * bits)) & mask) as f32;
+            k += 1;
+        }
+        b += 1;
+    }
+    t
+}
+
+static CODES4: [[f32; 4]; 256] = code_table(4);
+static CODES2: [[f32; 4]; 256] = code_table(2);
+
+/// The Q4/Q2 rows of a block: codes unpacked to a row of floats first, then one pass of
+/// element-wise arithmetic the compiler turns into vector instructions (attention decodes
+/// every reduced block of a context at each token, so this loop is on the decode path). The
+/// operations and their order are the scalar formula's: the same bits.
+fn decode_rows<const BITS: usize>(data: &[u8], blk: &[u8], lo: &[f32], step: &[f32], n: usize, out: &mut [f32]) {
+    let hd = lo.len();
+    let per_byte = 8 / BITS;
+    let row = hd / per_byte;
+    let table = if BITS == 4 { &CODES4 } else { &CODES2 };
+    let mut codes = [0.0f32; MAX_FAST_HD];
+    for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
+        let s = f16_at(blk, t);
+        for (dst, &b) in codes[..hd].chunks_exact_mut(per_byte).zip(&data[t * row..(t + 1) * row]) {
+            dst.copy_from_slice(&table[usize::from(b)][..per_byte]);
+        }
+        for (((o, &c), &l), &st) in o.iter_mut().zip(&codes[..hd]).zip(lo).zip(step) {
+            let v = l + c * st;
+            *o = s * v.clamp(-127.0, 127.0);
         }
     }
 }
