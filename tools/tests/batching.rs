@@ -185,5 +185,9 @@ fn a_call_cancelled_in_a_batch_leaves_and_the_others_go_on() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(tokens > 10 && tokens < 300, "the cancelled context holds {tokens} tokens");
+    // A call that adds no tokens is refused before it can reach a shared pass.
+    let err = q.call(&raw(&qctx, "", 8), &mut |_| {}).unwrap_err();
+    assert!(format!("{err:#}").contains("adds no tokens"), "{err:#}");
+    assert_eq!(q.list().unwrap().iter().find(|i| i.ctx == qctx).unwrap().tokens, tokens);
     d.stop();
 }

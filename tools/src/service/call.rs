@@ -470,6 +470,9 @@ impl Service {
             Some(ids) => ids,
             None => self.native_ids(c, s, saved)?,
         };
+        if ids.is_empty() {
+            return Err(refuse(ErrorCode::BadRequest, "the call adds no tokens (an empty raw prompt)"));
+        }
         if s.n_past() == 0 {
             saved.keep = ids.len().min(self.cfg.keep_tokens);
         }
@@ -612,10 +615,22 @@ impl Service {
                 pieces.push(a.ids[a.fed..end].to_vec());
             }
         }
+        // What the pass would refuse for one call fails that call alone, not the whole pass.
+        let (mut k, vocab) = (0, self.model.config.vocab);
+        while k < rows.len() {
+            let a = &active[rows[k]];
+            let p = &pieces[k];
+            if p.is_empty() || a.s.n_past() + p.len() > a.s.kv.capacity() || p.iter().any(|&t| t as usize >= vocab) {
+                let why = format!("the call's {} tokens do not fit its context of {}", p.len(), a.s.n_past());
+                ended.push((rows.remove(k), Outcome::Failed(refuse(ErrorCode::Failed, why))));
+                pieces.remove(k);
+            } else {
+                k += 1;
+            }
+        }
         if !rows.is_empty() {
             let t0 = Instant::now();
             let n = rows.len();
-            let vocab = self.model.config.vocab;
             let run = {
                 let mut sessions: Vec<&mut Session> = Vec::with_capacity(n);
                 // Disjoint: `rows` is increasing.
