@@ -832,7 +832,8 @@ fn one_uid_cannot_take_the_service_for_itself() {
     assert!(format!("{err:#}").contains("max_contexts_per_uid"), "{err:#}");
     drop(b);
 
-    // Calls waiting: one runs, one waits, the next is refused.
+    // Calls waiting: one runs, one waits, the next is refused. (The waiting call is on the
+    // running call's context: a call on another context would join the running one's batch.)
     let socket = d.socket.clone();
     let running = {
         let id = ids[0].clone();
@@ -846,7 +847,7 @@ fn one_uid_cannot_take_the_service_for_itself() {
     let mut waiting = UnixStream::connect(&d.socket).unwrap();
     raw_frame(&mut waiting, &proto::encode(&Request::Bind { app: "a".into(), version: proto::VERSION }));
     assert!(matches!(read_event(&mut waiting), Some(Event::Bound { .. })));
-    raw_frame(&mut waiting, &proto::encode(&Request::Call(Call { ctx: ids[1].clone(), prompt: "Hi.".into(), ..base_call() })));
+    raw_frame(&mut waiting, &proto::encode(&Request::Call(Call { ctx: ids[0].clone(), prompt: "Hi.".into(), ..base_call() })));
     let mut b = d.client("b");
     let t = Instant::now();
     while b.stats().unwrap().queue == 0 {

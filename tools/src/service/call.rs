@@ -68,19 +68,6 @@ struct Active {
     out: Output,
 }
 
-/// What `begin_call` hands to the batch.
-struct Begun {
-    ctx: String,
-    made: bool,
-    solo: bool,
-    s: Session,
-    before: Saved,
-    saved: Saved,
-    stats: CallStats,
-    ids: Vec<u32>,
-    sampler: Sampler,
-}
-
 /// A call's answer so far.
 #[derive(Default)]
 struct Output {
@@ -267,48 +254,32 @@ impl Service {
     /// answered here.
     fn start(&self, job: Job, scratch: &mut Scratch, reserved: usize, memory_wait_ms: f64) -> Option<Active> {
         let t0 = Instant::now();
-        match catch_unwind(AssertUnwindSafe(|| self.begin_call(&job, t0, scratch))) {
-            Ok(Ok(b)) => {
-                let mut stats = b.stats;
-                stats.memory_wait_ms = memory_wait_ms;
-                stats.queue_ms = ms(t0.duration_since(job.received));
-                Some(Active {
-                    job,
-                    ctx: b.ctx,
-                    made: b.made,
-                    solo: b.solo,
-                    s: b.s,
-                    before: b.before,
-                    saved: b.saved,
-                    stats,
-                    ids: b.ids,
-                    fed: 0,
-                    sampler: b.sampler,
-                    reserved,
-                    t_prefill: Instant::now(),
-                    t_decode: Instant::now(),
-                    next: None,
-                    out: Output::default(),
-                })
+        // The job goes into the call; its answer channel stays here for a call that cannot start.
+        let (events, named) = (job.events.clone(), job.call.ctx.clone());
+        match catch_unwind(AssertUnwindSafe(|| self.begin_call(job, t0, scratch, reserved))) {
+            Ok(Ok(mut a)) => {
+                a.stats.memory_wait_ms = memory_wait_ms;
+                a.stats.queue_ms = ms(t0.duration_since(a.job.received));
+                Some(a)
             }
             Ok(Err(r)) => {
                 self.prom.failed();
-                let _ = job.events.send(r.into());
+                let _ = events.send(r.into());
                 None
             }
             Err(panic) => {
                 let what = panic_message(panic.as_ref());
-                error!(ctx = %job.call.ctx, "a call panicked outside the model: {what}");
+                error!(ctx = %named, "a call panicked outside the model: {what}");
                 *scratch = Scratch::default();
                 self.prom.failed();
-                let _ = job.events.send(Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})")));
+                let _ = events.send(Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})")));
                 None
             }
         }
     }
 
     /// The call's context, out of the registry and ready: see [`Service::prepare`].
-    fn begin_call(&self, job: &Job, t0: Instant, scratch: &mut Scratch) -> Result<Begun, Refusal> {
+    fn begin_call(&self, job: Job, t0: Instant, scratch: &mut Scratch, reserved: usize) -> Result<Active, Refusal> {
         // A stateless client's call: which context, and what it lacks.
         let (ctx, given, made) = match &job.history {
             None => (job.call.ctx.clone(), None, false),
@@ -346,11 +317,28 @@ impl Service {
         // A panic in the call (a bug, or data that got past validation) must not take the
         // worker with it: the call fails, its context is quarantined as it was before the call
         // (its saved state is not touched), and the service goes on with the others.
-        let r = catch_unwind(AssertUnwindSafe(|| self.prepare(job, given, &mut s, &mut saved, t0)));
+        let r = catch_unwind(AssertUnwindSafe(|| self.prepare(&job, given, &mut s, &mut saved, t0)));
         *scratch = s.take_scratch();
         match r {
-            Ok(Ok((ids, stats, sampler))) => Ok(Begun { ctx, made, solo, s, before, saved, stats, ids, sampler }),
-            Ok(Err(e)) => Err(self.settle(job, &ctx, made, false, s, before, saved, Err(e)).expect_err("failed")),
+            Ok(Ok((ids, stats, sampler))) => Ok(Active {
+                job,
+                ctx,
+                made,
+                solo,
+                s,
+                before,
+                saved,
+                stats,
+                ids,
+                fed: 0,
+                sampler,
+                reserved,
+                t_prefill: Instant::now(),
+                t_decode: Instant::now(),
+                next: None,
+                out: Output::default(),
+            }),
+            Ok(Err(e)) => Err(self.settle(&job, &ctx, made, false, s, before, saved, Err(e)).expect_err("failed")),
             Err(panic) => {
                 let r = self.quarantine(&ctx, s, saved.mm_id, &panic_message(panic.as_ref()));
                 if made {
