@@ -311,6 +311,13 @@ pub struct Scratch {
     ranges: Ranges,
 }
 
+impl Scratch {
+    /// The logits of the last pass run with this scratch ([`Session::step_batch`]'s, row-major).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+}
+
 /// Session settings.
 #[derive(Debug, Clone, Copy)]
 pub struct SessionOptions {

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::client::Client;
 use crate::proto::Call;
+use crate::stats::percentile;
 use crate::trace::{Header, Record};
 
 /// What one call of the trace saw.
@@ -64,19 +65,9 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
-}
-
 #[allow(clippy::cast_precision_loss)]
 pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
     let mut sw: Vec<f64> = rs.iter().map(|r| r.switch_ms).collect();
-    sw.sort_by(f64::total_cmp);
     let n = rs.len().max(1) as f64;
     let mut ctxs: Vec<usize> = rs.iter().map(|r| r.ctx).collect();
     ctxs.sort_unstable();
@@ -86,9 +77,9 @@ pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
         calls: rs.len(),
         contexts: ctxs.len(),
         switch_mean_ms: sw.iter().sum::<f64>() / n,
-        switch_p50_ms: pct(&sw, 0.5),
-        switch_p90_ms: pct(&sw, 0.9),
-        switch_p99_ms: pct(&sw, 0.99),
+        switch_p50_ms: percentile(&mut sw, 0.5),
+        switch_p90_ms: percentile(&mut sw, 0.9),
+        switch_p99_ms: percentile(&mut sw, 0.99),
         ttft_mean_ms: rs.iter().map(|r| r.ttft_ms).sum::<f64>() / n,
         decode_tok_s: if dec.is_empty() { 0.0 } else { dec.iter().sum::<f64>() / dec.len() as f64 },
         read_chunks: rs.iter().map(|r| u64::from(r.read_chunks)).sum(),

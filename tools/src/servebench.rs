@@ -21,6 +21,7 @@ use crate::client::Client;
 use crate::config::Config;
 use crate::proto::Call;
 use crate::service::Local;
+use crate::stats::percentile;
 
 /// What the clients do.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -51,17 +52,6 @@ pub struct Report {
     pub batched_calls: u64,
     pub long_prefill_calls: u64,
     pub seconds: f64,
-}
-
-/// Percentile `p` (0..=1) of `v`, nearest rank (0 for none).
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    let i = ((v.len() - 1) as f64 * p).round() as usize;
-    v[i]
 }
 
 /// `n` tokens of the text from token `at` (wrapping), as text: distinct prompts per client and
@@ -195,17 +185,4 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
         long_prefill_calls,
         seconds,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&mut v, 0.5), 51.0);
-        assert_eq!(percentile(&mut v, 0.99), 99.0);
-        assert_eq!(percentile(&mut [], 0.5), 0.0);
-    }
 }

@@ -71,19 +71,14 @@ pub struct BenchSwitchArgs {
     pub tokens: Vec<usize>,
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
-    /// Where the load profile is (measured there if missing) and the runs' stores go.
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
-    #[arg(long)]
-    pub json: bool,
     #[command(flatten)]
-    pub m: ModelArgs,
+    pub s: ServiceBenchArgs,
 }
 
 impl BenchSwitchArgs {
     pub fn run(self) -> Result<()> {
-        let Self { tokens, reps, state_dir, json, m } = self;
-        bench_switch(&m, &tokens, reps, state_dir, json)?;
+        let Self { tokens, reps, s } = self;
+        bench_switch(&s, &tokens, reps)?;
         Ok(())
     }
 }
@@ -107,22 +102,18 @@ pub struct BenchHttpArgs {
     /// Conversations (medians over them); the overhead takes 10x as many call pairs.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    /// Where the load profile is (measured there if missing) and the run's store goes.
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
-    #[arg(long)]
-    pub json: bool,
     #[command(flatten)]
-    pub m: ModelArgs,
+    pub s: ServiceBenchArgs,
 }
 
 impl BenchHttpArgs {
     pub fn run(self) -> Result<()> {
-        let Self { turns, user_tokens, reply_tokens, levels, reps, state_dir, json, m } = self;
+        let Self { turns, user_tokens, reply_tokens, levels, reps, s } = self;
+        let json = s.json;
         if !(2..=16).contains(&turns) || reps == 0 || !(8..=400).contains(&user_tokens) || !(1..=200).contains(&reply_tokens) {
             bail!("--turns must be in 2..=16, --user-tokens in 8..=400, --reply-tokens in 1..=200, --reps at least 1");
         }
-        let (dir, mut base, work) = service_bench(&m, state_dir, json, "http")?;
+        let (dir, mut base, work) = s.setup("http")?;
         base.levels = levels;
         base.level_formats()?;
         let shape = crate::httpbench::Shape { turns, user_tokens, reply_tokens };
@@ -281,40 +272,22 @@ pub struct BenchServeArgs {
     /// An llmsd to run against instead of one started in process.
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Where the load profile is (measured there if missing) and the run's store goes.
-    #[arg(long)]
-    pub state_dir: Option<PathBuf>,
-    #[arg(long)]
-    pub json: bool,
     #[command(flatten)]
-    pub m: ModelArgs,
+    pub s: ServiceBenchArgs,
 }
 
 impl BenchServeArgs {
     pub fn run(self) -> Result<()> {
         use crate::servebench::{run, Load};
-        let Self {
-            clients,
-            calls,
-            prompt_tokens,
-            max_tokens,
-            max_batch,
-            prefill_piece,
-            long_prefill,
-            vs_solo,
-            levels,
-            socket,
-            state_dir,
-            json,
-            m,
-        } = self;
+        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, levels, socket, s } = self;
+        let json = s.json;
         if !(1..=64).contains(&clients) || !(1..=1000).contains(&calls) || !(1..=4000).contains(&prompt_tokens) {
             bail!("--clients in 1..=64, --calls in 1..=1000, --prompt-tokens in 1..=4000");
         }
         if !(1..=1000).contains(&max_tokens) || long_prefill > 4000 {
             bail!("--max-tokens in 1..=1000, --long-prefill at most 4000");
         }
-        let (dir, mut base, work) = service_bench(&m, state_dir, json, "serve")?;
+        let (dir, mut base, work) = s.setup("serve")?;
         base.max_batch = max_batch.unwrap_or(base.max_batch);
         base.prefill_piece = prefill_piece.unwrap_or(base.prefill_piece);
         if let Some(l) = levels {
@@ -391,25 +364,42 @@ impl BenchUffdArgs {
     }
 }
 
-/// What a benchmark of the service in process starts from: the state directory (its load
-/// profile measured first, so every run plans with it), a configuration with the model and
-/// threads, and a fresh work directory under the state directory for the runs' stores.
-fn service_bench(m: &ModelArgs, state_dir: Option<PathBuf>, json: bool, name: &str) -> Result<(PathBuf, crate::config::Config, PathBuf)> {
-    let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let (model, pool) = load(m)?;
-    crate::loadbench::load_or_measure(&dir, &model, &pool, 16, json)?;
-    drop((model, pool));
-    let base = crate::config::Config { model: model_path(m), threads: m.threads.unwrap_or(0), ..crate::config::Config::default() };
-    let work = dir.join(format!("bench-{name}-{}", std::process::id()));
-    Ok((dir, base, work))
+/// What the benchmarks of the service in process (bench-switch, bench-http, bench-serve) take
+/// beside their own settings.
+#[derive(Args, Debug)]
+pub struct ServiceBenchArgs {
+    /// Where the load profile is (measured there if missing) and the runs' stores go.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
 }
 
-fn bench_switch(m: &ModelArgs, tokens: &[usize], reps: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
+impl ServiceBenchArgs {
+    /// What a run starts from: the state directory (its load profile measured first, so every
+    /// run plans with it), a configuration with the model and threads, and a fresh work
+    /// directory under the state directory for the runs' stores.
+    fn setup(&self, name: &str) -> Result<(PathBuf, crate::config::Config, PathBuf)> {
+        let dir = self.state_dir.clone().unwrap_or_else(crate::loadbench::state_dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let (model, pool) = load(&self.m)?;
+        crate::loadbench::load_or_measure(&dir, &model, &pool, 16, self.json)?;
+        drop((model, pool));
+        let base =
+            crate::config::Config { model: model_path(&self.m), threads: self.m.threads.unwrap_or(0), ..crate::config::Config::default() };
+        let work = dir.join(format!("bench-{name}-{}", std::process::id()));
+        Ok((dir, base, work))
+    }
+}
+
+fn bench_switch(s: &ServiceBenchArgs, tokens: &[usize], reps: usize) -> Result<()> {
+    let json = s.json;
     if tokens.is_empty() || tokens.iter().any(|&n| !(32..=7000).contains(&n)) || reps == 0 {
         bail!("--tokens must be between 32 and 7000 and --reps at least 1");
     }
-    let (dir, base, work) = service_bench(m, state_dir, json, "switch")?;
+    let (dir, base, work) = s.setup("switch")?;
     let rows = crate::switchbench::run(&base, tokens, reps, &work, &dir);
     let _ = std::fs::remove_dir_all(&work);
     let rows = rows?;

@@ -337,16 +337,7 @@ impl Service {
         drop(reg);
         let m = lock(&self.metrics);
         let mut sw: Vec<f64> = m.switch_ms.iter().copied().collect();
-        sw.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            if sw.is_empty() {
-                0.0
-            } else {
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-                let i = ((sw.len() - 1) as f64 * p).round() as usize;
-                sw[i]
-            }
-        };
+        let mut pct = |p: f64| crate::stats::percentile(&mut sw, p);
         ServiceStats {
             policy: mm.config().policy.name().into(),
             budget_bytes: mm.config().budget as u64 + self.weights.as_ref().map_or(0, |w| w.stats().budget),
