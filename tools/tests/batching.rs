@@ -191,3 +191,65 @@ fn a_call_cancelled_in_a_batch_leaves_and_the_others_go_on() {
     assert_eq!(q.list().unwrap().iter().find(|i| i.ctx == qctx).unwrap().tokens, tokens);
     d.stop();
 }
+
+/// One uid's long calls cannot keep another uid out of the model: with a batch of two, root
+/// runs two calls and queues a third; a call of uid 65534 queued after it goes first once a
+/// slot frees (a uid holding half the batch yields), and ends long before root's longer call.
+#[test]
+fn one_uid_cannot_keep_others_out_of_the_batch() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    use std::time::Instant;
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let d = Daemon::start(dir.path(), "fair", &dir.path().join("state"), &format!("{EXACT}max_batch = 2\nsocket_mode = \"0666\"\n"));
+    let counting = "1, 2, 3, 4, 5, 6, 7, 8,";
+    let root_call = |max_tokens: u32, started: std::sync::mpsc::Sender<()>| {
+        let socket = d.socket.clone();
+        std::thread::spawn(move || {
+            let mut c = Client::connect(&socket, "root").unwrap();
+            let ctx = c.new_ctx(None).unwrap();
+            let mut first = Some(started);
+            let (_, st) = c
+                .call(&raw(&ctx, counting, max_tokens), &mut |_| {
+                    if let Some(s) = first.take() {
+                        let _ = s.send(());
+                    }
+                })
+                .unwrap();
+            (st, Instant::now())
+        })
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let short = root_call(100, tx.clone());
+    let long = root_call(300, tx.clone());
+    rx.recv().unwrap();
+    rx.recv().unwrap();
+    let queued = root_call(300, tx);
+    let mut c = d.client("watch");
+    while c.stats().unwrap().queue == 0 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // uid 65534 through the CLI: a context and a short call, queued behind root's third.
+    let llms = env!("CARGO_BIN_EXE_llms");
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new(llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let ctx = as_nobody(&["ctx", "new", "--app", "other"]);
+    as_nobody(&["ctx", "call", &ctx, counting, "--raw", "--max-tokens", "16", "--app", "other"]);
+    let other_done = Instant::now();
+    let (s_short, _) = short.join().unwrap();
+    let (s_long, long_done) = long.join().unwrap();
+    let (s_queued, _) = queued.join().unwrap();
+    for s in [&s_short, &s_long, &s_queued] {
+        assert_eq!(s.finish, "length", "{s:?}");
+    }
+    assert!(other_done < long_done, "the other uid waited behind root's queued call: it ended after root's long call ({s_long:?})");
+    d.stop();
+}

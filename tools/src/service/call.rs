@@ -203,7 +203,12 @@ impl Service {
                         };
                         ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c))
                     };
-                    if let Some(i) = q.iter().position(|j| !in_batch(j)) {
+                    // A uid holding half the batch yields to other uids' calls in line: one
+                    // app's long calls cannot keep everyone else out of the model.
+                    let share = self.cfg.max_batch.max(1).div_ceil(2);
+                    let full = |j: &Job| active.iter().filter(|a| a.job.owner.uid == j.owner.uid).count() >= share;
+                    let pick = q.iter().position(|j| !in_batch(j) && !full(j)).or_else(|| q.iter().position(|j| !in_batch(j)));
+                    if let Some(i) = pick {
                         break (i, q.remove(i).expect("in the queue"));
                     }
                     if !active.is_empty() {
