@@ -29,6 +29,8 @@ pub(super) struct Job {
     owner: Owner,
     call: Call,
     received: Instant,
+    /// When it first waited for memory (see `admit`).
+    memory_since: Option<Instant>,
     events: Sender<Event>,
     cancel: Arc<AtomicBool>,
     /// A stateless client's whole history: the worker chooses the context (`call.ctx` is
@@ -157,7 +159,7 @@ impl Service {
                 format!("uid {uid} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later"),
             ));
         }
-        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), events: tx, cancel, history });
+        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), memory_since: None, events: tx, cancel, history });
         self.queued.notify_one();
         Ok(rx)
     }
@@ -171,17 +173,16 @@ impl Service {
     pub(super) fn worker(&self) {
         let mut scratch = Scratch::default();
         let mut active: Vec<Active> = Vec::new();
-        let mut waiting_since = None;
-        while self.admit(&mut active, &mut scratch, &mut waiting_since) {
+        while self.admit(&mut active, &mut scratch) {
             self.step(&mut active, &mut scratch);
         }
     }
 
     /// Starts queued calls while the batch has room and their memory fits; blocks while
     /// nothing runs and nothing waits. False once the service stops with nothing running.
-    fn admit(&self, active: &mut Vec<Active>, scratch: &mut Scratch, waiting_since: &mut Option<Instant>) -> bool {
+    fn admit(&self, active: &mut Vec<Active>, scratch: &mut Scratch) -> bool {
         loop {
-            let (at, job) = {
+            let (at, mut job) = {
                 let mut q = lock(&self.queue);
                 loop {
                     if self.stopping.load(Ordering::SeqCst) {
@@ -222,17 +223,18 @@ impl Service {
             let pinned: usize = active.iter().map(|a| a.reserved).sum();
             if !active.is_empty() && pinned + reserved > lock(&self.mm).budget() {
                 // It waits for memory where it was in line, and the calls behind it with it.
+                let first = job.memory_since.is_none();
+                job.memory_since.get_or_insert_with(Instant::now);
                 let mut q = lock(&self.queue);
                 let at = at.min(q.len());
                 q.insert(at, job);
                 drop(q);
-                if waiting_since.is_none() {
-                    *waiting_since = Some(Instant::now());
+                if first {
                     lock(&self.metrics).memory_waits += 1;
                 }
                 return true;
             }
-            let memory_wait = waiting_since.take().map_or(0.0, |t| ms(t.elapsed()));
+            let memory_wait = job.memory_since.map_or(0.0, |t| ms(t.elapsed()));
             if let Some(a) = self.start(job, scratch, reserved, memory_wait) {
                 active.push(a);
             }
