@@ -1,56 +1,103 @@
 //! Which instruction sets the CPU offers, detected once. Every fast kernel (in [`crate::kernels`]
 //! and the format modules below it) asks here before it runs; nothing here knows a format.
+//!
+//! Every vector kernel computes its scalar reference's float operations in the same order, so
+//! the choice changes speed, never results: `LLMS_SIMD=scalar` (or [`set_scalar`]) runs the
+//! references, and a model gives the same logits, bit for bit, on x86 and ARM.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::LazyLock;
 
-static HAS_AVX2: LazyLock<bool> = LazyLock::new(|| {
+/// The vector extensions in use, after `LLMS_SIMD` has had its say.
+#[derive(Debug, Clone, Copy, Default)]
+#[allow(clippy::struct_excessive_bools)]
+struct Isa {
+    avx2: bool,
+    vnni: bool,
+    neon: bool,
+    dotprod: bool,
+}
+
+static ISA: LazyLock<Isa> = LazyLock::new(|| {
     // `LLMS_SIMD=scalar` turns the vector kernels off, so the scalar references can be run and
-    // compared (and an ISA's kernels tested both ways) on any machine.
-    if std::env::var_os("LLMS_SIMD").is_some_and(|v| v == "scalar") {
-        return false;
+    // compared (and an ISA's kernels tested both ways) on any machine; `avx2` / `neon` keep
+    // the base vector kernels without VNNI / the dot-product extension (to compare the two).
+    let want = std::env::var("LLMS_SIMD").unwrap_or_default();
+    if want == "scalar" {
+        return Isa::default();
     }
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        let vnni = avx2 && want != "avx2" && has!("avx512vnni") && has!("avx512vl");
+        Isa { avx2, vnni, ..Isa::default() }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
     {
-        false
+        use std::arch::is_aarch64_feature_detected as has;
+        // NEON is part of every AArch64 CPU; the half-precision conversions the kernels use
+        // are base NEON too. `sdot` (the dot-product extension) is optional.
+        let neon = has!("neon");
+        let dotprod = neon && want != "neon" && has!("dotprod");
+        Isa { neon, dotprod, ..Isa::default() }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        Isa::default()
     }
 });
 
-static HAS_VNNI: LazyLock<bool> = LazyLock::new(|| {
-    // `LLMS_SIMD=avx2` keeps the AVX2 kernels without VNNI (to compare the two).
-    if !*HAS_AVX2 || std::env::var_os("LLMS_SIMD").is_some_and(|v| v == "avx2") {
-        return false;
+/// Set by [`set_scalar`]: the vector kernels off for the whole process.
+static SCALAR: AtomicBool = AtomicBool::new(false);
+
+/// Turns the vector kernels off (`true`) or back on for the whole process, for comparing the
+/// kernel sets in one run (tests, benchmarks). Not for use while other threads compute.
+pub fn set_scalar(on: bool) {
+    SCALAR.store(on, Ordering::Relaxed);
+}
+
+#[inline]
+fn isa() -> Isa {
+    if SCALAR.load(Ordering::Relaxed) {
+        Isa::default()
+    } else {
+        *ISA
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-});
+}
 
 /// Whether the CPU has AVX2, FMA and F16C (checked once).
 #[inline]
 pub fn has_avx2() -> bool {
-    *HAS_AVX2
+    isa().avx2
 }
 
 /// Whether the CPU also has VNNI's byte dot product on 256-bit vectors (AVX512-VNNI + VL).
 #[inline]
 pub fn has_vnni() -> bool {
-    *HAS_VNNI
+    isa().vnni
 }
 
-/// Which vector kernels are in use (reported by `llms bench`).
+/// Whether the NEON kernels run (every AArch64 CPU, unless turned off).
+#[inline]
+pub fn has_neon() -> bool {
+    isa().neon
+}
+
+/// Whether the CPU also has the dot-product extension (`sdot`, Armv8.2+ optional, v8.4 on).
+#[inline]
+pub fn has_dotprod() -> bool {
+    isa().dotprod
+}
+
+/// Which vector kernels are in use (reported by `llms bench` and `llms doctor`).
 pub fn simd_name() -> &'static str {
-    match (*HAS_AVX2, *HAS_VNNI) {
-        (true, true) => "avx2+vnni",
-        (true, false) => "avx2",
+    let i = isa();
+    match (i.avx2, i.vnni, i.neon, i.dotprod) {
+        (true, true, ..) => "avx2+vnni",
+        (true, false, ..) => "avx2",
+        (_, _, true, true) => "neon+dotprod",
+        (_, _, true, false) => "neon",
         _ => "scalar",
     }
 }

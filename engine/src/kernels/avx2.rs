@@ -316,57 +316,64 @@ unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, 
     }
 }
 
-/// `e^x` for 8 lanes (x <= 0 after max subtraction; large negatives flush to 0): Cody-Waite
-/// range reduction and a degree-6 polynomial, within 2 ulp of libm.
+/// [`super::exp_lane`] for 8 lanes, operation for operation.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exp8(x: __m256) -> __m256 {
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+    use super::{EXP_C, EXP_MIN, EXP_P};
+    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
     let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C[0]), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C[1]), r);
+    let mut p = _mm256_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
     let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
     let y = _mm256_mul_ps(p, pow2n);
-    // Below -87 the true value is under f32's normal range: return 0.
-    _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_GT_OQ))
+    _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_GT_OQ))
 }
 
 /// # Safety
 /// Needs AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
-    let n = row.len();
     let m = _mm256_set1_ps(max);
-    let mut sum = 0.0f64;
-    let mut i = 0;
-    let ptr = row.as_mut_ptr();
-    while i + 8 <= n {
-        // SAFETY: i + 8 <= n.
-        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ptr.add(i)), m));
-        _mm256_storeu_ps(ptr.add(i), e);
+    /// Eight exponentials at `p`, stored back and summed (as [`super::sum8`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp_sum(p: *mut f32, m: __m256) -> f64 {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+        _mm256_storeu_ps(p, e);
         let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e));
         let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1));
         let s2 = _mm256_add_pd(lo, hi);
         let s1 = _mm_add_pd(_mm256_castpd256_pd128(s2), _mm256_extractf128_pd(s2, 1));
-        sum += _mm_cvtsd_f64(_mm_add_sd(s1, _mm_unpackhi_pd(s1, s1)));
+        _mm_cvtsd_f64(_mm_add_sd(s1, _mm_unpackhi_pd(s1, s1)))
+    }
+    let n = row.len();
+    let ptr = row.as_mut_ptr();
+    let mut sum = 0.0f64;
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n.
+        sum += exp_sum(ptr.add(i), m);
         i += 8;
     }
-    for x in &mut row[i..] {
-        *x = (*x - max).exp();
-        sum += f64::from(*x);
+    if i < n {
+        // The short last part through a padded copy (the padding's exp is 0).
+        let mut buf = [f32::NEG_INFINITY; 8];
+        buf[..n - i].copy_from_slice(&row[i..]);
+        sum += exp_sum(buf.as_mut_ptr(), m);
+        row[i..].copy_from_slice(&buf[..n - i]);
     }
     #[allow(clippy::cast_possible_truncation)]
     let inv = _mm256_set1_ps((1.0 / sum) as f32);
     let mut i = 0;
     while i + 8 <= n {
         // Round through f16 and back, 8 at a time.
+        // SAFETY: i + 8 <= n.
         let y = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), inv);
         _mm256_storeu_ps(ptr.add(i), _mm256_cvtph_ps(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT)));
         i += 8;
@@ -375,6 +382,19 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
     let inv = (1.0 / sum) as f32;
     for x in &mut row[i..] {
         *x = f16::from_f32(*x * inv).to_f32();
+    }
+}
+
+/// The K-quant row kernels behind one signature (Q4_K when `q4k`, else Q6_K).
+///
+/// # Safety
+/// Needs AVX2/FMA/F16C; `row` whole blocks; rows `t0..t0 + T` exist in `a`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_kquant<const T: usize>(q4k: bool, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+    if q4k {
+        dot_q4k::<T>(crate::quant::blocks(row), a, t0)
+    } else {
+        dot_q6k::<T>(crate::quant::blocks(row), a, t0)
     }
 }
 
@@ -397,7 +417,7 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
 /// # Safety
 /// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+unsafe fn dot_q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
     let mask = _mm256_set1_epi8(0x0F);
     let mut sum = [0.0f32; T];
     for (i, b) in w.iter().enumerate() {
@@ -440,7 +460,7 @@ pub(super) unsafe fn dot_q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &c
 /// # Safety
 /// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+unsafe fn dot_q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(0x03);
     let m32 = _mm256_set1_epi8(32);

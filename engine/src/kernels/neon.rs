@@ -1,0 +1,479 @@
+//! The NEON kernels behind [`super`]'s dispatch: aarch64 only, chosen at run time, with the
+//! dot-product extension's `sdot` where the CPU has it and base NEON (`smull` + pairwise adds)
+//! where it does not. Each kernel does the AVX2 kernel's float operations in the same order
+//! (a 256-bit vector is two 128-bit halves here), so every kernel set gives the scalar
+//! references' bits; the integer dot products are exact in any grouping.
+// Every function here needs NEON (part of every AArch64 CPU; the dispatchers check it is not
+// turned off) and, for the `sdot` ones, the dot-product extension, checked once before calling
+// in (`crate::simd::has_dotprod`). The memory contracts are commented where they are.
+#![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+use std::arch::aarch64::*;
+use std::arch::asm;
+
+use super::{KvRows, OutPtr};
+use crate::quant::{BlockQ4K, BlockQ6K, Q8Acts, Q8KActs};
+use crate::repack::{Packed, PackedWeight, ROWS};
+
+/// How four-byte dot products accumulate into i32 lanes: lane `i` of the result adds
+/// `sum_j w[4i + j] * x[4i + j]`.
+trait Dot {
+    /// # Safety
+    /// The CPU has what the implementation uses.
+    unsafe fn dot(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t;
+}
+
+/// Base NEON: products widened to i16 (`|w x| <= 128 * 127`, pairs < 2^15), then pairwise
+/// added into the i32 lanes.
+struct Mull;
+impl Dot for Mull {
+    #[inline(always)]
+    unsafe fn dot(acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+        let lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+        let hi = vmull_high_s8(w, x);
+        vpadalq_s16(acc, vpaddq_s16(lo, hi))
+    }
+}
+
+/// The dot-product extension: `sdot` does the four products and the add in one instruction.
+/// Written as inline assembly because its intrinsic (`vdotq_s32`) is not stable Rust yet.
+struct Sdot;
+impl Dot for Sdot {
+    #[inline(always)]
+    unsafe fn dot(mut acc: int32x4_t, w: int8x16_t, x: int8x16_t) -> int32x4_t {
+        asm!(
+            ".arch_extension dotprod",
+            "sdot {acc:v}.4s, {w:v}.16b, {x:v}.16b",
+            acc = inout(vreg) acc,
+            w = in(vreg) w,
+            x = in(vreg) x,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+}
+
+/// Four activation bytes starting at `p`, repeated in every 32-bit lane.
+#[inline(always)]
+unsafe fn bcast4(p: *const i8) -> int8x16_t {
+    // SAFETY (callers): p points at 4 readable bytes inside an activation block.
+    vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(p.cast::<i32>())))
+}
+
+/// Four f16 values at `p` as f32.
+#[inline(always)]
+unsafe fn f16x4(p: *const half::f16) -> float32x4_t {
+    // SAFETY (callers): 4 readable f16 at p.
+    vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p.cast())))
+}
+
+/// # Safety
+/// Needs NEON.
+pub(super) unsafe fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    packed_all::<Mull>(w, a, out, ldo, g0, g1);
+}
+
+/// # Safety
+/// Needs NEON and the dot-product extension.
+#[target_feature(enable = "dotprod")]
+pub(super) unsafe fn matmul_packed_sdot(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    packed_all::<Sdot>(w, a, out, ldo, g0, g1);
+}
+
+#[inline(always)]
+unsafe fn packed_all<D: Dot>(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let n_tok = a.rows;
+    for g in g0..g1 {
+        let mut t = 0;
+        while t + 4 <= n_tok {
+            packed_tile::<D, 4>(w, a, g, t, out, ldo);
+            t += 4;
+        }
+        // The rest in one pass over the weights, as the AVX2 kernel does.
+        match n_tok - t {
+            3 => packed_tile::<D, 3>(w, a, g, t, out, ldo),
+            2 => packed_tile::<D, 2>(w, a, g, t, out, ldo),
+            1 => packed_tile::<D, 1>(w, a, g, t, out, ldo),
+            _ => {}
+        }
+    }
+}
+
+/// One group of 8 rows (two halves of 4: `.0` rows 0-3, `.1` rows 4-7) against `T` tokens
+/// from `t0`, over every block: the AVX2 tile's operations, half by half.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline(always)]
+unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let nb = w.blocks_per_row();
+    let mask = vdupq_n_u8(0x0F);
+    let zero = vdupq_n_s32(0);
+    let mut acc = [(vdupq_n_f32(0.0), vdupq_n_f32(0.0)); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    // Per block: the rows' integer sums in `p`, then `acc += p (d d_x)`, `acc += m s_x` (fused).
+    let combine = |acc: &mut (float32x4_t, float32x4_t), p: (int32x4_t, int32x4_t), d: (float32x4_t, float32x4_t), dx: f32| {
+        let dx = vdupq_n_f32(dx);
+        acc.0 = vfmaq_f32(acc.0, vcvtq_f32_s32(p.0), vmulq_f32(d.0, dx));
+        acc.1 = vfmaq_f32(acc.1, vcvtq_f32_s32(p.1), vmulq_f32(d.1, dx));
+    };
+    let offset = |acc: &mut (float32x4_t, float32x4_t), m: (float32x4_t, float32x4_t), sx: f32| {
+        let sx = vdupq_n_f32(sx);
+        acc.0 = vfmaq_f32(acc.0, m.0, sx);
+        acc.1 = vfmaq_f32(acc.1, m.1, sx);
+    };
+    match &w.data {
+        Packed::Q4(v) => {
+            for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
+                let mut p = [(zero, zero); T];
+                for k in 0..4 {
+                    let q = blk.qs.as_ptr().add(32 * k);
+                    let (w0, w1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
+                    let lo = (vreinterpretq_s8_u8(vandq_u8(w0, mask)), vreinterpretq_s8_u8(vandq_u8(w1, mask)));
+                    let hi = (vreinterpretq_s8_u8(vshrq_n_u8(w0, 4)), vreinterpretq_s8_u8(vshrq_n_u8(w1, 4)));
+                    for t in 0..T {
+                        let xq = a.qs[xrow[t] + b].as_ptr();
+                        let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+                        p[t].0 = D::dot(D::dot(p[t].0, lo.0, xl), hi.0, xh);
+                        p[t].1 = D::dot(D::dot(p[t].1, lo.1, xl), hi.1, xh);
+                    }
+                }
+                let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
+                let m = (f16x4(blk.m.as_ptr()), f16x4(blk.m.as_ptr().add(4)));
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    combine(&mut acc[t], p[t], d, a.d[k8]);
+                    offset(&mut acc[t], m, a.s[k8]);
+                }
+            }
+        }
+        Packed::Q8(v) => {
+            for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
+                let p = q8_sums::<D, T>(&blk.qs, a, &xrow, b);
+                let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
+                for t in 0..T {
+                    combine(&mut acc[t], p[t], d, a.d[xrow[t] + b]);
+                }
+            }
+        }
+        Packed::Q8M(v) => {
+            for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
+                let p = q8_sums::<D, T>(&blk.qs, a, &xrow, b);
+                let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
+                let m = (f16x4(blk.m.as_ptr()), f16x4(blk.m.as_ptr().add(4)));
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    combine(&mut acc[t], p[t], d, a.d[k8]);
+                    offset(&mut acc[t], m, a.s[k8]);
+                }
+            }
+        }
+    }
+    let r0 = g * ROWS;
+    let valid = (w.rows - r0).min(ROWS);
+    for t in 0..T {
+        let idx = (t0 + t) * ldo + r0;
+        if valid == ROWS {
+            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+            vst1q_f32(out.ptr.add(idx), acc[t].0);
+            vst1q_f32(out.ptr.add(idx + 4), acc[t].1);
+        } else {
+            let mut tmp = [0.0f32; ROWS];
+            vst1q_f32(tmp.as_mut_ptr(), acc[t].0);
+            vst1q_f32(tmp.as_mut_ptr().add(4), acc[t].1);
+            for (r, &v) in tmp.iter().enumerate().take(valid) {
+                out.write(idx + r, v);
+            }
+        }
+    }
+}
+
+/// The 8 rows' integer sums of one 8-bit block against `T` tokens' activations.
+#[inline(always)]
+unsafe fn q8_sums<D: Dot, const T: usize>(qs: &[i8; 256], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [(int32x4_t, int32x4_t); T] {
+    let zero = vdupq_n_s32(0);
+    let mut p = [(zero, zero); T];
+    for k in 0..8 {
+        let (w0, w1) = (vld1q_s8(qs.as_ptr().add(32 * k)), vld1q_s8(qs.as_ptr().add(32 * k + 16)));
+        for (t, pt) in p.iter_mut().enumerate() {
+            let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+            pt.0 = D::dot(pt.0, w0, x);
+            pt.1 = D::dot(pt.1, w1, x);
+        }
+    }
+    p
+}
+
+/// Q4_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q4k_ref` bit for bit (the
+/// integer sums are exact; the floats combine as the reference does).
+///
+/// # Safety
+/// Needs NEON (and the dot-product extension when `D` is [`Sdot`]); rows `t0..t0 + T` exist.
+#[inline(always)]
+unsafe fn dot_q4k<D: Dot, const T: usize>(w: &[BlockQ4K], a: &Q8KActs, t0: usize) -> [f32; T] {
+    let mask = vdupq_n_u8(0x0F);
+    let mut sum = [0.0f32; T];
+    for (i, b) in w.iter().enumerate() {
+        let mut acc = [vdupq_n_s32(0); T];
+        let mut mins = [0i32; T];
+        for j in 0..4 {
+            let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
+            let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
+            let q = b.qs.as_ptr().add(32 * j);
+            let (q0, q1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
+            let lo = (vreinterpretq_s8_u8(vandq_u8(q0, mask)), vreinterpretq_s8_u8(vandq_u8(q1, mask)));
+            let hi = (vreinterpretq_s8_u8(vshrq_n_u8(q0, 4)), vreinterpretq_s8_u8(vshrq_n_u8(q1, 4)));
+            for t in 0..T {
+                let k = (t0 + t) * a.nb + i;
+                let x = a.qs[k].as_ptr().add(64 * j);
+                let zero = vdupq_n_s32(0);
+                let sl = D::dot(D::dot(zero, lo.0, vld1q_s8(x)), lo.1, vld1q_s8(x.add(16)));
+                let sh = D::dot(D::dot(zero, hi.0, vld1q_s8(x.add(32))), hi.1, vld1q_s8(x.add(48)));
+                acc[t] = vmlaq_n_s32(vmlaq_n_s32(acc[t], sl, i32::from(sc1)), sh, i32::from(sc2));
+                let bs = &a.bsums[k];
+                mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
+                mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
+            }
+        }
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for t in 0..T {
+            let k = (t0 + t) * a.nb + i;
+            sum[t] += a.d[k] * (d * vaddvq_s32(acc[t]) as f32 - dmin * mins[t] as f32);
+        }
+    }
+    sum
+}
+
+/// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit: the
+/// 6-bit codes rebuilt 16 at a time (once for all `T`), less 32 (signed bytes), dotted with the
+/// activations and scaled by their 16-value sub-block's scale.
+///
+/// # Safety
+/// As [`dot_q4k`].
+#[inline(always)]
+unsafe fn dot_q6k<D: Dot, const T: usize>(w: &[BlockQ6K], a: &Q8KActs, t0: usize) -> [f32; T] {
+    let m4 = vdupq_n_u8(0x0F);
+    let m2 = vdupq_n_u8(0x03);
+    let m32 = vdupq_n_s8(32);
+    let mut sum = [0.0f32; T];
+    for (i, b) in w.iter().enumerate() {
+        let mut acc = [vdupq_n_s32(0); T];
+        for n in 0..2 {
+            for h in 0..2 {
+                let ql0 = vld1q_u8(b.ql.as_ptr().add(64 * n + 16 * h));
+                let ql1 = vld1q_u8(b.ql.as_ptr().add(64 * n + 32 + 16 * h));
+                let qh = vld1q_u8(b.qh.as_ptr().add(32 * n + 16 * h));
+                let hbits = |s: i32| match s {
+                    0 => vshlq_n_u8(vandq_u8(qh, m2), 4),
+                    2 => vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 2), m2), 4),
+                    4 => vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 4), m2), 4),
+                    _ => vshlq_n_u8(vshrq_n_u8(qh, 6), 4),
+                };
+                let q = [
+                    vorrq_u8(vandq_u8(ql0, m4), hbits(0)),
+                    vorrq_u8(vandq_u8(ql1, m4), hbits(2)),
+                    vorrq_u8(vshrq_n_u8(ql0, 4), hbits(4)),
+                    vorrq_u8(vshrq_n_u8(ql1, 4), hbits(6)),
+                ]
+                .map(|v| vsubq_s8(vreinterpretq_s8_u8(v), m32));
+                for (g, &qg) in q.iter().enumerate() {
+                    let sc = i32::from(b.scales[8 * n + 2 * g + h]);
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let x = vld1q_s8(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g + 16 * h));
+                        *acc = vmlaq_n_s32(*acc, D::dot(vdupq_n_s32(0), qg, x), sc);
+                    }
+                }
+            }
+        }
+        let d = b.d.to_f32();
+        for t in 0..T {
+            sum[t] += d * a.d[(t0 + t) * a.nb + i] * vaddvq_s32(acc[t]) as f32;
+        }
+    }
+    sum
+}
+
+/// The K-quant row kernels, one entry per extension: `q4k` picks Q4_K or Q6_K by `ty`.
+macro_rules! k_quant_entry {
+    ($name:ident, $d:ty $(, $feat:literal)?) => {
+        /// # Safety
+        /// Needs NEON (and what the name says); rows `t0..t0 + T` exist in `a`.
+        $(#[target_feature(enable = $feat)])?
+        pub(super) unsafe fn $name<const T: usize>(q4k: bool, row: &[u8], a: &Q8KActs, t0: usize) -> [f32; T] {
+            if q4k {
+                dot_q4k::<$d, T>(crate::quant::blocks::<BlockQ4K>(row), a, t0)
+            } else {
+                dot_q6k::<$d, T>(crate::quant::blocks::<BlockQ6K>(row), a, t0)
+            }
+        }
+    };
+}
+k_quant_entry!(dot_kquant, Mull);
+k_quant_entry!(dot_kquant_sdot, Sdot, "dotprod");
+
+/// How a kernel loads row `t` of a chunk into `lanes` pairs of 4-float vectors (one pair is
+/// an AVX2 vector of 8); one implementation per format so each kernel inlines its own loads.
+trait RowLoad {
+    /// # Safety
+    /// Row `t` inside the block (checked by the caller).
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]);
+}
+struct F32Rows(*const f32);
+struct F16Rows(*const u8);
+struct I8Rows(*const u8, usize);
+
+impl RowLoad for F32Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        let p = self.0.add(t * hd);
+        for (c, slot) in out.iter_mut().enumerate().take(2 * lanes) {
+            *slot = vld1q_f32(p.add(4 * c));
+        }
+    }
+}
+impl RowLoad for F16Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        let p = self.0.add(2 * t * hd);
+        for (c, slot) in out.iter_mut().enumerate().take(2 * lanes) {
+            *slot = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p.add(8 * c).cast())));
+        }
+    }
+}
+impl RowLoad for I8Rows {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        let sb = self.0.add(2 * t);
+        let s = vdupq_n_f32(half::f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+        let p = self.0.add(self.1 * 2 + t * hd);
+        for c in 0..lanes {
+            let q = vmovl_s8(vld1_s8(p.add(8 * c).cast()));
+            out[2 * c] = vmulq_f32(s, vcvtq_f32_s32(vmovl_s16(vget_low_s16(q))));
+            out[2 * c + 1] = vmulq_f32(s, vcvtq_f32_s32(vmovl_high_s16(q)));
+        }
+    }
+}
+
+/// # Safety
+/// Needs NEON; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn chunk_scores(
+    q: &[f32],
+    hd: usize,
+    k: KvRows,
+    visible: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    col0: usize,
+) {
+    match k {
+        KvRows::F32(v) => scores_with(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+        KvRows::F16(b) => scores_with(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+        KvRows::Int8 { blk, t_cap } => scores_with(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut kv = [vdupq_n_f32(0.0); 64];
+    for t in 0..n {
+        k.load(t, hd, lanes, &mut kv);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t >= vis {
+                continue;
+            }
+            let qp = q.as_ptr().add(i * hd);
+            let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            for c in 0..lanes {
+                lo = vfmaq_f32(lo, kv[2 * c], vld1q_f32(qp.add(8 * c)));
+                hi = vfmaq_f32(hi, kv[2 * c + 1], vld1q_f32(qp.add(8 * c + 4)));
+            }
+            // The lanes added as `super::dot_lanes` (and AVX2's) tree.
+            let s = vaddq_f32(lo, hi);
+            let h = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+            *scores.get_unchecked_mut(i * ld + col0 + t) = (vget_lane_f32::<0>(h) + vget_lane_f32::<1>(h)) * scale;
+        }
+    }
+}
+
+/// # Safety
+/// Needs NEON; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
+pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+    match v {
+        KvRows::F32(r) => values_with(&F32Rows(r.as_ptr()), probs, ld, col0, visible, hd, out),
+        KvRows::F16(b) => values_with(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
+        KvRows::Int8 { blk, t_cap } => values_with(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
+    }
+}
+
+#[inline(always)]
+unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut vv = [vdupq_n_f32(0.0); 64];
+    for t in 0..n {
+        v.load(t, hd, lanes, &mut vv);
+        for (i, &vis) in visible.iter().enumerate() {
+            if t >= vis {
+                continue;
+            }
+            let w = vdupq_n_f32(*probs.get_unchecked(i * ld + col0 + t));
+            let o = out.as_mut_ptr().add(i * hd);
+            for (c, vc) in vv.iter().enumerate().take(2 * lanes) {
+                let d = o.add(4 * c);
+                vst1q_f32(d, vfmaq_f32(vld1q_f32(d), w, *vc));
+            }
+        }
+    }
+}
+
+/// [`super::exp_lane`] for 4 lanes, operation for operation (`fmaxnm` is Rust's `f32::max`:
+/// a NaN gives the other operand).
+#[inline(always)]
+unsafe fn exp4(x: float32x4_t) -> float32x4_t {
+    use super::{EXP_C, EXP_MIN, EXP_P};
+    let x = vmaxnmq_f32(x, vdupq_n_f32(EXP_MIN));
+    let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(std::f32::consts::LOG2_E)));
+    let r = vfmsq_f32(x, n, vdupq_n_f32(EXP_C[0]));
+    let r = vfmsq_f32(r, n, vdupq_n_f32(EXP_C[1]));
+    let mut p = vdupq_n_f32(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = vfmaq_f32(vdupq_n_f32(c), p, r);
+    }
+    p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0)), p, vmulq_f32(r, r));
+    let pow2n = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+    let y = vmulq_f32(p, pow2n);
+    vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), vcgtq_f32(x, vdupq_n_f32(EXP_MIN))))
+}
+
+/// # Safety
+/// Needs NEON.
+pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
+    let m = vdupq_n_f32(max);
+    let mut sum = 0.0f64;
+    for part in row.chunks_mut(8) {
+        // A short last part is padded with -inf (its exp is 0), as every path does.
+        let mut e = [f32::NEG_INFINITY; 8];
+        e[..part.len()].copy_from_slice(part);
+        let lo = exp4(vsubq_f32(vld1q_f32(e.as_ptr()), m));
+        let hi = exp4(vsubq_f32(vld1q_f32(e.as_ptr().add(4)), m));
+        vst1q_f32(e.as_mut_ptr(), lo);
+        vst1q_f32(e.as_mut_ptr().add(4), hi);
+        sum += super::sum8(&e);
+        part.copy_from_slice(&e[..part.len()]);
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = (1.0 / sum) as f32;
+    let vinv = vdupq_n_f32(inv);
+    let mut parts = row.chunks_exact_mut(4);
+    for part in &mut parts {
+        // Round through f16 and back, 4 at a time (round to nearest even, as `half` does).
+        let y = vmulq_f32(vld1q_f32(part.as_ptr()), vinv);
+        vst1q_f32(part.as_mut_ptr(), vcvt_f32_f16(vcvt_f16_f32(y)));
+    }
+    for x in parts.into_remainder() {
+        *x = half::f16::from_f32(*x * inv).to_f32();
+    }
+}
