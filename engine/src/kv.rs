@@ -355,6 +355,143 @@ fn decode_rows<const BITS: usize>(data: &[u8], blk: &[u8], lo: &[f32], step: &[f
     }
 }
 
+/// The rows of [`decode_block_to_int8`]. Channel `PER * j + k` is code `k` of byte `j`, so the
+/// parameters are laid out by `k` once per block, and each output word (the `PER` channels of
+/// one byte) is `PER` shifts, multiply-adds in i16 and clamps (`lo` in [-128, 127],
+/// `code * step` <= 15 x 255: the sum fits) packed little-endian: one loop over the row's bytes
+/// the compiler turns into vector instructions on every target (this runs for every reduced
+/// chunk at every token, so a byte-at-a-time interleave was most of its cost).
+fn decode_rows_to_int8<const BITS: usize, const PER: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
+    const MAXB: usize = MAX_FAST_HD / 2;
+    let row = hd / PER;
+    let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
+    let (mut lo, mut step) = ([[0i16; MAXB]; PER], [[0i16; MAXB]; PER]);
+    for c in 0..hd {
+        lo[c % PER][c / PER] = i16::from(params[2 * c] as i8);
+        step[c % PER][c / PER] = i16::from(params[2 * c + 1]);
+    }
+    out[..n * 2].copy_from_slice(&blk[..n * 2]);
+    let data = &blk[t_cap * 2 + hd * 2..];
+    let mask = (1u8 << BITS) - 1;
+    let rows = data[..n * row].chunks_exact(row).zip(out[t_cap * 2..t_cap * 2 + n * hd].chunks_exact_mut(hd));
+    // One output word per byte, built in a register and stored whole (u16 for two channels a
+    // byte, u32 for four), so no byte is interleaved by hand.
+    let val = |k: usize, j: usize, b: u8| {
+        let code = i16::from((b >> (k * BITS)) & mask);
+        (lo[k][j] + code * step[k][j]).clamp(-127, 127) as i8 as u8
+    };
+    if PER == 2 {
+        for (bytes, dst) in rows {
+            for (j, (d, &b)) in dst.chunks_exact_mut(2).zip(bytes).enumerate() {
+                d.copy_from_slice(&u16::from_le_bytes([val(0, j, b), val(1, j, b)]).to_le_bytes());
+            }
+        }
+    } else {
+        for (bytes, dst) in rows {
+            for (j, (d, &b)) in dst.chunks_exact_mut(4).zip(bytes).enumerate() {
+                d.copy_from_slice(&u32::from_le_bytes([val(0, j, b), val(1, j, b), val(2, j, b), val(3, j, b)]).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// [`decode_rows_to_int8`] in AVX2, 32 channels at a time (16 bytes of 4-bit codes or 8 of
+/// 2-bit ones): the codes unpacked in channel order, widened to i16, `lo + code * step`, then
+/// packed back to bytes with saturation and clamped to -127. Integer arithmetic: the same
+/// bytes as the portable loop (tested).
+///
+/// # Safety
+/// The CPU must have AVX2; `hd` is a multiple of 32 and the block holds `n` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_rows_to_int8_avx2<const BITS: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
+    use std::arch::x86_64::*;
+    let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
+    let (mut lo, mut step) = ([0i16; MAX_FAST_HD], [0i16; MAX_FAST_HD]);
+    for c in 0..hd {
+        lo[c] = i16::from(params[2 * c] as i8);
+        step[c] = i16::from(params[2 * c + 1]);
+    }
+    out[..n * 2].copy_from_slice(&blk[..n * 2]);
+    let data = &blk[t_cap * 2 + hd * 2..];
+    let row = hd * BITS / 8;
+    assert!(hd.is_multiple_of(32) && data.len() >= n * row && out.len() >= t_cap * 2 + n * hd);
+    let low = _mm_set1_epi8(if BITS == 4 { 0x0F } else { 0x03 });
+    let floor = _mm256_set1_epi8(-127);
+    // SAFETY: every pointer below stays inside `data`, `out`, `lo` and `step`, as the assert
+    // above bounds them (row t's 16- or 8-byte groups end at (t + 1) * row; its 32-channel
+    // stores at t_cap * 2 + (t + 1) * hd; a parameter group at hd <= MAX_FAST_HD).
+    unsafe {
+        for t in 0..n {
+            let src = data.as_ptr().add(t * row);
+            let dst = out.as_mut_ptr().add(t_cap * 2 + t * hd);
+            for g in 0..hd / 32 {
+                // Channels 32g..32g+16 and 32g+16..32g+32 as bytes in channel order.
+                let (c0, c1) = if BITS == 4 {
+                    let b = _mm_loadu_si128(src.add(g * 16).cast());
+                    let l = _mm_and_si128(b, low);
+                    let h = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+                    (_mm_unpacklo_epi8(l, h), _mm_unpackhi_epi8(l, h))
+                } else {
+                    let b = _mm_loadl_epi64(src.add(g * 8).cast());
+                    let k0 = _mm_and_si128(b, low);
+                    let k1 = _mm_and_si128(_mm_srli_epi16(b, 2), low);
+                    let k2 = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+                    let k3 = _mm_and_si128(_mm_srli_epi16(b, 6), low);
+                    let (p01, p23) = (_mm_unpacklo_epi8(k0, k1), _mm_unpacklo_epi8(k2, k3));
+                    (_mm_unpacklo_epi16(p01, p23), _mm_unpackhi_epi16(p01, p23))
+                };
+                let at = g * 32;
+                let v = |c: __m128i, off: usize| {
+                    let code = _mm256_cvtepu8_epi16(c);
+                    let s = _mm256_loadu_si256(step.as_ptr().add(at + off).cast());
+                    let l = _mm256_loadu_si256(lo.as_ptr().add(at + off).cast());
+                    _mm256_add_epi16(l, _mm256_mullo_epi16(code, s))
+                };
+                // packs works per 128-bit lane ([a0..7 b0..7 | a8..15 b8..15]): reorder quarters.
+                let packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(v(c0, 0), v(c1, 16)), 0b11_01_10_00);
+                _mm256_storeu_si256(dst.add(at).cast(), _mm256_max_epi8(packed, floor));
+            }
+        }
+    }
+}
+
+/// Whether [`decode_block_to_int8`] takes blocks of this format and head width.
+pub fn decodes_to_int8(f: KvFormat, hd: usize) -> bool {
+    matches!(f, KvFormat::Q4 | KvFormat::Q2) && hd.is_multiple_of(8 / f.bits()) && hd <= MAX_FAST_HD
+}
+
+/// Decodes the first `n` tokens of a Q4/Q2 head block into an Int8 head block of the same
+/// `t_cap` (the per-token f16 scales copied, each channel's `clamp(lo + code * step, ±127)` as
+/// the code): exact, since the reduced levels hold int8 codes. Attention then reads the result
+/// with the int8 kernel, giving the bits [`read_block_f32`] would (`scale x code` either way)
+/// from a quarter of the bytes an f32 decode writes and reads: the decoded blocks of a whole
+/// context are made again at every token, so their size is the cost. Returns `false` (nothing
+/// written) for another format or a head the byte-at-a-time path does not take.
+pub fn decode_block_to_int8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) -> bool {
+    if !decodes_to_int8(f, hd) || n > t_cap {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2() && hd.is_multiple_of(32) {
+        // SAFETY: the CPU has AVX2; hd is a multiple of 32; the block's sizes are asserted.
+        unsafe {
+            if f.bits() == 4 {
+                decode_rows_to_int8_avx2::<4>(blk, t_cap, hd, n, out);
+            } else {
+                decode_rows_to_int8_avx2::<2>(blk, t_cap, hd, n, out);
+            }
+        }
+        return true;
+    }
+    if f.bits() == 4 {
+        decode_rows_to_int8::<4, 2>(blk, t_cap, hd, n, out);
+    } else {
+        decode_rows_to_int8::<2, 4>(blk, t_cap, hd, n, out);
+    }
+    true
+}
+
 /// Widest head the byte-at-a-time decoder handles with its stack tables (Llama-family heads are
 /// 64-128 wide).
 const MAX_FAST_HD: usize = 256;
@@ -551,6 +688,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Q4/Q2 decoded into an int8 block read as int8 gives, bit for bit, what the f32 decoder
+    /// gives (the attention path relies on it), for full and partial chunks; other formats and
+    /// heads that do not fill whole bytes are declined.
+    #[test]
+    fn decoding_to_int8_equals_the_f32_decoder() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for hd in [64, 128, 96, 8, 36] {
+            for f in [KvFormat::Q4, KvFormat::Q2] {
+                for n in [16, 13, 1] {
+                    let t_cap = 16;
+                    let mut blk: Vec<u8> = (0..t_cap * 2 + hd * 2 + t_cap * hd).map(|_| rng.gen()).collect();
+                    for t in 0..t_cap {
+                        put_f16(&mut blk, t, rng.gen_range(-0.5..0.5));
+                    }
+                    let mut int8 = vec![0u8; t_cap * 2 + t_cap * hd];
+                    assert!(decode_block_to_int8(f, &blk, t_cap, hd, n, &mut int8));
+                    let (mut a, mut b) = (vec![f32::NAN; n * hd], vec![f32::NAN; n * hd]);
+                    read_block_f32(f, &blk, t_cap, hd, n, &mut a);
+                    read_block_f32(KvFormat::Int8, &int8, t_cap, hd, n, &mut b);
+                    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                        assert_eq!(x.to_bits(), y.to_bits(), "{f:?} hd {hd} n {n}: value {i}");
+                    }
+                }
+            }
+        }
+        let mut out = vec![0u8; 16 * 2 + 16 * 62];
+        assert!(!decode_block_to_int8(KvFormat::Q4R, &[0; 4096], 16, 64, 16, &mut out));
+        assert!(!decode_block_to_int8(KvFormat::Q2, &[0; 4096], 16, 62, 16, &mut out), "62 channels do not fill 2-bit bytes");
     }
 
     #[test]

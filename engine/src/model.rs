@@ -1112,14 +1112,21 @@ fn rope_by(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: f32, theta_sca
     }
 }
 
+/// Where a reduced chunk's blocks are decoded to.
+enum Dst<'a> {
+    Int8(&'a mut [u8]),
+    F32(&'a mut [f32]),
+}
+
 /// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
 /// cache. A job is a tile of up to 8 tokens and a set of query heads sharing one KV head:
 /// each chunk's K (then V) block is read once per job and reused by every query in it.
 /// With enough jobs a set is the whole GQA group (one read serves all its heads); for a
 /// single token there would be too few jobs to keep the threads busy, so it is one head.
-/// Base-format blocks are read in place. Reduced ones (Q4/Q2) must be decoded: with several
-/// tiles they are decoded once for the layer before the jobs start (a 128-token prefill has
-/// 16 tiles, and decoding per job made attention over Q4 chunks twice as slow as over int8).
+/// Base-format blocks are read in place. Reduced ones must be decoded, once for the layer
+/// before the jobs start (a 128-token prefill has 16 tiles, and decoding per job made
+/// attention over Q4 chunks twice as slow as over int8): Q4/Q2 to int8 blocks, rotated
+/// levels to f32.
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
@@ -1143,36 +1150,51 @@ fn attention(
     let sets = nh / per_job;
     let outp = OutPtr::new(out);
     let obs = observer.map(std::sync::Mutex::new);
-    // Reduced chunks decoded up front, once for the layer: `slot_of[ch]` indexes `decoded` in
-    // blocks of [kvsel][kv head][ct * hd]. (Per job, a block was decoded by every tile and
-    // every head set that reads it: 16x for a 128-token prefill, 3x per decoded token.) The
-    // buffer is kept per thread, so decoding a token does not map fresh pages every layer.
+    // Reduced chunks decoded up front, once for the layer (per job, a block was decoded by
+    // every tile and every head set that reads it: 16x for a 128-token prefill, 3x per decoded
+    // token). Q4/Q2 blocks become int8 blocks (exact: they hold int8 codes), read by the int8
+    // kernel; rotated levels become f32. `slot_of[ch]` indexes `dec8` or `dec32` in blocks of
+    // [kvsel][kv head]. Every reduced chunk of the context is decoded again at each token, so
+    // the decoded bytes are the cost: int8 writes and reads a quarter of f32's. The buffers are
+    // kept per thread, so decoding a token does not map fresh pages every layer.
     thread_local! {
-        static DECODED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static DECODED: std::cell::RefCell<(Vec<u8>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
     let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
     let last = seen.div_ceil(ct);
     let mut slot_of = Vec::new();
-    let mut decoded = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-    let per_chunk = 2 * c.n_kv_heads * ct * hd;
+    let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8);
+    let blocks = 2 * c.n_kv_heads;
     if (0..last).any(|ch| !kv.format(ch).is_base()) {
         slot_of = vec![usize::MAX; last];
-        let mut n_red = 0;
+        let (mut n8, mut n32) = (0, 0);
         for (ch, slot) in slot_of.iter_mut().enumerate() {
-            if !kv.format(ch).is_base() {
-                *slot = n_red;
-                n_red += 1;
+            let f = kv.format(ch);
+            if crate::kv::decodes_to_int8(f, hd) {
+                (*slot, n8) = (n8, n8 + 1);
+            } else if !f.is_base() {
+                (*slot, n32) = (n32, n32 + 1);
             }
         }
-        decoded.resize(n_red * per_chunk, 0.0);
-        let items: Vec<(usize, &mut [f32])> =
-            (0..last).filter(|&ch| slot_of[ch] != usize::MAX).zip(decoded.chunks_exact_mut(per_chunk)).collect();
-        pool.scatter(items, &|(ch, dst)| {
+        dec8.resize(n8 * blocks * blk8, 0);
+        dec32.resize(n32 * blocks * ct * hd, 0.0);
+        let reduced = |ch: &usize| !kv.format(*ch).is_base();
+        let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
+        let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
+        let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
+        pool.scatter(items8.chain(items32).collect(), &|(ch, mut dst)| {
             let f = kv.format(ch);
             let n_c = ct.min(seen - ch * ct);
-            for (b, blk) in dst.chunks_exact_mut(ct * hd).enumerate() {
+            for b in 0..blocks {
                 let off = kv.geom.block_offset(f, layer, b / c.n_kv_heads, b % c.n_kv_heads);
-                crate::kv::read_block_f32(f, &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)], ct, hd, n_c, blk);
+                let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)];
+                match &mut dst {
+                    Dst::Int8(d) => {
+                        crate::kv::decode_block_to_int8(f, src, ct, hd, n_c, &mut d[b * blk8..(b + 1) * blk8]);
+                    }
+                    Dst::F32(d) => crate::kv::read_block_f32(f, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
+                }
             }
         });
     }
@@ -1223,10 +1245,14 @@ fn attention(
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
-                        _ => {
-                            let at =
-                                (slot_of.get(ch).copied().unwrap_or(usize::MAX) * 2 * c.n_kv_heads + kvsel * c.n_kv_heads + kvh) * ct * hd;
-                            kernels::KvRows::F32(&decoded[at..at + ct * hd])
+                        f => {
+                            let b =
+                                slot_of.get(ch).copied().expect("reduced chunks are decoded above") * blocks + kvsel * c.n_kv_heads + kvh;
+                            if crate::kv::decodes_to_int8(f, hd) {
+                                kernels::KvRows::Int8 { blk: &dec8[b * blk8..(b + 1) * blk8], t_cap: ct }
+                            } else {
+                                kernels::KvRows::F32(&dec32[b * ct * hd..(b + 1) * ct * hd])
+                            }
                         }
                     };
                     if kvsel == 0 {
@@ -1249,7 +1275,7 @@ fn attention(
             }
         }
     });
-    DECODED.with(|d| *d.borrow_mut() = decoded);
+    DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
 }
 
 #[cfg(test)]
