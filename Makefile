@@ -9,7 +9,7 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64
+.PHONY: pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
 
 all: build
 
@@ -83,18 +83,51 @@ test: model deps lint pyenv
 fmt:
 	$(CARGO) fmt --all
 
-# The suites that need no host kernel facility (the engine with its llama.cpp oracle, GGUF,
-# tokenizer and KV tests; the client's protocol), built for aarch64 Linux and run under
-# qemu-user (Debian's qemu-user-static and gcc-aarch64-linux-gnu, installed when missing).
-# Scalar kernels on ARM until NEON ones land. Not part of `make test` yet (docs/android.md).
+# ARM64: the aarch64 build linked with Debian's gcc-aarch64-linux-gnu and run under qemu-user
+# (qemu-user-static for the tests; qemu-user, whose qemu-aarch64 loads plugins, for the
+# instruction counts), all installed when missing; rustup adds the target's standard library.
+ARM64 := aarch64-unknown-linux-gnu
 AARCH64_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64-static -L /usr/aarch64-linux-gnu"
-test-arm64: model
-	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null || { \
-		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && \
-		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static; }
-	rustup target add aarch64-unknown-linux-gnu
-	$(AARCH64_ENV) $(CARGO) test --target aarch64-unknown-linux-gnu -p engine -p llms_client
+SUDO := $$( [ "$$(id -u)" = 0 ] || echo sudo )
+arm64-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64-static >/dev/null && command -v qemu-aarch64 >/dev/null || { \
+		$(SUDO) apt-get update && \
+		$(SUDO) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static qemu-user; }
+	@rustup target list --installed | grep -qx $(ARM64) || rustup target add $(ARM64)
+
+# The `llms` binary for aarch64 Linux (target/aarch64-unknown-linux-gnu/release/llms).
+build-arm64: arm64-tools
+	$(AARCH64_ENV) $(CARGO) build --release --target $(ARM64) -p tools --bin llms
+
+# The suites that need no host kernel facility, for aarch64 under qemu (docs/android.md):
+# with the NEON kernels (sdot) every engine and client suite; with base NEON the kernels'
+# unit tests and tests/isa.rs (the whole model's logits equal to the scalar kernels', bit for
+# bit: so every suite's result holds for every kernel set); then the same logits on x86_64
+# and aarch64 (isa's digest) and the CLI's greedy text equal to the host's.
+test-arm64: model arm64-tools build-arm64
+	LLMS_LOGITS_DIGEST=$(CURDIR)/target/isa-aarch64.txt $(AARCH64_ENV) $(CARGO) test --target $(ARM64) -p engine -p llms_client
+	LLMS_SIMD=neon $(AARCH64_ENV) $(CARGO) test --target $(ARM64) -p engine --lib --test isa
+	$(MAKE) --no-print-directory same-logits-arm64
+	$(CARGO) build --release -p tools --bin llms
+	tools/arm64/same-text
+
+# What CI runs after `make test` (the whole of test-arm64 takes ~50 min under qemu on 2 cores:
+# docs/android.md): with the NEON+sdot kernels, the engine's unit tests (every kernel against
+# its scalar reference, bit for bit), the llama.cpp oracle and the logits digest, equal to
+# x86_64's.
+test-arm64-ci: model arm64-tools
+	LLMS_LOGITS_DIGEST=$(CURDIR)/target/isa-aarch64.txt $(AARCH64_ENV) $(CARGO) test --target $(ARM64) -p engine --lib --test isa --test llama_cpp_oracle
+	$(MAKE) --no-print-directory same-logits-arm64
+
+# tests/isa.rs's digest of the model's logits on x86_64 equals the one the aarch64 run wrote.
+same-logits-arm64:
+	LLMS_LOGITS_DIGEST=$(CURDIR)/target/isa-x86_64.txt $(CARGO) test -p engine --test isa
+	cmp target/isa-x86_64.txt target/isa-aarch64.txt && echo "x86_64 and aarch64: $$(cat target/isa-aarch64.txt)"
+
+# Guest instructions per decoded token for each kernel set under qemu (docs/android.md).
+insns-arm64: model build-arm64
+	tools/arm64/insns-per-token
 
 # The workspace type-checked for ARM64 Linux and Android (docs/android.md); rustup adds the
 # targets' standard libraries when missing. Not linked or run: see docs/android.md for what is.

@@ -55,7 +55,16 @@ fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[cr
         Ok(_) => json!({"facility": "io_uring", "ok": true, "detail": "usable (swap store and weight reads)"}),
         Err(e) => json!({"facility": "io_uring", "ok": false, "detail": format!("{e}: the swap store and paged weights cannot run here (a kernel with io_uring, not blocked by seccomp or io_uring_disabled, is needed)")}),
     });
-    checks.push(json!({"facility": "cpu kernels", "ok": simd != "scalar", "detail": format!("{simd} (AVX2+FMA+F16C {})", if simd == "scalar" { "missing: slow scalar code" } else { "present" })}));
+    // The kernels give the same results on every set (docs/engine.md); the scalar ones are slow.
+    let detail = match simd {
+        "scalar" if std::env::var("LLMS_SIMD").is_ok_and(|v| v == "scalar") => {
+            "scalar (LLMS_SIMD=scalar: the vector kernels are turned off)".to_string()
+        }
+        "scalar" => "scalar: no AVX2+FMA+F16C or NEON here, slow scalar code".to_string(),
+        "neon" => "neon (no dot-product extension: sdot would be faster)".to_string(),
+        _ => simd.to_string(),
+    };
+    checks.push(json!({"facility": "cpu kernels", "ok": simd != "scalar", "detail": detail}));
     if let (Some(dir), Some(contexts)) = (state_dir, contexts) {
         let bad: Vec<_> = contexts.iter().filter(|c| c.status != "ok").collect();
         checks.push(json!({"facility": "state dir", "ok": bad.iter().all(|c| c.status != "damaged"),
