@@ -1166,20 +1166,26 @@ fn attention(
     let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
     let blk8 = kv.geom.head_block_bytes(KvFormat::Int8);
     let blocks = 2 * c.n_kv_heads;
-    if (0..last).any(|ch| !kv.format(ch).is_base()) {
+    // With one tile (decoding), each job decodes the Q4/Q2 blocks it reads into a buffer of
+    // its own, which stays in L1: decoded up front, a 4k-token context's blocks (1.6 MB a
+    // layer) went to memory and back, costing more than decoding each block once per query
+    // head of its group. Prefill tiles share the up-front decode.
+    let in_job = tiles == 1;
+    let up_front = |f: KvFormat| !(f.is_base() || in_job && crate::kv::decodes_to_int8(f, hd));
+    if (0..last).any(|ch| up_front(kv.format(ch))) {
         slot_of = vec![usize::MAX; last];
         let (mut n8, mut n32) = (0, 0);
         for (ch, slot) in slot_of.iter_mut().enumerate() {
             let f = kv.format(ch);
-            if crate::kv::decodes_to_int8(f, hd) {
+            if up_front(f) && crate::kv::decodes_to_int8(f, hd) {
                 (*slot, n8) = (n8, n8 + 1);
-            } else if !f.is_base() {
+            } else if up_front(f) {
                 (*slot, n32) = (n32, n32 + 1);
             }
         }
         dec8.resize(n8 * blocks * blk8, 0);
         dec32.resize(n32 * blocks * ct * hd, 0.0);
-        let reduced = |ch: &usize| !kv.format(*ch).is_base();
+        let reduced = |ch: &usize| up_front(kv.format(*ch));
         let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
         let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
         let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
@@ -1204,6 +1210,7 @@ fn attention(
         let mut o = vec![0.0f32; TILE * per_job * hd];
         let mut limits = vec![0usize; TILE * per_job];
         let mut visible = vec![0usize; TILE * per_job];
+        let mut own8 = vec![0u8; if in_job { blk8 } else { 0 }];
         for job in a..b {
             let (set, tile) = (job % sets, job / sets);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
@@ -1241,10 +1248,14 @@ fn attention(
                     let f = kv.format(ch);
                     let off = kv.geom.block_offset(f, layer, kvsel, kvh);
                     let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)];
-                    // Base formats are read in place; reduced levels are decoded first.
+                    // Base formats are read in place; reduced levels decoded (here or up front).
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+                        f if !up_front(f) => {
+                            crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut own8);
+                            kernels::KvRows::Int8 { blk: &own8, t_cap: ct }
+                        }
                         f => {
                             let b =
                                 slot_of.get(ch).copied().expect("reduced chunks are decoded above") * blocks + kvsel * c.n_kv_heads + kvh;
