@@ -391,7 +391,7 @@ fn axpy_f32(a: f32, x: &[f32], out: &mut [f32]) {
 }
 
 /// In-place softmax whose results are rounded to f16 precision (llama.cpp's f16 V·P product);
-/// the sum is taken in f64 as llama.cpp does. Every path computes `e^x` with [`exp_lane`]'s
+/// the sum is taken in f64 as llama.cpp does. Every path computes `e^x` with `exp_lane`'s
 /// polynomial and sums eight values at a time in the same tree, so they agree bit for bit.
 pub fn softmax_f16(row: &mut [f32]) {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
