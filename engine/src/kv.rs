@@ -358,9 +358,9 @@ fn decode_rows<const BITS: usize>(data: &[u8], blk: &[u8], lo: &[f32], step: &[f
 /// The rows of [`decode_block_to_int8`]. Channel `PER * j + k` is code `k` of byte `j`, so the
 /// parameters are laid out by `k` once per block, and each output word (the `PER` channels of
 /// one byte) is `PER` shifts, multiply-adds in i16 and clamps (`lo` in [-128, 127],
-/// `code * step` <= 15 x 255: the sum fits) packed little-endian: one loop over the row's bytes
-/// the compiler turns into vector instructions on every target (this runs for every reduced
-/// chunk at every token, so a byte-at-a-time interleave was most of its cost).
+/// `code * step` <= 15 x 255: the sum fits) packed little-endian. x86_64 with AVX2 runs
+/// [`decode_rows_to_int8_avx2`] instead (this loop took ~4x its share of a q4 decode profile
+/// there, perf); elsewhere (aarch64) it is what runs, its speed not measured on ARM.
 fn decode_rows_to_int8<const BITS: usize, const PER: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
     const MAXB: usize = MAX_FAST_HD / 2;
     let row = hd / PER;

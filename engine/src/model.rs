@@ -1123,10 +1123,10 @@ enum Dst<'a> {
 /// each chunk's K (then V) block is read once per job and reused by every query in it.
 /// With enough jobs a set is the whole GQA group (one read serves all its heads); for a
 /// single token there would be too few jobs to keep the threads busy, so it is one head.
-/// Base-format blocks are read in place. Reduced ones must be decoded, once for the layer
-/// before the jobs start (a 128-token prefill has 16 tiles, and decoding per job made
-/// attention over Q4 chunks twice as slow as over int8): Q4/Q2 to int8 blocks, rotated
-/// levels to f32.
+/// Base-format blocks are read in place. Reduced ones are decoded — Q4/Q2 to int8 blocks,
+/// rotated levels to f32 — by each job into an L1 buffer when one token is decoded, and
+/// otherwise once for the layer before the jobs start (a 128-token prefill has 16 tiles, and
+/// decoding per job made attention over Q4 chunks twice as slow as over int8).
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
