@@ -166,7 +166,7 @@ impl ChunkedKv {
         for (kvsel, src) in [(0, k), (1, v)] {
             for h in 0..g.n_kv_heads {
                 let off = g.block_offset(f, layer, kvsel, h);
-                kv::write_token(f, &mut bytes[off..off + g.head_block_bytes(f)], t, g.chunk_tokens, &src[h * hd..(h + 1) * hd]);
+                kv::write_token(f, &mut bytes[off..off + g.head_block_bytes(f, kvsel)], t, g.chunk_tokens, &src[h * hd..(h + 1) * hd]);
             }
         }
     }
@@ -223,8 +223,8 @@ impl ChunkedKv {
             for layer in 0..g.n_layers {
                 for h in 0..g.n_kv_heads {
                     let off = g.block_offset(work, layer, 0, h);
-                    let blk = &mut bytes[off..off + g.head_block_bytes(work)];
-                    kv::read_block_f32(work, blk, ct, hd, n, &mut vals);
+                    let blk = &mut bytes[off..off + g.head_block_bytes(work, 0)];
+                    kv::read_block_f32(work, 0, blk, ct, hd, n, &mut vals);
                     for t in 0..n {
                         rotate_k(&mut vals[t * hd..(t + 1) * hd]);
                         kv::write_token(work, blk, t, ct, &vals[t * hd..(t + 1) * hd]);

@@ -1164,7 +1164,7 @@ fn attention(
     let last = seen.div_ceil(ct);
     let mut slot_of = Vec::new();
     let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8);
+    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
     let blocks = 2 * c.n_kv_heads;
     // With one tile (decoding), each job decodes the Q4/Q2 blocks it reads into a buffer of
     // its own, which stays in L1: decoded up front, a 4k-token context's blocks (1.6 MB a
@@ -1193,13 +1193,14 @@ fn attention(
             let f = kv.format(ch);
             let n_c = ct.min(seen - ch * ct);
             for b in 0..blocks {
-                let off = kv.geom.block_offset(f, layer, b / c.n_kv_heads, b % c.n_kv_heads);
-                let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)];
+                let kvsel = b / c.n_kv_heads;
+                let off = kv.geom.block_offset(f, layer, kvsel, b % c.n_kv_heads);
+                let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
                 match &mut dst {
                     Dst::Int8(d) => {
                         crate::kv::decode_block_to_int8(f, src, ct, hd, n_c, &mut d[b * blk8..(b + 1) * blk8]);
                     }
-                    Dst::F32(d) => crate::kv::read_block_f32(f, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
+                    Dst::F32(d) => crate::kv::read_block_f32(f, kvsel, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
                 }
             }
         });
@@ -1247,7 +1248,7 @@ fn attention(
                     }
                     let f = kv.format(ch);
                     let off = kv.geom.block_offset(f, layer, kvsel, kvh);
-                    let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f)];
+                    let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
                     // Base formats are read in place; reduced levels decoded (here or up front).
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
@@ -1341,7 +1342,7 @@ mod tests {
                 let f = kv.format(ch);
                 let mut blk = vec![0.0; 16 * 64];
                 let off = geom.block_offset(f, 1, kvsel, h);
-                crate::kv::read_block_f32(f, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
+                crate::kv::read_block_f32(f, kvsel, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
                 blk[(pos % 16) * 64..(pos % 16 + 1) * 64].to_vec()
             };
             for (t, &pos) in positions.iter().enumerate() {

@@ -194,11 +194,11 @@ fn a_full_context_slides_instead_of_failing() {
         for layer in [0, c.n_layers - 1] {
             for h in 0..c.n_kv_heads {
                 let vo = g.block_offset(f, layer, 1, h);
-                let vb = g.head_block_bytes(f);
+                let vb = g.head_block_bytes(f, 1);
                 assert_eq!(before[vo..vo + vb], after[vo..vo + vb], "V moves unchanged");
                 let ko = g.block_offset(f, layer, 0, h);
-                engine::kv::read_block_f32(f, &before[ko..], ct, hd, ct, &mut k0);
-                engine::kv::read_block_f32(f, &after[ko..], ct, hd, ct, &mut k1);
+                engine::kv::read_block_f32(f, 0, &before[ko..], ct, hd, ct, &mut k0);
+                engine::kv::read_block_f32(f, 0, &after[ko..], ct, hd, ct, &mut k1);
                 for t in 0..ct {
                     for i in 0..hd / 2 {
                         let theta = -32.0 * f64::from(c.rope_base).powf(-2.0 * i as f64 / hd as f64);

@@ -9,6 +9,11 @@ How the fixtures were made (run `make fixtures`, which calls this through make_f
   - perplexity: llama.cpp's method (windows of N tokens, score the second half of each) on
     the public text given (the GPL-3 text shipped by Debian in /usr/share/common-licenses),
     computed from llama.cpp's logits for every position.
+  - kv_perplexity: the peer column of the KV-compression accuracy table (docs/kv.md): the
+    same method at 512-token windows, every whole window of each accuracy text (the GPL-3
+    text and tests/fixtures/heapq.py.txt, Python's heapq module), with llama.cpp's own KV
+    cache at f16, q8_0 and q4_0 (`type_k`/`type_v`, flash attention on, as llama.cpp needs
+    for a quantized V cache).
 The model file's SHA-256 is recorded so a test never compares against another model's values.
 """
 import hashlib, json, math, sys
@@ -17,7 +22,9 @@ import numpy as np
 from llama_cpp import Llama
 
 model_path, text_path, out_path = sys.argv[1:4]
+KV_TEXTS = sys.argv[4:] or [text_path]
 PPL_CTX, PPL_CHUNKS = 256, 6
+KV_CTX = 512
 
 TEXTS = [
     "Hello world",
@@ -90,6 +97,37 @@ for c in range(min(PPL_CHUNKS, len(ids) // PPL_CTX)):
         count += 1
 out["perplexity"] = {"text": "GPL-3 (/usr/share/common-licenses/GPL-3)", "ctx": PPL_CTX, "chunks": PPL_CHUNKS, "ppl": math.exp(nll / count), "scored": count}
 
+def window_nll(model, win):
+    """Summed negative log-likelihood of a window's second half, and how many were scored."""
+    model.reset()
+    model.eval(win)
+    nll, count = 0.0, 0
+    for i in range(len(win) // 2, len(win) - 1):
+        row = np.array(model.scores[i], dtype=np.float64)
+        m = row.max()
+        nll += math.log(np.exp(row - m).sum()) + m - row[win[i + 1]]
+        count += 1
+    return nll, count
+
+import llama_cpp
+kv_rows = []
+for kv_name, kv_type in [("f16", llama_cpp.GGML_TYPE_F16), ("q8_0", llama_cpp.GGML_TYPE_Q8_0), ("q4_0", llama_cpp.GGML_TYPE_Q4_0)]:
+    peer = Llama(model_path=model_path, n_ctx=KV_CTX, n_batch=KV_CTX, n_threads=2, logits_all=True, verbose=False, seed=0,
+                 flash_attn=True, type_k=kv_type, type_v=kv_type)
+    for path in KV_TEXTS:
+        kv_ids = tok(open(path, encoding="utf-8").read(), special=False)
+        nll, count = 0.0, 0
+        for c in range(len(kv_ids) // KV_CTX):
+            a, b = window_nll(peer, kv_ids[c * KV_CTX:(c + 1) * KV_CTX])
+            nll += a
+            count += b
+        kv_rows.append({"text": path.split("/")[-1], "ctx": KV_CTX, "windows": len(kv_ids) // KV_CTX, "kv": kv_name,
+                        "flash_attn": True, "ppl": math.exp(nll / count), "scored": count})
+    del peer
+out["kv_perplexity"] = kv_rows
+
 with open(out_path, "w", encoding="utf-8") as f:
     json.dump(out, f, ensure_ascii=False, indent=1)
 print(f"wrote {out_path}: {len(TEXTS)} texts, {len(PROMPTS)} prompts, ppl {out['perplexity']['ppl']:.4f}")
+for r in kv_rows:
+    print(f"  llama.cpp KV {r['kv']:5} {r['text']}: ppl {r['ppl']:.4f} ({r['windows']} windows of {r['ctx']})")

@@ -10,4 +10,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/
 fi
 mkdir -p tests/fixtures
 cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
-"$VENV/bin/python" tools/oracle/make_fixtures.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/gpl-3.txt tests/fixtures/llama_cpp.json
+# The KV accuracy texts: the GPL-3 text and tests/fixtures/heapq.py.txt (Python 3.11's heapq
+# module, PSF license, committed so every run scores the same code).
+"$VENV/bin/python" tools/oracle/make_fixtures.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/gpl-3.txt tests/fixtures/llama_cpp.json \
+  tests/fixtures/gpl-3.txt tests/fixtures/heapq.py.txt

@@ -218,7 +218,10 @@ impl Config {
             .levels
             .iter()
             .map(|l| {
-                KvFormat::ALL.into_iter().find(|f| f.name() == l).with_context(|| format!("level {l:?}: expected f16, int8, q4 or q2"))
+                KvFormat::ALL.into_iter().find(|f| f.name() == l).with_context(|| {
+                    let names: Vec<&str> = KvFormat::ALL.iter().map(|f| f.name()).collect();
+                    format!("level {l:?}: expected one of {}", names.join(", "))
+                })
             })
             .collect::<Result<_>>()?;
         match v.first() {

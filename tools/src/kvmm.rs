@@ -19,6 +19,9 @@ pub fn code(f: KvFormat) -> Format {
         KvFormat::Q2 => 3,
         KvFormat::Q4R => 4,
         KvFormat::Q2R => 5,
+        KvFormat::K4V4 => 6,
+        KvFormat::K3V3 => 7,
+        KvFormat::K2V2 => 8,
     }
 }
 
@@ -214,5 +217,20 @@ impl mm::FaultRecompute for EngineRecompute {
         let dst = out.get_mut(..bytes.len()).ok_or_else(|| format!("chunk {c}: {} bytes do not fit the slot", bytes.len()))?;
         dst.copy_from_slice(bytes);
         Ok(bytes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records and configs name formats by these codes: each is the format's index in
+    /// `KvFormat::ALL` and reads back as the same format.
+    #[test]
+    fn format_codes_are_stable_indices() {
+        for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+            assert_eq!(code(f) as usize, i, "{f:?}");
+            assert_eq!(format(code(f)), f);
+        }
     }
 }

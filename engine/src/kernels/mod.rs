@@ -611,12 +611,12 @@ mod tests {
         }
         // Reading f16/int8 blocks directly equals reading their decoded rows.
         for f in [KvFormat::F16, KvFormat::Int8] {
-            let mut blk = vec![0u8; g.head_block_bytes(f)];
+            let mut blk = vec![0u8; g.head_block_bytes(f, 0)];
             for t in 0..16 {
                 kv::write_token(f, &mut blk, t, 16, &vals[t * 64..(t + 1) * 64]);
             }
             let mut dec = vec![0.0; 16 * 64];
-            kv::read_block_f32(f, &blk, 16, 64, 16, &mut dec);
+            kv::read_block_f32(f, 0, &blk, 16, 64, 16, &mut dec);
             let raw = if f == KvFormat::F16 { KvRows::F16(&blk) } else { KvRows::Int8 { blk: &blk, t_cap: 16 } };
             let (mut x, mut y) = (vec![0.0; 3 * 40], vec![0.0; 3 * 40]);
             chunk_scores(&q, 64, raw, &visible, 0.125, &mut x, 40, 16);
@@ -643,7 +643,7 @@ mod tests {
             let blocks: Vec<(KvFormat, Vec<u8>)> = [KvFormat::F16, KvFormat::Int8]
                 .into_iter()
                 .map(|f| {
-                    let mut blk = vec![0u8; g.head_block_bytes(f)];
+                    let mut blk = vec![0u8; g.head_block_bytes(f, 0)];
                     for t in 0..16 {
                         kv::write_token(f, &mut blk, t, 16, &vals[t * hd..(t + 1) * hd]);
                     }

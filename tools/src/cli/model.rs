@@ -179,8 +179,9 @@ pub struct PerplexityArgs {
     /// Score at most this many windows (0 = all).
     #[arg(long, default_value_t = 0)]
     pub chunks: usize,
-    /// KV cache while scoring: f16 (default), int8, q4, q2, or mix:R (tolerance-aware
-    /// levels at R x int8 bytes). With --kv, windows are fed one KV chunk at a time.
+    /// KV cache while scoring: f16 (default), int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, or
+    /// mix:R (tolerance-aware levels at R x int8 bytes; docs/kv.md). With --kv, windows are fed
+    /// one KV chunk at a time.
     #[arg(long)]
     pub kv: Option<String>,
     /// Tokens per KV chunk (with --kv).
@@ -228,12 +229,13 @@ impl PerplexityArgs {
             }
             None => (::engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
             Some(k) => {
-                let plan = ::engine::eval::KvPlan::parse(&k)
-                    .with_context(|| format!("--kv {k:?}: expected f16, int8, q4, q2 or mix:R with 0 < R <= 1"))?;
+                let plan = ::engine::eval::KvPlan::parse(&k).with_context(|| {
+                    format!("--kv {k:?}: expected a format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2) or mix:R with 0 < R <= 1")
+                })?;
                 if chunk_tokens == 0 || chunk_tokens > ctx {
                     bail!("--chunk-tokens must be between 1 and --ctx");
                 }
-                // The mix's levels are mm's policy (eq. 2-3), over {int8, q4, q2}.
+                // The mix's levels are mm's policy (eq. 2-3), over --kv-levels.
                 let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
                 let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
                 let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
