@@ -274,8 +274,9 @@ impl PerplexityArgs {
 /// `llms bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// KV cache format: f16 or int8; q4 or q2: written as int8, the depth's full chunks
-    /// then lowered (the attention cost of compressed context).
+    /// KV cache format: f16 or int8; a lower level (q4, q2, q4r, q2r, k4v4, k3v3, k2v2):
+    /// written as int8, the depth's full chunks then lowered (the attention cost of a
+    /// compressed context).
     #[arg(long, default_value = "f16")]
     pub kv: String,
     /// Context depth: pp and tg run after a prefilled context of this many tokens (like
@@ -414,7 +415,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     let (base, lower) = match KvFormat::parse(kv) {
         Some(f) if f.is_base() => (f, None),
         Some(f) => (KvFormat::Int8, Some(f)),
-        None => bail!("--kv must be f16, int8, q4 or q2"),
+        None => bail!("--kv {kv:?}: expected f16, int8, q4, q2, q4r, q2r, k4v4, k3v3 or k2v2"),
     };
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
