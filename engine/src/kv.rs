@@ -661,7 +661,9 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
     }
 }
 
-// ---- The split levels (K4V4, K4V3, K3V3, K2V2): K channel-wise, V rotated token-wise ----
+// ---- The split levels (K4V4, K3V3, K2V2): K channel-wise, V rotated token-wise ----
+// Their heads are at most MAX_FAST_HD wide and a power of two (`rotation_fits`, which
+// `ChunkedKv::set_format` checks before making one).
 
 /// 2^(-e/4) for e in 0..4; larger exponents scale by powers of two (exact), so the step of
 /// every exponent is the same f32 on every CPU.

@@ -32,16 +32,108 @@ use crate::stats::median;
 use crate::trace::{generate, GenParams, Pattern};
 
 /// Each baseline's own best configuration on this engine (same store, budget and trace):
-/// `llms` with the paper's levels {8,4,2}/8 bits at a 50% global ratio; `vllm-sq` int8
-/// chunks; `vllm-s` chunks as the engine computes them, f16; `swap` and `lmk` int8 (the
-/// cheaper format is only to their advantage).
+/// `llms` with the base configuration's levels and global ratio (the experiments set them:
+/// the paper's {8,4,2}/8 bits at 50% by default, or the ratio chosen by quality,
+/// [`ratio_by_quality`]); `vllm-sq` int8 chunks; `vllm-s` chunks as the engine computes
+/// them, f16; `swap` and `lmk` int8 (the cheaper format is only to their advantage).
 pub fn policy_config(base: &Config, policy: &str) -> Config {
-    let (levels, ratio): (&[&str], f64) = match policy {
-        "llms" => (&["int8", "q4", "q2"], 0.5),
-        "vllm-s" => (&["f16"], 1.0),
-        _ => (&["int8"], 1.0),
+    let (levels, ratio): (Vec<String>, f64) = match policy {
+        "llms" => (base.levels.clone(), base.ratio),
+        "vllm-s" => (vec!["f16".into()], 1.0),
+        _ => (vec!["int8".into()], 1.0),
     };
-    Config { policy: policy.into(), levels: levels.iter().map(|s| (*s).to_string()).collect(), ratio, ..base.clone() }
+    Config { policy: policy.into(), levels, ratio, ..base.clone() }
+}
+
+/// One ratio tried by [`ratio_by_quality`]: its perplexity on each text and the change from
+/// the base level's, in percent.
+#[derive(Debug, Clone, Serialize)]
+pub struct QualityStep {
+    pub ratio: f64,
+    pub ppl: Vec<f64>,
+    pub vs_base_pct: Vec<f64>,
+    pub within: bool,
+}
+
+/// The ratios [`ratio_by_quality`] tries, least compressed first.
+pub const QUALITY_RATIOS: [f64; 14] = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35];
+
+/// The most compressed of `ratios` (least compressed first) whose perplexity on every text is
+/// within `tolerance_pct` of `base` (the base level's), trying them in order and stopping at
+/// the first that is not: compression only grows along the list, and a ratio past a failing
+/// one that passed again would be noise. `score(r)` gives the perplexity per text at ratio
+/// r. `None` when even the first is not within.
+pub fn most_compressed_within(
+    ratios: &[f64],
+    base: &[f64],
+    tolerance_pct: f64,
+    mut score: impl FnMut(f64) -> Result<Vec<f64>>,
+) -> Result<(Option<f64>, Vec<QualityStep>)> {
+    let (mut best, mut steps) = (None, Vec::new());
+    for &ratio in ratios {
+        let ppl = score(ratio)?;
+        let vs_base_pct: Vec<f64> = ppl.iter().zip(base).map(|(p, b)| (p / b - 1.0) * 100.0).collect();
+        let within = vs_base_pct.iter().all(|&d| d <= tolerance_pct);
+        steps.push(QualityStep { ratio, ppl, vs_base_pct, within });
+        if !within {
+            break;
+        }
+        best = Some(ratio);
+    }
+    Ok((best, steps))
+}
+
+fn level_names(levels: &[engine::kv::KvFormat]) -> String {
+    levels.iter().map(|f| f.name()).collect::<Vec<_>>().join(",")
+}
+
+/// The llms ratio chosen by quality (issue #27): the most compressed global ratio of the mix
+/// over `levels` (the base first) whose perplexity on every one of `texts` (ctx 512, the
+/// first `windows` windows of each, each chunk lowered as it fills, as `llms perplexity --kv
+/// mix:R`) is within `tolerance_pct` of the base level's. Prints each ratio tried. Falls back
+/// to 1.0 (every chunk at the base) when no ratio below it is within.
+pub fn ratio_by_quality(
+    model: &Arc<engine::Model>,
+    pool: &Arc<engine::ThreadPool>,
+    levels: &[engine::kv::KvFormat],
+    texts: &[PathBuf],
+    windows: usize,
+    tolerance_pct: f64,
+) -> Result<(f64, Vec<QualityStep>)> {
+    const CTX: usize = 512;
+    const CHUNK: usize = 16;
+    let mut ids = Vec::new();
+    for t in texts {
+        let text = std::fs::read_to_string(t).with_context(|| format!("accuracy text {}", t.display()))?;
+        ids.push(model.tokenizer.encode(&text, false, false)?);
+    }
+    let base_level = *levels.first().context("no levels")?;
+    let ppl = |plan: engine::eval::KvPlan, ratio: f64| -> Result<Vec<f64>> {
+        let choose = crate::kvmm::mix_chooser(model, CHUNK, ratio, levels);
+        ids.iter()
+            .map(|ids| {
+                let (p, _) = engine::eval::perplexity_kv(model, Arc::clone(pool), ids, CTX, windows, plan, CHUNK, &choose, None)?;
+                Ok(p.ppl)
+            })
+            .collect()
+    };
+    let base = ppl(engine::eval::KvPlan::Uniform(base_level), 1.0)?;
+    let names: Vec<String> =
+        texts.iter().map(|t| t.file_name().map_or_else(|| t.display().to_string(), |n| n.to_string_lossy().into_owned())).collect();
+    println!(
+        "llms ratio by quality over {}: perplexity of {names:?} at the base level {}: {base:.3?}",
+        level_names(levels),
+        base_level.name()
+    );
+    let (best, steps) = most_compressed_within(&QUALITY_RATIOS[1..], &base, tolerance_pct, |r| {
+        let p = ppl(engine::eval::KvPlan::Mix(r), r)?;
+        let pct: Vec<String> = p.iter().zip(&base).map(|(p, b)| format!("{:+.2}%", (p / b - 1.0) * 100.0)).collect();
+        println!("  mix:{r:.2}: perplexity {p:.3?} ({})", pct.join(", "));
+        Ok(p)
+    })?;
+    let ratio = best.unwrap_or(1.0);
+    println!("llms ratio by quality: {ratio:.2} (the most compressed within {tolerance_pct}% of {} on every text)", base_level.name());
+    Ok((ratio, steps))
 }
 
 /// Settings of `switch-vs-contexts`.
@@ -836,4 +928,37 @@ where
     }
     root.present().map_err(e)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chosen ratio is the last one within the tolerance on every text, the search stops at
+    /// the first one that is not (a later one passing again is not taken), and none within
+    /// gives `None`.
+    #[test]
+    fn the_ratio_by_quality_is_the_most_compressed_within_on_every_text() {
+        let base = [10.0, 20.0];
+        // Text 0 loses 0.2% per 0.1 of compression and bumps by 1% at 0.7 (noise), text 1 0.1%.
+        let score = |r: f64| -> Result<Vec<f64>> {
+            let c = 1.0 - r;
+            let bump = if (r - 0.7).abs() < 1e-9 { 0.01 } else { 0.0 };
+            Ok(vec![10.0 * (1.0 + 0.02 * c + bump), 20.0 * (1.0 + 0.01 * c)])
+        };
+        let ratios = &QUALITY_RATIOS[1..];
+        let (best, steps) = most_compressed_within(ratios, &base, 1.0, score).unwrap();
+        // 0.65 would be within again (0.7%), but the search stopped at 0.7.
+        assert_eq!(best, Some(0.75), "{steps:?}");
+        assert_eq!(steps.len(), 6);
+        assert!(steps.last().is_some_and(|s| !s.within && (s.ratio - 0.7).abs() < 1e-9));
+        assert!(steps[..5].iter().all(|s| s.within));
+        let (best, steps) = most_compressed_within(ratios, &base, 0.45, score).unwrap();
+        assert_eq!(best, Some(0.8));
+        assert_eq!(steps.len(), 5);
+        let (none, _) = most_compressed_within(&[0.9, 0.8], &base, 0.1, score).unwrap();
+        assert_eq!(none, None);
+        // A failing score stops the search with its error.
+        assert!(most_compressed_within(&[0.9], &base, 1.0, |_| Err(anyhow!("no text"))).is_err());
+    }
 }

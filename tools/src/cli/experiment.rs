@@ -54,6 +54,23 @@ pub struct TraceExp {
     /// Where the load profiles are (measured there if missing); runs use fresh stores under it.
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// The llms policy's KV levels, the base first (docs/kv.md).
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2"]))]
+    llms_levels: Vec<String>,
+    /// The llms policy's global ratio (x the base's bytes): a number in (0, 1], or `quality`:
+    /// the most compressed ratio whose perplexity is within --quality-tolerance of the base
+    /// level's on every --accuracy-text (found before the runs, printed and used).
+    #[arg(long, default_value = "0.5")]
+    llms_ratio: String,
+    /// With --llms-ratio quality: the perplexity allowed above the base level's, in percent.
+    #[arg(long, default_value_t = 1.0)]
+    quality_tolerance: f64,
+    /// With --llms-ratio quality: the texts scored (ctx 512, --quality-windows windows each).
+    #[arg(long, default_values = ["tests/fixtures/gpl-3.txt", "tests/fixtures/heapq.py.txt"])]
+    accuracy_text: Vec<PathBuf>,
+    /// With --llms-ratio quality: windows of 512 tokens scored per text (0: all).
+    #[arg(long, default_value_t = 8)]
+    quality_windows: usize,
     #[command(flatten)]
     m: ModelArgs,
 }
@@ -221,7 +238,26 @@ impl ExpEnv {
         std::fs::create_dir_all(&profiles).with_context(|| format!("creating {}", profiles.display()))?;
         let (model, pool) = load(&t.m)?;
         crate::loadbench::load_or_measure(&profiles, &model, &pool, 16, false)?;
-        let base = crate::config::Config { model: model_path(&t.m), threads: t.m.threads.unwrap_or(0), ..crate::config::Config::default() };
+        let mut base = crate::config::Config {
+            model: model_path(&t.m),
+            threads: t.m.threads.unwrap_or(0),
+            levels: t.llms_levels.clone(),
+            ..crate::config::Config::default()
+        };
+        let levels = base.level_formats()?;
+        base.ratio = match t.llms_ratio.as_str() {
+            "quality" => {
+                if !(t.quality_tolerance >= 0.0 && t.quality_tolerance.is_finite()) {
+                    bail!("--quality-tolerance must be a percentage >= 0");
+                }
+                crate::experiment::ratio_by_quality(&model, &pool, &levels, &t.accuracy_text, t.quality_windows, t.quality_tolerance)?.0
+            }
+            r => r
+                .parse()
+                .ok()
+                .filter(|r: &f64| *r > 0.0 && *r <= 1.0)
+                .with_context(|| format!("--llms-ratio {r:?}: a number in (0, 1] or `quality`"))?,
+        };
         let work = profiles.join(format!("experiment-{}", std::process::id()));
         Ok(Self { corpus, base, profiles, work })
     }
