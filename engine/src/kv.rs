@@ -692,6 +692,44 @@ fn v_levels(bits: usize) -> &'static [i8] {
     }
 }
 
+const fn levels_f32<const N: usize>(l: [i8; N]) -> [f32; N] {
+    let mut out = [0.0f32; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = l[i] as f32;
+        i += 1;
+    }
+    out
+}
+static V_LEVELS4_F32: [f32; 16] = levels_f32(V_LEVELS4);
+static V_LEVELS3_F32: [f32; 8] = levels_f32(V_LEVELS3);
+static V_LEVELS2_F32: [f32; 4] = levels_f32(V_LEVELS2);
+
+/// The codebook of a split level's V blocks as floats: channel `c` of token `t`'s rotated
+/// head vector is `scale_t x levels[code]`, the scales being the block's first `t_cap` f16s and
+/// the codes (`bits` wide, low bits first, `[token][head_dim]`) following them. Attention reads
+/// V blocks in place with it and rotates its output back once (H is linear).
+pub fn split_v_levels(bits: usize) -> &'static [f32] {
+    match bits {
+        4 => &V_LEVELS4_F32,
+        3 => &V_LEVELS3_F32,
+        _ => &V_LEVELS2_F32,
+    }
+}
+
+/// A split-level K block's per-channel zero points and steps (`head_dim` each), and its codes
+/// (`bits` wide, low bits first, `[token][head_dim]`): channel `c` of token `t` is
+/// `(code - zero[c]) x step[c]`. Attention reads K blocks in place with these.
+pub fn split_k_params<'a>(blk: &'a [u8], hd: usize, zero: &mut [f32], step: &mut [f32]) -> &'a [u8] {
+    let reference = f16_at(blk, 0);
+    for c in 0..hd {
+        let e = (blk[2 + hd + c / 2] >> (4 * (c % 2))) & 0xF;
+        step[c] = k_step(reference, e);
+        zero[c] = f32::from(blk[2 + c] as i8);
+    }
+    &blk[2 + hd + hd.div_ceil(2)..]
+}
+
 /// The nearest level's index (levels ascending).
 fn nearest(levels: &[i8], x: f32) -> usize {
     let mut i = levels.partition_point(|&l| f32::from(l) < x);
@@ -702,7 +740,7 @@ fn nearest(levels: &[i8], x: f32) -> usize {
 }
 
 /// Code `i` of a bit-packed array (codes laid low bits first, possibly across bytes).
-fn get_code(data: &[u8], i: usize, bits: usize) -> u8 {
+pub(crate) fn get_code(data: &[u8], i: usize, bits: usize) -> u8 {
     let at = i * bits;
     let word = u16::from(data[at / 8]) | data.get(at / 8 + 1).map_or(0, |&b| u16::from(b) << 8);
     ((word >> (at % 8)) & ((1 << bits) - 1)) as u8
@@ -799,15 +837,8 @@ fn write_split_k(bits: usize, blk: &mut [u8], hd: usize, n: usize, vals: &[f32])
 }
 
 fn read_split_k(bits: usize, blk: &[u8], hd: usize, n: usize, out: &mut [f32]) {
-    let reference = f16_at(blk, 0);
-    let data = &blk[2 + hd + hd.div_ceil(2)..];
-    let mut step = [0.0f32; MAX_FAST_HD];
-    let mut zero = [0.0f32; MAX_FAST_HD];
-    for c in 0..hd {
-        let e = (blk[2 + hd + c / 2] >> (4 * (c % 2))) & 0xF;
-        step[c] = k_step(reference, e);
-        zero[c] = f32::from(blk[2 + c] as i8);
-    }
+    let (mut zero, mut step) = ([0.0f32; MAX_FAST_HD], [0.0f32; MAX_FAST_HD]);
+    let data = split_k_params(blk, hd, &mut zero, &mut step);
     for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
         for (c, v) in o.iter_mut().enumerate() {
             *v = (f32::from(get_code(data, t * hd + c, bits)) - zero[c]) * step[c];
@@ -861,12 +892,12 @@ fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
 }
 
 fn read_split_v(bits: usize, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
-    let levels = v_levels(bits);
+    let levels = split_v_levels(bits);
     let data = &blk[t_cap * 2..];
     for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
         let s = f16_at(blk, t);
         for (c, v) in o.iter_mut().enumerate() {
-            *v = s * f32::from(levels[usize::from(get_code(data, t * hd + c, bits))]);
+            *v = s * levels[usize::from(get_code(data, t * hd + c, bits))];
         }
         fwht(o);
     }

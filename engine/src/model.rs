@@ -1123,10 +1123,12 @@ enum Dst<'a> {
 /// each chunk's K (then V) block is read once per job and reused by every query in it.
 /// With enough jobs a set is the whole GQA group (one read serves all its heads); for a
 /// single token there would be too few jobs to keep the threads busy, so it is one head.
-/// Base-format blocks are read in place. Reduced ones are decoded — Q4/Q2 to int8 blocks,
-/// rotated levels to f32 — by each job into an L1 buffer when one token is decoded, and
-/// otherwise once for the layer before the jobs start (a 128-token prefill has 16 tiles, and
-/// decoding per job made attention over Q4 chunks twice as slow as over int8).
+/// Base-format and split-level blocks are read in place (a split level's V in the rotated
+/// domain, its share of the output rotated back once per query). Other reduced ones are
+/// decoded — Q4/Q2 to int8 blocks, Q4R/Q2R to f32 — by each job into an L1 buffer when one
+/// token is decoded, and otherwise once for the layer before the jobs start (a 128-token
+/// prefill has 16 tiles, and decoding per job made attention over Q4 chunks twice as slow as
+/// over int8).
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
@@ -1171,7 +1173,7 @@ fn attention(
     // layer) went to memory and back, costing more than decoding each block once per query
     // head of its group. Prefill tiles share the up-front decode.
     let in_job = tiles == 1;
-    let up_front = |f: KvFormat| !(f.is_base() || in_job && crate::kv::decodes_to_int8(f, hd));
+    let up_front = |f: KvFormat| !(f.is_base() || f.split() || in_job && crate::kv::decodes_to_int8(f, hd));
     if (0..last).any(|ch| up_front(kv.format(ch))) {
         slot_of = vec![usize::MAX; last];
         let (mut n8, mut n32) = (0, 0);
@@ -1212,6 +1214,10 @@ fn attention(
         let mut limits = vec![0usize; TILE * per_job];
         let mut visible = vec![0usize; TILE * per_job];
         let mut own8 = vec![0u8; if in_job { blk8 } else { 0 }];
+        // Split-level chunks are read in place: K with its channels' zero points and steps, V
+        // in the rotated domain, summed apart and rotated back once per query (H is linear).
+        let (mut zero, mut step) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+        let mut o_rot = vec![0.0f32; TILE * per_job * hd];
         for job in a..b {
             let (set, tile) = (job % sets, job / sets);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
@@ -1239,7 +1245,9 @@ fn attention(
                         kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
                     }
                     o[..nq * hd].fill(0.0);
+                    o_rot[..nq * hd].fill(0.0);
                 }
+                let mut rotated = false;
                 for ch in 0..n_chunks {
                     let col0 = ch * ct;
                     let n_c = ct.min(p_max - col0);
@@ -1253,6 +1261,14 @@ fn attention(
                     let rows = match f {
                         KvFormat::F16 => kernels::KvRows::F16(bytes),
                         KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+                        f if f.split() && kvsel == 0 => {
+                            let codes = crate::kv::split_k_params(bytes, hd, &mut zero, &mut step);
+                            kernels::KvRows::Channel { codes, bits: f.bits(), zero: &zero, step: &step }
+                        }
+                        f if f.split() => {
+                            rotated = true;
+                            kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.bits(), levels: crate::kv::split_v_levels(f.bits()) }
+                        }
                         f if !up_front(f) => {
                             crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut own8);
                             kernels::KvRows::Int8 { blk: &own8, t_cap: ct }
@@ -1270,7 +1286,16 @@ fn attention(
                     if kvsel == 0 {
                         kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
                     } else {
-                        kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, &mut o);
+                        let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut o_rot } else { &mut o };
+                        kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
+                    }
+                }
+                if rotated {
+                    for (oq, rq) in o[..nq * hd].chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
+                        crate::kv::fwht(rq);
+                        for (a, &b) in oq.iter_mut().zip(rq.iter()) {
+                            *a += b;
+                        }
                     }
                 }
             }
@@ -1314,7 +1339,7 @@ mod tests {
             rope_dims: 64,
             norm_eps: 1e-5,
         };
-        let (kvd, n) = (c.kv_dim(), 70);
+        let (kvd, n) = (c.kv_dim(), 100);
         let geom = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
         let mut kv = ChunkedKv::new(geom, 128, KvFormat::Int8);
         kv.ensure(n).unwrap();
@@ -1325,11 +1350,13 @@ mod tests {
                 kv.write(layer, pos, &k, &v);
             }
         }
-        for (i, f) in [KvFormat::Q4, KvFormat::F16, KvFormat::Q2, KvFormat::Int8].into_iter().enumerate() {
+        // Chunk 6 stays int8 (partial); the split levels are read in place, V rotated back.
+        let formats = [KvFormat::Q4, KvFormat::F16, KvFormat::K4V4, KvFormat::Q2, KvFormat::K3V3, KvFormat::Q4R];
+        for (i, f) in formats.into_iter().enumerate() {
             kv.set_format(i, f).unwrap();
         }
-        // Two tiles and one token (one head per job): both read the reduced chunks decoded once
-        // for the layer.
+        // Two tiles (reduced chunks decoded once for the layer) and one token (one head per
+        // job, Q4/Q2 decoded by each job).
         for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1]] {
             let ld = c.dim + 2 * kvd;
             let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();

@@ -237,6 +237,63 @@ impl RowLoad for I8Rows {
     }
 }
 
+/// Eight `B`-bit codes (channel order, low bits first) from the `B` bytes at `p`, as i32s:
+/// the bytes broadcast to every lane, each lane shifted by its code's offset and masked.
+#[inline(always)]
+unsafe fn unpack8<const B: usize>(p: *const u8) -> __m256i {
+    let mut w = [0u8; 4];
+    std::ptr::copy_nonoverlapping(p, w.as_mut_ptr(), B);
+    let b = B as i32;
+    let shifts = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
+    let word = _mm256_set1_epi32(i32::from_le_bytes(w));
+    _mm256_and_si256(_mm256_srlv_epi32(word, shifts), _mm256_set1_epi32((1 << B) - 1))
+}
+
+/// [`KvRows::Channel`]: `(code - zero) * step`, the reference's operations.
+struct ChannelRows<const B: usize> {
+    codes: *const u8,
+    zero: *const f32,
+    step: *const f32,
+}
+/// [`KvRows::Token`]: `scale * levels[code]`, the codebook looked up in registers (16 levels:
+/// two 8-entry permutes, picked by the code's top bit).
+struct TokenRows<const B: usize> {
+    blk: *const u8,
+    t_cap: usize,
+    levels: [f32; 16],
+}
+
+impl<const B: usize> RowLoad for ChannelRows<B> {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        let p = self.codes.add(t * hd * B / 8);
+        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+            let code = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
+            let v = _mm256_sub_ps(code, _mm256_loadu_ps(self.zero.add(8 * c)));
+            *slot = _mm256_mul_ps(v, _mm256_loadu_ps(self.step.add(8 * c)));
+        }
+    }
+}
+impl<const B: usize> RowLoad for TokenRows<B> {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        let sb = self.blk.add(2 * t);
+        let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+        let p = self.blk.add(self.t_cap * 2 + t * hd * B / 8);
+        let low = _mm256_loadu_ps(self.levels.as_ptr());
+        let high = _mm256_loadu_ps(self.levels.as_ptr().add(8));
+        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+            let code = unpack8::<B>(p.add(c * B));
+            let mut level = _mm256_permutevar8x32_ps(low, code);
+            if B == 4 {
+                let top = _mm256_castsi256_ps(_mm256_slli_epi32(code, 28));
+                level = _mm256_blendv_ps(level, _mm256_permutevar8x32_ps(high, code), top);
+            }
+            *slot = _mm256_mul_ps(s, level);
+        }
+    }
+}
+
 /// # Safety
 /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
 #[allow(clippy::too_many_arguments)]
@@ -251,11 +308,7 @@ pub(super) unsafe fn chunk_scores(
     ld: usize,
     col0: usize,
 ) {
-    match k {
-        KvRows::F32(v) => scores_with(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
-        KvRows::F16(b) => scores_with(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
-        KvRows::Int8 { blk, t_cap } => scores_with(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0),
-    }
+    with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -286,11 +339,7 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
-    match v {
-        KvRows::F32(r) => values_with(&F32Rows(r.as_ptr()), probs, ld, col0, visible, hd, out),
-        KvRows::F16(b) => values_with(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
-        KvRows::Int8 { blk, t_cap } => values_with(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
-    }
+    with_rows!(v, rows => values_with(rows, probs, ld, col0, visible, hd, out));
 }
 
 #[allow(clippy::too_many_arguments)]

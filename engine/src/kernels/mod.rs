@@ -253,8 +253,8 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
     }
 }
 
-/// K or V rows of one chunk's head block, as attention reads them: the base formats
-/// directly from the chunk's bytes (no decode pass), anything else decoded to f32 first.
+/// K or V rows of one chunk's head block, as attention reads them: the base formats and the
+/// split levels directly from the chunk's bytes (no decode pass), anything else decoded first.
 #[derive(Debug, Clone, Copy)]
 pub enum KvRows<'a> {
     F32(&'a [f32]),
@@ -264,6 +264,30 @@ pub enum KvRows<'a> {
         blk: &'a [u8],
         t_cap: usize,
     },
+    /// Channel-wise codes (a split level's K, `kv::split_k_params`): channel `c` of a row is
+    /// `(code - zero[c]) * step[c]`, codes `bits` (2-4) wide, low bits first, `[token][hd]`.
+    Channel {
+        codes: &'a [u8],
+        bits: usize,
+        zero: &'a [f32],
+        step: &'a [f32],
+    },
+    /// Token-wise codebook codes (a split level's V, `kv::split_v_levels`): channel `c` of row
+    /// `t` is `scale_t * levels[code]`, the block's `t_cap` f16 scales first, then codes as in
+    /// `Channel`. These are rotated rows: the caller rotates what it accumulates back.
+    Token {
+        blk: &'a [u8],
+        t_cap: usize,
+        bits: usize,
+        levels: &'a [f32],
+    },
+}
+
+/// Codes `i..i + out.len()` of a `bits`-wide packed array, as floats.
+fn codes_f32(data: &[u8], i: usize, bits: usize, out: &mut [f32]) {
+    for (k, o) in out.iter_mut().enumerate() {
+        *o = f32::from(crate::kv::get_code(data, i + k, bits));
+    }
 }
 
 impl KvRows<'_> {
@@ -283,14 +307,33 @@ impl KvRows<'_> {
                     *o = s * f32::from(blk[t_cap * 2 + t * hd + i] as i8);
                 }
             }
+            KvRows::Channel { codes, bits, zero, step } => {
+                codes_f32(codes, t * hd, bits, &mut out[..hd]);
+                for ((o, &z), &st) in out[..hd].iter_mut().zip(zero).zip(step) {
+                    *o = (*o - z) * st;
+                }
+            }
+            KvRows::Token { blk, t_cap, bits, levels } => {
+                let s = f16::from_le_bytes([blk[2 * t], blk[2 * t + 1]]).to_f32();
+                codes_f32(&blk[t_cap * 2..], t * hd, bits, &mut out[..hd]);
+                for o in &mut out[..hd] {
+                    *o = s * levels[*o as usize];
+                }
+            }
         }
     }
-    /// Whether `n` rows of `hd` fit.
+    /// Whether `n` rows of `hd` fit (and a codebook holds every code).
     fn holds(&self, n: usize, hd: usize) -> bool {
         match *self {
             KvRows::F32(v) => v.len() >= n * hd,
             KvRows::F16(b) => b.len() >= n * hd * 2,
             KvRows::Int8 { blk, t_cap } => n <= t_cap && blk.len() >= t_cap * 2 + n * hd,
+            KvRows::Channel { codes, bits, zero, step } => {
+                (2..=4).contains(&bits) && codes.len() * 8 >= n * hd * bits && zero.len() >= hd && step.len() >= hd
+            }
+            KvRows::Token { blk, t_cap, bits, levels } => {
+                (2..=4).contains(&bits) && n <= t_cap && blk.len() * 8 >= t_cap * 16 + n * hd * bits && levels.len() >= 1 << bits
+            }
         }
     }
 }
@@ -466,6 +509,65 @@ pub(crate) const EXP_C: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
 /// The polynomial's coefficients, highest degree first (then `r^2 p + r + 1`).
 pub(crate) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 
+/// Runs `$body` with `$rows` bound to the row loader of `$k` (one instantiation per format
+/// and code width): shared by the vector kernel sets, each with its own `F32Rows`, `F16Rows`,
+/// `I8Rows`, `ChannelRows<B>` and `TokenRows<B>` in scope where it expands.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! with_rows {
+    ($k:expr, $rows:ident => $body:expr) => {
+        match $k {
+            KvRows::F32(v) => {
+                let $rows = &F32Rows(v.as_ptr());
+                $body
+            }
+            KvRows::F16(b) => {
+                let $rows = &F16Rows(b.as_ptr());
+                $body
+            }
+            KvRows::Int8 { blk, t_cap } => {
+                let $rows = &I8Rows(blk.as_ptr(), t_cap);
+                $body
+            }
+            KvRows::Channel { codes, bits, zero, step } => {
+                let (codes, zero, step) = (codes.as_ptr(), zero.as_ptr(), step.as_ptr());
+                match bits {
+                    2 => {
+                        let $rows = &ChannelRows::<2> { codes, zero, step };
+                        $body
+                    }
+                    3 => {
+                        let $rows = &ChannelRows::<3> { codes, zero, step };
+                        $body
+                    }
+                    _ => {
+                        let $rows = &ChannelRows::<4> { codes, zero, step };
+                        $body
+                    }
+                }
+            }
+            KvRows::Token { blk, t_cap, bits, levels } => {
+                let mut table = [0.0f32; 16];
+                table[..1 << bits].copy_from_slice(&levels[..1 << bits]);
+                let blk = blk.as_ptr();
+                match bits {
+                    2 => {
+                        let $rows = &TokenRows::<2> { blk, t_cap, levels: table };
+                        $body
+                    }
+                    3 => {
+                        let $rows = &TokenRows::<3> { blk, t_cap, levels: table };
+                        $body
+                    }
+                    _ => {
+                        let $rows = &TokenRows::<4> { blk, t_cap, levels: table };
+                        $body
+                    }
+                }
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "aarch64")]
@@ -627,6 +729,33 @@ mod tests {
             chunk_values(&x, 40, 16, KvRows::F32(&dec), &visible, 64, &mut oy);
             assert_eq!(ox, oy, "{f:?} values");
         }
+        // The split levels in place: K rows are the decoder's bits; V rows are the rotated
+        // values, whose weighted sum rotated back is the decoded rows' (within rounding).
+        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
+            let (mut kb, mut vb) = (vec![0u8; g.head_block_bytes(f, 0)], vec![0u8; g.head_block_bytes(f, 1)]);
+            kv::write_block_f32(f, 0, &mut kb, 16, 64, 16, &vals);
+            kv::write_block_f32(f, 1, &mut vb, 16, 64, 16, &vals);
+            let (mut dk, mut dv) = (vec![0.0; 16 * 64], vec![0.0; 16 * 64]);
+            kv::read_block_f32(f, 0, &kb, 16, 64, 16, &mut dk);
+            kv::read_block_f32(f, 1, &vb, 16, 64, 16, &mut dv);
+            let (mut zero, mut step) = (vec![0.0; 64], vec![0.0; 64]);
+            let codes = kv::split_k_params(&kb, 64, &mut zero, &mut step);
+            let k_rows = KvRows::Channel { codes, bits: f.bits(), zero: &zero, step: &step };
+            let (mut x, mut y) = (vec![0.0; 3 * 40], vec![0.0; 3 * 40]);
+            chunk_scores(&q, 64, k_rows, &visible, 0.125, &mut x, 40, 16);
+            chunk_scores(&q, 64, KvRows::F32(&dk), &visible, 0.125, &mut y, 40, 16);
+            assert_eq!(x, y, "{f:?} scores");
+            let v_rows = KvRows::Token { blk: &vb, t_cap: 16, bits: f.bits(), levels: kv::split_v_levels(f.bits()) };
+            let (mut ox, mut oy) = (vec![0.0; 3 * 64], vec![0.0; 3 * 64]);
+            chunk_values(&x, 40, 16, v_rows, &visible, 64, &mut ox);
+            chunk_values(&x, 40, 16, KvRows::F32(&dv), &visible, 64, &mut oy);
+            for (i, (rx, ry)) in ox.chunks_exact_mut(64).zip(oy.chunks_exact(64)).enumerate() {
+                kv::fwht(rx);
+                for (a, b) in rx.iter().zip(ry) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{f:?} query {i}: {a} vs {b}");
+                }
+            }
+        }
     }
 
     /// Every format's vector attention kernels give the scalar references' bits, at every
@@ -653,6 +782,20 @@ mod tests {
             let mut rows = vec![KvRows::F32(&vals)];
             for (f, blk) in &blocks {
                 rows.push(if *f == KvFormat::F16 { KvRows::F16(blk) } else { KvRows::Int8 { blk, t_cap: 16 } });
+            }
+            // Split-level rows at every code width, from random codes, zero points, steps
+            // and scales (the kernels take any head width the vector path takes).
+            let zero: Vec<f32> = (0..hd).map(|_| f32::from(rng.gen_range(-20i8..20))).collect();
+            let step: Vec<f32> = (0..hd).map(|_| rng.gen_range(0.001..0.5)).collect();
+            let levels: Vec<f32> = (0..16).map(|_| f32::from(rng.gen_range(-127i8..=127))).collect();
+            let mut coded = vec![0u8; 32 + 16 * hd];
+            rng.fill(&mut coded[32..]);
+            for t in 0..16 {
+                coded[2 * t..2 * t + 2].copy_from_slice(&f16::from_f32(rng.gen_range(0.0..0.1)).to_le_bytes());
+            }
+            for bits in 2..=4 {
+                rows.push(KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step });
+                rows.push(KvRows::Token { blk: &coded, t_cap: 16, bits, levels: &levels[..1 << bits] });
             }
             for k in rows {
                 let (mut x, mut y) = (vec![-9.0; 4 * 20], vec![-9.0; 4 * 20]);

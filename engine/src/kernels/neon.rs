@@ -352,6 +352,64 @@ impl RowLoad for I8Rows {
     }
 }
 
+/// Eight `B`-bit codes (channel order, low bits first) from the `B` bytes at `p`, as two
+/// vectors of four u32s: the bytes in every lane, shifted right by each code's offset, masked.
+#[inline(always)]
+unsafe fn unpack8<const B: usize>(p: *const u8) -> (uint32x4_t, uint32x4_t) {
+    let mut w = [0u8; 4];
+    std::ptr::copy_nonoverlapping(p, w.as_mut_ptr(), B);
+    let word = vdupq_n_u32(u32::from_le_bytes(w));
+    let b = B as i32;
+    let (s0, s1) = ([0, -b, -2 * b, -3 * b], [-4 * b, -5 * b, -6 * b, -7 * b]);
+    let mask = vdupq_n_u32((1 << B) - 1);
+    (vandq_u32(vshlq_u32(word, vld1q_s32(s0.as_ptr())), mask), vandq_u32(vshlq_u32(word, vld1q_s32(s1.as_ptr())), mask))
+}
+
+/// [`KvRows::Channel`]: `(code - zero) * step`, the reference's operations.
+struct ChannelRows<const B: usize> {
+    codes: *const u8,
+    zero: *const f32,
+    step: *const f32,
+}
+/// [`KvRows::Token`]: `scale * levels[code]`.
+struct TokenRows<const B: usize> {
+    blk: *const u8,
+    t_cap: usize,
+    levels: [f32; 16],
+}
+
+impl<const B: usize> RowLoad for ChannelRows<B> {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        let p = self.codes.add(t * hd * B / 8);
+        for c in 0..lanes {
+            let (lo, hi) = unpack8::<B>(p.add(c * B));
+            for (h, code) in [lo, hi].into_iter().enumerate() {
+                let at = 8 * c + 4 * h;
+                let v = vsubq_f32(vcvtq_f32_u32(code), vld1q_f32(self.zero.add(at)));
+                out[2 * c + h] = vmulq_f32(v, vld1q_f32(self.step.add(at)));
+            }
+        }
+    }
+}
+impl<const B: usize> RowLoad for TokenRows<B> {
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        let sb = self.blk.add(2 * t);
+        let s = vdupq_n_f32(half::f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+        let p = self.blk.add(self.t_cap * 2 + t * hd * B / 8);
+        for c in 0..lanes {
+            let (lo, hi) = unpack8::<B>(p.add(c * B));
+            for (h, code) in [lo, hi].into_iter().enumerate() {
+                let mut idx = [0u32; 4];
+                vst1q_u32(idx.as_mut_ptr(), code);
+                let level = idx.map(|i| *self.levels.get_unchecked(i as usize));
+                out[2 * c + h] = vmulq_f32(s, vld1q_f32(level.as_ptr()));
+            }
+        }
+    }
+}
+
 /// # Safety
 /// Needs NEON; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
 #[allow(clippy::too_many_arguments)]
@@ -365,11 +423,7 @@ pub(super) unsafe fn chunk_scores(
     ld: usize,
     col0: usize,
 ) {
-    match k {
-        KvRows::F32(v) => scores_with(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
-        KvRows::F16(b) => scores_with(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
-        KvRows::Int8 { blk, t_cap } => scores_with(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0),
-    }
+    with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -401,11 +455,7 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
 /// # Safety
 /// Needs NEON; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
-    match v {
-        KvRows::F32(r) => values_with(&F32Rows(r.as_ptr()), probs, ld, col0, visible, hd, out),
-        KvRows::F16(b) => values_with(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
-        KvRows::Int8 { blk, t_cap } => values_with(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
-    }
+    with_rows!(v, rows => values_with(rows, probs, ld, col0, visible, hd, out));
 }
 
 #[inline(always)]
