@@ -672,8 +672,20 @@ const QUARTER_POW: [f32; 4] = [1.0, 0.840_896_4, 0.707_106_77, 0.594_603_54];
 /// A K channel's step: the block's reference step scaled by 2^(-e/4), `e` in 0..16 (13.5x
 /// below the reference at most).
 fn k_step(reference: f32, e: u8) -> f32 {
-    reference * QUARTER_POW[usize::from(e % 4)] * f32::from(1u16 << (e / 4)).recip()
+    reference * K_STEP_SCALE[usize::from(e & 0xF)]
 }
+
+/// 2^(-e/4) for every exponent: `QUARTER_POW` over a power of two, exact, so a step is one
+/// multiplication (attention derives every K block's steps when it reads the block).
+const K_STEP_SCALE: [f32; 16] = {
+    let mut t = [0.0f32; 16];
+    let mut e = 0;
+    while e < 16 {
+        t[e] = QUARTER_POW[e % 4] / (1u32 << (e / 4)) as f32;
+        e += 1;
+    }
+    t
+};
 
 /// The V codebooks: the quantiles of a unit Gaussian (what a Walsh-Hadamard-rotated head
 /// vector's entries look like) at the middles of 2^bits equal-probability bins, scaled so the
@@ -722,10 +734,15 @@ pub fn split_v_levels(bits: usize) -> &'static [f32] {
 /// `(code - zero[c]) x step[c]`. Attention reads K blocks in place with these.
 pub fn split_k_params<'a>(blk: &'a [u8], hd: usize, zero: &mut [f32], step: &mut [f32]) -> &'a [u8] {
     let reference = f16_at(blk, 0);
-    for c in 0..hd {
-        let e = (blk[2 + hd + c / 2] >> (4 * (c % 2))) & 0xF;
-        step[c] = k_step(reference, e);
-        zero[c] = f32::from(blk[2 + c] as i8);
+    for (z, &b) in zero[..hd].iter_mut().zip(&blk[2..2 + hd]) {
+        *z = f32::from(b as i8);
+    }
+    // Two channels' exponents a byte, low nibble first.
+    for (pair, &b) in step[..hd].chunks_mut(2).zip(&blk[2 + hd..2 + hd + hd.div_ceil(2)]) {
+        pair[0] = k_step(reference, b & 0xF);
+        if let Some(s) = pair.get_mut(1) {
+            *s = k_step(reference, b >> 4);
+        }
     }
     &blk[2 + hd + hd.div_ceil(2)..]
 }

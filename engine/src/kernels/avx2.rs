@@ -256,21 +256,62 @@ struct ChannelRows<const B: usize> {
     step: *const f32,
 }
 /// [`KvRows::Token`]: `scale * levels[code]`, the codebook looked up in registers (16 levels:
-/// two 8-entry permutes, picked by the code's top bit).
+/// two 8-entry permutes, picked by the code's top bit; 4-bit codes into a codebook of small
+/// integers, as the split levels' is: one byte shuffle for 16 codes).
 struct TokenRows<const B: usize> {
     blk: *const u8,
     t_cap: usize,
     levels: [f32; 16],
+    /// The codebook as bytes, when every level is an integer in i8 (then `level as f32` is
+    /// the same float).
+    bytes: Option<[i8; 16]>,
+}
+
+impl<const B: usize> TokenRows<B> {
+    fn new(blk: *const u8, t_cap: usize, levels: &[f32]) -> Self {
+        let mut table = [0.0f32; 16];
+        table[..1 << B].copy_from_slice(&levels[..1 << B]);
+        #[allow(clippy::cast_possible_truncation)]
+        let bytes = table.iter().all(|&l| l.fract() == 0.0 && (-128.0..=127.0).contains(&l)).then(|| table.map(|l| l as i8));
+        Self { blk, t_cap, levels: table, bytes }
+    }
+}
+
+/// 32 4-bit codes (16 bytes, low nibble first) as bytes in channel order, in two halves.
+#[inline(always)]
+unsafe fn nibbles32(p: *const u8) -> (__m128i, __m128i) {
+    let b = _mm_loadu_si128(p.cast());
+    let m = _mm_set1_epi8(0x0F);
+    let (lo, hi) = (_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+}
+
+/// The four vectors of 8 i32s in two halves of 16 bytes (`signed`: sign-extended).
+#[inline(always)]
+unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4] {
+    let w = |x: __m128i| if SIGNED { _mm256_cvtepi8_epi32(x) } else { _mm256_cvtepu8_epi32(x) };
+    [w(a), w(_mm_unpackhi_epi64(a, a)), w(b), w(_mm_unpackhi_epi64(b, b))]
 }
 
 impl<const B: usize> RowLoad for ChannelRows<B> {
     #[inline(always)]
     unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
         let p = self.codes.add(t * hd * B / 8);
-        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
-            let code = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
-            let v = _mm256_sub_ps(code, _mm256_loadu_ps(self.zero.add(8 * c)));
-            *slot = _mm256_mul_ps(v, _mm256_loadu_ps(self.step.add(8 * c)));
+        let value = |c: usize, code: __m256i| {
+            let v = _mm256_sub_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(self.zero.add(8 * c)));
+            _mm256_mul_ps(v, _mm256_loadu_ps(self.step.add(8 * c)))
+        };
+        let mut c = 0;
+        if B == 4 {
+            while c + 4 <= lanes {
+                for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
+                    out[c + k] = value(c + k, code);
+                }
+                c += 4;
+            }
+        }
+        for (c, slot) in out.iter_mut().enumerate().take(lanes).skip(c) {
+            *slot = value(c, unpack8::<B>(p.add(c * B)));
         }
     }
 }
@@ -280,9 +321,21 @@ impl<const B: usize> RowLoad for TokenRows<B> {
         let sb = self.blk.add(2 * t);
         let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
         let p = self.blk.add(self.t_cap * 2 + t * hd * B / 8);
+        let mut c = 0;
+        if let (4, Some(bytes)) = (B, self.bytes) {
+            let table = _mm_loadu_si128(bytes.as_ptr().cast());
+            while c + 4 <= lanes {
+                let (a, b) = nibbles32(p.add(4 * c));
+                let levels = (_mm_shuffle_epi8(table, a), _mm_shuffle_epi8(table, b));
+                for (k, level) in widen32::<true>(levels).into_iter().enumerate() {
+                    out[c + k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(level));
+                }
+                c += 4;
+            }
+        }
         let low = _mm256_loadu_ps(self.levels.as_ptr());
         let high = _mm256_loadu_ps(self.levels.as_ptr().add(8));
-        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+        for (c, slot) in out.iter_mut().enumerate().take(lanes).skip(c) {
             let code = unpack8::<B>(p.add(c * B));
             let mut level = _mm256_permutevar8x32_ps(low, code);
             if B == 4 {
@@ -308,7 +361,80 @@ pub(super) unsafe fn chunk_scores(
     ld: usize,
     col0: usize,
 ) {
+    if let KvRows::Channel { codes, bits, zero, step } = k {
+        let args = (codes.as_ptr(), zero.as_ptr(), step.as_ptr());
+        match bits {
+            2 => scores_channel::<2>(args, q, hd, visible, scale, scores, ld, col0),
+            3 => scores_channel::<3>(args, q, hd, visible, scale, scores, ld, col0),
+            _ => scores_channel::<4>(args, q, hd, visible, scale, scores, ld, col0),
+        }
+        return;
+    }
     with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
+}
+
+/// Scores against channel-wise rows as the reference takes them: the queries scaled by the
+/// steps once (eight at a time, kept in registers or on the stack), then per row the codes
+/// unpacked and multiplied into each query, the zero points' share subtracted at the end.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_channel<const B: usize>(
+    (codes, zero, step): (*const u8, *const f32, *const f32),
+    q: &[f32],
+    hd: usize,
+    visible: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    col0: usize,
+) {
+    let lanes = hd / 8;
+    // Eight scaled queries (8 KiB) are written before they are read: not zeroed each call,
+    // which cost as much as scoring a 16-token chunk for one query.
+    let mut scaled = std::mem::MaybeUninit::<[__m256; 8 * 32]>::uninit();
+    let sp = scaled.as_mut_ptr().cast::<__m256>();
+    let mut offset = [0.0f32; 8];
+    let mut kv = [_mm256_setzero_ps(); 32];
+    for g0 in (0..visible.len()).step_by(8) {
+        let group = &visible[g0..(g0 + 8).min(visible.len())];
+        for (j, off) in offset.iter_mut().enumerate().take(group.len()) {
+            let qp = q.as_ptr().add((g0 + j) * hd);
+            let mut acc = _mm256_setzero_ps();
+            for c in 0..lanes {
+                let s = _mm256_mul_ps(_mm256_loadu_ps(qp.add(8 * c)), _mm256_loadu_ps(step.add(8 * c)));
+                sp.add(32 * j + c).write(s);
+                acc = _mm256_fmadd_ps(s, _mm256_loadu_ps(zero.add(8 * c)), acc);
+            }
+            *off = hsum(acc);
+        }
+        let n = group.iter().copied().max().unwrap_or(0);
+        for t in 0..n {
+            let p = codes.add(t * hd * B / 8);
+            let mut c = 0;
+            if B == 4 {
+                while c + 4 <= lanes {
+                    for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
+                        kv[c + k] = _mm256_cvtepi32_ps(code);
+                    }
+                    c += 4;
+                }
+            }
+            for (c, slot) in kv.iter_mut().enumerate().take(lanes).skip(c) {
+                *slot = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
+            }
+            for (j, &vis) in group.iter().enumerate() {
+                if t >= vis {
+                    continue;
+                }
+                let mut acc = _mm256_setzero_ps();
+                for (c, kc) in kv.iter().enumerate().take(lanes) {
+                    acc = _mm256_fmadd_ps(*kc, sp.add(32 * j + c).read(), acc);
+                }
+                *scores.get_unchecked_mut((g0 + j) * ld + col0 + t) = (hsum(acc) - offset[j]) * scale;
+            }
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

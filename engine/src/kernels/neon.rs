@@ -392,6 +392,13 @@ impl<const B: usize> RowLoad for ChannelRows<B> {
         }
     }
 }
+impl<const B: usize> TokenRows<B> {
+    fn new(blk: *const u8, t_cap: usize, levels: &[f32]) -> Self {
+        let mut table = [0.0f32; 16];
+        table[..1 << B].copy_from_slice(&levels[..1 << B]);
+        Self { blk, t_cap, levels: table }
+    }
+}
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
     unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
@@ -423,7 +430,81 @@ pub(super) unsafe fn chunk_scores(
     ld: usize,
     col0: usize,
 ) {
+    if let KvRows::Channel { codes, bits, zero, step } = k {
+        let args = (codes.as_ptr(), zero.as_ptr(), step.as_ptr());
+        match bits {
+            2 => scores_channel::<2>(args, q, hd, visible, scale, scores, ld, col0),
+            3 => scores_channel::<3>(args, q, hd, visible, scale, scores, ld, col0),
+            _ => scores_channel::<4>(args, q, hd, visible, scale, scores, ld, col0),
+        }
+        return;
+    }
     with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
+}
+
+/// The lanes of `lo` and `hi` (an AVX2 vector's halves) added as `super::dot_lanes` does.
+#[inline(always)]
+unsafe fn hsum_pair(lo: float32x4_t, hi: float32x4_t) -> f32 {
+    let s = vaddq_f32(lo, hi);
+    let h = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+    vget_lane_f32::<0>(h) + vget_lane_f32::<1>(h)
+}
+
+/// Scores against channel-wise rows as the reference takes them (AVX2's `scores_channel`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn scores_channel<const B: usize>(
+    (codes, zero, step): (*const u8, *const f32, *const f32),
+    q: &[f32],
+    hd: usize,
+    visible: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    col0: usize,
+) {
+    let lanes = hd / 8;
+    // Eight scaled queries (8 KiB), written before they are read (not zeroed each call).
+    let mut scaled = std::mem::MaybeUninit::<[float32x4_t; 8 * 64]>::uninit();
+    let sp = scaled.as_mut_ptr().cast::<float32x4_t>();
+    let mut offset = [0.0f32; 8];
+    let mut kv = [vdupq_n_f32(0.0); 64];
+    for g0 in (0..visible.len()).step_by(8) {
+        let group = &visible[g0..(g0 + 8).min(visible.len())];
+        for (j, off) in offset.iter_mut().enumerate().take(group.len()) {
+            let qp = q.as_ptr().add((g0 + j) * hd);
+            let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            for c in 0..lanes {
+                let s0 = vmulq_f32(vld1q_f32(qp.add(8 * c)), vld1q_f32(step.add(8 * c)));
+                let s1 = vmulq_f32(vld1q_f32(qp.add(8 * c + 4)), vld1q_f32(step.add(8 * c + 4)));
+                sp.add(64 * j + 2 * c).write(s0);
+                sp.add(64 * j + 2 * c + 1).write(s1);
+                lo = vfmaq_f32(lo, s0, vld1q_f32(zero.add(8 * c)));
+                hi = vfmaq_f32(hi, s1, vld1q_f32(zero.add(8 * c + 4)));
+            }
+            *off = hsum_pair(lo, hi);
+        }
+        let n = group.iter().copied().max().unwrap_or(0);
+        for t in 0..n {
+            let p = codes.add(t * hd * B / 8);
+            for c in 0..lanes {
+                let (lo, hi) = unpack8::<B>(p.add(c * B));
+                kv[2 * c] = vcvtq_f32_u32(lo);
+                kv[2 * c + 1] = vcvtq_f32_u32(hi);
+            }
+            for (j, &vis) in group.iter().enumerate() {
+                if t >= vis {
+                    continue;
+                }
+                let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+                for c in 0..lanes {
+                    lo = vfmaq_f32(lo, kv[2 * c], sp.add(64 * j + 2 * c).read());
+                    hi = vfmaq_f32(hi, kv[2 * c + 1], sp.add(64 * j + 2 * c + 1).read());
+                }
+                *scores.get_unchecked_mut((g0 + j) * ld + col0 + t) = (hsum_pair(lo, hi) - offset[j]) * scale;
+            }
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
