@@ -769,6 +769,8 @@ pub struct AccuracyVsMemory {
     /// Free-running greedy generation: tokens generated after a prompt of `ctx / 2` tokens,
     /// in each window (0: skip).
     pub generate: usize,
+    /// The levels the mix plans choose from, the base (int8) first (docs/kv.md).
+    pub levels: Vec<String>,
 }
 
 /// One plan's quality.
@@ -805,6 +807,12 @@ pub fn accuracy_vs_memory(
     if ids.len() < s.ctx {
         anyhow::bail!("the corpus has {} tokens, fewer than one window of {}", ids.len(), s.ctx);
     }
+    use engine::kv::KvFormat;
+    let levels: Vec<KvFormat> =
+        s.levels.iter().map(|l| KvFormat::parse(l).with_context(|| format!("levels: {l:?} is not a KV format"))).collect::<Result<_>>()?;
+    if levels.first() != Some(&KvFormat::Int8) {
+        anyhow::bail!("levels: the base level int8 comes first");
+    }
     let mut plans = vec!["int8".to_string()];
     plans.extend(s.plans.iter().filter(|p| p.as_str() != "int8").cloned());
     let mut out = Vec::new();
@@ -815,7 +823,7 @@ pub fn accuracy_vs_memory(
         let plan = engine::eval::KvPlan::parse(name)
             .with_context(|| format!("plan {name:?}: a KV format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2) or mix:R"))?;
         let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &crate::kvmm::MIX_LEVELS);
+        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
         let mut top = Vec::new();
         let (p, bytes) = engine::eval::perplexity_kv(
             model,

@@ -42,9 +42,6 @@ pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvF
     move |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
 }
 
-/// The levels of LLMS's mix: {int8, q4, q2}.
-pub const MIX_LEVELS: [KvFormat; 3] = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2];
-
 /// Chunk sizes of a model's KV cache.
 #[derive(Debug, Clone, Copy)]
 pub struct EngineCodec {

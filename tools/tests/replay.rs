@@ -120,6 +120,7 @@ fn the_accuracy_experiment_compares_plans_with_int8() {
         chunk_tokens: 16,
         corpus: vec![fixture("gpl-3.txt")],
         generate: 24,
+        levels: vec!["int8".into(), "q4".into(), "q2".into()],
     };
     let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s).unwrap();
     assert_eq!(rows.iter().map(|r| r.plan.as_str()).collect::<Vec<_>>(), ["int8", "q2", "mix:0.75"]);

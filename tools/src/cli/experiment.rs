@@ -93,6 +93,9 @@ pub enum ExperimentCmd {
         /// Text files [default: /usr/share/common-licenses/*].
         #[arg(long)]
         corpus: Vec<PathBuf>,
+        /// The levels the mix plans choose from, the base (int8) first (docs/kv.md).
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2"]))]
+        levels: Vec<String>,
         #[arg(long, default_value = "docs/results")]
         out_dir: PathBuf,
         #[command(flatten)]
@@ -287,12 +290,12 @@ fn sweep_header(x: &str) {
 pub fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
     use crate::experiment as ex;
     match cmd {
-        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, generate, corpus, out_dir, m } => {
+        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, generate, corpus, levels, out_dir, m } => {
             if !(8..=4096).contains(&ctx) || chunk_tokens == 0 || chunk_tokens > ctx || windows == 0 || generate > 4096 {
                 bail!("--ctx must be 8-4096, --chunk-tokens 1..=ctx, --windows at least 1, --generate at most 4096");
             }
             let corpus = if corpus.is_empty() { crate::trace::default_corpus() } else { corpus };
-            let s = ex::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, generate };
+            let s = ex::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, generate, levels };
             let (model, pool) = load(&m)?;
             let rows = ex::accuracy_vs_memory(&model, &pool, &s)?;
             println!(
