@@ -1118,17 +1118,93 @@ enum Dst<'a> {
     F32(&'a mut [f32]),
 }
 
+/// Decoding attention splits the context into spans of this many tokens (rounded to whole
+/// chunks): a job is one KV head's whole GQA group over one span. A fixed length, not a
+/// share of the threads, so the bits do not depend on the thread count.
+const SPAN_TOKENS: usize = 128;
+
+/// How one layer's chunks are read by attention: base-format and split-level blocks in place,
+/// Q4/Q2 decoded to int8 by the job that reads them (`in_job`) or up front, rotated levels
+/// decoded up front to f32 (`slot_of` indexes `dec8` / `dec32` in blocks of [kvsel][kv head]).
+struct LayerBlocks<'a> {
+    kv: &'a ChunkedKv,
+    layer: usize,
+    hd: usize,
+    n_kv_heads: usize,
+    in_job: bool,
+    slot_of: &'a [usize],
+    dec8: &'a [u8],
+    dec32: &'a [f32],
+}
+
+/// A job's buffers for [`LayerBlocks::rows`]: a Q4/Q2 block decoded to int8, a split K
+/// block's channel zero points and steps.
+struct BlockScratch {
+    own8: Vec<u8>,
+    zero: Vec<f32>,
+    step: Vec<f32>,
+}
+
+impl BlockScratch {
+    fn new(b: &LayerBlocks) -> Self {
+        let blk8 = if b.in_job { b.kv.geom.head_block_bytes(KvFormat::Int8, 0) } else { 0 };
+        Self { own8: vec![0; blk8], zero: vec![0.0; b.hd], step: vec![0.0; b.hd] }
+    }
+}
+
+impl<'a> LayerBlocks<'a> {
+    /// Whether chunks of format `f` are decoded before the jobs start.
+    fn up_front(&self, f: KvFormat) -> bool {
+        !(f.is_base() || f.split() || self.in_job && crate::kv::decodes_to_int8(f, self.hd))
+    }
+
+    /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
+    /// first `n_c` tokens are read.
+    fn rows<'b>(&'b self, ch: usize, kvsel: usize, kvh: usize, n_c: usize, s: &'b mut BlockScratch) -> kernels::KvRows<'b>
+    where
+        'a: 'b,
+    {
+        let (kv, hd, ct) = (self.kv, self.hd, self.kv.geom.chunk_tokens);
+        let f = kv.format(ch);
+        let off = kv.geom.block_offset(f, self.layer, kvsel, kvh);
+        let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
+        match f {
+            KvFormat::F16 => kernels::KvRows::F16(bytes),
+            KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+            f if f.split() && kvsel == 0 => {
+                let codes = crate::kv::split_k_params(bytes, hd, &mut s.zero, &mut s.step);
+                kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step }
+            }
+            f if f.split() => kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.bits(), levels: crate::kv::split_v_levels(f.bits()) },
+            f if !self.up_front(f) => {
+                crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut s.own8);
+                kernels::KvRows::Int8 { blk: &s.own8, t_cap: ct }
+            }
+            f => {
+                let blocks = 2 * self.n_kv_heads;
+                let b = self.slot_of.get(ch).copied().expect("reduced chunks are decoded above") * blocks + kvsel * self.n_kv_heads + kvh;
+                if crate::kv::decodes_to_int8(f, hd) {
+                    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
+                    kernels::KvRows::Int8 { blk: &self.dec8[b * blk8..(b + 1) * blk8], t_cap: ct }
+                } else {
+                    kernels::KvRows::F32(&self.dec32[b * ct * hd..(b + 1) * ct * hd])
+                }
+            }
+        }
+    }
+}
+
 /// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
-/// cache. A job is a tile of up to 8 tokens and a set of query heads sharing one KV head:
-/// each chunk's K (then V) block is read once per job and reused by every query in it.
-/// With enough jobs a set is the whole GQA group (one read serves all its heads); for a
-/// single token there would be too few jobs to keep the threads busy, so it is one head.
-/// Base-format and split-level blocks are read in place (a split level's V in the rotated
-/// domain, its share of the output rotated back once per query). Other reduced ones are
-/// decoded — Q4/Q2 to int8 blocks, Q4R/Q2R to f32 — by each job into an L1 buffer when one
-/// token is decoded, and otherwise once for the layer before the jobs start (a 128-token
+/// cache. Base-format and split-level blocks are read in place (a split level's V in the
+/// rotated domain, its share of the output rotated back once per query). Other reduced ones
+/// are decoded — Q4/Q2 to int8 blocks, Q4R/Q2R to f32 — by each job into an L1 buffer when one
+/// tile is computed, and otherwise once for the layer before the jobs start (a 128-token
 /// prefill has 16 tiles, and decoding per job made attention over Q4 chunks twice as slow as
 /// over int8).
+///
+/// Many tokens (prefill): a job is a tile of up to 8 tokens and a set of query heads sharing
+/// one KV head; each chunk's K (then V) block is read once per job and reused by every query in
+/// it; with enough jobs a set is the whole GQA group. One tile (decoding): [`attend_spans`].
 #[allow(clippy::too_many_arguments)]
 fn attention(
     pool: &ThreadPool,
@@ -1150,13 +1226,11 @@ fn attention(
     let tiles = n.div_ceil(TILE);
     let per_job = if c.n_kv_heads * tiles >= 2 * pool.threads() { group } else { 1 };
     let sets = nh / per_job;
-    let outp = OutPtr::new(out);
     let obs = observer.map(std::sync::Mutex::new);
     // Reduced chunks decoded up front, once for the layer (per job, a block was decoded by
-    // every tile and every head set that reads it: 16x for a 128-token prefill, 3x per decoded
-    // token). Q4/Q2 blocks become int8 blocks (exact: they hold int8 codes), read by the int8
-    // kernel; rotated levels become f32. `slot_of[ch]` indexes `dec8` or `dec32` in blocks of
-    // [kvsel][kv head]. Every reduced chunk of the context is decoded again at each token, so
+    // every tile and every head set that reads it: 16x for a 128-token prefill). Q4/Q2 blocks
+    // become int8 blocks (exact: they hold int8 codes), read by the int8 kernel; rotated
+    // levels become f32. Every reduced chunk of the context is decoded again at each token, so
     // the decoded bytes are the cost: int8 writes and reads a quarter of f32's. The buffers are
     // kept per thread, so decoding a token does not map fresh pages every layer.
     thread_local! {
@@ -1170,24 +1244,23 @@ fn attention(
     let blocks = 2 * c.n_kv_heads;
     // With one tile (decoding), each job decodes the Q4/Q2 blocks it reads into a buffer of
     // its own, which stays in L1: decoded up front, a 4k-token context's blocks (1.6 MB a
-    // layer) went to memory and back, costing more than decoding each block once per query
-    // head of its group. Prefill tiles share the up-front decode.
-    let in_job = tiles == 1;
-    let up_front = |f: KvFormat| !(f.is_base() || f.split() || in_job && crate::kv::decodes_to_int8(f, hd));
-    if (0..last).any(|ch| up_front(kv.format(ch))) {
+    // layer) went to memory and back, costing more than decoding each block in its job.
+    // Prefill tiles share the up-front decode.
+    let mut lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: tiles == 1, slot_of: &[], dec8: &[], dec32: &[] };
+    if (0..last).any(|ch| lb.up_front(kv.format(ch))) {
         slot_of = vec![usize::MAX; last];
         let (mut n8, mut n32) = (0, 0);
         for (ch, slot) in slot_of.iter_mut().enumerate() {
             let f = kv.format(ch);
-            if up_front(f) && crate::kv::decodes_to_int8(f, hd) {
+            if lb.up_front(f) && crate::kv::decodes_to_int8(f, hd) {
                 (*slot, n8) = (n8, n8 + 1);
-            } else if up_front(f) {
+            } else if lb.up_front(f) {
                 (*slot, n32) = (n32, n32 + 1);
             }
         }
         dec8.resize(n8 * blocks * blk8, 0);
         dec32.resize(n32 * blocks * ct * hd, 0.0);
-        let reduced = |ch: &usize| up_front(kv.format(*ch));
+        let reduced = |ch: &usize| lb.up_front(kv.format(*ch));
         let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
         let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
         let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
@@ -1207,16 +1280,22 @@ fn attention(
             }
         });
     }
+    (lb.slot_of, lb.dec8, lb.dec32) = (&slot_of, &dec8, &dec32);
+    if tiles == 1 {
+        attend_spans(pool, c, &lb, qkv, ld, positions, out, obs.as_ref());
+        DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
+        return;
+    }
+    let outp = OutPtr::new(out);
     pool.for_chunks(sets * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
         let mut q = vec![0.0f32; TILE * per_job * hd];
         let mut o = vec![0.0f32; TILE * per_job * hd];
         let mut limits = vec![0usize; TILE * per_job];
         let mut visible = vec![0usize; TILE * per_job];
-        let mut own8 = vec![0u8; if in_job { blk8 } else { 0 }];
-        // Split-level chunks are read in place: K with its channels' zero points and steps, V
-        // in the rotated domain, summed apart and rotated back once per query (H is linear).
-        let (mut zero, mut step) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+        let mut scratch = BlockScratch::new(&lb);
+        // Split-level V rows are summed apart, in the rotated domain, and rotated back once
+        // per query (H is linear).
         let mut o_rot = vec![0.0f32; TILE * per_job * hd];
         for job in a..b {
             let (set, tile) = (job % sets, job / sets);
@@ -1226,12 +1305,8 @@ fn attention(
             let nq = (t1 - t0) * per_job;
             for t in t0..t1 {
                 for j in 0..per_job {
-                    let (h, qi) = (h0 + j, (t - t0) * per_job + j);
-                    // Q is rounded to f16 as llama.cpp does before its f16 K·Q product.
-                    let src = &qkv[t * ld + h * hd..t * ld + (h + 1) * hd];
-                    for (d, &v) in q[qi * hd..(qi + 1) * hd].iter_mut().zip(src) {
-                        *d = f16::from_f32(v).to_f32();
-                    }
+                    let qi = (t - t0) * per_job + j;
+                    round_query(&qkv[t * ld + (h0 + j) * hd..][..hd], &mut q[qi * hd..(qi + 1) * hd]);
                     limits[qi] = positions[t] + 1;
                 }
             }
@@ -1254,48 +1329,18 @@ fn attention(
                     for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
                         *v = lim.saturating_sub(col0).min(n_c);
                     }
-                    let f = kv.format(ch);
-                    let off = kv.geom.block_offset(f, layer, kvsel, kvh);
-                    let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
-                    // Base formats are read in place; reduced levels decoded (here or up front).
-                    let rows = match f {
-                        KvFormat::F16 => kernels::KvRows::F16(bytes),
-                        KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
-                        f if f.split() && kvsel == 0 => {
-                            let codes = crate::kv::split_k_params(bytes, hd, &mut zero, &mut step);
-                            kernels::KvRows::Channel { codes, bits: f.bits(), zero: &zero, step: &step }
-                        }
-                        f if f.split() => {
-                            rotated = true;
-                            kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.bits(), levels: crate::kv::split_v_levels(f.bits()) }
-                        }
-                        f if !up_front(f) => {
-                            crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut own8);
-                            kernels::KvRows::Int8 { blk: &own8, t_cap: ct }
-                        }
-                        f => {
-                            let b =
-                                slot_of.get(ch).copied().expect("reduced chunks are decoded above") * blocks + kvsel * c.n_kv_heads + kvh;
-                            if crate::kv::decodes_to_int8(f, hd) {
-                                kernels::KvRows::Int8 { blk: &dec8[b * blk8..(b + 1) * blk8], t_cap: ct }
-                            } else {
-                                kernels::KvRows::F32(&dec32[b * ct * hd..(b + 1) * ct * hd])
-                            }
-                        }
-                    };
+                    let rows = lb.rows(ch, kvsel, kvh, n_c, &mut scratch);
                     if kvsel == 0 {
                         kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
                     } else {
+                        rotated |= matches!(rows, kernels::KvRows::Token { .. });
                         let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut o_rot } else { &mut o };
                         kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
                     }
                 }
                 if rotated {
                     for (oq, rq) in o[..nq * hd].chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
-                        crate::kv::fwht(rq);
-                        for (a, &b) in oq.iter_mut().zip(rq.iter()) {
-                            *a += b;
-                        }
+                        add_rotated_back(oq, rq);
                     }
                 }
             }
@@ -1313,6 +1358,136 @@ fn attention(
         }
     });
     DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
+}
+
+/// A query rounded to f16, as llama.cpp does before its f16 K·Q product.
+fn round_query(src: &[f32], dst: &mut [f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(v).to_f32();
+    }
+}
+
+/// `o += H r`: a split level's share of the output, summed in the rotated domain, rotated back.
+fn add_rotated_back(o: &mut [f32], r: &mut [f32]) {
+    crate::kv::fwht(r);
+    for (a, &b) in o.iter_mut().zip(r.iter()) {
+        *a += b;
+    }
+}
+
+/// Attention for one tile of up to 8 tokens (a decode step): split-K over the context, as
+/// flash-decoding does. A job is one KV head's whole GQA group over one span of
+/// [`SPAN_TOKENS`]: each K and V row is unpacked once for all the group's query heads (one
+/// head a job read every row three times on this model, and a split level's unpacking and
+/// step table three times), and a long context gives every thread work. Three passes: the
+/// scores of each span; each query's softmax over its whole row (gathered from the spans, so
+/// it is the one softmax of every other path); each span's share of the output, which are then
+/// added in span order (the only arithmetic that differs from one job over the whole context,
+/// and only past the first span).
+#[allow(clippy::too_many_arguments)]
+fn attend_spans(
+    pool: &ThreadPool,
+    c: &Config,
+    lb: &LayerBlocks,
+    qkv: &[f32],
+    ld: usize,
+    positions: &[usize],
+    out: &mut [f32],
+    obs: Option<&std::sync::Mutex<&mut AttentionStats>>,
+) {
+    let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+    let group = nh / nkv;
+    // A KV head's queries, token-major: query `qi` is token `qi / group`, head `qi % group` of
+    // the group.
+    let nq = positions.len() * group;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let ct = lb.kv.geom.chunk_tokens;
+    let p_max = positions.iter().copied().max().map_or(0, |p| p + 1);
+    let n_chunks = p_max.div_ceil(ct);
+    let span = (SPAN_TOKENS / ct).max(1);
+    let spans = n_chunks.div_ceil(span);
+    let st = span * ct;
+    let mut q = vec![0.0f32; nkv * nq * hd];
+    for (qi, dst) in q.chunks_exact_mut(hd).enumerate() {
+        let (kvh, qi) = (qi / nq, qi % nq);
+        let (t, h) = (qi / group, kvh * group + qi % group);
+        round_query(&qkv[t * ld + h * hd..][..hd], dst);
+    }
+    let limits: Vec<usize> = (0..nq).map(|qi| positions[qi / group] + 1).collect();
+    let rotated = (0..n_chunks).any(|ch| lb.kv.format(ch).split());
+    // Scores and span outputs in job order ([kv head][span]), one disjoint piece a job.
+    let mut scores = vec![0.0f32; nkv * spans * nq * st];
+    let mut parts = vec![0.0f32; nkv * spans * 2 * nq * hd];
+    // The chunks of job `job`'s span: (chunk, its tokens up to `p_max`, its first column in
+    // the span).
+    let span_chunks = |job: usize| {
+        let s = job % spans;
+        (s * span..((s + 1) * span).min(n_chunks)).map(move |ch| (ch, ct.min(p_max - ch * ct), ch * ct - s * st))
+    };
+    // How many of chunk `ch`'s `n_c` tokens each query sees.
+    let see = |ch: usize, n_c: usize, visible: &mut [usize]| {
+        for (v, &lim) in visible.iter_mut().zip(&limits) {
+            *v = lim.saturating_sub(ch * ct).min(n_c);
+        }
+    };
+    pool.scatter(scores.chunks_exact_mut(nq * st).enumerate().collect(), &|(job, sc)| {
+        let kvh = job / spans;
+        let (mut scratch, mut visible) = (BlockScratch::new(lb), vec![0usize; nq]);
+        for (ch, n_c, col0) in span_chunks(job) {
+            see(ch, n_c, &mut visible);
+            let rows = lb.rows(ch, 0, kvh, n_c, &mut scratch);
+            kernels::chunk_scores(&q[kvh * nq * hd..(kvh + 1) * nq * hd], hd, rows, &visible, scale, sc, st, col0);
+        }
+    });
+    pool.scatter(scores.chunks_exact_mut(spans * nq * st).collect(), &|sc| {
+        let mut row = vec![0.0f32; p_max];
+        for (qi, &lim) in limits.iter().enumerate() {
+            let piece = |s: usize| (s * st, ((s + 1) * st).min(lim), (s * nq + qi) * st);
+            for (lo, hi, at) in (0..spans).map(piece).take_while(|p| p.0 < p.1) {
+                row[lo..hi].copy_from_slice(&sc[at..at + hi - lo]);
+            }
+            kernels::softmax_f16(&mut row[..lim]);
+            for (lo, hi, at) in (0..spans).map(piece).take_while(|p| p.0 < p.1) {
+                sc[at..at + hi - lo].copy_from_slice(&row[lo..hi]);
+            }
+            if let Some(obs) = obs {
+                obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&row[..lim], lim, &[lim]);
+            }
+        }
+    });
+    let scores = &scores;
+    pool.scatter(parts.chunks_exact_mut(2 * nq * hd).enumerate().collect(), &|(job, part)| {
+        let kvh = job / spans;
+        let probs = &scores[job * nq * st..(job + 1) * nq * st];
+        let (o, o_rot) = part.split_at_mut(nq * hd);
+        let (mut scratch, mut visible) = (BlockScratch::new(lb), vec![0usize; nq]);
+        for (ch, n_c, col0) in span_chunks(job) {
+            see(ch, n_c, &mut visible);
+            let rows = lb.rows(ch, 1, kvh, n_c, &mut scratch);
+            let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };
+            kernels::chunk_values(probs, st, col0, rows, &visible, hd, acc);
+        }
+    });
+    let (mut o, mut o_rot) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+    for kvh in 0..nkv {
+        for qi in 0..nq {
+            for (s, part) in parts[kvh * spans * 2 * nq * hd..].chunks_exact(2 * nq * hd).take(spans).enumerate() {
+                let (po, pr) = (&part[qi * hd..(qi + 1) * hd], &part[(nq + qi) * hd..(nq + qi + 1) * hd]);
+                if s == 0 {
+                    o.copy_from_slice(po);
+                    o_rot.copy_from_slice(pr);
+                } else {
+                    o.iter_mut().zip(po).for_each(|(a, &b)| *a += b);
+                    o_rot.iter_mut().zip(pr).for_each(|(a, &b)| *a += b);
+                }
+            }
+            if rotated {
+                add_rotated_back(&mut o, &mut o_rot);
+            }
+            let (t, h) = (qi / group, kvh * group + qi % group);
+            out[t * nh * hd + h * hd..][..hd].copy_from_slice(&o);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1334,14 +1509,15 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 64,
             vocab: 8,
-            ctx_len: 256,
+            ctx_len: 512,
             rope_base: 10000.0,
             rope_dims: 64,
             norm_eps: 1e-5,
         };
-        let (kvd, n) = (c.kv_dim(), 100);
+        // 300 tokens: decoding attention's spans (SPAN_TOKENS) cover them in three pieces.
+        let (kvd, n) = (c.kv_dim(), 300);
         let geom = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
-        let mut kv = ChunkedKv::new(geom, 128, KvFormat::Int8);
+        let mut kv = ChunkedKv::new(geom, 512, KvFormat::Int8);
         kv.ensure(n).unwrap();
         for layer in 0..2 {
             for pos in 0..n {
@@ -1350,14 +1526,16 @@ mod tests {
                 kv.write(layer, pos, &k, &v);
             }
         }
-        // Chunk 6 stays int8 (partial); the split levels are read in place, V rotated back.
-        let formats = [KvFormat::Q4, KvFormat::F16, KvFormat::K4V4, KvFormat::Q2, KvFormat::K3V3, KvFormat::Q4R];
-        for (i, f) in formats.into_iter().enumerate() {
-            kv.set_format(i, f).unwrap();
+        // Every span mixes formats; the last chunk stays int8 (partial); the split levels are
+        // read in place, V rotated back.
+        let formats =
+            [KvFormat::Q4, KvFormat::F16, KvFormat::K4V4, KvFormat::Q2, KvFormat::K3V3, KvFormat::Q4R, KvFormat::Int8, KvFormat::K2V2];
+        for i in 0..n / 16 {
+            kv.set_format(i, formats[i % formats.len()]).unwrap();
         }
-        // Two tiles (reduced chunks decoded once for the layer) and one token (one head per
-        // job, Q4/Q2 decoded by each job).
-        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1]] {
+        // Two tiles (reduced chunks decoded once for the layer); one token and a tile of
+        // scattered positions (split over spans, Q4/Q2 decoded by each job).
+        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1], vec![5, 130, 131, 299, 200]] {
             let ld = c.dim + 2 * kvd;
             let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut out = vec![0.0; positions.len() * c.dim];
@@ -1390,7 +1568,10 @@ mod tests {
                     }
                 }
             }
-            assert_eq!(stats.count[0], positions.len() as u64 * 6, "every query row of every head saw position 0");
+            for p in [0, 6, 131, 132, 299] {
+                let rows = positions.iter().filter(|&&q| q >= p).count() as u64 * 6;
+                assert_eq!(stats.count[p], rows, "position {p}: every query row of every head that sees it");
+            }
         }
     }
 }

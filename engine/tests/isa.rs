@@ -1,6 +1,6 @@
 //! The kernel sets agree: the model computes the same logits, bit for bit, with the CPU's
 //! vector kernels (AVX2, VNNI, NEON with or without `sdot`) as with the scalar references —
-//! over f16 and int8 contexts, chunks lowered to Q4 and Q2, prefill and decode. So a context
+//! over f16 and int8 contexts, chunks lowered to every reduced level, prefill and decode. So a context
 //! saved on one machine continues identically on another, whatever its instruction set
 //! (`make test-arm64` checks x86_64 against aarch64 with the digest this test can write).
 
@@ -26,6 +26,18 @@ fn run(m: &Arc<Model>, pool: &Arc<ThreadPool>, toks: &[u32]) -> Vec<f32> {
             all.extend_from_slice(s.eval(&[t], Logits::Last).unwrap());
         }
     }
+    // Past one span of decoding attention (128 tokens), over every reduced level: the split
+    // levels read in place, each span's share of the output added in order.
+    let opts = SessionOptions { capacity: 160, chunk_tokens: 16, base: KvFormat::Int8, observe_attention: false, sliding_window: None };
+    let mut s = Session::with_options(Arc::clone(m), Arc::clone(pool), opts);
+    all.extend_from_slice(s.eval(&toks[46..176], Logits::Last).unwrap());
+    let levels = [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2, KvFormat::Q4, KvFormat::Q2, KvFormat::Q4R, KvFormat::Q2R, KvFormat::K4V4];
+    for (ch, f) in levels.into_iter().enumerate() {
+        s.kv.set_format(ch, f).unwrap();
+    }
+    for &t in &toks[176..179] {
+        all.extend_from_slice(s.eval(&[t], Logits::Last).unwrap());
+    }
     all
 }
 
@@ -34,7 +46,7 @@ fn logits_are_the_same_bits_with_vector_and_scalar_kernels() {
     let m = Arc::new(Model::load(&model_path()).unwrap());
     let pool = Arc::new(ThreadPool::new(2));
     let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
-    let toks = m.tokenizer.encode(&text, false, false).unwrap()[..46].to_vec();
+    let toks = m.tokenizer.encode(&text, false, false).unwrap()[..179].to_vec();
     let kernels = engine::simd::simd_name();
     let vector = run(&m, &pool, &toks);
     // Process-wide: no other test in this binary computes meanwhile.
