@@ -1295,8 +1295,12 @@ fn attention(
         let mut visible = vec![0usize; TILE * per_job];
         let mut scratch = BlockScratch::new(&lb);
         // Split-level V rows are summed apart, in the rotated domain, and rotated back once
-        // per query (H is linear).
+        // per query (H is linear). Each span's share is summed apart (`po`, `pr`) and added in
+        // span order, as decoding does (`attend_spans`): a position gets the same bits whether
+        // it was prefilled or decoded, so recomputing a decoded token is exact.
         let mut o_rot = vec![0.0f32; TILE * per_job * hd];
+        let (mut po, mut pr) = (vec![0.0f32; TILE * per_job * hd], vec![0.0f32; TILE * per_job * hd]);
+        let span = (SPAN_TOKENS / ct).max(1);
         for job in a..b {
             let (set, tile) = (job % sets, job / sets);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
@@ -1319,8 +1323,8 @@ fn attention(
                     for (i, &lim) in limits[..nq].iter().enumerate() {
                         kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
                     }
-                    o[..nq * hd].fill(0.0);
-                    o_rot[..nq * hd].fill(0.0);
+                    po[..nq * hd].fill(0.0);
+                    pr[..nq * hd].fill(0.0);
                 }
                 let mut rotated = false;
                 for ch in 0..n_chunks {
@@ -1334,8 +1338,18 @@ fn attention(
                         kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
                     } else {
                         rotated |= matches!(rows, kernels::KvRows::Token { .. });
-                        let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut o_rot } else { &mut o };
+                        let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut pr } else { &mut po };
                         kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
+                        if (ch + 1) % span == 0 || ch + 1 == n_chunks {
+                            for (total, part) in [(&mut o, &mut po), (&mut o_rot, &mut pr)] {
+                                if ch < span {
+                                    total[..nq * hd].copy_from_slice(&part[..nq * hd]);
+                                } else {
+                                    total[..nq * hd].iter_mut().zip(&part[..nq * hd]).for_each(|(a, &b)| *a += b);
+                                }
+                                part[..nq * hd].fill(0.0);
+                            }
+                        }
                     }
                 }
                 if rotated {
