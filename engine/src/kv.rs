@@ -111,27 +111,6 @@ impl KvFormat {
             Self::Q2 | Self::Q2R | Self::K2V2 => 2,
         }
     }
-    /// How much a chunk at this level costs the model's accuracy, as the weight of eq. 3's
-    /// level choice (`mm::Codec::loss`): the relative perplexity increase of the whole cache at
-    /// this level against int8, measured on the default model (SmolLM2-135M) over every 512-token
-    /// window of tests/fixtures/gpl-3.txt and heapq.py.txt, the two texts' mean (docs/kv.md,
-    /// "Accuracy of compression"). The base formats, which lose nothing measurable, get small
-    /// distinct weights so the order stays strict. Measured rather than taken as `2^-bits`:
-    /// that weight made int8 -> k4v4 (+0.9%) look as costly as k4v4 -> k3v3 (+3.7%), and the
-    /// solver kept chunks at int8 by sending others to 3 bits (docs/kv.md).
-    pub fn loss_weight(self) -> f64 {
-        match self {
-            Self::F16 => 1e-5,
-            Self::Int8 => 1e-4,
-            Self::Q4 => 0.0097,
-            Self::Q2 => 0.184,
-            Self::Q4R => 0.029,
-            Self::Q2R => 2.47,
-            Self::K4V4 => 0.0092,
-            Self::K3V3 => 0.046,
-            Self::K2V2 => 0.224,
-        }
-    }
     /// Largest code of a reduced level.
     fn levels(self) -> i32 {
         match self {

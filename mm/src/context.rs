@@ -16,13 +16,8 @@ pub trait Codec: Send + Sync {
         self.n_layers() * self.layer_bytes(f)
     }
     fn chunk_tokens(&self) -> usize;
-    /// Bits per value of `f`.
+    /// Bits per value of `f` (the compression level's weight in eq. 3).
     fn bits(&self, f: Format) -> u32;
-    /// What a chunk at `f` costs accuracy: the level's weight in eq. 3 (`levels::choose_levels`
-    /// minimises density x loss). Without a measurement, a `b`-bit quantizer's error, `2^-b`.
-    fn loss(&self, f: Format) -> f64 {
-        crate::levels::loss_of_bits(self.bits(f))
-    }
     fn name(&self, f: Format) -> &'static str;
     /// A fingerprint of the model and codec: records of another model are never read.
     fn fingerprint(&self) -> u64;

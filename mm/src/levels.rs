@@ -7,9 +7,8 @@
 //! thresholds. Read literally it weights each level's densities by `1/ratio`, which would
 //! send the densest chunks to the smallest level; its text means "maximise the information
 //! retained under the size constraint". We score a level by the information it *loses*,
-//! `density x error` and minimise the total loss subject to `sum(size) <= ratio * n * size_0`.
-//! A level's error is the codec's `Codec::loss`: measured where the codec knows it (the
-//! engine's formats: their perplexity cost, docs/kv.md), else a b-bit linear quantizer's `2^-b`. Scoring retained
+//! `density x error`, with the error of a b-bit linear quantizer taken as `2^-b`, and
+//! minimise the total loss subject to `sum(size) <= ratio * n * size_0`. Scoring retained
 //! information as `density x bits` was measured worse (docs/kv.md): it spends the budget on
 //! 2-bit chunks to keep a few at 8 bits. The search is exhaustive over the thresholds with
 //! prefix sums: O(n^(k-1)) for k levels (n^2 for the default three).

@@ -13,7 +13,7 @@ use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, 
 
 use crate::context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
 use crate::lctru::{ChunkId, Lctru};
-use crate::levels::choose_levels;
+use crate::levels::{choose_levels, loss_of_bits};
 use crate::planner::{plan_forced, Plan};
 use crate::profile::Profile;
 use crate::ring::{Op, Ring};
@@ -997,7 +997,7 @@ impl Manager {
             if let Some(d) = &dens {
                 let full = (n_tok / ct).min(n);
                 let sizes: Vec<f64> = self.cfg.levels.iter().map(|&f| self.codec.chunk_bytes(f) as f64).collect();
-                let losses: Vec<f64> = self.cfg.levels.iter().map(|&f| self.codec.loss(f)).collect();
+                let losses: Vec<f64> = self.cfg.levels.iter().map(|&f| loss_of_bits(self.codec.bits(f))).collect();
                 let dd: Vec<f64> = (0..full).map(|i| d.get(i).copied().unwrap_or(0.0)).collect();
                 for (i, l) in choose_levels(&dd, &sizes, &losses, self.cfg.ratio).into_iter().enumerate() {
                     targets[i] = Some(self.cfg.levels[l]);

@@ -38,7 +38,7 @@ pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvF
     let levels = levels.to_vec();
     #[allow(clippy::cast_precision_loss)]
     let sizes: Vec<f64> = levels.iter().map(|&f| codec.geom.chunk_bytes(f) as f64).collect();
-    let losses: Vec<f64> = levels.iter().map(|&f| mm::Codec::loss(&codec, code(f))).collect();
+    let losses: Vec<f64> = levels.iter().map(|&f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, code(f)))).collect();
     move |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
 }
 
@@ -87,9 +87,6 @@ impl Codec for EngineCodec {
     }
     fn bits(&self, f: Format) -> u32 {
         u32::try_from(format(f).bits()).unwrap_or(16)
-    }
-    fn loss(&self, f: Format) -> f64 {
-        format(f).loss_weight()
     }
     fn name(&self, f: Format) -> &'static str {
         format(f).name()
@@ -223,27 +220,6 @@ impl mm::FaultRecompute for EngineRecompute {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Eq. 3's weights are the formats' measured costs: at a ratio below 4 bits, the split
-    /// levels' mix keeps only the densest chunk (the attention sink) at int8 and no 2-bit
-    /// chunk, where `2^-bits` weights keep more chunks at int8 and pay for each with about
-    /// four 3-bit ones (docs/kv.md: +1.24% / +3.97% against +2.43% / +4.55% at 0.5).
-    #[test]
-    fn measured_loss_weights_spend_the_bytes_on_four_bits() {
-        let codec = EngineCodec { geom: KvGeometry { n_layers: 30, n_kv_heads: 3, head_dim: 64, chunk_tokens: 16 }, fingerprint: 0 };
-        let levels = [KvFormat::Int8, KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2];
-        #[allow(clippy::cast_precision_loss)]
-        let sizes: Vec<f64> = levels.iter().map(|&f| codec.geom.chunk_bytes(f) as f64).collect();
-        // A sink far denser than the rest, the rest falling off with distance, as measured.
-        let dens: Vec<f64> = (0..32).map(|i| if i == 0 { 0.3 } else { 0.02 / f64::from(i).powf(0.8) }).collect();
-        let count = |chosen: &[usize], l: usize| chosen.iter().filter(|&&c| c == l).count();
-        let measured: Vec<f64> = levels.iter().map(|&f| Codec::loss(&codec, code(f))).collect();
-        let chosen = mm::levels::choose_levels(&dens, &sizes, &measured, 0.5);
-        assert_eq!((chosen[0], count(&chosen, 0), count(&chosen, 3)), (0, 1, 0), "{chosen:?}");
-        let by_bits: Vec<f64> = levels.iter().map(|&f| mm::levels::loss_of_bits(Codec::bits(&codec, code(f)))).collect();
-        let chosen = mm::levels::choose_levels(&dens, &sizes, &by_bits, 0.5);
-        assert!(count(&chosen, 0) > 1, "2^-bits: {chosen:?}");
-    }
 
     /// Records and configs name formats by these codes: each is the format's index in
     /// `KvFormat::ALL` and reads back as the same format.
