@@ -1139,6 +1139,7 @@ struct LayerBlocks<'a> {
 
 /// A job's buffers for [`LayerBlocks::rows`]: a Q4/Q2 block decoded to int8, a split K
 /// block's channel zero points and steps.
+#[derive(Default)]
 struct BlockScratch {
     own8: Vec<u8>,
     zero: Vec<f32>,
@@ -1147,9 +1148,34 @@ struct BlockScratch {
 
 impl BlockScratch {
     fn new(b: &LayerBlocks) -> Self {
-        let blk8 = if b.in_job { b.kv.geom.head_block_bytes(KvFormat::Int8, 0) } else { 0 };
-        Self { own8: vec![0; blk8], zero: vec![0.0; b.hd], step: vec![0.0; b.hd] }
+        let mut s = Self::default();
+        s.fit(b);
+        s
     }
+    fn fit(&mut self, b: &LayerBlocks) {
+        let blk8 = if b.in_job { b.kv.geom.head_block_bytes(KvFormat::Int8, 0) } else { 0 };
+        self.own8.resize(blk8, 0);
+        self.zero.resize(b.hd, 0.0);
+        self.step.resize(b.hd, 0.0);
+    }
+}
+
+thread_local! {
+    /// Each thread's buffers for decoding attention's jobs (a decoded token runs ~100 jobs a
+    /// layer at 4k: allocating them per job showed), and the calling thread's scores and span
+    /// outputs.
+    static SPAN_JOB: std::cell::RefCell<(BlockScratch, Vec<usize>)> = std::cell::RefCell::default();
+    static SPAN_BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` with this thread's job buffers, fitted to `lb` and `nq` queries.
+fn with_span_job<R>(lb: &LayerBlocks, nq: usize, f: impl FnOnce(&mut BlockScratch, &mut [usize]) -> R) -> R {
+    SPAN_JOB.with(|cell| {
+        let g = &mut *cell.borrow_mut();
+        g.0.fit(lb);
+        g.1.resize(nq, 0);
+        f(&mut g.0, &mut g.1)
+    })
 }
 
 impl<'a> LayerBlocks<'a> {
@@ -1429,9 +1455,13 @@ fn attend_spans(
     }
     let limits: Vec<usize> = (0..nq).map(|qi| positions[qi / group] + 1).collect();
     let rotated = (0..n_chunks).any(|ch| lb.kv.format(ch).split());
-    // Scores and span outputs in job order ([kv head][span]), one disjoint piece a job.
-    let mut scores = vec![0.0f32; nkv * spans * nq * st];
-    let mut parts = vec![0.0f32; nkv * spans * 2 * nq * hd];
+    // Scores and span outputs in job order ([kv head][span]), one disjoint piece a job. Every
+    // score read is written first (each span's chunks cover its columns up to every query's
+    // limit); the outputs are sums, so they start at zero.
+    let (mut scores, mut parts) = SPAN_BUFS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    scores.resize(nkv * spans * nq * st, 0.0);
+    parts.clear();
+    parts.resize(nkv * spans * 2 * nq * hd, 0.0);
     // The chunks of job `job`'s span: (chunk, its tokens up to `p_max`, its first column in
     // the span).
     let span_chunks = |job: usize| {
@@ -1446,12 +1476,13 @@ fn attend_spans(
     };
     pool.scatter(scores.chunks_exact_mut(nq * st).enumerate().collect(), &|(job, sc)| {
         let kvh = job / spans;
-        let (mut scratch, mut visible) = (BlockScratch::new(lb), vec![0usize; nq]);
-        for (ch, n_c, col0) in span_chunks(job) {
-            see(ch, n_c, &mut visible);
-            let rows = lb.rows(ch, 0, kvh, n_c, &mut scratch);
-            kernels::chunk_scores(&q[kvh * nq * hd..(kvh + 1) * nq * hd], hd, rows, &visible, scale, sc, st, col0);
-        }
+        with_span_job(lb, nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(job) {
+                see(ch, n_c, visible);
+                let rows = lb.rows(ch, 0, kvh, n_c, scratch);
+                kernels::chunk_scores(&q[kvh * nq * hd..(kvh + 1) * nq * hd], hd, rows, visible, scale, sc, st, col0);
+            }
+        });
     });
     pool.scatter(scores.chunks_exact_mut(spans * nq * st).collect(), &|sc| {
         let mut row = vec![0.0f32; p_max];
@@ -1469,18 +1500,19 @@ fn attend_spans(
             }
         }
     });
-    let scores = &scores;
+    let probs_all = &scores;
     pool.scatter(parts.chunks_exact_mut(2 * nq * hd).enumerate().collect(), &|(job, part)| {
         let kvh = job / spans;
-        let probs = &scores[job * nq * st..(job + 1) * nq * st];
+        let probs = &probs_all[job * nq * st..(job + 1) * nq * st];
         let (o, o_rot) = part.split_at_mut(nq * hd);
-        let (mut scratch, mut visible) = (BlockScratch::new(lb), vec![0usize; nq]);
-        for (ch, n_c, col0) in span_chunks(job) {
-            see(ch, n_c, &mut visible);
-            let rows = lb.rows(ch, 1, kvh, n_c, &mut scratch);
-            let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };
-            kernels::chunk_values(probs, st, col0, rows, &visible, hd, acc);
-        }
+        with_span_job(lb, nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(job) {
+                see(ch, n_c, visible);
+                let rows = lb.rows(ch, 1, kvh, n_c, scratch);
+                let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };
+                kernels::chunk_values(probs, st, col0, rows, visible, hd, acc);
+            }
+        });
     });
     let (mut o, mut o_rot) = (vec![0.0f32; hd], vec![0.0f32; hd]);
     for kvh in 0..nkv {
@@ -1502,6 +1534,7 @@ fn attend_spans(
             out[t * nh * hd + h * hd..][..hd].copy_from_slice(&o);
         }
     }
+    SPAN_BUFS.with(|b| *b.borrow_mut() = (scores, parts));
 }
 
 #[cfg(test)]
