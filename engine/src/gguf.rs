@@ -445,3 +445,188 @@ impl GgufFile {
         &self.map
     }
 }
+
+/// A tensor to be written: its name, GGUF dimensions (row length first) and type.
+#[derive(Debug, Clone)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+}
+
+/// Writes a GGUF v3 file that [`parse`] (and llama.cpp) read: the metadata and tensor infos
+/// up front ([`Writer::new`]), then each tensor's bytes in the order given
+/// ([`Writer::tensor`]), each padded to the alignment. Streams: one tensor's bytes in memory
+/// at a time, so a 7B-shaped file needs no 4 GiB buffer.
+#[derive(Debug)]
+pub struct Writer<W: std::io::Write> {
+    out: W,
+    sizes: Vec<(String, u64)>,
+    next: usize,
+}
+
+impl<W: std::io::Write> Writer<W> {
+    /// Writes the header. Metadata keys are written in the order given; an array's elements
+    /// must all be of its first element's type (GGUF arrays are typed), an empty array is
+    /// written as an array of u8. `general.alignment` is left to the default (32).
+    pub fn new(mut out: W, metadata: &[(String, Value)], tensors: &[TensorSpec]) -> std::io::Result<Self> {
+        let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
+        let mut head = Vec::new();
+        head.extend_from_slice(GGUF_MAGIC);
+        head.extend_from_slice(&3u32.to_le_bytes());
+        head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+        for (k, v) in metadata {
+            if k == "general.alignment" {
+                return Err(bad("general.alignment is the writer's (32)".into()));
+            }
+            put_str(&mut head, k);
+            head.extend_from_slice(&value_type(v).to_le_bytes());
+            put_value(&mut head, v).map_err(|e| bad(format!("metadata {k}: {e}")))?;
+        }
+        let mut offset = 0u64;
+        let mut sizes = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let size = tensor_size(&t.name, &t.dims, t.ty).map_err(|e| bad(e.to_string()))?;
+            let n_dims = u32::try_from(t.dims.len()).ok().filter(|n| (1..=MAX_DIMS).contains(n));
+            let n_dims = n_dims.ok_or_else(|| bad(format!("tensor {}: {} dimensions", t.name, t.dims.len())))?;
+            put_str(&mut head, &t.name);
+            head.extend_from_slice(&n_dims.to_le_bytes());
+            t.dims.iter().for_each(|d| head.extend_from_slice(&d.to_le_bytes()));
+            head.extend_from_slice(&t.ty.as_u32().to_le_bytes());
+            head.extend_from_slice(&offset.to_le_bytes());
+            offset += size.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+            sizes.push((t.name.clone(), size));
+        }
+        head.resize(head.len().next_multiple_of(ALIGN), 0);
+        out.write_all(&head)?;
+        Ok(Self { out, sizes, next: 0 })
+    }
+
+    /// Writes the next tensor's bytes (exactly its size, checked).
+    pub fn tensor(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        let Some((name, size)) = self.sizes.get(self.next) else {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "more tensors than declared"));
+        };
+        if bytes.len() as u64 != *size {
+            let what = format!("tensor {name}: {} bytes given, {size} declared", bytes.len());
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
+        }
+        self.out.write_all(bytes)?;
+        self.out.write_all(&[0u8; ALIGN][..bytes.len().next_multiple_of(ALIGN) - bytes.len()])?;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Checks every declared tensor was written and returns the output.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        if self.next != self.sizes.len() {
+            let what = format!("{} of {} tensors written", self.next, self.sizes.len());
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, what));
+        }
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+/// The writer's alignment: GGUF's default, so no `general.alignment` key is needed.
+const ALIGN: usize = 32;
+const _: () = assert!(ALIGN as u64 == DEFAULT_ALIGNMENT);
+
+fn put_str(buf: &mut Vec<u8>, s: &str) {
+    buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+}
+
+/// GGUF's value type codes.
+fn value_type(v: &Value) -> u32 {
+    match v {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    }
+}
+
+fn put_value(buf: &mut Vec<u8>, v: &Value) -> std::result::Result<(), String> {
+    match v {
+        Value::U8(x) => buf.push(*x),
+        Value::I8(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::U16(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::I16(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::U32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::I32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::U64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::I64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::F32(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::F64(x) => buf.extend_from_slice(&x.to_le_bytes()),
+        Value::Bool(x) => buf.push(u8::from(*x)),
+        Value::String(s) => put_str(buf, s),
+        Value::Array(a) => {
+            let ty = a.first().map_or(0, value_type);
+            buf.extend_from_slice(&ty.to_le_bytes());
+            buf.extend_from_slice(&(a.len() as u64).to_le_bytes());
+            for e in a {
+                if value_type(e) != ty {
+                    return Err("an array of mixed types".into());
+                }
+                put_value(buf, e)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
+mod writer_tests {
+    use super::*;
+
+    #[test]
+    fn written_files_parse_back_to_what_was_written() {
+        let meta = vec![
+            ("general.architecture".to_string(), Value::String("llama".into())),
+            ("a.u32".to_string(), Value::U32(7)),
+            ("a.f32".to_string(), Value::F32(1.5)),
+            ("a.arr".to_string(), Value::Array(vec![Value::String("x".into()), Value::String("yz".into())])),
+            ("a.nested".to_string(), Value::Array(vec![Value::Array(vec![Value::I32(-1)])])),
+            ("a.empty".to_string(), Value::Array(vec![])),
+        ];
+        let tensors = vec![
+            TensorSpec { name: "t0".into(), dims: vec![32, 3], ty: GgmlType::Q8_0 },
+            TensorSpec { name: "t1".into(), dims: vec![5], ty: GgmlType::F32 },
+        ];
+        let mut w = Writer::new(Vec::new(), &meta, &tensors).unwrap();
+        let t0: Vec<u8> = (0..3 * 34u8).collect();
+        let t1: Vec<u8> = (0..20u8).map(|i| 200 - i).collect();
+        assert!(w.tensor(&t1).is_err(), "a tensor of the wrong size is refused");
+        w.tensor(&t0).unwrap();
+        w.tensor(&t1).unwrap();
+        assert!(w.tensor(&t1).is_err(), "more tensors than declared");
+        let buf = w.finish().unwrap();
+        let h = parse(&buf).unwrap();
+        assert_eq!(h.version, 3);
+        for (k, v) in &meta {
+            assert_eq!(h.metadata.get(k), Some(v), "{k}");
+        }
+        assert_eq!(h.tensors.len(), 2);
+        let at = |i: usize| (h.data_offset + h.tensors[i].offset) as usize;
+        assert_eq!(&buf[at(0)..at(0) + t0.len()], &t0[..]);
+        assert_eq!(&buf[at(1)..at(1) + t1.len()], &t1[..]);
+        assert_eq!(h.tensors[0].ty, GgmlType::Q8_0);
+        assert_eq!(h.tensors[1].dims, vec![5]);
+        let mixed = vec![("m".to_string(), Value::Array(vec![Value::U8(1), Value::I8(1)]))];
+        assert!(Writer::new(Vec::new(), &mixed, &[]).is_err());
+        let unfinished = Writer::new(Vec::new(), &[], &tensors).unwrap();
+        assert!(unfinished.finish().is_err());
+    }
+}

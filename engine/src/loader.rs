@@ -17,7 +17,7 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("architecture {0:?} is not supported (llama, qwen2)")]
+    #[error("architecture {0:?} is not supported (supported: llama — also Llama 2/3, Mistral and SmolLM files —, qwen2)")]
     Arch(String),
     #[error("model metadata {key}: {what}")]
     Metadata { key: String, what: String },
@@ -49,6 +49,13 @@ pub struct Config {
     pub ctx_len: usize,
     pub rope_base: f32,
     pub rope_dims: usize,
+    /// RoPE rotates the pairs `(i, i + dims/2)` (llama.cpp's "neox" mode: qwen2) instead of
+    /// adjacent channels (llama).
+    pub rope_neox: bool,
+    /// Linear RoPE scaling: positions are multiplied by this (`1 / rope.scaling.factor`).
+    pub rope_freq_scale: f32,
+    /// Llama 3's per-pair frequency divisors (`rope_freqs.weight`), `rope_dims / 2` of them.
+    pub rope_factors: Option<Vec<f32>>,
     pub norm_eps: f32,
 }
 
@@ -76,6 +83,26 @@ fn meta_u(f: &GgufFile, key: &str) -> Result<usize> {
         .and_then(|v| usize::try_from(v).ok())
         .filter(|&v| v > 0 && v < 1 << 24)
         .ok_or_else(|| ModelError::Metadata { key: key.into(), what: "missing or not a sane positive integer".into() })
+}
+
+/// Linear RoPE scaling as llama.cpp reads it (`rope.scaling.factor`, or the older
+/// `rope.scale_linear`; 0 or absent: none). YaRN and LongRoPE are refused: they change more
+/// than the frequencies, and a model run without them would answer wrongly, not fail.
+fn rope_freq_scale(f: &GgufFile, arch: &str) -> Result<f32> {
+    let ty_key = format!("{arch}.rope.scaling.type");
+    match f.get(&ty_key).map(|v| v.as_str().unwrap_or("?")) {
+        None | Some("none" | "linear") => {}
+        Some(other) => {
+            return Err(ModelError::Metadata { key: ty_key, what: format!("RoPE scaling {other:?} is not supported (none, linear)") })
+        }
+    }
+    let key = [format!("{arch}.rope.scaling.factor"), format!("{arch}.rope.scale_linear")].into_iter().find(|k| f.get(k).is_some());
+    let Some(key) = key else { return Ok(1.0) };
+    match f.get(&key).and_then(Value::as_f32) {
+        Some(0.0) => Ok(1.0),
+        Some(x) if x.is_finite() && x > 0.0 => Ok(1.0 / x),
+        v => Err(ModelError::Metadata { key, what: format!("{v:?} is not a positive number") }),
+    }
 }
 
 /// The small tensors of a layer (always resident) and where its matrices are in the file.
@@ -141,6 +168,9 @@ impl Parsed {
                 .get(&k("rope.dimension_count"))
                 .map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?
                 .min(head_dim),
+            rope_neox: arch == "qwen2",
+            rope_freq_scale: rope_freq_scale(&file, &arch)?,
+            rope_factors: None,
             norm_eps: file.get(&k("attention.layer_norm_rms_epsilon")).and_then(Value::as_f32).unwrap_or(1e-5),
             dim,
             arch,
@@ -194,6 +224,14 @@ impl Parsed {
                 key: "rope.dimension_count".into(),
                 what: format!("{} is not an even number up to 512", config.rope_dims),
             });
+        }
+        // Llama 3's frequency factors, as llama.cpp reads them for the llama architecture only.
+        let mut config = config;
+        if config.arch == "llama" {
+            config.rope_factors = opt_vec("rope_freqs.weight", config.rope_dims / 2)?;
+        }
+        if let Some(f) = config.rope_factors.as_ref().and_then(|f| f.iter().find(|x| !(x.is_finite() && **x > 0.0))) {
+            return Err(ModelError::Tensor { name: "rope_freqs.weight".into(), what: format!("factor {f} is not a positive number") });
         }
         Ok(Self { file, config, tokenizer, layers, tok_embd, output, output_norm })
     }

@@ -127,8 +127,7 @@ pub struct Model {
     /// pager can stream it like the layers.
     output: Vec<Mat>,
     output_norm: Vec<f32>,
-    /// RoPE: `base^(-2/rope_dims)`, the ratio between successive pair frequencies.
-    theta_scale: f32,
+    rope: Rope,
     /// The weight image the matrices are read from, when they are not packed on the heap.
     image: Option<Arc<dyn WeightMemory>>,
     /// A channel-major image's layer groups (0: none, or a packed image): the forward pass
@@ -168,8 +167,8 @@ impl Parsed {
         } else {
             vec![mat(&file, output)?]
         };
-        let theta_scale = config.rope_base.powf(-2.0 / config.rope_dims as f32);
-        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, theta_scale, image, image_span: 0 })
+        let rope = Rope::new(&config);
+        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, rope, image, image_span: 0 })
     }
 }
 
@@ -614,10 +613,9 @@ impl Session {
             return Err(ModelError::ContextFull { needed: self.n_past() + drop, capacity: self.kv.capacity() });
         }
         let delta = n_drop * ct;
-        let c = &self.model.config;
-        let (hd, rd, ts) = (c.head_dim, c.rope_dims, self.model.theta_scale);
+        let (hd, rope) = (self.model.config.head_dim, &self.model.rope);
         // A rotation by -delta positions: angles -delta * theta_i, built like the forward's.
-        let rotate = move |x: &mut [f32]| rope_by(x, hd, rd, -(delta as f32), ts);
+        let rotate = move |x: &mut [f32]| rope.apply(x, hd, -(delta as f32));
         self.kv.remove_chunks(keep..keep + n_drop, &rotate);
         self.tokens.drain(keep * ct..keep * ct + delta);
         if let Some(a) = &mut self.attention {
@@ -792,8 +790,8 @@ fn forward_rows(
                 }
             }
             let (q, rest) = row.split_at_mut(dim);
-            rope(q, hd, c.rope_dims, pos, model.theta_scale);
-            rope(&mut rest[..kvd], hd, c.rope_dims, pos, model.theta_scale);
+            model.rope.apply(q, hd, pos as f32);
+            model.rope.apply(&mut rest[..kvd], hd, pos as f32);
             caches.write(li, t, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
         }
         caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
@@ -1086,28 +1084,53 @@ fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
     }
 }
 
-/// RoPE as llama.cpp applies it for the llama architecture ("normal" mode): adjacent pairs
-/// `(x[2i], x[2i+1])` of each head rotate by `pos * base^(-2i/d)`. (The GGUF converter permuted
-/// Q and K so this matches the original model's rotate-half form.)
-fn rope(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: usize, theta_scale: f32) {
-    rope_by(x, head_dim, rope_dims, pos as f32, theta_scale);
+/// RoPE as llama.cpp's CPU backend applies it: pair `i` of each head's first `dims` channels
+/// rotates by `pos * base^(-2i/dims)`, divided by the pair's frequency factor (Llama 3's
+/// `rope_freqs`) and times the linear scaling's `freq_scale`. The pairs are adjacent channels
+/// `(2i, 2i+1)` for llama ("normal" mode: the GGUF converter permuted Q and K so this matches
+/// the original rotate-half form) and `(i, i + dims/2)` for qwen2 ("neox" mode).
+#[derive(Debug, Clone)]
+struct Rope {
+    dims: usize,
+    /// `base^(-2/dims)`, the ratio between successive pair frequencies.
+    theta_scale: f32,
+    neox: bool,
+    freq_scale: f32,
+    factors: Option<Vec<f32>>,
 }
 
-/// Rotates each head of `x` by `pos` positions (any real `pos`, negative to undo).
-fn rope_by(x: &mut [f32], head_dim: usize, rope_dims: usize, pos: f32, theta_scale: f32) {
-    // theta_i = pos * theta_scale^i, built by repeated multiplication in f32 exactly as
-    // llama.cpp's rope cache does, so the rotations agree bit for bit.
-    let mut cs = [(0.0f32, 0.0f32); 256];
-    let mut theta = pos;
-    for c in cs.iter_mut().take(rope_dims / 2) {
-        *c = (theta.cos(), theta.sin());
-        theta *= theta_scale;
+impl Rope {
+    fn new(c: &Config) -> Self {
+        Rope {
+            dims: c.rope_dims,
+            theta_scale: c.rope_base.powf(-2.0 / c.rope_dims as f32),
+            neox: c.rope_neox,
+            freq_scale: c.rope_freq_scale,
+            factors: c.rope_factors.clone(),
+        }
     }
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, &(cos, sin)) in cs.iter().enumerate().take(rope_dims / 2) {
-            let (a, b) = (head[2 * i], head[2 * i + 1]);
-            head[2 * i] = a * cos - b * sin;
-            head[2 * i + 1] = a * sin + b * cos;
+
+    /// Rotates each head of `x` by `pos` positions (any real `pos`, negative to undo).
+    fn apply(&self, x: &mut [f32], head_dim: usize, pos: f32) {
+        // theta_i = pos * theta_scale^i, built by repeated multiplication in f32 and then
+        // divided and scaled in llama.cpp's order, so the rotations agree bit for bit (a
+        // factor and scale of 1 leave theta's bits as they are).
+        let half = self.dims / 2;
+        let mut cs = [(0.0f32, 0.0f32); 256];
+        let mut theta = pos;
+        for (i, c) in cs.iter_mut().take(half).enumerate() {
+            let ff = self.factors.as_ref().map_or(1.0, |f| f[i]);
+            let t = self.freq_scale * (theta / ff);
+            *c = (t.cos(), t.sin());
+            theta *= self.theta_scale;
+        }
+        let (step, off) = if self.neox { (1, half) } else { (2, 1) };
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, &(cos, sin)) in cs.iter().enumerate().take(half) {
+                let (a, b) = (head[step * i], head[step * i + off]);
+                head[step * i] = a * cos - b * sin;
+                head[step * i + off] = a * sin + b * cos;
+            }
         }
     }
 }
@@ -1559,6 +1582,9 @@ mod tests {
             ctx_len: 512,
             rope_base: 10000.0,
             rope_dims: 64,
+            rope_neox: false,
+            rope_freq_scale: 1.0,
+            rope_factors: None,
             norm_eps: 1e-5,
         };
         // 300 tokens: decoding attention's spans (SPAN_TOKENS) cover them in three pieces.

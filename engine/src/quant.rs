@@ -39,6 +39,21 @@ impl GgmlType {
             _ => return None,
         })
     }
+    /// ggml's number for the type (the inverse of [`Self::from_u32`]).
+    pub fn as_u32(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
+            Self::Q8_0 => 8,
+            Self::Q4K => 12,
+            Self::Q6K => 14,
+            Self::BF16 => 30,
+        }
+    }
     /// Elements per block.
     pub fn block_size(self) -> usize {
         match self {
@@ -562,6 +577,11 @@ mod tests {
         dequantize_row(GgmlType::Q5_1, bytemuck::bytes_of(&b1), &mut out);
         assert_eq!(&out[..4], &[3.0, -0.75, -0.5, 3.75]);
         assert_eq!(GgmlType::from_u32(6), Some(GgmlType::Q5_0));
+        for v in 0..40 {
+            if let Some(t) = GgmlType::from_u32(v) {
+                assert_eq!(t.as_u32(), v);
+            }
+        }
         assert_eq!(GgmlType::from_u32(7), Some(GgmlType::Q5_1));
         assert_eq!(GgmlType::Q5_1.row_bytes(64), 48);
     }

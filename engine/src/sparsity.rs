@@ -274,6 +274,9 @@ mod tests {
             ctx_len: 16,
             rope_base: 1e4,
             rope_dims: 2,
+            rope_neox: false,
+            rope_freq_scale: 1.0,
+            rope_factors: None,
             norm_eps: 1e-5,
         };
         let mut u = ChannelUse::new(&c);

@@ -34,10 +34,14 @@ pub fn oracle() -> &'static Value {
         let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture("llama_cpp.json")).expect("read oracle fixture"))
             .expect("oracle fixture is JSON");
         let want = v["model_sha256"].as_str().expect("fixture names its model");
-        let got = format!("{:x}", Sha256::digest(std::fs::read(model_path()).expect("read model")));
-        assert_eq!(got, want, "the model under test is not the one the llama.cpp fixtures were made with");
+        assert_eq!(sha256_file(&model_path()), want, "the model under test is not the one the llama.cpp fixtures were made with");
         v
     })
+}
+
+/// A file's SHA-256, in hex.
+pub fn sha256_file(path: &Path) -> String {
+    format!("{:x}", Sha256::digest(std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))))
 }
 
 /// Token ids from a JSON array.

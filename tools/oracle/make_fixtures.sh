@@ -14,3 +14,9 @@ cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
 # module, PSF license, committed so every run scores the same code).
 "$VENV/bin/python" tools/oracle/make_fixtures.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/gpl-3.txt tests/fixtures/llama_cpp.json \
   tests/fixtures/gpl-3.txt tests/fixtures/heapq.py.txt
+# The architecture cases (tests/fixtures/synth.json): random-weight models written by
+# `llms synth`, llama.cpp's logits on each.
+cargo build --release -p tools --bin llms
+SYNTH_DIR="$(mktemp -d)"
+trap 'rm -rf "$SYNTH_DIR"' EXIT
+"$VENV/bin/python" tools/oracle/synth_fixtures.py target/release/llms "$SYNTH_DIR" tests/fixtures/synth.json

@@ -17,6 +17,7 @@ pub mod service;
 pub mod size;
 pub mod stats;
 pub mod switchbench;
+pub mod synth;
 pub mod trace;
 pub mod weights;
 

@@ -87,6 +87,10 @@ enum Cmd {
     Doctor(doctor::DoctorArgs),
     /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
     Bench(model::BenchArgs),
+    /// Write a random-weight model of a given architecture and shape (a preset such as
+    /// llama2-7b, or any dimensions) with the default model's tokenizer: outputs are noise,
+    /// the costs are real (docs/engine.md "Architectures").
+    Synth(model::SynthArgs),
 }
 
 fn main() {
@@ -121,6 +125,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Pressure { cmd } => pressure::pressure(cmd),
         Cmd::Doctor(a) => a.run(),
         Cmd::Bench(a) => a.run(),
+        Cmd::Synth(a) => a.run(),
     }
 }
 

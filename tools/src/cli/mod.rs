@@ -133,6 +133,12 @@ pub(crate) fn model_path(m: &ModelArgs) -> PathBuf {
     if let Some(p) = &m.model {
         return p.clone();
     }
+    default_model()
+}
+
+/// `$LLMS_MODEL`, else the default model here or next to the repository the binary was
+/// built in.
+pub(crate) fn default_model() -> PathBuf {
     if let Some(p) = std::env::var_os("LLMS_MODEL") {
         return PathBuf::from(p);
     }

@@ -488,3 +488,86 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     }
     Ok(())
 }
+
+/// `llms synth`.
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// The shape to start from (smollm2-135m, smollm2-1.7b, qwen2-1.5b, llama2-7b,
+    /// mistral-7b, llama3-8b); the flags below change parts of it.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub like: String,
+    #[arg(long, value_enum)]
+    pub arch: Option<crate::synth::Arch>,
+    #[arg(long)]
+    pub dim: Option<usize>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long)]
+    pub ffn: Option<usize>,
+    /// Context length in the metadata.
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    #[arg(long)]
+    pub rope_base: Option<f32>,
+    /// Llama 3's RoPE frequency factors (rope_freqs.weight): true or false.
+    #[arg(long)]
+    pub llama3_rope: Option<bool>,
+    /// Linear RoPE scaling factor (1: none).
+    #[arg(long)]
+    pub rope_scale: Option<f32>,
+    /// The output projection is the token embedding: true or false.
+    #[arg(long)]
+    pub tied: Option<bool>,
+    /// Weight type of the matrices.
+    #[arg(long = "type", value_enum, default_value = "q4_0")]
+    pub ty: crate::synth::WType,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// The GGUF file whose tokenizer the model gets [default: the default model]
+    #[arg(long)]
+    pub tokenizer_from: Option<PathBuf>,
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Print what was written as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl SynthArgs {
+    /// The shape asked for: the preset with the flags' changes.
+    pub fn shape(&self) -> Result<crate::synth::Shape> {
+        let mut s = crate::synth::preset(&self.like)?;
+        let set = |v: Option<usize>, f: &mut usize| *f = v.unwrap_or(*f);
+        s.arch = self.arch.unwrap_or(s.arch);
+        set(self.dim, &mut s.dim);
+        set(self.layers, &mut s.layers);
+        set(self.heads, &mut s.heads);
+        set(self.kv_heads, &mut s.kv_heads);
+        set(self.ffn, &mut s.ffn);
+        set(self.ctx, &mut s.ctx);
+        s.rope_base = self.rope_base.unwrap_or(s.rope_base);
+        s.llama3_rope = self.llama3_rope.unwrap_or(s.llama3_rope);
+        s.rope_scale = self.rope_scale.unwrap_or(s.rope_scale);
+        s.tied = self.tied.unwrap_or(s.tied);
+        Ok(s)
+    }
+
+    pub fn run(self) -> Result<()> {
+        let shape = self.shape()?;
+        let tok = self.tokenizer_from.clone().unwrap_or_else(default_model);
+        let w = crate::synth::write(&shape, self.ty, self.seed, &tok, &self.out)?;
+        if self.json {
+            println!(
+                "{}",
+                json!({"out": self.out, "shape": shape, "type": self.ty, "seed": self.seed, "bytes": w.bytes, "params": w.params, "vocab": w.vocab})
+            );
+        } else {
+            println!("{}: {}", self.out.display(), crate::synth::describe(&shape, self.ty, &w));
+        }
+        Ok(())
+    }
+}
