@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::{KvRows, OutPtr};
-use crate::quant::Q8Acts;
+use crate::quant::{GgmlType, Q8Acts};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
 #[inline]
@@ -675,4 +675,124 @@ unsafe fn dot_q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant
         }
     }
     sum
+}
+
+/// Eight weights of a float row (F32, F16 or BF16) as f32s: exact conversions, so a row gives
+/// the values `quant::dequantize_row` gives.
+trait FloatLoad {
+    /// # Safety
+    /// AVX2/F16C present; elements `8 * c .. 8 * c + 8` inside the row.
+    unsafe fn at(p: *const u8, c: usize) -> __m256;
+    /// Element `i` of the row, for the tail.
+    fn one(row: &[u8], i: usize) -> f32;
+}
+struct F32W;
+struct F16W;
+struct Bf16W;
+impl FloatLoad for F32W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> __m256 {
+        _mm256_loadu_ps(p.add(32 * c).cast())
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
+    }
+}
+impl FloatLoad for F16W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()))
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32()
+    }
+}
+impl FloatLoad for Bf16W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> __m256 {
+        // bf16 is the top half of an f32: widen and shift.
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(16 * c).cast())), 16))
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
+    }
+}
+
+/// A float weight row (F32/F16/BF16 by `ty`) · f32 activation row `t` (`x` holds rows of
+/// `cols`): [`super::dot_lanes`]'s sum — element `j` fused into lane `j % 8` in order, the
+/// lanes added as a tree — so the result is bit for bit the scalar reference's.
+///
+/// # Safety
+/// Needs AVX2/FMA/F16C; `row` holds `cols` elements of `ty`; row `t` exists in `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_float(ty: GgmlType, row: &[u8], x: &[f32], cols: usize, t: usize) -> f32 {
+    match ty {
+        GgmlType::F32 => dot_float_as::<F32W>(row, x, cols, t),
+        GgmlType::F16 => dot_float_as::<F16W>(row, x, cols, t),
+        _ => dot_float_as::<Bf16W>(row, x, cols, t),
+    }
+}
+
+/// Three float weight rows · 4 f32 activation rows from `t0`: 12 sums at once (12
+/// accumulators, 3 weight vectors and 1 activation vector fill the 16 registers), each
+/// weight vector used for 4 tokens and each activation vector for 3 rows, so a step loads 7
+/// vectors for 12 fused multiply-adds. Every sum is [`super::dot_lanes`]'s, as in
+/// [`dot_float`]: `out[i][t]` is row `i` · token `t0 + t`.
+///
+/// # Safety
+/// Needs AVX2/FMA/F16C; each row holds `cols` elements of `ty`; rows `t0..t0 + 4` exist in `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_float_3x4(ty: GgmlType, rows: [&[u8]; 3], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; 3] {
+    match ty {
+        GgmlType::F32 => dot_float_3x4_as::<F32W>(rows, x, cols, t0),
+        GgmlType::F16 => dot_float_3x4_as::<F16W>(rows, x, cols, t0),
+        _ => dot_float_3x4_as::<Bf16W>(rows, x, cols, t0),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // t and i index the accumulators and the activations
+unsafe fn dot_float_3x4_as<L: FloatLoad>(rows: [&[u8]; 3], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; 3] {
+    let mut acc = [[_mm256_setzero_ps(); 4]; 3];
+    let n8 = cols / 8;
+    let xp = x.as_ptr().add(t0 * cols);
+    for c in 0..n8 {
+        let w: [__m256; 3] = std::array::from_fn(|i| L::at(rows[i].as_ptr(), c));
+        for t in 0..4 {
+            let xv = _mm256_loadu_ps(xp.add(t * cols + 8 * c));
+            for i in 0..3 {
+                acc[i][t] = _mm256_fmadd_ps(w[i], xv, acc[i][t]);
+            }
+        }
+    }
+    std::array::from_fn(|i| std::array::from_fn(|t| finish_lanes::<L>(acc[i][t], rows[i], x, cols, n8, t0 + t)))
+}
+
+/// A float dot product's 8 lanes after the whole 8-wide steps: the tail elements fused into
+/// their lanes, then the lanes added as [`super::dot_lanes`]'s tree.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn finish_lanes<L: FloatLoad>(acc: __m256, row: &[u8], x: &[f32], cols: usize, n8: usize, t: usize) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    for (j, lane) in lanes.iter_mut().enumerate().take(cols - 8 * n8) {
+        let i = 8 * n8 + j;
+        *lane = L::one(row, i).mul_add(x[t * cols + i], *lane);
+    }
+    let s: [f32; 4] = std::array::from_fn(|l| lanes[l] + lanes[l + 4]);
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_float_as<L: FloatLoad>(row: &[u8], x: &[f32], cols: usize, t: usize) -> f32 {
+    // Two accumulators taking alternate 8-wide steps would change the order; one chain keeps
+    // the reference's. (Decode runs many rows at once, so the latency overlaps across rows.)
+    let mut acc = _mm256_setzero_ps();
+    let n8 = cols / 8;
+    for c in 0..n8 {
+        acc = _mm256_fmadd_ps(L::at(row.as_ptr(), c), _mm256_loadu_ps(x.as_ptr().add(t * cols + 8 * c)), acc);
+    }
+    finish_lanes::<L>(acc, row, x, cols, n8, t)
 }
