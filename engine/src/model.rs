@@ -806,12 +806,21 @@ fn forward_rows(
         announce(model, pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
         let f = c.ffn_dim;
-        for t in 0..n {
-            let row = &mut s.ffn[t * 2 * f..(t + 1) * 2 * f];
-            let (g, u) = row.split_at_mut(f);
-            for (gv, uv) in g.iter_mut().zip(u.iter()) {
-                *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+        let swiglu = |rows: &mut [f32]| {
+            for row in rows.chunks_exact_mut(2 * f) {
+                let (g, u) = row.split_at_mut(f);
+                for (gv, uv) in g.iter_mut().zip(u.iter()) {
+                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+                }
             }
+        };
+        // A prompt's gates are n x ffn exponentials a layer (a fifth of a 512-token prefill
+        // on one thread): spread over the threads in pieces of 16 tokens. Element-wise, so
+        // the same bits however split.
+        if n >= 32 {
+            pool.scatter("swiglu", s.ffn[..n * 2 * f].chunks_mut(16 * 2 * f).collect(), &|rows| swiglu(rows));
+        } else {
+            swiglu(&mut s.ffn[..n * 2 * f]);
         }
         // Compact the gated halves into [n][f] for the down projection.
         for t in 0..n {
@@ -971,9 +980,13 @@ fn matmul_cols(
     }
     // Decode (one token, or a batch of contexts' next tokens) has little work per row, so
     // larger chunks keep the shared counter quiet; with 2-group chunks a batch of two ran
-    // at the cost of two single decodes (`llms bench-batch`: 1.02x -> 1.42x aggregate).
-    let chunk = if n <= 8 { 8 } else { 2 };
-    pool.for_chunks(units, chunk, &|a, b| {
+    // at the cost of two single decodes (`llms bench-batch`: 1.02x -> 1.42x aggregate). But
+    // never fewer than ~4 tasks a thread when the matrix allows: with 8-group chunks a
+    // 576-row matrix was 9 tasks, so at 16 threads 7 of them had nothing to do
+    // (`llms bench --pool-report` shows tasks per call). On 2 threads this changes nothing.
+    let most = if n <= 8 { 8 } else { 2 };
+    let chunk = (units / (4 * pool.threads())).clamp(1, most);
+    pool.for_chunks("matmul", units, chunk, &|a, b| {
         for (m, &(u0, r0)) in ms.iter().zip(&starts) {
             let groups = m.raw.rows.div_ceil(repack::ROWS);
             let (lo, hi) = (a.max(u0), b.min(u0 + groups));
@@ -1021,7 +1034,7 @@ fn matmul_channel_major(
         let parts = pool.threads();
         let outp = OutPtr::new(&mut out[col0..col0 + rows]);
         let active = &*active;
-        pool.for_chunks(cws.len() * parts, 1, &|a, b| {
+        pool.for_chunks("matvec channel-major", cws.len() * parts, 1, &|a, b| {
             for u in a..b {
                 let (w, r0) = (cws[u / parts], starts[u / parts]);
                 let (p, tiles) = (u % parts, w.tiles());
@@ -1038,7 +1051,7 @@ fn matmul_channel_major(
         units.push(total);
         total += w.tiles();
     }
-    pool.for_chunks(total, 1, &|a, b| {
+    pool.for_chunks("matmul channel-major", total, 1, &|a, b| {
         for ((w, &u0), &r0) in cws.iter().zip(&units).zip(&starts) {
             let (lo, hi) = (a.max(u0), b.min(u0 + w.tiles()));
             if lo < hi {
@@ -1313,7 +1326,7 @@ fn attention(
         let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
         let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
         let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
-        pool.scatter(items8.chain(items32).collect(), &|(ch, mut dst)| {
+        pool.scatter("kv decode", items8.chain(items32).collect(), &|(ch, mut dst)| {
             let f = kv.format(ch);
             let n_c = ct.min(seen - ch * ct);
             for b in 0..blocks {
@@ -1336,7 +1349,7 @@ fn attention(
         return;
     }
     let outp = OutPtr::new(out);
-    pool.for_chunks(sets * tiles, 1, &|a, b| {
+    pool.for_chunks("attention tiles", sets * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
         let mut q = vec![0.0f32; TILE * per_job * hd];
         let mut o = vec![0.0f32; TILE * per_job * hd];
@@ -1497,7 +1510,7 @@ fn attend_spans(
             *v = lim.saturating_sub(ch * ct).min(n_c);
         }
     };
-    pool.scatter(scores.chunks_exact_mut(nq * st).enumerate().collect(), &|(job, sc)| {
+    pool.scatter("attention span scores", scores.chunks_exact_mut(nq * st).enumerate().collect(), &|(job, sc)| {
         let kvh = job / spans;
         with_span_job(lb, nq, |scratch, visible| {
             for (ch, n_c, col0) in span_chunks(job) {
@@ -1507,7 +1520,7 @@ fn attend_spans(
             }
         });
     });
-    pool.scatter(scores.chunks_exact_mut(spans * nq * st).collect(), &|sc| {
+    pool.scatter("attention softmax", scores.chunks_exact_mut(spans * nq * st).collect(), &|sc| {
         let mut row = vec![0.0f32; p_max];
         for (qi, &lim) in limits.iter().enumerate() {
             let piece = |s: usize| (s * st, ((s + 1) * st).min(lim), (s * nq + qi) * st);
@@ -1524,7 +1537,7 @@ fn attend_spans(
         }
     });
     let probs_all = &scores;
-    pool.scatter(parts.chunks_exact_mut(2 * nq * hd).enumerate().collect(), &|(job, part)| {
+    pool.scatter("attention span values", parts.chunks_exact_mut(2 * nq * hd).enumerate().collect(), &|(job, part)| {
         let kvh = job / spans;
         let probs = &probs_all[job * nq * st..(job + 1) * nq * st];
         let (o, o_rot) = part.split_at_mut(nq * hd);

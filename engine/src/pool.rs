@@ -50,6 +50,51 @@ pub struct ThreadPool {
     workers: Vec<JoinHandle<()>>,
     /// Serialises callers: one job at a time.
     busy: Mutex<()>,
+    /// Per-operation statistics, collected while on ([`ThreadPool::set_profiling`]).
+    profiling: AtomicBool,
+    profile: Mutex<Vec<OpProfile>>,
+}
+
+/// What the parallel operations of one name did while profiling was on: how many tasks they
+/// were split into and how evenly the threads' work came out. Busy time is time inside the
+/// tasks; the rest of `threads x wall` is waiting: for the slowest thread (imbalance), for
+/// workers to join, and the operation's synchronisation.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OpProfile {
+    pub name: &'static str,
+    pub calls: u64,
+    /// Tasks handed out, over all calls.
+    pub tasks: u64,
+    /// Wall time of the calls (as the caller saw them), summed.
+    pub wall: Duration,
+    /// Time the threads spent in tasks, summed over threads and calls.
+    pub busy: Duration,
+    /// The busiest thread's time, summed over calls.
+    pub max_busy: Duration,
+    /// Threads of the pool (the caller and the workers).
+    pub threads: usize,
+}
+
+impl OpProfile {
+    /// The busiest thread's work over the mean thread's (1: even; `threads`: one thread did
+    /// it all), over all calls.
+    pub fn imbalance(&self) -> f64 {
+        let mean = self.busy.as_secs_f64() / self.threads as f64;
+        if mean > 0.0 {
+            self.max_busy.as_secs_f64() / mean
+        } else {
+            1.0
+        }
+    }
+    /// Share of the threads' time during the calls spent in tasks.
+    pub fn utilization(&self) -> f64 {
+        let avail = self.wall.as_secs_f64() * self.threads as f64;
+        if avail > 0.0 {
+            self.busy.as_secs_f64() / avail
+        } else {
+            0.0
+        }
+    }
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -77,7 +122,7 @@ impl ThreadPool {
                 std::thread::Builder::new().name(format!("llms-worker-{idx}")).spawn(move || worker(&s, idx)).expect("spawn worker thread")
             })
             .collect();
-        Self { n, shared, workers, busy: Mutex::new(()) }
+        Self { n, shared, workers, busy: Mutex::new(()), profiling: AtomicBool::new(false), profile: Mutex::new(Vec::new()) }
     }
 
     pub fn threads(&self) -> usize {
@@ -143,10 +188,25 @@ impl ThreadPool {
         self.shared.rest.store(true, Ordering::Relaxed);
     }
 
+    /// Turns per-operation statistics on or off (off: one relaxed load per operation).
+    pub fn set_profiling(&self, on: bool) {
+        self.profiling.store(on, Ordering::Relaxed);
+    }
+
+    /// The statistics gathered since the last call, by operation name (first seen first).
+    pub fn take_profile(&self) -> Vec<OpProfile> {
+        std::mem::take(&mut *self.profile.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Splits `0..n` into chunks of `chunk` and hands them out dynamically (an atomic counter),
     /// so a thread slowed by another process on the machine does not hold up the rest.
-    pub fn for_chunks(&self, n: usize, chunk: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+    /// `name` is the operation's, for the statistics.
+    pub fn for_chunks(&self, name: &'static str, n: usize, chunk: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         let chunk = chunk.max(1);
+        if self.profiling.load(Ordering::Relaxed) {
+            self.for_chunks_profiled(name, n, chunk, f);
+            return;
+        }
         if self.n == 1 || n <= chunk {
             f(0, n);
             return;
@@ -161,11 +221,49 @@ impl ThreadPool {
         });
     }
 
+    /// [`Self::for_chunks`] timing each task by the thread that ran it.
+    fn for_chunks_profiled(&self, name: &'static str, n: usize, chunk: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let start = Instant::now();
+        let busy: Vec<AtomicU64> = (0..self.n).map(|_| AtomicU64::new(0)).collect();
+        let tasks = AtomicU64::new(0);
+        let timed = |idx: usize, a: usize, b: usize| {
+            let t = Instant::now();
+            f(a, b);
+            busy[idx].fetch_add(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            tasks.fetch_add(1, Ordering::Relaxed);
+        };
+        if self.n == 1 || n <= chunk {
+            timed(0, 0, n);
+        } else {
+            let next = AtomicUsize::new(0);
+            self.run(&|idx| loop {
+                let a = next.fetch_add(chunk, Ordering::Relaxed);
+                if a >= n {
+                    break;
+                }
+                timed(idx, a, (a + chunk).min(n));
+            });
+        }
+        let wall = start.elapsed();
+        let ns: Vec<u64> = busy.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        let mut prof = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        let i = prof.iter().position(|p| p.name == name).unwrap_or_else(|| {
+            prof.push(OpProfile { name, threads: self.n, ..OpProfile::default() });
+            prof.len() - 1
+        });
+        let p = &mut prof[i];
+        p.calls += 1;
+        p.tasks += tasks.load(Ordering::Relaxed);
+        p.wall += wall;
+        p.busy += Duration::from_nanos(ns.iter().sum());
+        p.max_busy += Duration::from_nanos(ns.iter().copied().max().unwrap_or(0));
+    }
+
     /// Hands each of `items` (typically disjoint `&mut` pieces of buffers) to one call of `f`,
     /// spread over the threads.
-    pub fn scatter<T: Send>(&self, items: Vec<T>, f: &(dyn Fn(T) + Sync)) {
+    pub fn scatter<T: Send>(&self, name: &'static str, items: Vec<T>, f: &(dyn Fn(T) + Sync)) {
         let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
-        self.for_chunks(slots.len(), 1, &|a, b| {
+        self.for_chunks(name, slots.len(), 1, &|a, b| {
             for slot in &slots[a..b] {
                 if let Some(item) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     f(item);
@@ -280,7 +378,7 @@ mod tests {
         for round in 0..300 {
             let n = 1 + round * 7 % 1000;
             let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            pool.for_chunks(n, 1 + round % 9, &|a, b| {
+            pool.for_chunks("test", n, 1 + round % 9, &|a, b| {
                 for c in &covered[a..b] {
                     c.fetch_add(1, Ordering::Relaxed);
                 }
@@ -309,7 +407,7 @@ mod tests {
         let pool = ThreadPool::new(2);
         let mut data = vec![0u32; 1000];
         let items: Vec<(usize, &mut [u32])> = data.chunks_mut(7).enumerate().collect();
-        pool.scatter(items, &|(i, c)| c.iter_mut().for_each(|x| *x += 1 + u32::try_from(i).unwrap()));
+        pool.scatter("test", items, &|(i, c)| c.iter_mut().for_each(|x| *x += 1 + u32::try_from(i).unwrap()));
         for (i, c) in data.chunks(7).enumerate() {
             assert!(c.iter().all(|&x| x == 1 + u32::try_from(i).unwrap()));
         }
@@ -320,14 +418,40 @@ mod tests {
         let pool = ThreadPool::new(2);
         let r = catch_unwind(AssertUnwindSafe(|| {
             for _ in 0..1000 {
-                pool.for_chunks(64, 1, &|a, _| assert!(a != 63, "boom"));
+                pool.for_chunks("test", 64, 1, &|a, _| assert!(a != 63, "boom"));
             }
         }));
         assert!(r.is_err());
         let n = AtomicUsize::new(0);
-        pool.for_chunks(100, 1, &|_, _| {
+        pool.for_chunks("test", 100, 1, &|_, _| {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 100);
+    }
+
+    #[test]
+    fn profiling_counts_calls_and_tasks_per_operation() {
+        let pool = ThreadPool::new(2);
+        pool.for_chunks("off", 10, 1, &|_, _| {});
+        pool.set_profiling(true);
+        for _ in 0..2 {
+            pool.for_chunks("a", 100, 7, &|_, _| {});
+        }
+        pool.scatter("b", vec![1u8; 5], &|_| {});
+        pool.for_chunks("c", 3, 8, &|_, _| {});
+        pool.set_profiling(false);
+        pool.for_chunks("a", 100, 7, &|_, _| {});
+        let p = pool.take_profile();
+        let names: Vec<&str> = p.iter().map(|o| o.name).collect();
+        assert_eq!(names, ["a", "b", "c"], "nothing is recorded while off");
+        assert_eq!((p[0].calls, p[0].tasks), (2, 30), "100 in chunks of 7: 15 tasks a call");
+        assert_eq!((p[1].calls, p[1].tasks), (1, 5));
+        assert_eq!((p[2].calls, p[2].tasks), (1, 1), "fewer items than a chunk: one task, on the caller");
+        for o in &p {
+            assert_eq!(o.threads, 2);
+            assert!(o.max_busy <= o.busy && o.busy <= 2 * o.max_busy, "{o:?}");
+            assert!((1.0..=2.0).contains(&o.imbalance()) || o.busy.is_zero(), "{o:?}");
+        }
+        assert!(pool.take_profile().is_empty(), "taking the profile empties it");
     }
 }

@@ -222,7 +222,7 @@ impl Q8Acts {
             .zip(self.d.chunks_mut(step).zip(self.s.chunks_mut(step)))
             .map(|((x, q), (d, s))| (x, q, d, s))
             .collect();
-        pool.scatter(jobs, &|(x, q, d, s)| quantize_blocks_q8(x, q, d, s));
+        pool.scatter("quantize activations", jobs, &|(x, q, d, s)| quantize_blocks_q8(x, q, d, s));
     }
 }
 

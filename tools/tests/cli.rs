@@ -88,6 +88,33 @@ fn bench_json_reports_both_rates() {
     assert!(v["pp16_tok_s"].as_f64().unwrap() > 0.0);
     assert!(v["tg4_tok_s"].as_f64().unwrap() > 0.0);
     assert_eq!(v["threads"].as_u64().unwrap() as usize, std::thread::available_parallelism().unwrap().get());
+    assert!(v["pool"].is_null(), "no pool statistics unless asked");
+}
+
+/// `--pool-report`: every parallel operation of a prefill and of a decode, counted per token.
+#[test]
+fn bench_pool_report_counts_the_operations() {
+    let v = json_ok(&["bench", "--pp", "64", "--tg", "4", "--reps", "1", "--threads", "2", "--pool-report", "--json"]);
+    let ops = |phase: &str| -> Vec<(String, f64, f64)> {
+        v["pool"][phase]["ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| (o["op"].as_str().unwrap().to_string(), o["calls_per_token"].as_f64().unwrap(), o["imbalance"].as_f64().unwrap()))
+            .collect()
+    };
+    // Decode: q/k/v, o, gate/up, down in each of the 30 layers, and the output head.
+    let tg = ops("tg");
+    let matmul = tg.iter().find(|o| o.0 == "matmul").expect("decode runs matmuls");
+    assert_eq!(matmul.1, 121.0, "{tg:?}");
+    assert!(tg.iter().any(|o| o.0.starts_with("attention")), "{tg:?}");
+    // Prefill: one pass of 64 tokens, the gates spread over the threads.
+    let pp = ops("pp");
+    assert!(pp.iter().any(|o| o.0 == "swiglu" && (o.1 * 64.0 - 30.0).abs() < 1e-9), "{pp:?}");
+    for (name, _, imb) in tg.iter().chain(&pp) {
+        assert!((1.0..=2.0 + 1e-9).contains(imb), "{name}: imbalance {imb} outside [1, threads]");
+    }
+    assert_eq!(v["pool"]["tg"]["threads"], 2);
 }
 
 #[test]

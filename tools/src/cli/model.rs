@@ -289,6 +289,11 @@ pub struct BenchArgs {
     pub tg: usize,
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
+    /// After the timed runs, one more pp and tg run with the thread pool's statistics on: per
+    /// parallel operation, calls per token, tasks per call, time per call, the threads'
+    /// utilization and the imbalance of their work (docs/engine.md "Threads").
+    #[arg(long)]
+    pub pool_report: bool,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -297,10 +302,53 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     pub fn run(self) -> Result<()> {
-        let Self { kv, depth, pp, tg, reps, json, m } = self;
-        bench(&m, &kv, depth, pp, tg, reps, json)?;
+        let Self { kv, depth, pp, tg, reps, pool_report, json, m } = self;
+        bench(&m, &kv, depth, pp, tg, reps, pool_report, json)?;
         Ok(())
     }
+}
+
+/// The pool's statistics for one run of `tokens` tokens, as a table and as JSON.
+#[allow(clippy::cast_precision_loss)]
+fn pool_report(what: &str, tokens: usize, ops: &[::engine::pool::OpProfile], wall_s: f64) -> (String, serde_json::Value) {
+    use std::fmt::Write as _;
+    let threads = ops.first().map_or(1, |o| o.threads);
+    let in_ops: f64 = ops.iter().map(|o| o.wall.as_secs_f64()).sum();
+    let busy: f64 = ops.iter().map(|o| o.busy.as_secs_f64()).sum();
+    let rows: Vec<serde_json::Value> = ops
+        .iter()
+        .map(|o| {
+            json!({"op": o.name, "calls_per_token": o.calls as f64 / tokens as f64, "tasks_per_call": o.tasks as f64 / o.calls as f64,
+                   "us_per_call": o.wall.as_secs_f64() * 1e6 / o.calls as f64, "share_of_time": o.wall.as_secs_f64() / wall_s,
+                   "utilization": o.utilization(), "imbalance": o.imbalance()})
+        })
+        .collect();
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{what}: {threads} threads; parallel operations {:.0}% of the time, threads busy {:.0}% of it",
+        100.0 * in_ops / wall_s,
+        100.0 * busy / (in_ops * threads as f64).max(f64::MIN_POSITIVE)
+    );
+    let _ = writeln!(
+        t,
+        "  {:<24}{:>10}{:>10}{:>10}{:>8}{:>8}{:>10}",
+        "operation", "calls/tok", "tasks", "us/call", "time", "busy", "imbalance"
+    );
+    for (o, r) in ops.iter().zip(&rows) {
+        let _ = writeln!(
+            t,
+            "  {:<24}{:>10.1}{:>10.1}{:>10.1}{:>7.0}%{:>7.0}%{:>10.2}",
+            o.name,
+            r["calls_per_token"].as_f64().unwrap_or(0.0),
+            r["tasks_per_call"].as_f64().unwrap_or(0.0),
+            r["us_per_call"].as_f64().unwrap_or(0.0),
+            100.0 * r["share_of_time"].as_f64().unwrap_or(0.0),
+            100.0 * o.utilization(),
+            o.imbalance()
+        );
+    }
+    (t, json!({"threads": threads, "tokens": tokens, "seconds": wall_s, "in_operations_share": in_ops / wall_s, "ops": rows}))
 }
 
 struct GenResult {
@@ -406,7 +454,7 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
 
 #[allow(clippy::cast_precision_loss)]
 #[allow(clippy::too_many_arguments)]
-fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, json: bool) -> Result<()> {
+fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, pool_stats: bool, json: bool) -> Result<()> {
     use ::engine::kv::KvFormat;
     let (model, pool, sp) = load_sparse(m)?;
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
@@ -437,20 +485,26 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         }
         Ok(())
     };
-    let mut pp_rates = Vec::new();
-    let mut tg_rates = Vec::new();
-    for rep in 0..=reps {
-        at_depth(&mut s)?;
+    let run_pp = |s: &mut Session| -> Result<f64> {
+        at_depth(s)?;
         let t = Instant::now();
         s.eval(&prompt[depth..depth + pp], Logits::Last)?;
-        let pp_s = t.elapsed().as_secs_f64();
-        at_depth(&mut s)?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let run_tg = |s: &mut Session| -> Result<f64> {
+        at_depth(s)?;
         let mut tok = prompt[depth];
         let t = Instant::now();
         for _ in 0..tg {
             tok = ::engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
         }
-        let tg_s = t.elapsed().as_secs_f64();
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let mut pp_rates = Vec::new();
+    let mut tg_rates = Vec::new();
+    for rep in 0..=reps {
+        let pp_s = run_pp(&mut s)?;
+        let tg_s = run_tg(&mut s)?;
         if rep > 0 {
             // rep 0 is the warm-up.
             pp_rates.push(pp as f64 / pp_s);
@@ -462,6 +516,20 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         v[v.len() / 2]
     };
     let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
+    // The pool's statistics come from runs of their own, so the timed ones carry no probes.
+    let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);
+    if pool_stats {
+        let mut report = |what: &str, tokens: usize, run: &dyn Fn(&mut Session) -> Result<f64>| -> Result<serde_json::Value> {
+            pool.take_profile();
+            pool.set_profiling(true);
+            let secs = run(&mut s);
+            pool.set_profiling(false);
+            let (text, v) = pool_report(what, tokens, &pool.take_profile(), secs?);
+            pool_text.push_str(&text);
+            Ok(v)
+        };
+        pool_json = json!({"pp": report(&format!("pp{pp}"), pp, &run_pp)?, "tg": report(&format!("tg{tg}"), tg, &run_tg)?});
+    }
     let format_name = if model.uses_image() {
         "paged"
     } else if model.is_channel_major() {
@@ -472,7 +540,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     if json {
         println!(
             "{}",
-            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr})
+            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr, "pool": pool_json})
         );
     } else {
         println!(
@@ -485,6 +553,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         );
         println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
         println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
+        print!("{pool_text}");
     }
     Ok(())
 }
