@@ -336,7 +336,7 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
         let ty_at = c.offset();
         let ty_raw = c.u32(&format!("type of {name}"))?;
         let ty = GgmlType::from_u32(ty_raw)
-            .ok_or_else(|| c.invalid(&format!("type of {name}"), ty_at, format!("unsupported tensor type {ty_raw}")))?;
+            .ok_or_else(|| c.invalid(&format!("type of {name}"), ty_at, format!("unsupported tensor type {ty_raw}{}", ggml_type_name(ty_raw))))?;
         let offset = c.u64(&format!("offset of {name}"))?;
         let size = tensor_size(&name, &dims, ty)?;
         if offset % alignment != 0 {
@@ -372,6 +372,26 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
     }
 
     Ok(GgufHeader { version, metadata, tensors, alignment, data_offset })
+}
+
+/// ggml's name for a type number the engine does not run, for the error message.
+fn ggml_type_name(ty: u32) -> &'static str {
+    match ty {
+        10 => " (Q2_K)",
+        11 => " (Q3_K)",
+        13 => " (Q5_K)",
+        15 => " (Q8_K)",
+        16..=23 => " (an IQ type)",
+        24 => " (I8)",
+        25 => " (I16)",
+        26 => " (I32)",
+        27 => " (I64)",
+        28 => " (F64)",
+        29 => " (IQ1_M)",
+        34 | 35 => " (a TQ type)",
+        39 => " (MXFP4)",
+        _ => "",
+    }
 }
 
 fn tensor_size(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64> {

@@ -20,3 +20,6 @@ cargo build --release -p tools --bin llms
 SYNTH_DIR="$(mktemp -d)"
 trap 'rm -rf "$SYNTH_DIR"' EXIT
 "$VENV/bin/python" tools/oracle/synth_fixtures.py target/release/llms "$SYNTH_DIR" tests/fixtures/synth.json
+# The default model requantized to the types people download (models/, git-ignored), for
+# `LLMS_MODEL=models/SmolLM2-135M-Instruct.TYPE.gguf make bench-vs-llama-cpp`.
+"$VENV/bin/python" tools/oracle/requantize.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" models
