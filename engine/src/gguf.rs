@@ -335,8 +335,9 @@ pub fn parse(buf: &[u8]) -> Result<GgufHeader> {
         }
         let ty_at = c.offset();
         let ty_raw = c.u32(&format!("type of {name}"))?;
-        let ty = GgmlType::from_u32(ty_raw)
-            .ok_or_else(|| c.invalid(&format!("type of {name}"), ty_at, format!("unsupported tensor type {ty_raw}{}", ggml_type_name(ty_raw))))?;
+        let ty = GgmlType::from_u32(ty_raw).ok_or_else(|| {
+            c.invalid(&format!("type of {name}"), ty_at, format!("unsupported tensor type {ty_raw}{}", ggml_type_name(ty_raw)))
+        })?;
         let offset = c.u64(&format!("offset of {name}"))?;
         let size = tensor_size(&name, &dims, ty)?;
         if offset % alignment != 0 {
