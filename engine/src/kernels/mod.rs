@@ -108,7 +108,37 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
             }
         }
         #[cfg(target_arch = "x86_64")]
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 if has_avx2() => return float_rows_avx2(w, a, out, ldo, r0, r1),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 if has_avx2() => {
+            let (ty, cols, x) = (w.ty, w.cols, &a.f32[..]);
+            // SAFETY: has_avx2 checked AVX2/FMA/F16C; every row holds `cols` elements of `ty`
+            // and `float_rows` asks only for tokens inside `x`.
+            return float_rows::<3>(
+                w,
+                a.rows,
+                out,
+                ldo,
+                r0,
+                r1,
+                |rows, t| unsafe { avx2::dot_float_3x4(ty, rows, x, cols, t) },
+                |row, t| unsafe { avx2::dot_float(ty, row, x, cols, t) },
+            );
+        }
+        #[cfg(target_arch = "aarch64")]
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 if crate::simd::has_neon() => {
+            let (ty, cols, x) = (w.ty, w.cols, &a.f32[..]);
+            // SAFETY: NEON is in use; every row holds `cols` elements of `ty` and `float_rows`
+            // asks only for tokens inside `x`.
+            return float_rows::<2>(
+                w,
+                a.rows,
+                out,
+                ldo,
+                r0,
+                r1,
+                |rows, t| unsafe { neon::dot_float::<2, 4>(ty, rows, x, cols, t) },
+                |row, t| unsafe { neon::dot_float::<1, 1>(ty, [row], x, cols, t)[0][0] },
+            );
+        }
         _ => {}
     }
     matmul_rows_ref(w, a, out, ldo, r0, r1, a.rows);
@@ -159,24 +189,29 @@ fn by_rows(
 /// prefill was ~25% slower.
 const TOKEN_TILE: usize = 64;
 
-/// Float weights (F32/F16/BF16) on AVX2: rows in threes against tokens in fours
-/// (`avx2::dot_float_3x4`), token tiles as in [`by_rows`], the rows and tokens left over one
-/// at a time. Every output is [`dot_lanes`]'s, as the reference computes it. (No vector
-/// kernel on ARM yet: the scalar reference runs there, with the same bits.)
-#[cfg(target_arch = "x86_64")]
-fn float_rows_avx2(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
-    let (ty, cols, x) = (w.ty, w.cols, &a.f32[..]);
-    for t0 in (0..a.rows).step_by(TOKEN_TILE) {
-        let t1 = (t0 + TOKEN_TILE).min(a.rows);
+/// Float weights (F32/F16/BF16): rows in blocks of `R` against tokens in fours (`block`:
+/// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), token tiles as in
+/// [`by_rows`], the rows and tokens left over one at a time (`one`). Every output is
+/// [`dot_lanes`]'s, as the reference computes it.
+#[allow(clippy::too_many_arguments, dead_code)]
+fn float_rows<const R: usize>(
+    w: &WeightView,
+    n_tok: usize,
+    out: OutPtr,
+    ldo: usize,
+    r0: usize,
+    r1: usize,
+    block: impl Fn([&[u8]; R], usize) -> [[f32; 4]; R],
+    one: impl Fn(&[u8], usize) -> f32,
+) {
+    for t0 in (0..n_tok).step_by(TOKEN_TILE) {
+        let t1 = (t0 + TOKEN_TILE).min(n_tok);
         let mut r = r0;
-        while r + 3 <= r1 {
-            let rows = [w.row(r), w.row(r + 1), w.row(r + 2)];
+        while r + R <= r1 {
+            let rows: [&[u8]; R] = std::array::from_fn(|i| w.row(r + i));
             let mut t = t0;
             while t + 4 <= t1 {
-                // SAFETY: has_avx2 checked AVX2/FMA/F16C; each row holds `cols` elements of
-                // `ty`; tokens t..t + 4 are inside the tile, so inside `x`.
-                let v = unsafe { avx2::dot_float_3x4(ty, rows, x, cols, t) };
-                for (i, vi) in v.iter().enumerate() {
+                for (i, vi) in block(rows, t).iter().enumerate() {
                     for (j, &y) in vi.iter().enumerate() {
                         out.write((t + j) * ldo + r + i, y);
                     }
@@ -185,16 +220,14 @@ fn float_rows_avx2(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
             }
             for t in t..t1 {
                 for (i, row) in rows.iter().enumerate() {
-                    // SAFETY: as above, for token t.
-                    out.write(t * ldo + r + i, unsafe { avx2::dot_float(ty, row, x, cols, t) });
+                    out.write(t * ldo + r + i, one(row, t));
                 }
             }
-            r += 3;
+            r += R;
         }
         for r in r..r1 {
             for t in t0..t1 {
-                // SAFETY: as above, for row r and token t.
-                out.write(t * ldo + r, unsafe { avx2::dot_float(ty, w.row(r), x, cols, t) });
+                out.write(t * ldo + r, one(w.row(r), t));
             }
         }
     }

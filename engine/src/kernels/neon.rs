@@ -608,3 +608,98 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
         *x = half::f16::from_f32(*x * inv).to_f32();
     }
 }
+
+/// Four weights of a float row (F32, F16 or BF16) as f32s: exact conversions, as
+/// `quant::dequantize_row` makes them.
+trait FloatLoad {
+    /// # Safety
+    /// Elements `4 * c .. 4 * c + 4` inside the row at `p`.
+    unsafe fn at(p: *const u8, c: usize) -> float32x4_t;
+    /// Element `i` of the row, for the tail.
+    fn one(row: &[u8], i: usize) -> f32;
+}
+struct F32W;
+struct F16W;
+struct Bf16W;
+impl FloatLoad for F32W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
+        vld1q_f32(p.add(16 * c).cast())
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
+    }
+}
+impl FloatLoad for F16W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
+        f16x4(p.add(8 * c).cast())
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32()
+    }
+}
+impl FloatLoad for Bf16W {
+    #[inline(always)]
+    unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
+        // bf16 is the top half of an f32: widen and shift.
+        vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p.add(8 * c).cast())))
+    }
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
+    }
+}
+
+/// `R` float weight rows (F32/F16/BF16 by `ty`) · `T` f32 activation rows from `t0` (`x`
+/// holds rows of `cols`): each sum is [`super::dot_lanes`]'s — element `j` fused into lane
+/// `j % 8` in order (lanes 0-3 and 4-7 as two vectors, AVX2's halves), the lanes added as its
+/// tree — so every result is the scalar reference's bits. `out[i][t]` is row `i` · token `t0 + t`.
+///
+/// # Safety
+/// Each row holds `cols` elements of `ty`; rows `t0..t0 + T` exist in `x`.
+pub(super) unsafe fn dot_float<const R: usize, const T: usize>(
+    ty: crate::quant::GgmlType,
+    rows: [&[u8]; R],
+    x: &[f32],
+    cols: usize,
+    t0: usize,
+) -> [[f32; T]; R] {
+    use crate::quant::GgmlType;
+    match ty {
+        GgmlType::F32 => dot_float_as::<F32W, R, T>(rows, x, cols, t0),
+        GgmlType::F16 => dot_float_as::<F16W, R, T>(rows, x, cols, t0),
+        _ => dot_float_as::<Bf16W, R, T>(rows, x, cols, t0),
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // i and t index the accumulators and the activations
+unsafe fn dot_float_as<L: FloatLoad, const R: usize, const T: usize>(rows: [&[u8]; R], x: &[f32], cols: usize, t0: usize) -> [[f32; T]; R] {
+    let mut acc = [[(vdupq_n_f32(0.0), vdupq_n_f32(0.0)); T]; R];
+    let n8 = cols / 8;
+    let xp = x.as_ptr().add(t0 * cols);
+    for c in 0..n8 {
+        let w: [(float32x4_t, float32x4_t); R] =
+            std::array::from_fn(|i| (L::at(rows[i].as_ptr(), 2 * c), L::at(rows[i].as_ptr(), 2 * c + 1)));
+        for t in 0..T {
+            let p = xp.add(t * cols + 8 * c);
+            let (xl, xh) = (vld1q_f32(p), vld1q_f32(p.add(4)));
+            for i in 0..R {
+                acc[i][t] = (vfmaq_f32(acc[i][t].0, w[i].0, xl), vfmaq_f32(acc[i][t].1, w[i].1, xh));
+            }
+        }
+    }
+    std::array::from_fn(|i| {
+        std::array::from_fn(|t| {
+            let mut lanes = [0.0f32; 8];
+            vst1q_f32(lanes.as_mut_ptr(), acc[i][t].0);
+            vst1q_f32(lanes.as_mut_ptr().add(4), acc[i][t].1);
+            for (j, lane) in lanes.iter_mut().enumerate().take(cols - 8 * n8) {
+                let e = 8 * n8 + j;
+                *lane = L::one(rows[i], e).mul_add(x[(t0 + t) * cols + e], *lane);
+            }
+            let s: [f32; 4] = std::array::from_fn(|l| lanes[l] + lanes[l + 4]);
+            (s[0] + s[2]) + (s[1] + s[3])
+        })
+    })
+}
