@@ -204,7 +204,13 @@ fn real_memory_pressure_moves_headroom_and_level() {
     }
     let drop = before.mem.available.saturating_sub(during.mem.available);
     assert!(drop > 1 << 30, "MemAvailable fell by {} MiB while the child held 1.5 GiB", drop >> 20);
-    assert!(after.mem.available > during.mem.available + (1 << 30), "and came back");
+    assert!(
+        after.mem.available > during.mem.available + (1 << 30),
+        "and came back: MemAvailable {} MiB before, {} during, {} after",
+        before.mem.available >> 20,
+        during.mem.available >> 20,
+        after.mem.available >> 20
+    );
     // Thresholds set just under the baseline: the classifier sees the child's allocation.
     let base = before.headroom();
     let half = (1.5 * (1u64 << 30) as f64 / before.headroom_base() as f64) / 2.0;
