@@ -683,38 +683,32 @@ trait FloatLoad {
     /// # Safety
     /// AVX2/F16C present; elements `8 * c .. 8 * c + 8` inside the row.
     unsafe fn at(p: *const u8, c: usize) -> __m256;
-    /// Element `i` of the row, for the tail.
-    fn one(row: &[u8], i: usize) -> f32;
+    /// The type, for the tail's elements ([`super::float_elem`]).
+    const TY: crate::quant::GgmlType;
 }
 struct F32W;
 struct F16W;
 struct Bf16W;
 impl FloatLoad for F32W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::F32;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> __m256 {
         _mm256_loadu_ps(p.add(32 * c).cast())
     }
-    fn one(row: &[u8], i: usize) -> f32 {
-        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
-    }
 }
 impl FloatLoad for F16W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::F16;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()))
     }
-    fn one(row: &[u8], i: usize) -> f32 {
-        f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32()
-    }
 }
 impl FloatLoad for Bf16W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::BF16;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> __m256 {
         // bf16 is the top half of an f32: widen and shift.
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(16 * c).cast())), 16))
-    }
-    fn one(row: &[u8], i: usize) -> f32 {
-        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
     }
 }
 
@@ -778,7 +772,7 @@ unsafe fn finish_lanes<L: FloatLoad>(acc: __m256, row: &[u8], x: &[f32], cols: u
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
     for (j, lane) in lanes.iter_mut().enumerate().take(cols - 8 * n8) {
         let i = 8 * n8 + j;
-        *lane = L::one(row, i).mul_add(x[t * cols + i], *lane);
+        *lane = super::float_elem(L::TY, row, i).mul_add(x[t * cols + i], *lane);
     }
     let s: [f32; 4] = std::array::from_fn(|l| lanes[l] + lanes[l + 4]);
     (s[0] + s[2]) + (s[1] + s[3])

@@ -189,6 +189,17 @@ fn by_rows(
 /// prefill was ~25% slower.
 const TOKEN_TILE: usize = 64;
 
+/// Element `i` of a float weight row (F32/F16/BF16), exactly as `quant::dequantize_row` gives
+/// it: the vector kernels' tails.
+#[allow(dead_code)]
+fn float_elem(ty: GgmlType, row: &[u8], i: usize) -> f32 {
+    match ty {
+        GgmlType::F32 => f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]),
+        GgmlType::F16 => f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
+        _ => f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16),
+    }
+}
+
 /// Float weights (F32/F16/BF16): rows in blocks of `R` against tokens in fours (`block`:
 /// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), token tiles as in
 /// [`by_rows`], the rows and tokens left over one at a time (`one`). Every output is

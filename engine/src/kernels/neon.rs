@@ -615,38 +615,32 @@ trait FloatLoad {
     /// # Safety
     /// Elements `4 * c .. 4 * c + 4` inside the row at `p`.
     unsafe fn at(p: *const u8, c: usize) -> float32x4_t;
-    /// Element `i` of the row, for the tail.
-    fn one(row: &[u8], i: usize) -> f32;
+    /// The type, for the tail's elements ([`super::float_elem`]).
+    const TY: crate::quant::GgmlType;
 }
 struct F32W;
 struct F16W;
 struct Bf16W;
 impl FloatLoad for F32W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::F32;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
         vld1q_f32(p.add(16 * c).cast())
     }
-    fn one(row: &[u8], i: usize) -> f32 {
-        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
-    }
 }
 impl FloatLoad for F16W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::F16;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
         f16x4(p.add(8 * c).cast())
     }
-    fn one(row: &[u8], i: usize) -> f32 {
-        half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32()
-    }
 }
 impl FloatLoad for Bf16W {
+    const TY: crate::quant::GgmlType = crate::quant::GgmlType::BF16;
     #[inline(always)]
     unsafe fn at(p: *const u8, c: usize) -> float32x4_t {
         // bf16 is the top half of an f32: widen and shift.
         vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p.add(8 * c).cast())))
-    }
-    fn one(row: &[u8], i: usize) -> f32 {
-        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
     }
 }
 
@@ -696,7 +690,7 @@ unsafe fn dot_float_as<L: FloatLoad, const R: usize, const T: usize>(rows: [&[u8
             vst1q_f32(lanes.as_mut_ptr().add(4), acc[i][t].1);
             for (j, lane) in lanes.iter_mut().enumerate().take(cols - 8 * n8) {
                 let e = 8 * n8 + j;
-                *lane = L::one(rows[i], e).mul_add(x[(t0 + t) * cols + e], *lane);
+                *lane = super::float_elem(L::TY, rows[i], e).mul_add(x[(t0 + t) * cols + e], *lane);
             }
             let s: [f32; 4] = std::array::from_fn(|l| lanes[l] + lanes[l + 4]);
             (s[0] + s[2]) + (s[1] + s[3])
