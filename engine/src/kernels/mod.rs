@@ -184,9 +184,11 @@ fn by_rows(
 }
 
 /// Tokens per tile of the row kernels (a multiple of their 4 tokens a pass): 64 tokens of a
-/// 576-wide row are 144 KiB of f32 activations (in L2), 37 KiB of Q8_K ones. 16, 32 and 64
-/// measured alike on pp512 here (F16 and Q4_K_M requantizations); without tiles the F16
-/// prefill was ~25% slower.
+/// 576-wide row are 144 KiB of f32 activations (in L2), 37 KiB of Q8_K ones, where all 512
+/// of a pp512 are ~1 MiB. Measured on the F16 requantization's pp512: tiles of 16 and 64 gave
+/// 454 and 451 tok/s one after the other; with the earlier one-row kernel, tiles of 32 against
+/// none moved nothing beyond noise (290 vs 282-300). Kept for the cache footprint, not a
+/// measured gain.
 const TOKEN_TILE: usize = 64;
 
 /// Element `i` of a float weight row (F32/F16/BF16), exactly as `quant::dequantize_row` gives
