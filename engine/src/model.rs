@@ -770,12 +770,6 @@ fn forward_rows(
 
     for (li, l) in model.layers.iter().enumerate() {
         before_layer(li);
-        if let Some(img) = model.image.as_deref().filter(|_| model.image_span == 0) {
-            if !img.advise(li) {
-                pool.rest();
-                img.wait(li);
-            }
-        }
         // Attention block.
         rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);
@@ -850,9 +844,8 @@ fn forward_rows(
                     img.prefetch(&[next.image_range()]);
                 }
                 img.need(&[head.image_range()], &|| pool.rest());
-            } else if !img.advise(model.layers.len() + part) {
-                pool.rest();
-                img.wait(model.layers.len() + part);
+            } else {
+                advise(img.as_ref(), pool, crate::weights::packed_group(model.layers.len(), part));
             }
         }
         matmul_cols(pool, model, &[head], &xn, m, &mut s.acts, &mut s.logits, c.vocab, col0);
@@ -875,14 +868,29 @@ fn push_range(v: &mut Vec<(usize, usize)>, at: usize, len: usize) {
     }
 }
 
-/// Channel-major weight image: names the bytes site `site` of layer `li` will read for the
+/// Packed weight image: group `g` is about to be read; if it is not in yet, the workers sleep
+/// while the provider loads it.
+fn advise(img: &dyn crate::weights::WeightMemory, pool: &ThreadPool, g: usize) {
+    if !img.advise(g) {
+        pool.rest();
+        img.wait(g);
+    }
+}
+
+/// Packed weight image: announces site `site` of layer `li` (see [`advise`]). Channel-major
+/// weight image: names the bytes site `site` of layer `li` will read for the
 /// inputs `x` (`n` rows) — the active channels' columns and their blocks' scales — and asks
 /// for the same channels of the next `image_span` layers ahead of time: the current layer's
 /// activations predict the next layers' (ActiveFlow §3, cross-layer similarity). The image
 /// keeps a channel's columns of a layer group together, so those ranges merge into one run
 /// per channel and group. A wrong prediction costs a read when the layer names its own.
 fn announce(model: &Model, pool: &ThreadPool, li: usize, site: usize, x: &[f32], n: usize, r: &mut Ranges) {
-    let Some(img) = model.image.as_deref().filter(|_| model.image_span > 0) else { return };
+    let Some(img) = model.image.as_deref() else { return };
+    if model.image_span == 0 {
+        // Packed: the site's matrices are one group, read whole.
+        advise(img, pool, crate::weights::packed_group(li, site));
+        return;
+    }
     let site_mats = crate::weights::SITE_MATRICES[site];
     let cols = x.len() / n.max(1);
     r.active.clear();

@@ -19,8 +19,9 @@ use crate::repack::PackedWeight;
 pub trait WeightMemory: Send + Sync + std::fmt::Debug {
     /// The whole image. It may be paged: reading any byte must return the image's byte.
     fn bytes(&self) -> &[u8];
-    /// The forward pass is about to read group `group` (a layer, or `n_layers + i` for part
-    /// `i` of the output head): a provider that pages may start loading it, and read ahead.
+    /// The forward pass is about to read group `group` ([`packed_group`]: one site of a
+    /// layer, or a part of the output head): a provider that pages may start loading it, and
+    /// read ahead.
     /// Returns false if reading the group now would wait for it: the engine then lets its
     /// worker threads sleep and calls [`WeightMemory::wait`].
     fn advise(&self, _group: usize) -> bool {
@@ -42,7 +43,9 @@ pub trait WeightMemory: Send + Sync + std::fmt::Debug {
 /// How an image stores the layers' matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ImageFormat {
-    /// Repacked 8-row blocks, one group per layer: a pass reads every byte.
+    /// Repacked 8-row blocks, one group per site of a layer ([`SITE_MATRICES`]: the matrices
+    /// one multiplication reads together): a pass reads every byte. Groups this small keep
+    /// a pager's streaming window small: it holds the group being read and the next one.
     Packed,
     /// Channel-major ([`crate::colmajor`]) in groups of `span` layers, ordered as ActiveFlow
     /// §3 lays weights out for cross-layer preloading: per projection input (attention in,
@@ -56,6 +59,12 @@ pub enum ImageFormat {
 /// The matrices of a layer that read one input, by index in load order (q, k, v, o, gate,
 /// up, down): the four sites of [`crate::sparsity`].
 pub const SITE_MATRICES: [&[usize]; 4] = [&[0, 1, 2], &[3], &[4, 5], &[6]];
+
+/// The group of a packed image that site `site` of layer `layer` reads; part `i` of the output
+/// head is `packed_group(n_layers, i)` (the groups are in reading order).
+pub const fn packed_group(layer: usize, site: usize) -> usize {
+    layer * SITE_MATRICES.len() + site
+}
 
 /// One matrix in the image.
 #[derive(Debug, Clone)]
@@ -75,12 +84,10 @@ pub struct Piece {
 /// What a group holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupKind {
-    Layer(usize),
+    /// The matrices of one site ([`SITE_MATRICES`]) of a layer, packed.
+    Site { layer: usize, site: usize },
     /// Layers `first..first + count`, stored channel-major.
-    Layers {
-        first: usize,
-        count: usize,
-    },
+    Layers { first: usize, count: usize },
     /// A part of the output projection (the embedding table again, repacked, when they are
     /// tied), cut by rows so it streams in pieces the size of a layer.
     Head(usize),
@@ -136,8 +143,10 @@ impl WeightLayout {
         match format {
             ImageFormat::Packed => {
                 for (i, l) in p.layers.iter().enumerate() {
-                    let mats: Vec<(String, W, bool)> = (0..7).map(|m| (name(i, m), l.mats[m], true)).collect();
-                    group(GroupKind::Layer(i), &mats, &mut at, &mut pieces, &mut groups);
+                    for (site, ms) in SITE_MATRICES.iter().enumerate() {
+                        let mats: Vec<(String, W, bool)> = ms.iter().map(|&m| (name(i, m), l.mats[m], true)).collect();
+                        group(GroupKind::Site { layer: i, site }, &mats, &mut at, &mut pieces, &mut groups);
+                    }
                 }
             }
             ImageFormat::ChannelMajor { span } => {
@@ -219,9 +228,10 @@ impl WeightLayout {
     }
 }
 
-/// Rows per part of the output head in an image: about the bytes of one layer for the default
-/// model (4096 rows of 576 Q8_0 columns, 2.5 MB), so the head streams in layer-sized groups.
-const HEAD_PART_ROWS: usize = 4096;
+/// Rows per part of the output head in an image: about the bytes of a layer's site (the
+/// default model: 1024 rows of 576 Q8_0 columns, 0.6 MB; a 7B shape's: 3.4 MB at Q6_K), so the
+/// head streams in groups no larger than the layers' and a pager's window stays small.
+const HEAD_PART_ROWS: usize = 1024;
 
 /// The output matrix cut by rows into parts of [`HEAD_PART_ROWS`] (a multiple of the packed
 /// group height), each a matrix of its own in the file.

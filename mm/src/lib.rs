@@ -12,6 +12,7 @@ mod context;
 mod lctru;
 pub mod levels;
 mod manager;
+pub mod pagecache;
 mod planner;
 mod profile;
 mod reaper;

@@ -320,6 +320,9 @@ pub struct PlanInputs {
     /// Bytes of the packed image's layers and head (its groups are aligned more coarsely
     /// than the channel-major image's); 0: as `shape.weight_bytes()`.
     pub packed_bytes: usize,
+    /// The pager's streaming window over the packed image ([`crate::weights::stream_window`]:
+    /// its two largest consecutive groups and a few slots); 0: two layers.
+    pub packed_window: usize,
     /// Whether the preload thread has a core of its own (the engine computes on fewer
     /// threads than there are cores). Without one, its reads and page work take turns with
     /// the computing instead of overlapping it (measured on 2 cores: preloading ran at
@@ -486,20 +489,21 @@ impl PlanInputs {
     }
 
     /// The dense model from the packed image, as `weights::WeightPager` streams it: within
-    /// the budget a hot set of `budget - 2 layers` (all of it when everything fits), the
-    /// rest read each token a layer at a time in large reads, then computed at the packed
+    /// the budget a hot set of `budget - window` (all of it when everything fits), the
+    /// rest read each token a group at a time in large reads, then computed at the packed
     /// kernels' rate. Measured on 2 cores, the preload thread's reads and the compute add up
     /// rather than overlap (both need a core), so the model adds them. `None` without a packed
-    /// rate or when two layers do not fit.
+    /// rate or when the window does not fit.
     pub fn cost_packed(&self, budget: usize) -> Option<Plan> {
         let s = &self.shape;
         let room = budget as f64 - self.kv_bytes as f64;
         let layer = s.layer_bytes as f64;
         let all = if self.packed_bytes > 0 { self.packed_bytes } else { s.weight_bytes() } as f64;
-        if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < 2.0 * layer {
+        let window = self.packed_window() as f64;
+        if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < window {
             return None;
         }
-        let hot = if room >= all { all } else { room - 2.0 * layer };
+        let hot = if room >= all { all } else { room - window };
         let read = all - hot;
         let load = read / self.bw.read_install_at(layer);
         let comp = all / self.packed_mem;
@@ -519,6 +523,15 @@ impl PlanInputs {
             preload_room: 0,
             packed: true,
         })
+    }
+
+    /// Bytes the packed pager streams through (see `packed_window`).
+    fn packed_window(&self) -> usize {
+        if self.packed_window > 0 {
+            self.packed_window
+        } else {
+            2 * self.shape.layer_bytes
+        }
     }
 
     /// The sparsity level eq. "sp = 1 - M_max / S_m" asks for: the lowest calibrated level at
@@ -578,7 +591,7 @@ impl PlanInputs {
     pub fn replan(&self, plan: &Plan, budget: usize) -> Result<Plan, PlanError> {
         self.check()?;
         if plan.packed {
-            return self.cost_packed(budget).ok_or(PlanError::TooSmall { budget, group: 2 * self.shape.layer_bytes, kv: self.kv_bytes });
+            return self.cost_packed(budget).ok_or(PlanError::TooSmall { budget, group: self.packed_window(), kv: self.kv_bytes });
         }
         let level = self
             .levels
@@ -612,6 +625,7 @@ mod tests {
             kv_bytes: 0,
             packed_mem: 0.0,
             packed_bytes: 0,
+            packed_window: 0,
             spare_core: true,
         }
     }
@@ -728,8 +742,8 @@ mod tests {
         }
     }
 
-    /// Streaming the packed image: a hot set of the budget less two layers, the rest read a
-    /// layer at a time (flash, then page work) and the whole model computed at the packed
+    /// Streaming the packed image: a hot set of the budget less the window (two layers unless
+    /// the image says), the rest read a group at a time (flash, then page work) and the whole model computed at the packed
     /// rate; chosen for a dense level only, and only where predicted faster.
     #[test]
     fn packed_streaming_is_weighed_for_dense_levels() {
@@ -748,6 +762,11 @@ mod tests {
         let full = p.cost_packed(wb as usize).unwrap();
         assert!(full.read_bytes == 0.0 && (full.times.decode - wb / 5e9).abs() < 1e-12, "{full:?}");
         assert!(p.cost_packed(layer as usize).is_none(), "two layers must fit");
+        // The pager's window when the image says it (groups smaller than a layer).
+        p.packed_window = layer as usize / 2;
+        let c = p.cost_packed(budget).unwrap();
+        assert!((c.read_bytes - (wb - (budget as f64 - layer / 2.0))).abs() < 1.0, "{c:?}");
+        assert!(p.cost_packed(layer as usize).is_some());
         // Dense: whichever is predicted faster. The packed kernels at the channel-major rate
         // (10e9 here) win at full budget (nothing read either way, same compute).
         let mut dense = p.clone();

@@ -381,6 +381,25 @@ struct ImageSource {
     counters: Arc<Counters>,
     /// Slots filled by faults since the policy last looked (it must account them).
     faulted: Mutex<Vec<usize>>,
+    /// When recording ([`WeightPager::record_accesses`]): the slots the reader announced or
+    /// faulted, in order.
+    log: AccessLog,
+}
+
+/// The reader's accesses as slot ranges, kept only while recording (a flag read first, so
+/// a pager that is not recording takes no lock for it).
+#[derive(Debug, Default)]
+struct AccessLog {
+    on: std::sync::atomic::AtomicBool,
+    ranges: Mutex<Vec<std::ops::Range<usize>>>,
+}
+
+impl AccessLog {
+    fn push(&self, r: std::ops::Range<usize>) {
+        if self.on.load(Ordering::Relaxed) {
+            self.ranges.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        }
+    }
 }
 
 impl SlotSource for ImageSource {
@@ -403,6 +422,7 @@ impl SlotSource for ImageSource {
         }
         self.counters.fault_slots.fetch_add(1, Ordering::Relaxed);
         self.faulted.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        self.log.push(slot..slot + 1);
         Ok(ss)
     }
 }
@@ -466,6 +486,7 @@ fn open_image(path: &Path, source: Fingerprint) -> Result<Opened> {
         info: Arc::clone(&info),
         counters: Arc::clone(&counters),
         faulted: Mutex::new(Vec::new()),
+        log: AccessLog::default(),
     });
     // UFFDIO_COPY, not MOVE: a moved page leaves the staging buffer, and the next read
     // into it must fault in and zero a fresh page (and MOVE flushes TLBs across the
@@ -548,6 +569,7 @@ impl WeightPager {
             return true;
         }
         let slots = sh.info.slots_of(g);
+        sh.src.log.push(slots.clone());
         let resident = sh.region.resident_in(slots.clone());
         sh.counters.advised_slots.fetch_add(slots.len() as u64, Ordering::Relaxed);
         sh.counters.advised_resident.fetch_add(resident as u64, Ordering::Relaxed);
@@ -567,6 +589,19 @@ impl WeightPager {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|tx| tx.send((seq, g)).is_ok());
         !sent || !sh.preload || resident == slots.len() || sh.pos_in_cycle[g].is_none()
+    }
+
+    /// Starts (or stops) recording what the reader reads: every announced group's slots and
+    /// every slot a fault filled (the embedding rows), in order — the sequence
+    /// [`crate::pagecache::LruSim`] replays to tell what a page cache of the same size would
+    /// have read. A reader of packed groups reads each announced group whole.
+    pub fn record_accesses(&self, on: bool) {
+        self.shared.src.log.on.store(on, Ordering::Relaxed);
+    }
+
+    /// The accesses recorded since the last call (slot ranges, in order).
+    pub fn take_accesses(&self) -> Vec<std::ops::Range<usize>> {
+        std::mem::take(&mut *self.shared.src.log.ranges.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Waits until the preload thread has dealt with the last announced group.
@@ -627,16 +662,14 @@ impl Shared {
         if budget < ss {
             return Err(WeightError::Budget(format!("{budget} bytes cannot hold one {ss}-byte slot")));
         }
-        let n = self.cycle.len();
-        let cycle_bytes: usize = self.cycle.iter().map(|&g| self.group_bytes(g)).sum();
-        let spare = 4 * ss;
+        let sizes: Vec<usize> = self.cycle.iter().map(|&g| self.group_bytes(g)).collect();
+        let cycle_bytes: usize = sizes.iter().sum();
         let window = if cycle_bytes <= budget {
             // Touched-only slots (embedding rows) live in what is left, possibly nothing: then
             // each is dropped at the next announcement (one slot over budget at most).
             budget - cycle_bytes
         } else {
-            let pair = (0..n).map(|i| self.group_bytes(self.cycle[i]) + self.group_bytes(self.cycle[(i + 1) % n])).max().unwrap_or(0);
-            (pair + spare).min(budget)
+            stream_window(&sizes, ss).min(budget)
         };
         let mut p = self.policy.lock().unwrap_or_else(|e| e.into_inner());
         p.budget = budget;
@@ -698,6 +731,16 @@ impl Shared {
             p.streamed.push_front(s);
         }
     }
+}
+
+/// The streaming window of a cycle whose groups take `sizes` bytes (whole slots, in cycle
+/// order) when it does not fit the budget: the two largest consecutive groups (the one being
+/// read and the one being loaded) and 4 slots. What the hot set gives up; a planner weighing
+/// this pager needs it too.
+pub fn stream_window(sizes: &[usize], slot: usize) -> usize {
+    let n = sizes.len();
+    let pair = (0..n).map(|i| sizes[i] + sizes[(i + 1) % n]).max().unwrap_or(0);
+    pair + 4 * slot
 }
 
 /// The preload thread: for each announced group, makes the window's worth of groups from it

@@ -93,6 +93,37 @@ fn paged_weights_give_the_resident_logits_at_any_budget() {
     }
 }
 
+/// The page-cache baseline replays exactly what was read: at a budget below the weight bytes,
+/// LRU misses every slot of every pass (a cyclic sweep larger than the cache), while the
+/// pager's hot set is never re-read — it reads about the bytes outside the budget.
+#[test]
+fn a_page_cache_of_the_budget_rereads_what_the_hot_set_keeps() {
+    if !uffd_ok() {
+        return;
+    }
+    let (model, pw) = paged(Budget::Percent(50.0), true);
+    let mut lru = pw.lru_baseline().expect("a packed image has a page-cache baseline");
+    let ids = prompt(&model);
+    let mut s = Session::new(Arc::clone(&model), Arc::new(ThreadPool::new(2)), 256);
+    let mut tok = engine::sampler::argmax(s.eval(&ids, Logits::Last).unwrap());
+    tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last).unwrap());
+    lru.feed(false); // the prompt and first token warm both sides
+    let before = pw.stats().bytes_read;
+    let tokens = 4;
+    for _ in 0..tokens {
+        tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last).unwrap());
+    }
+    let ours = pw.stats().bytes_read - before;
+    let lru_bytes = lru.feed(true);
+    let weight = (tokens * pw.weight_bytes) as u64;
+    eprintln!("{tokens} tokens: ours {ours} bytes, LRU {lru_bytes}, weight bytes {weight}");
+    // Every announced slot missed (the embedding rows a token faults in come on top).
+    assert!(lru_bytes >= weight, "LRU read {lru_bytes} of {weight} swept bytes");
+    assert!(lru_bytes <= weight + (tokens * 4 * SLOT) as u64);
+    // Ours: the half outside the budget plus the streaming window (two groups), not all.
+    assert!(ours > weight / 2 && ours < weight * 11 / 20, "paged read {ours} bytes of {weight}");
+}
+
 /// Fixed thresholds (no calibration, which takes a minute): about half of each site's inputs
 /// are below 0.05 to 0.1 on this model.
 fn half_sparse(model: &Model) -> Arc<Sparsity> {

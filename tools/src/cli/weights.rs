@@ -136,7 +136,7 @@ fn bench_weights(
     }
     println!("model {} | threads {threads} | tg{tg}, median of {reps}", path.display());
     println!(
-        "{:<9} {:<13} {:>2} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8} {:>12} {:>12}",
+        "{:<9} {:<13} {:>2} {:>5} {:>8} {:>7} {:>8} {:>7} {:>10} {:>10} {:>6} {:>8} {:>9} {:>9} {:>9} {:>8} {:>12} {:>12}",
         "weights",
         "layout",
         "N",
@@ -146,6 +146,8 @@ fn bench_weights(
         "tg tok/s",
         "vs res",
         "MiB read/t",
+        "LRU MiB/t",
+        "vs LRU",
         "hit",
         "precision",
         "faults/t",
@@ -156,7 +158,7 @@ fn bench_weights(
     );
     for r in &rows {
         println!(
-            "{:<9} {:<13} {:>2} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8} {:>12} {:>12}",
+            "{:<9} {:<13} {:>2} {:>5.2} {:>8.1} {:>7} {:>8.1} {:>7.3} {:>10.2} {:>10} {:>6} {:>7.1}% {:>9} {:>9.1} {:>9} {:>8} {:>12} {:>12}",
             r.weights,
             r.layout,
             if r.span > 0 { r.span.to_string() } else { "-".into() },
@@ -166,6 +168,8 @@ fn bench_weights(
             r.tg_tok_s,
             r.vs_resident,
             r.read_mib_per_token,
+            r.lru_read_mib_per_token.map_or("-".into(), |m| format!("{m:.2}")),
+            r.vs_lru.map_or("-".into(), |v| format!("{v:.3}")),
             100.0 * r.hit_rate,
             r.preload_precision.map_or("-".into(), |p| format!("{:.1}%", 100.0 * p)),
             r.faults_per_token,

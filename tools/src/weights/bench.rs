@@ -28,6 +28,11 @@ pub struct BenchRow {
     /// Share of preloaded slots the reader then used (none preloaded: `None`).
     pub preload_precision: Option<f64>,
     pub faults_per_token: f64,
+    /// What an LRU page cache of the same budget would read per token on the same accesses
+    /// (simulated over the recorded slot sequence: `mmap` under the same limit), and our
+    /// reads as a share of it. Packed images only.
+    pub lru_read_mib_per_token: Option<f64>,
+    pub vs_lru: Option<f64>,
     /// Decode speed if every byte read came at the image's sequential read bandwidth and
     /// computing were free (the flash floor); resident weights have none.
     pub floor_tok_s: Option<f64>,
@@ -144,11 +149,17 @@ pub fn run(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     let prompt: Vec<u32> = (0..8u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
     let mut rates = vec![Vec::new(); cases.len()];
     let mut reads = vec![(0u64, 0u64, 0u64, 0u64, 0usize, 0u64, 0u64); cases.len()];
+    let mut lru: Vec<_> = cases.iter().map(|c| c.3.as_ref().and_then(|p| p.lru_baseline())).collect();
+    let mut lru_read = vec![0u64; cases.len()];
     for rep in 0..=o.reps {
         for (i, (_, _, model, pw, _, sp, _)) in cases.iter().enumerate() {
             let mut s = Session::new(Arc::clone(model), Arc::clone(&pool), prompt.len() + o.tg + 1);
             s.set_sparsity(sp.clone())?;
             s.eval(&prompt, Logits::Last)?;
+            // The page cache sees the prompt too, uncounted, as our reads before `before`.
+            if let Some(l) = &mut lru[i] {
+                l.feed(false);
+            }
             let before = pw.as_ref().map(|p| p.stats());
             let mut tok = prompt[0];
             let t = std::time::Instant::now();
@@ -156,9 +167,11 @@ pub fn run(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
                 tok = engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
             }
             let secs = t.elapsed().as_secs_f64();
+            let lru_bytes = lru[i].as_mut().map(|l| l.feed(rep > 0));
             if rep == 0 {
                 continue; // warm-up: the first pass fills the hot set
             }
+            lru_read[i] += lru_bytes.unwrap_or(0);
             rates[i].push(o.tg as f64 / secs);
             if let (Some(b), Some(p)) = (before, pw) {
                 let a = p.stats();
@@ -188,6 +201,7 @@ pub fn run(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
         let tg = med(&mut rates[i]);
         let r = reads[i];
         let per_tok = r.0 as f64 / r.4.max(1) as f64;
+        let lru_per_tok = lru[i].as_ref().map(|_| lru_read[i] as f64 / r.4.max(1) as f64);
         let ppl = match &ppl_ids {
             Some((ids, w)) if ids.len() >= 512 => {
                 Some(engine::eval::perplexity_sparse(model, Arc::clone(&pool), ids, 512, *w, sp.clone())?.ppl)
@@ -206,6 +220,8 @@ pub fn run(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
             hit_rate: if r.1 == 0 { 1.0 } else { r.2 as f64 / r.1 as f64 },
             preload_precision: pw.as_ref().and_then(|p| p.preload_precision(r.5, r.6)),
             faults_per_token: r.3 as f64 / r.4.max(1) as f64,
+            lru_read_mib_per_token: lru_per_tok.map(|b| b / f64::from(1 << 20)),
+            vs_lru: lru_per_tok.filter(|&b| b > 0.0).map(|b| per_tok / b),
             floor_tok_s: pw.as_ref().and(bw).filter(|_| per_tok > 0.0).map(|bw| bw / per_tok),
             ppl,
             span: model.image_span(),

@@ -16,9 +16,11 @@ use engine::weights::{build_image, GroupKind, ImageFormat, WeightLayout, WeightM
 use engine::Model;
 use mm::weights::{Fingerprint, ImageWriter, SparseOptions, SparsePager, WeightError, WeightOptions, WeightPager, WeightStats};
 
-/// Slot (and group alignment) of packed weight images: 64 KiB reads are large enough for
-/// flash to stream and small enough that a touched embedding row costs little.
-pub const SLOT: usize = 64 << 10;
+/// Slot (and group alignment) of packed weight images: 16 KiB, so aligning the 4 groups of a
+/// layer (one per site) pads little (with 64 KiB the default model's image grew 5%); the
+/// preloader reads runs of slots 1 MiB at a time whatever their size, and a touched embedding
+/// row costs 16 KiB. Faulting slot by slot (no preload) is slower for it.
+pub const SLOT: usize = 16 << 10;
 /// Slot of channel-major images: a page, the unit a sparse reader skips. A channel's run in
 /// a group of [`DEFAULT_SPAN`] layers is about one (attention input: 4 x 480 bytes;
 /// feed-forward input: 4 x 1536).
@@ -193,6 +195,19 @@ impl PagedWeights {
     /// Share of `preloaded` slots the reader then used: only where preloads are predictions
     /// (the sparse pager; the streaming pager reads ahead by layer order, every slot of which
     /// the reader takes) and something was preloaded.
+    /// A page cache's view of this run (packed images only): an LRU cache of the budget's
+    /// slots, fed the accesses recorded from now on ([`LruBaseline::feed`]).
+    pub fn lru_baseline(&self) -> Option<LruBaseline<'_>> {
+        let Paging::Cycle(p) = &self.pager else { return None };
+        p.record_accesses(true);
+        let slot = p.info().slot_size;
+        Some(LruBaseline {
+            pager: p,
+            slot,
+            sim: mm::pagecache::LruSim::new(usize::try_from(p.stats().budget).unwrap_or(usize::MAX) / slot),
+        })
+    }
+
     pub fn preload_precision(&self, preloaded: u64, used: u64) -> Option<f64> {
         #[allow(clippy::cast_precision_loss)]
         (self.is_sparse() && preloaded > 0).then(|| used as f64 / preloaded as f64)
@@ -204,6 +219,27 @@ impl PagedWeights {
     /// Channel-major (read by active channel) rather than packed.
     pub fn is_sparse(&self) -> bool {
         matches!(self.pager, Paging::Sparse(_))
+    }
+}
+
+/// What an LRU page cache of the pager's budget reads on the reader's recorded accesses.
+#[derive(Debug)]
+pub struct LruBaseline<'a> {
+    pager: &'a WeightPager,
+    slot: usize,
+    sim: mm::pagecache::LruSim,
+}
+
+impl LruBaseline<'_> {
+    /// Replays the accesses recorded since the last call; returns the bytes the cache read
+    /// for them (`count`), or just warms it (not `count`: e.g. a prompt or a warm-up pass).
+    pub fn feed(&mut self, count: bool) -> u64 {
+        let misses = self.sim.access_ranges(&self.pager.take_accesses());
+        if count {
+            misses * self.slot as u64
+        } else {
+            0
+        }
     }
 }
 

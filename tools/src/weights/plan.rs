@@ -47,7 +47,7 @@ pub fn shape(model_path: &Path, c: &engine::Config) -> Result<Shape> {
     let (mut layers, mut head) = (0, 0);
     for g in &layout.groups {
         match g.kind {
-            GroupKind::Layers { .. } | GroupKind::Layer(_) => layers += g.len,
+            GroupKind::Layers { .. } | GroupKind::Site { .. } => layers += g.len,
             GroupKind::Head(_) => head += g.len,
             GroupKind::Embedding => {}
         }
@@ -136,7 +136,10 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     // kernels' rate weighs streaming the packed image instead.
     bw.mem = bw.mem.min(compute_rate(model_path, &pool, shape.weight_bytes(), WeightFormat::ChannelMajor)?);
     let slot = super::slot_for(ImageFormat::Packed);
-    let (_, packed_bytes) = super::weight_groups(&WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?, slot);
+    let packed = WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?;
+    let (cycle, packed_bytes) = super::weight_groups(&packed, slot);
+    let sizes: Vec<usize> = cycle.iter().map(|&g| packed.groups[g].len.next_multiple_of(slot)).collect();
+    let packed_window = mm::weights::stream_window(&sizes, slot);
     let packed_mem = compute_rate(model_path, &pool, packed_bytes, WeightFormat::Packed)?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let inputs = PlanInputs {
@@ -148,6 +151,7 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
         kv_bytes: 0,
         packed_mem,
         packed_bytes,
+        packed_window,
         spare_core: s.threads < cores,
     };
     Ok((inputs, thresholds))
