@@ -278,7 +278,10 @@ pub struct Q8KActs {
 }
 
 impl Q8KActs {
-    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+    /// Quantizes `rows` rows of `cols` values each (`cols` a multiple of 256), spreading many
+    /// rows over the pool (a prompt's activations: serial, they were a tenth of a K-quant
+    /// model's prefill).
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize, pool: &ThreadPool) {
         debug_assert_eq!(cols % QK_K, 0);
         debug_assert!(x.len() >= rows * cols);
         let nb = cols / QK_K;
@@ -288,31 +291,64 @@ impl Q8KActs {
         self.qs.resize(n, [0; QK_K]);
         self.d.resize(n, 0.0);
         self.bsums.resize(n, [0; QK_K / 16]);
-        for (i, xb) in x[..rows * cols].chunks_exact(QK_K).enumerate() {
-            let mut amax = 0.0f32;
-            let mut max = 0.0f32;
-            for &v in xb {
-                if v.abs() > amax {
-                    amax = v.abs();
-                    max = v;
-                }
-            }
-            let qs = &mut self.qs[i];
-            if amax == 0.0 {
-                self.d[i] = 0.0;
-                qs.fill(0);
-                self.bsums[i].fill(0);
-                continue;
-            }
-            let iscale = -128.0 / max;
-            for (q, &v) in qs.iter_mut().zip(xb) {
-                *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
-            }
-            for (j, s) in self.bsums[i].iter_mut().enumerate() {
-                *s = qs[j * 16..(j + 1) * 16].iter().map(|&q| i16::from(q)).sum();
-            }
-            self.d[i] = 1.0 / iscale;
+        const ROWS_PER_JOB: usize = 16;
+        if rows < 2 * ROWS_PER_JOB {
+            quantize_blocks_q8k(&x[..n * QK_K], &mut self.qs, &mut self.d, &mut self.bsums);
+            return;
         }
+        let step = ROWS_PER_JOB * nb;
+        let jobs: Vec<_> = x[..n * QK_K]
+            .chunks(step * QK_K)
+            .zip(self.qs.chunks_mut(step))
+            .zip(self.d.chunks_mut(step).zip(self.bsums.chunks_mut(step)))
+            .map(|((x, q), (d, b))| (x, q, d, b))
+            .collect();
+        pool.scatter("quantize activations", jobs, &|(x, q, d, b)| quantize_blocks_q8k(x, q, d, b));
+    }
+}
+
+/// Quantizes consecutive blocks of 256 values as llama.cpp's Q8_K (scale `-max/128` of the
+/// value of largest magnitude, rounding half to even, sums of each 16 codes), with AVX2 where
+/// present: the rounding then compiles to `vroundps` instead of a libm call per value.
+pub fn quantize_blocks_q8k(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsums: &mut [[i16; QK_K / 16]]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2() {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn run(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsums: &mut [[i16; QK_K / 16]]) {
+            quantize_blocks_q8k_body(x, qs, d, bsums);
+        }
+        // SAFETY: the CPU has the features (checked just above).
+        unsafe { run(x, qs, d, bsums) };
+        return;
+    }
+    quantize_blocks_q8k_body(x, qs, d, bsums);
+}
+
+#[inline(always)]
+fn quantize_blocks_q8k_body(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsums: &mut [[i16; QK_K / 16]]) {
+    for (((xb, qs), d), bsums) in x.chunks_exact(QK_K).zip(qs.iter_mut()).zip(d.iter_mut()).zip(bsums.iter_mut()) {
+        let mut amax = 0.0f32;
+        let mut max = 0.0f32;
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *d = 0.0;
+            qs.fill(0);
+            bsums.fill(0);
+            continue;
+        }
+        let iscale = -128.0 / max;
+        for (q, &v) in qs.iter_mut().zip(xb) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (j, s) in bsums.iter_mut().enumerate() {
+            *s = qs[j * 16..(j + 1) * 16].iter().map(|&q| i16::from(q)).sum();
+        }
+        *d = 1.0 / iscale;
     }
 }
 
@@ -584,5 +620,33 @@ mod tests {
         }
         assert_eq!(GgmlType::from_u32(7), Some(GgmlType::Q5_1));
         assert_eq!(GgmlType::Q5_1.row_bytes(64), 48);
+    }
+
+    /// Q8_K as llama.cpp quantizes: `d = -max/128` of the value of largest magnitude, codes
+    /// rounded half to even and capped at 127, sums of each 16; the same blocks whether the
+    /// rows go through the pool or not (and through AVX2's `vroundps` or the portable loop).
+    #[test]
+    fn q8k_activations_quantize_as_llama_cpp_and_the_same_split_or_not() {
+        let (rows, cols) = (40, 2 * QK_K);
+        let mut x: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 1001) as f32 / 100.0 - 5.0).collect();
+        // Row 0, block 0: the largest magnitude first at 20 (scale -128/20), then -20 (128,
+        // capped), -10 (64) and a value 2.5 steps from 0 (to even: 2).
+        x[3..7].copy_from_slice(&[20.0, -20.0, -10.0, -20.0 * 2.5 / 128.0]);
+        x[cols..cols + QK_K].fill(0.0); // row 1, block 0: all zero
+        let pool = ThreadPool::new(2);
+        let mut a = Q8KActs::default();
+        a.quantize(&x, rows, cols, &pool);
+        let mut b = Q8KActs::default();
+        b.quantize(&x, 1, rows * cols, &ThreadPool::new(1));
+        assert_eq!(a.nb, 2);
+        assert_eq!((a.qs.as_slice(), a.d.as_slice(), a.bsums.as_slice()), (b.qs.as_slice(), b.d.as_slice(), b.bsums.as_slice()));
+        assert_eq!(a.d[0], -20.0 / 128.0);
+        assert_eq!(a.qs[0][3..7], [-128, 127, 64, 2]);
+        assert_eq!((a.d[2], a.qs[2], a.bsums[2]), (0.0, [0; QK_K], [0; QK_K / 16]));
+        for (q, s) in a.qs.iter().zip(&a.bsums) {
+            for j in 0..QK_K / 16 {
+                assert_eq!(s[j], q[16 * j..16 * j + 16].iter().map(|&v| i16::from(v)).sum::<i16>());
+            }
+        }
     }
 }

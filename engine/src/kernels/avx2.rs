@@ -727,40 +727,66 @@ pub(super) unsafe fn dot_float(ty: GgmlType, row: &[u8], x: &[f32], cols: usize,
     }
 }
 
-/// Three float weight rows · 4 f32 activation rows from `t0`: 12 sums at once (12
-/// accumulators, 3 weight vectors and 1 activation vector fill the 16 registers), each
-/// weight vector used for 4 tokens and each activation vector for 3 rows, so a step loads 7
-/// vectors for 12 fused multiply-adds. Every sum is [`super::dot_lanes`]'s, as in
+/// `R` (1 to 3) float weight rows · 4 f32 activation rows from `t0`: `R` x 4 sums at once (at
+/// 3 rows, 12 accumulators, 3 weight vectors and 1 activation vector fill the 16 registers),
+/// each weight vector used for 4 tokens and each activation vector for `R` rows, so a step
+/// loads 7 vectors for 12 fused multiply-adds. Every sum is [`super::dot_lanes`]'s, as in
 /// [`dot_float`]: `out[i][t]` is row `i` · token `t0 + t`.
 ///
 /// # Safety
 /// Needs AVX2/FMA/F16C; each row holds `cols` elements of `ty`; rows `t0..t0 + 4` exist in `x`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_float_3x4(ty: GgmlType, rows: [&[u8]; 3], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; 3] {
+pub(super) unsafe fn dot_float_rx4<const R: usize>(ty: GgmlType, rows: [&[u8]; R], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; R] {
     match ty {
-        GgmlType::F32 => dot_float_3x4_as::<F32W>(rows, x, cols, t0),
-        GgmlType::F16 => dot_float_3x4_as::<F16W>(rows, x, cols, t0),
-        _ => dot_float_3x4_as::<Bf16W>(rows, x, cols, t0),
+        GgmlType::F32 => dot_float_rx4_as::<F32W, R>(rows, x, cols, t0),
+        GgmlType::F16 => dot_float_rx4_as::<F16W, R>(rows, x, cols, t0),
+        _ => dot_float_rx4_as::<Bf16W, R>(rows, x, cols, t0),
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // t and i index the accumulators and the activations
-unsafe fn dot_float_3x4_as<L: FloatLoad>(rows: [&[u8]; 3], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; 3] {
-    let mut acc = [[_mm256_setzero_ps(); 4]; 3];
+unsafe fn dot_float_rx4_as<L: FloatLoad, const R: usize>(rows: [&[u8]; R], x: &[f32], cols: usize, t0: usize) -> [[f32; 4]; R] {
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let n8 = cols / 8;
     let xp = x.as_ptr().add(t0 * cols);
     for c in 0..n8 {
-        let w: [__m256; 3] = std::array::from_fn(|i| L::at(rows[i].as_ptr(), c));
+        let w: [__m256; R] = std::array::from_fn(|i| L::at(rows[i].as_ptr(), c));
         for t in 0..4 {
             let xv = _mm256_loadu_ps(xp.add(t * cols + 8 * c));
-            for i in 0..3 {
+            for i in 0..R {
                 acc[i][t] = _mm256_fmadd_ps(w[i], xv, acc[i][t]);
             }
         }
     }
+    if cols == 8 * n8 {
+        // No tail: each row's four sums reduced together, in registers.
+        return std::array::from_fn(|i| lanes_tree_x4(acc[i]));
+    }
     std::array::from_fn(|i| std::array::from_fn(|t| finish_lanes::<L>(acc[i][t], rows[i], x, cols, n8, t0 + t)))
+}
+
+/// Four 8-lane sums at once, each added as [`super::dot_lanes`]'s tree: `h = lanes 0-3 +
+/// lanes 4-7` (its `l + (l + 4)` pairs), then a 4x4 transpose so that
+/// `(h0 + h2) + (h1 + h3)` is one vector operation for the four (a store and seven scalar
+/// additions each was a tenth of an F16 prefill).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lanes_tree_x4(a: [__m256; 4]) -> [f32; 4] {
+    let h = a.map(|v| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+    let lo01 = _mm_unpacklo_ps(h[0], h[1]); // h0[0] h1[0] h0[1] h1[1]
+    let lo23 = _mm_unpacklo_ps(h[2], h[3]);
+    let hi01 = _mm_unpackhi_ps(h[0], h[1]); // h0[2] h1[2] h0[3] h1[3]
+    let hi23 = _mm_unpackhi_ps(h[2], h[3]);
+    let c0 = _mm_movelh_ps(lo01, lo23); // lane 0 of h0..h3
+    let c1 = _mm_movehl_ps(lo23, lo01); // lane 1
+    let c2 = _mm_movelh_ps(hi01, hi23); // lane 2
+    let c3 = _mm_movehl_ps(hi23, hi01); // lane 3
+    let r = _mm_add_ps(_mm_add_ps(c0, c2), _mm_add_ps(c1, c3));
+    let mut out = [0.0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), r);
+    out
 }
 
 /// A float dot product's 8 lanes after the whole 8-wide steps: the tail elements fused into

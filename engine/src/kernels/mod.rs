@@ -71,7 +71,7 @@ impl Acts {
             self.q8.quantize(x, rows, cols, pool);
         }
         if kinds.contains(&ActKind::Q8K) {
-            self.q8k.quantize(x, rows, cols);
+            self.q8k.quantize(x, rows, cols, pool);
         }
         if kinds.contains(&ActKind::F32) {
             self.f32.clear();
@@ -119,7 +119,8 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
                 ldo,
                 r0,
                 r1,
-                |rows, t| unsafe { avx2::dot_float_3x4(ty, rows, x, cols, t) },
+                |rows, t| unsafe { avx2::dot_float_rx4::<3>(ty, rows, x, cols, t) },
+                |row, t| unsafe { avx2::dot_float_rx4::<1>(ty, [row], x, cols, t)[0] },
                 |row, t| unsafe { avx2::dot_float(ty, row, x, cols, t) },
             );
         }
@@ -136,6 +137,7 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
                 r0,
                 r1,
                 |rows, t| unsafe { neon::dot_float::<2, 4>(ty, rows, x, cols, t) },
+                |row, t| unsafe { neon::dot_float::<1, 4>(ty, [row], x, cols, t)[0] },
                 |row, t| unsafe { neon::dot_float::<1, 1>(ty, [row], x, cols, t)[0][0] },
             );
         }
@@ -204,8 +206,11 @@ fn float_elem(ty: GgmlType, row: &[u8], i: usize) -> f32 {
 
 /// Float weights (F32/F16/BF16): rows in blocks of `R` against tokens in fours (`block`:
 /// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), token tiles as in
-/// [`by_rows`], the rows and tokens left over one at a time (`one`). Every output is
-/// [`dot_lanes`]'s, as the reference computes it.
+/// [`by_rows`]; the rows left over (a thread's share of rows comes in eights, not in
+/// multiples of `R`) a row against four tokens (`row4`: four chains, where one chain per
+/// row and token waited on each multiply-add's latency — a tenth of an F16 prefill), the
+/// tokens left over one at a time (`one`). Every output is [`dot_lanes`]'s, as the
+/// reference computes it.
 #[allow(clippy::too_many_arguments, dead_code)]
 fn float_rows<const R: usize>(
     w: &WeightView,
@@ -215,6 +220,7 @@ fn float_rows<const R: usize>(
     r0: usize,
     r1: usize,
     block: impl Fn([&[u8]; R], usize) -> [[f32; 4]; R],
+    row4: impl Fn(&[u8], usize) -> [f32; 4],
     one: impl Fn(&[u8], usize) -> f32,
 ) {
     for t0 in (0..n_tok).step_by(TOKEN_TILE) {
@@ -239,8 +245,16 @@ fn float_rows<const R: usize>(
             r += R;
         }
         for r in r..r1 {
-            for t in t0..t1 {
-                out.write(t * ldo + r, one(w.row(r), t));
+            let row = w.row(r);
+            let mut t = t0;
+            while t + 4 <= t1 {
+                for (j, &y) in row4(row, t).iter().enumerate() {
+                    out.write((t + j) * ldo + r, y);
+                }
+                t += 4;
+            }
+            for t in t..t1 {
+                out.write(t * ldo + r, one(row, t));
             }
         }
     }
@@ -823,7 +837,7 @@ mod tests {
     fn float_kernels_equal_the_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
         for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
-            for &(rows, cols, toks) in &[(5, 37, 1), (9, 576, 3), (4, 64, 9), (3, 8, 5), (2, 3, 4)] {
+            for &(rows, cols, toks) in &[(5, 37, 1), (9, 576, 3), (4, 64, 9), (3, 8, 5), (2, 3, 4), (5, 576, 8), (7, 44, 6)] {
                 let vals: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0..1.0)).collect();
                 let data: Vec<u8> = match ty {
                     GgmlType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
