@@ -560,17 +560,137 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
     }
 }
 
-/// The K-quant row kernels behind one signature (Q4_K when `q4k`, else Q6_K).
-///
-/// # Safety
-/// Needs AVX2/FMA/F16C; `row` whole blocks; rows `t0..t0 + T` exist in `a`.
+/// The K-quant row kernels (Q4_K when `q4k`, else Q6_K) behind one signature, for a feature
+/// set: `$madd(acc, p, s)` adds the i16 pairs `p` times the i16 scales `s` into the i32
+/// lanes of `acc` (`madd` + `add` on AVX2; one `vpdpwssd` with VNNI).
+macro_rules! kquant_kernels {
+    ($kquant:ident, $q4k:ident, $q6k:ident, $features:literal, $madd:ident) => {
+        /// # Safety
+        /// Needs the kernel's features; `row` whole blocks; rows `t0..t0 + T` exist in `a`.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $kquant<const T: usize>(q4k: bool, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+            if q4k {
+                $q4k::<T>(crate::quant::blocks(row), a, t0)
+            } else {
+                $q6k::<T>(crate::quant::blocks(row), a, t0)
+            }
+        }
+
+        /// Q4_K row · `T` Q8_K activation rows from `t0` (one pass over the row's blocks: the
+        /// nibbles and the sub-block scales are unpacked once for all `T`): the same integer
+        /// sums as `quant::dot_q4k_ref` (nibbles times activations in `maddubs`, times the
+        /// 6-bit scales, never overflowing), combined with the same float operations, so each
+        /// result is bit for bit the reference's.
+        ///
+        /// # Safety
+        /// Needs the kernel's features; rows `t0..t0 + T` exist in `a`.
+        #[target_feature(enable = $features)]
+        unsafe fn $q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+            let mask = _mm256_set1_epi8(0x0F);
+            let mut sum = [0.0f32; T];
+            for (i, b) in w.iter().enumerate() {
+                let mut acc = [_mm256_setzero_si256(); T];
+                let mut mins = [0i32; T];
+                for j in 0..4 {
+                    let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
+                    let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
+                    let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
+                    let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j).cast());
+                    let lo = _mm256_and_si256(q, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                    for t in 0..T {
+                        let k = (t0 + t) * a.nb + i;
+                        let q8 = a.qs[k].as_ptr();
+                        // |pair sum| <= 2 * 15 * 128 < 2^15; times a scale < 64, summed in pairs: < 2^22.
+                        let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8.add(64 * j).cast()));
+                        let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
+                        acc[t] = $madd(acc[t], plo, s1);
+                        acc[t] = $madd(acc[t], phi, s2);
+                        let bs = &a.bsums[k];
+                        mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
+                        mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
+                    }
+                }
+                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+                for t in 0..T {
+                    let k = (t0 + t) * a.nb + i;
+                    sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins[t] as f32);
+                }
+            }
+            sum
+        }
+
+        /// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit:
+        /// the 6-bit codes are rebuilt 32 at a time (once for all `T`), multiplied unsigned
+        /// (`maddubs`: |pair| <= 2 * 63 * 128 < 2^15) and times the signed 16-value sub-block
+        /// scales; the codes' offset of 32 comes off once a block, as 32 x the scales times
+        /// the activations' 16-value sums (Q8_K's `bsums`): the same integer, three vector
+        /// operations fewer per 32 codes and token.
+        ///
+        /// # Safety
+        /// Needs the kernel's features; rows `t0..t0 + T` exist in `a`.
+        #[target_feature(enable = $features)]
+        unsafe fn $q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let m2 = _mm256_set1_epi8(0x03);
+            let mut sum = [0.0f32; T];
+            for (i, b) in w.iter().enumerate() {
+                let mut acc = [_mm256_setzero_si256(); T];
+                let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr().cast()));
+                for n in 0..2 {
+                    let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n).cast());
+                    let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32).cast());
+                    let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * n).cast());
+                    // Bits 0-1, 2-3, 4-5 and 6-7 of qh, moved to bits 4-5 of each byte.
+                    let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4);
+                    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4);
+                    let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4);
+                    let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4);
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql0, m4), h0),
+                        _mm256_or_si256(_mm256_and_si256(ql1, m4), h1),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h2),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3),
+                    ];
+                    for (g, &qg) in q.iter().enumerate() {
+                        let s0 = i16::from(b.scales[8 * n + 2 * g]);
+                        let s1 = i16::from(b.scales[8 * n + 2 * g + 1]);
+                        let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let x = _mm256_loadu_si256(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g).cast());
+                            *acc = $madd(*acc, _mm256_maddubs_epi16(qg, x), sc);
+                        }
+                    }
+                }
+                let d = b.d.to_f32();
+                for t in 0..T {
+                    let k = (t0 + t) * a.nb + i;
+                    // 32 x sum_j scale_j x bsum_j: |.| <= 32 * 16 * 128 * 2048 < 2^31.
+                    let bs = _mm256_loadu_si256(a.bsums[k].as_ptr().cast());
+                    let offset = 32 * hsum_i32(_mm256_madd_epi16(scales16, bs));
+                    sum[t] += d * a.d[k] * (hsum_i32(acc[t]) - offset) as f32;
+                }
+            }
+            sum
+        }
+    };
+}
+
+kquant_kernels!(dot_kquant, dot_q4k, dot_q6k, "avx2,fma,f16c", madd_add);
+kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", madd_dpwssd);
+
+/// `acc + madd(p, s)`: i16 pairs times i16 scales, summed in pairs into the i32 lanes.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dot_kquant<const T: usize>(q4k: bool, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-    if q4k {
-        dot_q4k::<T>(crate::quant::blocks(row), a, t0)
-    } else {
-        dot_q6k::<T>(crate::quant::blocks(row), a, t0)
-    }
+unsafe fn madd_add(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, _mm256_madd_epi16(p, s))
+}
+
+/// The same in one VNNI instruction.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn madd_dpwssd(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpwssd_epi32(acc, p, s)
 }
 
 /// Sum of the eight i32 lanes (exact).
@@ -581,100 +701,6 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
     _mm_cvtsi128_si32(s)
-}
-
-/// Q4_K row · `T` Q8_K activation rows from `t0` (one pass over the row's blocks: the
-/// nibbles and the sub-block scales are unpacked once for all `T`): the same integer sums as
-/// `quant::dot_q4k_ref` (nibbles times activations in `maddubs`, times the 6-bit scales in
-/// `madd`, never overflowing), combined with the same float operations, so each result is bit
-/// for bit the reference's.
-///
-/// # Safety
-/// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-    let mask = _mm256_set1_epi8(0x0F);
-    let mut sum = [0.0f32; T];
-    for (i, b) in w.iter().enumerate() {
-        let mut acc = [_mm256_setzero_si256(); T];
-        let mut mins = [0i32; T];
-        for j in 0..4 {
-            let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
-            let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
-            let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
-            let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j).cast());
-            let lo = _mm256_and_si256(q, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-            for t in 0..T {
-                let k = (t0 + t) * a.nb + i;
-                let q8 = a.qs[k].as_ptr();
-                // |pair sum| <= 2 * 15 * 128 < 2^15; times a scale < 64, summed in pairs: < 2^22.
-                let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8.add(64 * j).cast()));
-                let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
-                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(plo, s1));
-                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(phi, s2));
-                let bs = &a.bsums[k];
-                mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
-                mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
-            }
-        }
-        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-        for t in 0..T {
-            let k = (t0 + t) * a.nb + i;
-            sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins[t] as f32);
-        }
-    }
-    sum
-}
-
-/// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit: the
-/// 6-bit codes are rebuilt 32 at a time (once for all `T`), multiplied unsigned (`maddubs`)
-/// with 32 x the activations taken back off, then times the signed 16-value sub-block scales
-/// (`madd`).
-///
-/// # Safety
-/// Needs AVX2/FMA/F16C; rows `t0..t0 + T` exist in `a`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m2 = _mm256_set1_epi8(0x03);
-    let m32 = _mm256_set1_epi8(32);
-    let mut sum = [0.0f32; T];
-    for (i, b) in w.iter().enumerate() {
-        let mut acc = [_mm256_setzero_si256(); T];
-        for n in 0..2 {
-            let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n).cast());
-            let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32).cast());
-            let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * n).cast());
-            // Bits 0-1, 2-3, 4-5 and 6-7 of qh, moved to bits 4-5 of each byte.
-            let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4);
-            let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4);
-            let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4);
-            let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4);
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), h0),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), h1),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h2),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3),
-            ];
-            for (g, &qg) in q.iter().enumerate() {
-                let s0 = i16::from(b.scales[8 * n + 2 * g]);
-                let s1 = i16::from(b.scales[8 * n + 2 * g + 1]);
-                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g).cast());
-                    // (q - 32) x per pair: |.| <= 2 * 32 * 128 < 2^15.
-                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(qg, x), _mm256_maddubs_epi16(m32, x));
-                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, sc));
-                }
-            }
-        }
-        let d = b.d.to_f32();
-        for t in 0..T {
-            sum[t] += d * a.d[(t0 + t) * a.nb + i] * hsum_i32(acc[t]) as f32;
-        }
-    }
-    sum
 }
 
 /// Eight weights of a float row (F32, F16 or BF16) as f32s: exact conversions, so a row gives

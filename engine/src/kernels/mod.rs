@@ -266,8 +266,13 @@ type KquantFn<const T: usize> = unsafe fn(bool, &[u8], &Q8KActs, usize) -> [f32;
 /// The CPU's K-quant row kernels for 4 tokens and for 1, if it has vector ones.
 fn kquant_kernels() -> Option<(KquantFn<4>, KquantFn<1>)> {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        return Some((avx2::dot_kquant::<4>, avx2::dot_kquant::<1>));
+    {
+        if crate::simd::has_vnni() {
+            return Some((avx2::dot_kquant_vnni::<4>, avx2::dot_kquant_vnni::<1>));
+        }
+        if has_avx2() {
+            return Some((avx2::dot_kquant::<4>, avx2::dot_kquant::<1>));
+        }
     }
     #[cfg(target_arch = "aarch64")]
     {
