@@ -78,7 +78,10 @@ impl Figure {
         let md_path = dir.join(format!("{name}.md"));
         std::fs::write(&md_path, self.markdown())?;
         let json_path = dir.join(format!("{name}.json"));
-        let json = serde_json::json!({"command": command_line(), "settings": settings, "rows": rows, "figure": self});
+        // Where and when it was measured: the report prints it under the figure, so a page
+        // regenerated later does not pass old figures off as the current commit's.
+        let measured = format!("{}, {}", crate::report::machine(), crate::report::today());
+        let json = serde_json::json!({"command": command_line(), "measured": measured, "settings": settings, "rows": rows, "figure": self});
         std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
         let [svg, png] = self.plot(dir, name)?;
         Ok(vec![md_path, json_path, svg, png])
