@@ -62,24 +62,11 @@ pub fn machine() -> String {
     s
 }
 
-/// Today's date (UTC) as YYYY-MM-DD.
+/// Today's date (UTC), as "26 Nov 2026": the date part of an HTTP date (httpdate, which the
+/// HTTP front already builds), not a calendar written here.
 pub fn today() -> String {
-    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400);
-    civil(i64::try_from(days).unwrap_or(0))
-}
-
-/// The date `days` after 1970-01-01, as YYYY-MM-DD (Howard Hinnant's civil-from-days).
-fn civil(days: i64) -> String {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
+    let d = httpdate::fmt_http_date(std::time::SystemTime::now()); // "Thu, 26 Nov 2026 02:58:00 GMT"
+    d.get(5..16).unwrap_or(&d).to_string()
 }
 
 /// `to` as a path relative to the directory `from` (both as given, made absolute when they can
@@ -237,7 +224,7 @@ mod tests {
         .unwrap();
         std::fs::write(
             results.join("ablation.json"),
-            r#"{"command": "llms experiment ablation --seed 3", "measured": "Linux X; commit abc, 2026-01-02"}"#,
+            r#"{"command": "llms experiment ablation --seed 3", "measured": "Linux X; commit abc, 2 Jan 2026"}"#,
         )
         .unwrap();
         let out = dir.path().join("docs/RESULTS.md");
@@ -257,7 +244,7 @@ mod tests {
         at("`llms experiment call-rate`");
         // Each figure says where and when it was measured; the page's own date and commit apart.
         assert!(
-            at("llms experiment ablation --seed 3") < at("Measured: Linux X; commit abc, 2026-01-02.")
+            at("llms experiment ablation --seed 3") < at("Measured: Linux X; commit abc, 2 Jan 2026.")
                 && at("Measured: Linux X") < at("table of ablation")
         );
         at("```sh\nllms experiment switch-vs-contexts\n```\n\nMeasured: not recorded");
@@ -268,15 +255,10 @@ mod tests {
         );
         assert!(at("llms experiment switch-vs-contexts --model l7.gguf") < at("Measured: M7.") && at("Measured: M7.") < at("table at 7B"));
         at(&format!("{}.", today()));
+        let t = today();
+        let parts: Vec<&str> = t.split(' ').collect();
+        assert!(parts.len() == 3 && parts[0].parse::<u8>().is_ok_and(|d| (1..=31).contains(&d)), "{t}");
+        assert!(parts[2].parse::<u16>().is_ok_and(|y| y >= 2024) && parts[1].len() == 3, "{t}");
         assert!(md.contains(&format!("Linux {}", std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap().trim())));
-    }
-
-    #[test]
-    fn civil_dates() {
-        assert_eq!(civil(0), "1970-01-01");
-        assert_eq!(civil(10_956), "1999-12-31");
-        assert_eq!(civil(11_016), "2000-02-29");
-        assert_eq!(civil(19_783), "2024-03-01");
-        assert_eq!(civil(20_783), "2026-11-26");
     }
 }

@@ -230,6 +230,14 @@ pub struct LruBaseline<'a> {
     sim: mm::pagecache::LruSim,
 }
 
+impl Drop for LruBaseline<'_> {
+    /// Nobody replays the log any more: stop it growing.
+    fn drop(&mut self) {
+        self.pager.record_accesses(false);
+        self.pager.take_accesses();
+    }
+}
+
 impl LruBaseline<'_> {
     /// Replays the accesses recorded since the last call; returns the bytes the cache read
     /// for them (`count`), or just warms it (not `count`: e.g. a prompt or a warm-up pass).
