@@ -232,7 +232,7 @@ impl ActiveSet {
             // Q8_1 keeps it: with Q4_1 `m Σx` cancels most of `d Σ q x`, as m ≈ -8d, which
             // only holds if both terms see the same x), so both layouts compute alike.
             let mut q = [0i8; QK];
-            let (scale, sum) = crate::quant::quantize_block_q8(blk, &mut q);
+            let (scale, sum, _) = crate::quant::quantize_block_q8(blk, &mut q);
             self.x8.extend_from_slice(&q);
             // Zero (sparsified) inputs are skipped.
             self.idx.extend((0..QK as u8).filter(|&j| blk[usize::from(j)] != 0.0));

@@ -187,11 +187,13 @@ pub fn q4_block(ty: GgmlType, row: &[u8], b: usize) -> (f16, f16, [u8; QK / 2]) 
 /// Activations quantized to 8 bits in blocks of 32 (llama.cpp's Q8_0/Q8_1), one row per token.
 /// `d` is the block scale and `s = d * sum(qs)` (used by formats with an offset). Both are
 /// rounded through f16 as llama.cpp stores them, so results track llama.cpp's closely.
+/// `isum` is `sum(qs)` exactly: Q5_0's kernels take its code offset of 16 off through it.
 #[derive(Debug, Default, Clone)]
 pub struct Q8Acts {
     pub qs: Vec<[i8; QK]>,
     pub d: Vec<f32>,
     pub s: Vec<f32>,
+    pub isum: Vec<i32>,
     /// Blocks per row.
     pub nb: usize,
     pub rows: usize,
@@ -210,9 +212,10 @@ impl Q8Acts {
         self.qs.resize(n, [0; QK]);
         self.d.resize(n, 0.0);
         self.s.resize(n, 0.0);
+        self.isum.resize(n, 0);
         const ROWS_PER_JOB: usize = 16;
         if rows < 2 * ROWS_PER_JOB {
-            quantize_blocks_q8(&x[..n * QK], &mut self.qs, &mut self.d, &mut self.s);
+            quantize_blocks_q8(&x[..n * QK], &mut self.qs, &mut self.d, &mut self.s, &mut self.isum);
             return;
         }
         let step = ROWS_PER_JOB * nb;
@@ -220,39 +223,40 @@ impl Q8Acts {
             .chunks(step * QK)
             .zip(self.qs.chunks_mut(step))
             .zip(self.d.chunks_mut(step).zip(self.s.chunks_mut(step)))
-            .map(|((x, q), (d, s))| (x, q, d, s))
+            .zip(self.isum.chunks_mut(step))
+            .map(|(((x, q), (d, s)), i)| (x, q, d, s, i))
             .collect();
-        pool.scatter("quantize activations", jobs, &|(x, q, d, s)| quantize_blocks_q8(x, q, d, s));
+        pool.scatter("quantize activations", jobs, &|(x, q, d, s, i)| quantize_blocks_q8(x, q, d, s, i));
     }
 }
 
 /// Quantizes consecutive blocks of 32 values (see [`quantize_block_q8`]), with AVX2 where
 /// present: the rounding then compiles to `vroundps` instead of a libm call per value.
-pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
+pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2() {
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn run(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
-            quantize_blocks_body(x, qs, d, s);
+        unsafe fn run(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+            quantize_blocks_body(x, qs, d, s, isum);
         }
         // SAFETY: the CPU has the features (checked just above).
-        unsafe { run(x, qs, d, s) };
+        unsafe { run(x, qs, d, s, isum) };
         return;
     }
-    quantize_blocks_body(x, qs, d, s);
+    quantize_blocks_body(x, qs, d, s, isum);
 }
 
 #[inline(always)]
-fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32]) {
-    for (((xb, q), d), s) in x.chunks_exact(QK).zip(qs.iter_mut()).zip(d.iter_mut()).zip(s.iter_mut()) {
-        (*d, *s) = quantize_block_q8(xb, q);
+fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+    for ((((xb, q), d), s), i) in x.chunks_exact(QK).zip(qs.iter_mut()).zip(d.iter_mut()).zip(s.iter_mut()).zip(isum.iter_mut()) {
+        (*d, *s, *i) = quantize_block_q8(xb, q);
     }
 }
 
 /// Quantizes 32 values to i8 with scale `amax/127`, rounding half to even (as llama.cpp's AVX2
-/// path does); returns the f16-rounded scale and `d * sum(q)`.
+/// path does); returns the f16-rounded scale, `d * sum(q)` f16-rounded, and `sum(q)`.
 #[inline(always)]
-pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32) {
+pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32, i32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
@@ -263,7 +267,7 @@ pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32) {
         sum += i32::from(*q);
     }
     let d16 = f16::from_f32(d).to_f32();
-    (d16, f16::from_f32(d * sum as f32).to_f32())
+    (d16, f16::from_f32(d * sum as f32).to_f32(), sum)
 }
 
 /// Activations quantized for K-quant dot products (llama.cpp's Q8_K): blocks of 256 with an f32

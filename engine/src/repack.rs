@@ -6,7 +6,8 @@
 //! to every lane gives each row's partial dot product in its own lane: 8 rows advance together
 //! with no horizontal sums, and the 8 results land in one vector ready to store, since outputs
 //! are laid out `[token][row]`. This is the layout llama.cpp uses for its Q4_0x8 kernels,
-//! applied here to Q4_0, Q4_1 and Q8_0 (the default model's types).
+//! applied here to Q4_0, Q4_1 and Q8_0 (the default model's types), and to Q5_0/Q5_1 with
+//! their fifth bits in a plane beside the nibbles.
 #![allow(clippy::cast_possible_truncation)]
 
 use bytemuck::{Pod, Zeroable};
@@ -39,24 +40,60 @@ pub struct BlockQ8x8 {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8x8>() == 272);
 
-/// 8 rows x 32 columns of 8-bit codes with an offset, `w = q * d + m` (Q5_1's 5-bit codes).
-/// Laid out as [`BlockQ8x8`].
+/// 8 rows x 32 columns of 5-bit codes (Q5_0: `w = (q - 16) d`): the low 4 bits as in
+/// [`BlockQ4x8`] and the fifth bits in `qh`, one byte per position of a 32-byte `qs` load:
+/// bit `2k` of `qh[4r + j]` is the fifth bit of the low nibble of `qs[32k + 4r + j]` (column
+/// `4k + j` of row `r`), bit `2k + 1` that of its high nibble (column `16 + 4k + j`). So the
+/// fifth bits of load `k` are a shift and a mask of the one `qh` vector away (or one
+/// `vptestmb`), with no table. 5.5 bits a weight, as in the file.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
-pub struct BlockQ8Mx8 {
+pub struct BlockQ5x8 {
+    pub d: [f16; ROWS],
+    pub qh: [u8; QK],
+    pub qs: [u8; QK * ROWS / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5x8>() == 176);
+
+/// 8 rows x 32 columns of 5-bit codes with an offset (Q5_1: `w = q d + m`), laid out as
+/// [`BlockQ5x8`]. 6 bits a weight, as in the file.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5Mx8 {
     pub d: [f16; ROWS],
     pub m: [f16; ROWS],
-    pub qs: [i8; QK * ROWS],
+    pub qh: [u8; QK],
+    pub qs: [u8; QK * ROWS / 2],
 }
-const _: () = assert!(std::mem::size_of::<BlockQ8Mx8>() == 288);
+const _: () = assert!(std::mem::size_of::<BlockQ5Mx8>() == 192);
+
+/// Puts the 32 five-bit `codes` of one block row into lane `lane` of a packed Q5 block.
+fn put_q5(qh: &mut [u8; QK], qs: &mut [u8; QK * ROWS / 2], lane: usize, codes: &[u8; QK]) {
+    for k in 0..4 {
+        for j in 0..4 {
+            let (lo, hi) = (codes[4 * k + j], codes[16 + 4 * k + j]);
+            qs[32 * k + 4 * lane + j] = (lo & 0xF) | (hi & 0xF) << 4;
+            qh[4 * lane + j] |= (lo >> 4) << (2 * k) | (hi >> 4) << (2 * k + 1);
+        }
+    }
+}
+
+/// The five-bit code of column `c` (0..32) of row `lane` in a packed Q5 block.
+pub fn q5_code(qh: &[u8; QK], qs: &[u8; QK * ROWS / 2], lane: usize, c: usize) -> u8 {
+    let (half, k, j) = (c / 16, (c % 16) / 4, c % 4);
+    let q = qs[32 * k + 4 * lane + j];
+    let low = if half == 0 { q & 0xF } else { q >> 4 };
+    low | ((qh[4 * lane + j] >> (2 * k + half)) & 1) << 4
+}
 
 /// A weight matrix repacked by groups of 8 rows; blocks are stored group-major
 /// (`[group][block]`). Rows past `rows` in the last group are zero (scale 0).
 #[derive(Debug)]
 pub enum Packed {
     Q4(Blocks<BlockQ4x8>),
+    Q5(Blocks<BlockQ5x8>),
+    Q5M(Blocks<BlockQ5Mx8>),
     Q8(Blocks<BlockQ8x8>),
-    Q8M(Blocks<BlockQ8Mx8>),
 }
 
 /// Where packed blocks live: the heap (packed at load), or memory someone else owns, such as
@@ -114,8 +151,9 @@ impl PackedWeight {
     pub fn as_bytes(&self) -> &[u8] {
         match &self.data {
             Packed::Q4(v) => bytemuck::cast_slice(v),
+            Packed::Q5(v) => bytemuck::cast_slice(v),
+            Packed::Q5M(v) => bytemuck::cast_slice(v),
             Packed::Q8(v) => bytemuck::cast_slice(v),
-            Packed::Q8M(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -124,8 +162,9 @@ impl PackedWeight {
         let blocks = rows.div_ceil(ROWS) * (cols / QK);
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
-            GgmlType::Q8_0 | GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
-            GgmlType::Q5_1 => Some(blocks * std::mem::size_of::<BlockQ8Mx8>()),
+            GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ5x8>()),
+            GgmlType::Q5_1 => Some(blocks * std::mem::size_of::<BlockQ5Mx8>()),
+            GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
             _ => None,
         }
     }
@@ -146,7 +185,8 @@ impl PackedWeight {
         }
         let data = match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
-            GgmlType::Q5_1 => Packed::Q8M(cast(bytes)?),
+            GgmlType::Q5_0 => Packed::Q5(cast(bytes)?),
+            GgmlType::Q5_1 => Packed::Q5M(cast(bytes)?),
             _ => Packed::Q8(cast(bytes)?),
         };
         Some(Self { rows, cols, data })
@@ -190,30 +230,21 @@ impl PackedWeight {
                 }
                 Packed::Q8(Blocks::Owned(out))
             }
-            // Q5_0's codes minus 16 are 8-bit codes with the same scale: packed as Q8, exact,
-            // so it runs the Q8 kernels (at 8 bits a weight in memory instead of 5.5).
             GgmlType::Q5_0 => {
-                let mut out = vec![BlockQ8x8::zeroed(); groups * nb];
+                let mut out = vec![BlockQ5x8::zeroed(); groups * nb];
                 for r in 0..rows {
                     let row = &data[r * row_bytes..(r + 1) * row_bytes];
                     let (g, lane) = (r / ROWS, r % ROWS);
                     for (b, blk) in blocks::<crate::quant::BlockQ5_0>(row).iter().enumerate() {
                         let o = &mut out[g * nb + b];
                         o.d[lane] = blk.d;
-                        let codes = crate::quant::q5_codes(blk.qh, &blk.qs);
-                        for k in 0..8 {
-                            for j in 0..4 {
-                                o.qs[32 * k + 4 * lane + j] = codes[4 * k + j] as i8 - 16;
-                            }
-                        }
+                        put_q5(&mut o.qh, &mut o.qs, lane, &crate::quant::q5_codes(blk.qh, &blk.qs));
                     }
                 }
-                Packed::Q8(Blocks::Owned(out))
+                Packed::Q5(Blocks::Owned(out))
             }
-            // Q5_1's codes (0..32) as 8-bit codes beside the offset: exact, the Q8 kernels
-            // with Q4_1's offset term.
             GgmlType::Q5_1 => {
-                let mut out = vec![BlockQ8Mx8::zeroed(); groups * nb];
+                let mut out = vec![BlockQ5Mx8::zeroed(); groups * nb];
                 for r in 0..rows {
                     let row = &data[r * row_bytes..(r + 1) * row_bytes];
                     let (g, lane) = (r / ROWS, r % ROWS);
@@ -221,15 +252,10 @@ impl PackedWeight {
                         let o = &mut out[g * nb + b];
                         o.d[lane] = blk.d;
                         o.m[lane] = blk.m;
-                        let codes = crate::quant::q5_codes(blk.qh, &blk.qs);
-                        for k in 0..8 {
-                            for j in 0..4 {
-                                o.qs[32 * k + 4 * lane + j] = codes[4 * k + j] as i8;
-                            }
-                        }
+                        put_q5(&mut o.qh, &mut o.qs, lane, &crate::quant::q5_codes(blk.qh, &blk.qs));
                     }
                 }
-                Packed::Q8M(Blocks::Owned(out))
+                Packed::Q5M(Blocks::Owned(out))
             }
             _ => return None,
         };

@@ -30,7 +30,7 @@ static ISA: LazyLock<Isa> = LazyLock::new(|| {
     {
         use std::arch::is_x86_feature_detected as has;
         let avx2 = has!("avx2") && has!("fma") && has!("f16c");
-        let vnni = avx2 && want != "avx2" && has!("avx512vnni") && has!("avx512vl");
+        let vnni = avx2 && want != "avx2" && has!("avx512vnni") && has!("avx512vl") && has!("avx512bw");
         Isa { avx2, vnni, ..Isa::default() }
     }
     #[cfg(target_arch = "aarch64")]
@@ -72,7 +72,8 @@ pub fn has_avx2() -> bool {
     isa().avx2
 }
 
-/// Whether the CPU also has VNNI's byte dot product on 256-bit vectors (AVX512-VNNI + VL).
+/// Whether the CPU also has VNNI's byte dot product on 256-bit vectors (AVX512-VNNI + VL), with
+/// AVX512-BW's byte masks (every CPU with the first two has it; the Q5 kernels use it).
 #[inline]
 pub fn has_vnni() -> bool {
     isa().vnni

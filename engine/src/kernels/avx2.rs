@@ -33,7 +33,7 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
 /// how 4-byte dot products accumulate. Every variant computes the same integers (the sums
 /// never overflow), so they agree bit for bit.
 macro_rules! packed_kernels {
-    ($all:ident, $tile:ident, $feat:literal, $q4:ident, $q4_end:ident, $q8:ident) => {
+    ($all:ident, $tile:ident, $q5sums:ident, $feat:literal, $q4:ident, $q4_end:ident, $q8:ident, $q5:ident, $q5codes:ident) => {
         /// # Safety
         /// Needs AVX2, FMA and F16C.
         #[target_feature(enable = $feat)]
@@ -108,18 +108,25 @@ macro_rules! packed_kernels {
                         }
                     }
                 }
-                Packed::Q8M(v) => {
-                    // Codes 0..32 (Q5_1): as Q8, plus Q4_1's offset term `m * s_x`.
+                Packed::Q5(v) => {
+                    // Codes 0..32: the offset of 16 comes off the integer sum through the
+                    // activations' exact sums (`16 sum(x)`), as `sum((q - 16) x)` would.
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
-                        let mut p = [_mm256_setzero_si256(); T];
-                        for k in 0..8 {
-                            let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
-                            for t in 0..T {
-                                let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
-                                p[t] = $q8(p[t], wv, x);
-                            }
+                        let p = $q5sums::<T>(&blk.qh, &blk.qs, a, &xrow, b);
+                        let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                        for t in 0..T {
+                            let k8 = xrow[t] + b;
+                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(16 * a.isum[k8])));
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
                         }
+                    }
+                }
+                Packed::Q5M(v) => {
+                    // Codes 0..32 (Q5_1) with Q4_1's offset term `m * s_x`.
+                    let blks = &v[g * nb..(g + 1) * nb];
+                    for (b, blk) in blks.iter().enumerate() {
+                        let p = $q5sums::<T>(&blk.qh, &blk.qs, a, &xrow, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                         for t in 0..T {
@@ -148,11 +155,68 @@ macro_rules! packed_kernels {
                 }
             }
         }
+
+        /// The 8 rows' integer sums `sum q x` (codes 0..32) of one packed Q5 block against `T`
+        /// tokens: each 32-byte load's nibbles get their fifth bits from the block's `qh`.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $q5sums<const T: usize>(qh: &[u8; 32], qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [__m256i; T] {
+            let mask = _mm256_set1_epi8(0x0F);
+            let h = _mm256_loadu_si256(qh.as_ptr().cast());
+            let mut p = [_mm256_setzero_si256(); T];
+            for k in 0..4 {
+                let wv = _mm256_loadu_si256(qs.as_ptr().add(32 * k).cast());
+                let lo = $q5codes(_mm256_and_si256(wv, mask), h, 2 * k as i32);
+                let hi = $q5codes(_mm256_and_si256(_mm256_srli_epi16(wv, 4), mask), h, 2 * k as i32 + 1);
+                for (t, pt) in p.iter_mut().enumerate() {
+                    let xq = a.qs[xrow[t] + b].as_ptr();
+                    *pt = $q5(*pt, lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+                }
+            }
+            p
+        }
     };
 }
 
-packed_kernels!(matmul_packed, packed_tile, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs);
-packed_kernels!(matmul_packed_vnni, packed_tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", q4_dpbusd, q4_end_dpbusd, q8_dpbusd);
+packed_kernels!(matmul_packed, packed_tile, q5_sums, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs, q5_maddubs, q5_codes);
+packed_kernels!(
+    matmul_packed_vnni,
+    packed_tile_vnni,
+    q5_sums_vnni,
+    "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw",
+    q4_dpbusd,
+    q4_end_dpbusd,
+    q8_dpbusd,
+    q4_dpbusd,
+    q5_codes_bw
+);
+
+/// Q5 codes (0..32) against 4 activation bytes each: |sum| <= 4 * 31 * 127 < 2^15 per i16
+/// lane and load, so each load's pairs go to i32 at once (over a whole block they would not fit).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_maddubs(p: __m256i, lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
+    let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    _mm256_add_epi32(p, _mm256_madd_epi16(s, _mm256_set1_epi16(1)))
+}
+
+/// Nibbles `nib` with their fifth bits, bit `b` of each byte of `h`, moved in as 16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_codes(nib: __m256i, h: __m256i, b: i32) -> __m256i {
+    // One bit per byte, moved at most 4 places: it cannot cross into the next byte.
+    let bit = _mm256_and_si256(h, _mm256_set1_epi8(1 << b));
+    let bit = if b < 4 { _mm256_sll_epi16(bit, _mm_cvtsi32_si128(4 - b)) } else { _mm256_srl_epi16(bit, _mm_cvtsi32_si128(b - 4)) };
+    _mm256_or_si256(nib, bit)
+}
+
+/// The same with AVX512-BW: `vptestmb` picks the bytes whose bit `b` is set, a masked add puts 16 in.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+unsafe fn q5_codes_bw(nib: __m256i, h: __m256i, b: i32) -> __m256i {
+    let set = _mm256_test_epi8_mask(h, _mm256_set1_epi8(1 << b));
+    _mm256_mask_add_epi8(nib, set, nib, _mm256_set1_epi8(16))
+}
 
 /// Q4 codes (`lo`, `hi`: unsigned nibbles) against 4 activation bytes each, into i16 lanes:
 /// |sum| <= 8 * 2 * 15 * 127 < 2^15 per block, so the i16 adds cannot overflow.
@@ -178,19 +242,19 @@ unsafe fn q8_maddubs(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
 
 /// VNNI: four u8 x i8 products and the accumulator in one instruction, straight into i32.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn q4_dpbusd(p: __m256i, lo: __m256i, hi: __m256i, xl: __m256i, xh: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p, lo, xl), hi, xh)
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn q4_end_dpbusd(p: __m256i) -> __m256i {
     p
 }
 
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn q8_dpbusd(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(p, aw, sx)
 }
@@ -590,10 +654,16 @@ macro_rules! kquant_kernels {
             let mut sum = [0.0f32; T];
             for (i, b) in w.iter().enumerate() {
                 let mut acc = [_mm256_setzero_si256(); T];
-                let mut mins = [0i32; T];
+                // The 8 sub-block mins, each beside both 16-value sums of its 32 values, so
+                // that one `madd` against Q8_K's `bsums` gives sum_j m_j (bsum_2j + bsum_2j+1).
+                let mut mins16 = [0i16; 16];
+                for (j, m) in mins16.chunks_exact_mut(2).enumerate() {
+                    m.fill(i16::from(crate::quant::scale_min_k4(j, &b.scales).1));
+                }
+                let mins16 = _mm256_loadu_si256(mins16.as_ptr().cast());
                 for j in 0..4 {
-                    let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
-                    let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
+                    let sc1 = crate::quant::scale_min_k4(2 * j, &b.scales).0;
+                    let sc2 = crate::quant::scale_min_k4(2 * j + 1, &b.scales).0;
                     let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
                     let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j).cast());
                     let lo = _mm256_and_si256(q, mask);
@@ -606,15 +676,14 @@ macro_rules! kquant_kernels {
                         let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
                         acc[t] = $madd(acc[t], plo, s1);
                         acc[t] = $madd(acc[t], phi, s2);
-                        let bs = &a.bsums[k];
-                        mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
-                        mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
                     }
                 }
                 let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
                 for t in 0..T {
                     let k = (t0 + t) * a.nb + i;
-                    sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins[t] as f32);
+                    // |m bsum| <= 63 * 2048, 16 of them: < 2^21.
+                    let mins = hsum_i32(_mm256_madd_epi16(mins16, _mm256_loadu_si256(a.bsums[k].as_ptr().cast())));
+                    sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins as f32);
                 }
             }
             sum
@@ -677,7 +746,7 @@ macro_rules! kquant_kernels {
 }
 
 kquant_kernels!(dot_kquant, dot_q4k, dot_q6k, "avx2,fma,f16c", madd_add);
-kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", madd_dpwssd);
+kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd);
 
 /// `acc + madd(p, s)`: i16 pairs times i16 scales, summed in pairs into the i32 lanes.
 #[inline]
@@ -688,7 +757,7 @@ unsafe fn madd_add(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
 
 /// The same in one VNNI instruction.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn madd_dpwssd(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
     _mm256_dpwssd_epi32(acc, p, s)
 }

@@ -292,7 +292,7 @@ pub fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: 
     assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_vnni() {
-        // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL (checked at run time).
+        // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW (checked at run time).
         unsafe { avx2::matmul_packed_vnni(w, a, out, ldo, g0, g1) };
         return;
     }
@@ -350,9 +350,13 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                             let blk = &v[g * nb + b];
                             (q8_lane_sum(&blk.qs, lane, xq), blk.d[lane], None)
                         }
-                        Packed::Q8M(v) => {
+                        Packed::Q5(v) => {
                             let blk = &v[g * nb + b];
-                            (q8_lane_sum(&blk.qs, lane, xq), blk.d[lane], Some(blk.m[lane]))
+                            (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 16), blk.d[lane], None)
+                        }
+                        Packed::Q5M(v) => {
+                            let blk = &v[g * nb + b];
+                            (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
                         }
                     };
                     sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
@@ -375,6 +379,11 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
         }
     }
     s
+}
+
+/// One row's integer sum `sum (q - offset) x` in a packed Q5 block.
+fn q5_lane_sum(qh: &[u8; 32], qs: &[u8; 128], lane: usize, xq: &[i8; 32], offset: i32) -> i32 {
+    (0..32).map(|c| (i32::from(crate::repack::q5_code(qh, qs, lane, c)) - offset) * i32::from(xq[c])).sum()
 }
 
 /// The scalar reference for every weight type.
@@ -787,7 +796,7 @@ mod tests {
                 if crate::simd::has_vnni() {
                     // The VNNI and AVX2 kernels compute the same integers: equal bit for bit.
                     let (mut v, mut x) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
-                    // SAFETY: has_vnni implies AVX2/FMA/F16C and AVX512-VNNI/VL.
+                    // SAFETY: has_vnni implies AVX2/FMA/F16C and AVX512-VNNI/VL/BW.
                     unsafe {
                         avx2::matmul_packed_vnni(&p, &a.q8, OutPtr::new(&mut v), rows, 0, p.groups());
                         avx2::matmul_packed(&p, &a.q8, OutPtr::new(&mut x), rows, 0, p.groups());

@@ -153,9 +153,19 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
                 }
             }
         }
-        Packed::Q8M(v) => {
+        Packed::Q5(v) => {
+            // The codes less 16 are signed bytes: `sum((q - 16) x)` directly.
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
-                let p = q8_sums::<D, T>(&blk.qs, a, &xrow, b);
+                let p = q5_sums::<D, T>(&blk.qh, &blk.qs, 16, a, &xrow, b);
+                let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
+                for t in 0..T {
+                    combine(&mut acc[t], p[t], d, a.d[xrow[t] + b]);
+                }
+            }
+        }
+        Packed::Q5M(v) => {
+            for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
+                let p = q5_sums::<D, T>(&blk.qh, &blk.qs, 0, a, &xrow, b);
                 let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
                 let m = (f16x4(blk.m.as_ptr()), f16x4(blk.m.as_ptr().add(4)));
                 for t in 0..T {
@@ -184,6 +194,42 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
             }
         }
     }
+}
+
+/// The 8 rows' integer sums `sum (q - offset) x` of one packed Q5 block against `T` tokens:
+/// each 16-byte half of a load gets its fifth bits from the matching half of `qh`
+/// (`vtst` + bit select: bit `b` of `qh`'s byte set means 16 is added).
+#[inline(always)]
+unsafe fn q5_sums<D: Dot, const T: usize>(
+    qh: &[u8; 32],
+    qs: &[u8; 128],
+    offset: u8,
+    a: &Q8Acts,
+    xrow: &[usize; T],
+    b: usize,
+) -> [(int32x4_t, int32x4_t); T] {
+    let zero = vdupq_n_s32(0);
+    let (mask, sixteen, off) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x10), vdupq_n_u8(offset));
+    let h = (vld1q_u8(qh.as_ptr()), vld1q_u8(qh.as_ptr().add(16)));
+    let codes = |nib: uint8x16_t, h: uint8x16_t, bit: u8| {
+        let set = vtstq_u8(h, vdupq_n_u8(1 << bit));
+        vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(nib, vandq_u8(set, sixteen)), off))
+    };
+    let mut p = [(zero, zero); T];
+    for k in 0..4 {
+        let q = qs.as_ptr().add(32 * k);
+        let (w0, w1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
+        let bit = 2 * k as u8;
+        let lo = (codes(vandq_u8(w0, mask), h.0, bit), codes(vandq_u8(w1, mask), h.1, bit));
+        let hi = (codes(vshrq_n_u8(w0, 4), h.0, bit + 1), codes(vshrq_n_u8(w1, 4), h.1, bit + 1));
+        for (t, pt) in p.iter_mut().enumerate() {
+            let xq = a.qs[xrow[t] + b].as_ptr();
+            let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+            pt.0 = D::dot(D::dot(pt.0, lo.0, xl), hi.0, xh);
+            pt.1 = D::dot(D::dot(pt.1, lo.1, xl), hi.1, xh);
+        }
+    }
+    p
 }
 
 /// The 8 rows' integer sums of one 8-bit block against `T` tokens' activations.
