@@ -380,7 +380,6 @@ fn ggml_type_name(ty: u32) -> &'static str {
     match ty {
         10 => " (Q2_K)",
         11 => " (Q3_K)",
-        13 => " (Q5_K)",
         15 => " (Q8_K)",
         16..=23 => " (an IQ type)",
         24 => " (I8)",

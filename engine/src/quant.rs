@@ -20,6 +20,7 @@ pub enum GgmlType {
     Q5_1,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -34,6 +35,7 @@ impl GgmlType {
             7 => Self::Q5_1,
             8 => Self::Q8_0,
             12 => Self::Q4K,
+            13 => Self::Q5K,
             14 => Self::Q6K,
             30 => Self::BF16,
             _ => return None,
@@ -50,6 +52,7 @@ impl GgmlType {
             Self::Q5_1 => 7,
             Self::Q8_0 => 8,
             Self::Q4K => 12,
+            Self::Q5K => 13,
             Self::Q6K => 14,
             Self::BF16 => 30,
         }
@@ -59,7 +62,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
     /// Bytes per block.
@@ -73,6 +76,7 @@ impl GgmlType {
             Self::Q5_1 => std::mem::size_of::<BlockQ5_1>(),
             Self::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
             Self::Q4K => std::mem::size_of::<BlockQ4K>(),
+            Self::Q5K => std::mem::size_of::<BlockQ5K>(),
             Self::Q6K => std::mem::size_of::<BlockQ6K>(),
         }
     }
@@ -153,6 +157,73 @@ pub struct BlockQ4K {
     pub qs: [u8; QK_K / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+
+/// Q4_K with a fifth bit: bit `2j + h` of `qh[l]` is the fifth bit of value `64 j + 32 h + l`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5K {
+    pub d: f16,
+    pub dmin: f16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+
+/// Q4_K and Q5_K, which differ only in Q5_K's fifth bits: one reference and one kernel each
+/// per instruction set serve both.
+pub trait KBlock: Pod {
+    fn d(&self) -> f16;
+    fn dmin(&self) -> f16;
+    fn scales(&self) -> &[u8; 12];
+    /// The low nibbles: byte `32 j + l` holds values `64 j + l` (low) and `64 j + 32 + l` (high).
+    fn qs(&self) -> &[u8; QK_K / 2];
+    /// Q5_K's fifth bits.
+    fn qh(&self) -> Option<&[u8; QK_K / 8]>;
+    /// Value `64 j + 32 h + l`'s code.
+    #[inline(always)]
+    fn code(&self, j: usize, h: usize, l: usize) -> u8 {
+        let q = self.qs()[32 * j + l];
+        let low = if h == 0 { q & 0xF } else { q >> 4 };
+        low | self.qh().map_or(0, |qh| ((qh[l] >> (2 * j + h)) & 1) << 4)
+    }
+}
+
+impl KBlock for BlockQ4K {
+    fn d(&self) -> f16 {
+        self.d
+    }
+    fn dmin(&self) -> f16 {
+        self.dmin
+    }
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    fn qs(&self) -> &[u8; QK_K / 2] {
+        &self.qs
+    }
+    fn qh(&self) -> Option<&[u8; QK_K / 8]> {
+        None
+    }
+}
+
+impl KBlock for BlockQ5K {
+    fn d(&self) -> f16 {
+        self.d
+    }
+    fn dmin(&self) -> f16 {
+        self.dmin
+    }
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    fn qs(&self) -> &[u8; QK_K / 2] {
+        &self.qs
+    }
+    fn qh(&self) -> Option<&[u8; QK_K / 8]> {
+        Some(&self.qh)
+    }
+}
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
@@ -418,20 +489,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        GgmlType::Q4K => {
-            for (b, o) in blocks::<BlockQ4K>(src).iter().zip(out.chunks_exact_mut(QK_K)) {
-                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-                for j in 0..QK_K / 64 {
-                    let (sc1, m1) = scale_min_k4(2 * j, &b.scales);
-                    let (sc2, m2) = scale_min_k4(2 * j + 1, &b.scales);
-                    let q = &b.qs[j * 32..j * 32 + 32];
-                    for l in 0..32 {
-                        o[j * 64 + l] = d * f32::from(sc1) * f32::from(q[l] & 0xF) - dmin * f32::from(m1);
-                        o[j * 64 + 32 + l] = d * f32::from(sc2) * f32::from(q[l] >> 4) - dmin * f32::from(m2);
-                    }
-                }
-            }
-        }
+        GgmlType::Q4K => dequantize_k4(blocks::<BlockQ4K>(src), out),
+        GgmlType::Q5K => dequantize_k4(blocks::<BlockQ5K>(src), out),
         GgmlType::Q6K => {
             for (b, o) in blocks::<BlockQ6K>(src).iter().zip(out.chunks_exact_mut(QK_K)) {
                 let d = b.d.to_f32();
@@ -541,7 +600,10 @@ pub fn dot_q8_0_ref(w: &[BlockQ8_0], a: &Q8Acts, row: usize) -> f32 {
     sum
 }
 
-pub fn dot_q4k_ref(w: &[BlockQ4K], a: &Q8KActs, row: usize) -> f32 {
+/// As llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `_q5_K_`: per block the integer sums of code x
+/// activation times the 6-bit scales, and the mins times Q8_K's 16-value sums, then
+/// `d_x (d sumi - dmin summins)`.
+pub fn dot_k4_ref<B: KBlock>(w: &[B], a: &Q8KActs, row: usize) -> f32 {
     let mut sum = 0.0f32;
     for (i, b) in w.iter().enumerate() {
         let k = row * a.nb + i;
@@ -551,19 +613,33 @@ pub fn dot_q4k_ref(w: &[BlockQ4K], a: &Q8KActs, row: usize) -> f32 {
         for j in 0..QK_K / 64 {
             for h in 0..2 {
                 let sub = 2 * j + h;
-                let (sc, m) = scale_min_k4(sub, &b.scales);
+                let (sc, m) = scale_min_k4(sub, b.scales());
                 let mut s = 0i32;
                 for l in 0..32 {
-                    let q4 = if h == 0 { b.qs[j * 32 + l] & 0xF } else { b.qs[j * 32 + l] >> 4 };
-                    s += i32::from(q4) * i32::from(q8[sub * 32 + l]);
+                    s += i32::from(b.code(j, h, l)) * i32::from(q8[sub * 32 + l]);
                 }
                 sumi += i32::from(sc) * s;
                 sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * sub]) + i32::from(a.bsums[k][2 * sub + 1]));
             }
         }
-        sum += a.d[k] * (b.d.to_f32() * sumi as f32 - b.dmin.to_f32() * sumi_mins as f32);
+        sum += a.d[k] * (b.d().to_f32() * sumi as f32 - b.dmin().to_f32() * sumi_mins as f32);
     }
     sum
+}
+
+/// Q4_K / Q5_K blocks to f32, as llama.cpp's `dequantize_row_q4_K` / `_q5_K`.
+fn dequantize_k4<B: KBlock>(w: &[B], out: &mut [f32]) {
+    for (b, o) in w.iter().zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
+        for j in 0..QK_K / 64 {
+            for h in 0..2 {
+                let (sc, m) = scale_min_k4(2 * j + h, b.scales());
+                for l in 0..32 {
+                    o[64 * j + 32 * h + l] = d * f32::from(sc) * f32::from(b.code(j, h, l)) - dmin * f32::from(m);
+                }
+            }
+        }
+    }
 }
 
 pub fn dot_q6k_ref(w: &[BlockQ6K], a: &Q8KActs, row: usize) -> f32 {
@@ -624,6 +700,45 @@ mod tests {
         }
         assert_eq!(GgmlType::from_u32(7), Some(GgmlType::Q5_1));
         assert_eq!(GgmlType::Q5_1.row_bytes(64), 48);
+    }
+
+    /// Q5_K as ggml's `dequantize_row_q5_K` walks it: 64 values at a time, the fifth bit of
+    /// value `l` (`32 + l`) of each 64 under mask `u1` (`u2`), both shifted left by 2 per 64.
+    #[test]
+    fn q5_k_blocks_decode_as_ggml_walks_them() {
+        let mut b = BlockQ5K::zeroed();
+        b.d = f16::from_f32(0.5);
+        b.dmin = f16::from_f32(0.25);
+        for (i, s) in b.scales.iter_mut().enumerate() {
+            *s = (i as u8 * 37 + 5) ^ 0x5A;
+        }
+        for (i, q) in b.qs.iter_mut().enumerate() {
+            *q = (i as u8).wrapping_mul(29) ^ 0x3C;
+        }
+        for (i, h) in b.qh.iter_mut().enumerate() {
+            *h = (i as u8).wrapping_mul(73) ^ 0xA5;
+        }
+        let mut want = [0.0f32; QK_K];
+        let (mut u1, mut u2, mut y) = (1u8, 2u8, 0);
+        for j in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * j, &b.scales);
+            let (sc2, m2) = scale_min_k4(2 * j + 1, &b.scales);
+            let (d1, d2) = (0.5 * f32::from(sc1), 0.5 * f32::from(sc2));
+            let (n1, n2) = (0.25 * f32::from(m1), 0.25 * f32::from(m2));
+            for l in 0..32 {
+                want[y] = d1 * f32::from((b.qs[32 * j + l] & 0xF) + if b.qh[l] & u1 != 0 { 16 } else { 0 }) - n1;
+                want[y + 32] = d2 * f32::from((b.qs[32 * j + l] >> 4) + if b.qh[l] & u2 != 0 { 16 } else { 0 }) - n2;
+                y += 1;
+            }
+            y += 32;
+            u1 <<= 2;
+            u2 <<= 2;
+        }
+        let mut out = [0.0f32; QK_K];
+        dequantize_row(GgmlType::Q5K, bytemuck::bytes_of(&b), &mut out);
+        assert_eq!(out, want);
+        assert_eq!(GgmlType::from_u32(13), Some(GgmlType::Q5K));
+        assert_eq!(GgmlType::Q5K.row_bytes(512), 352);
     }
 
     /// Q8_K as llama.cpp quantizes: `d = -max/128` of the value of largest magnitude, codes

@@ -5,8 +5,9 @@ architecture the engine runs, written by `llms synth` (tools/src/synth.rs).
 Each case is a small model (2-3 layers, the default model's tokenizer) that differs from the
 default model in what an architecture changes: GQA ratio (1, 2, 3, 4, 8), RoPE mode (llama's
 adjacent pairs, qwen2's neox halves), Llama 3's frequency factors, linear RoPE scaling, Q/K/V
-biases, tied or separate output, and the weight types (f32, f16, q8_0, q4_0, and the q4_k_m
-mix of Q4_K / Q6_K with its Q5_0 / Q8_0 fallbacks). For every prompt: llama.cpp's tokens and
+biases, tied or separate output, and the weight types (f32, f16, q8_0, q4_0, the q4_k_m
+mix of Q4_K / Q6_K with its Q5_0 / Q8_0 fallbacks, and the q5_k_m mix of Q5_K / Q6_K with its
+Q5_1 / Q8_0 fallbacks). For every prompt: llama.cpp's tokens and
 the top 10 of its last-position logits. The test (tools/tests/synth.rs) rewrites each file
 from the recorded shape and seed, checks its SHA-256 equals the one recorded here (the
 generator is deterministic), and compares the engine's logits.
@@ -29,6 +30,9 @@ CASES = [
     ("llama-linear-rope-f16", "--layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --rope-scale 4 --tied false --type f16"),
     ("llama-gqa2-q4_0", "--layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --tied false --type q4_0"),
     ("llama-q4_k_m", "--layers 3 --dim 512 --heads 8 --kv-heads 8 --ffn 768 --tied false --type q4_k_m"),
+    ("llama-q5_k_m", "--layers 3 --dim 512 --heads 8 --kv-heads 8 --ffn 768 --tied false --type q5_k_m"),
+    # SmolLM2's widths: 576-wide rows fall back to Q5_1 (Q8_0 for the Q6_K ones), ffn_down is Q5_K / Q6_K.
+    ("smollm2-q5_k_m", "--layers 2 --dim 576 --heads 9 --kv-heads 3 --ffn 1536 --type q5_k_m"),
     ("qwen2-gqa2-q8_0", "--like qwen2-1.5b --layers 2 --dim 256 --heads 4 --kv-heads 2 --ffn 512 --ctx 4096 --type q8_0"),
     ("qwen2-gqa8-f32", "--like qwen2-1.5b --layers 2 --dim 512 --heads 8 --kv-heads 1 --ffn 512 --ctx 4096 --tied false --type f32"),
 ]

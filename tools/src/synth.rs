@@ -40,8 +40,9 @@ impl Arch {
 /// Weight types for the large matrices. `q4_k_m` follows llama.cpp's recipe in kind: Q4_K,
 /// with Q6_K for the output and for `attn_v` / `ffn_down` in the layers llama.cpp gives more
 /// bits (the first and last eighth and every third between); rows not a multiple of 256 fall
-/// back as llama.cpp's do (Q4_K -> Q5_0, Q6_K -> Q8_0). (llama.cpp's recipe also uses Q5_K for
-/// `attn_v` of wide-GQA models; the engine has no Q5_K, so those stay Q4_K.)
+/// back as llama.cpp's do (Q4_K -> Q5_0, Q6_K -> Q8_0). `q5_k_m` is the same recipe with Q5_K
+/// (falling back to Q5_1). (llama.cpp's Q4_K_M recipe also uses Q5_K for `attn_v` of wide-GQA
+/// models; here those stay Q4_K.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WType {
@@ -53,6 +54,8 @@ pub enum WType {
     Q4_0,
     #[value(name = "q4_k_m")]
     Q4KM,
+    #[value(name = "q5_k_m")]
+    Q5KM,
 }
 
 /// A model's shape and what else decides its arithmetic.
@@ -253,12 +256,14 @@ fn tensor_list(s: &Shape, ty: WType, vocab: usize) -> Vec<Tensor> {
             WType::F16 => GgmlType::F16,
             WType::Q8_0 => GgmlType::Q8_0,
             WType::Q4_0 => GgmlType::Q4_0,
-            WType::Q4KM if big => GgmlType::Q6K,
+            WType::Q4KM | WType::Q5KM if big => GgmlType::Q6K,
             WType::Q4KM => GgmlType::Q4K,
+            WType::Q5KM => GgmlType::Q5K,
         };
         match want {
             GgmlType::Q6K if !cols.is_multiple_of(256) => GgmlType::Q8_0,
             GgmlType::Q4K if !cols.is_multiple_of(256) => GgmlType::Q5_0,
+            GgmlType::Q5K if !cols.is_multiple_of(256) => GgmlType::Q5_1,
             t => t,
         }
     };
@@ -362,12 +367,22 @@ fn blocks(ty: GgmlType, sd: f32, rng: &mut ChaCha8Rng, buf: &mut [u8]) {
         // Code spreads: uniform 4-bit (q - 8) 4.61, 5-bit (q - 16) 9.23, signed 8-bit 73.9.
         GgmlType::Q4_0 => buf.chunks_exact_mut(18).for_each(|b| put(b, 0, sd / 4.61)),
         GgmlType::Q5_0 => buf.chunks_exact_mut(22).for_each(|b| put(b, 0, sd / 9.23)),
+        // w = q d + m: m = -15.5 d centres the codes.
+        GgmlType::Q5_1 => buf.chunks_exact_mut(24).for_each(|b| {
+            put(b, 0, sd / 9.23);
+            put(b, 2, -15.5 * sd / 9.23);
+        }),
         GgmlType::Q8_0 => buf.chunks_exact_mut(34).for_each(|b| put(b, 0, sd / 73.9)),
         // w = d sc q - dmin m, 6-bit sc and m: dmin = 7.5 d centres the blocks on average; the
         // spread (codes and the per-sub-block offsets together) is ~245 d.
         GgmlType::Q4K => buf.chunks_exact_mut(144).for_each(|b| {
             put(b, 0, sd / 245.0);
             put(b, 2, 7.5 * sd / 245.0);
+        }),
+        // Q4_K's codes with twice the range.
+        GgmlType::Q5K => buf.chunks_exact_mut(176).for_each(|b| {
+            put(b, 0, sd / 490.0);
+            put(b, 2, 15.5 * sd / 490.0);
         }),
         // w = d sc (q - 32), sc a signed byte: spread ~73.9 x 18.5.
         GgmlType::Q6K => buf.chunks_exact_mut(210).for_each(|b| put(b, 208, sd / 1367.0)),

@@ -1,7 +1,7 @@
 //! Each architecture the engine runs, against llama.cpp on the same random-weight files
 //! (`llms synth`; fixtures from tools/oracle/synth_fixtures.py, `make fixtures`): GQA ratios
 //! 1-8, llama's and qwen2's RoPE modes, Llama 3's frequency factors, linear RoPE scaling,
-//! Q/K/V biases, tied and separate outputs, f32/f16/q8_0/q4_0 and the q4_k_m mix.
+//! Q/K/V biases, tied and separate outputs, f32/f16/q8_0/q4_0 and the q4_k_m and q5_k_m mixes.
 //!
 //! The files are rewritten here from the recorded shape and seed, and must hash to what
 //! llama.cpp ran: the generator is deterministic, so a different hash means it changed and
@@ -28,7 +28,7 @@ fn tolerance(ty: WType) -> f32 {
     match ty {
         WType::F32 => 0.01,
         WType::F16 => 0.05,
-        WType::Q8_0 | WType::Q4_0 | WType::Q4KM => 0.3,
+        WType::Q8_0 | WType::Q4_0 | WType::Q4KM | WType::Q5KM => 0.3,
     }
 }
 

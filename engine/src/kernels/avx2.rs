@@ -628,28 +628,29 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
 /// set: `$madd(acc, p, s)` adds the i16 pairs `p` times the i16 scales `s` into the i32
 /// lanes of `acc` (`madd` + `add` on AVX2; one `vpdpwssd` with VNNI).
 macro_rules! kquant_kernels {
-    ($kquant:ident, $q4k:ident, $q6k:ident, $features:literal, $madd:ident) => {
+    ($kquant:ident, $q4k:ident, $q6k:ident, $features:literal, $madd:ident, $q5codes:ident) => {
         /// # Safety
-        /// Needs the kernel's features; `row` whole blocks; rows `t0..t0 + T` exist in `a`.
+        /// Needs the kernel's features; `row` whole blocks of `ty` (a K-quant); rows
+        /// `t0..t0 + T` exist in `a`.
         #[target_feature(enable = $features)]
-        pub(super) unsafe fn $kquant<const T: usize>(q4k: bool, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-            if q4k {
-                $q4k::<T>(crate::quant::blocks(row), a, t0)
-            } else {
-                $q6k::<T>(crate::quant::blocks(row), a, t0)
+        pub(super) unsafe fn $kquant<const T: usize>(ty: GgmlType, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+            match ty {
+                GgmlType::Q4K => $q4k::<crate::quant::BlockQ4K, T>(crate::quant::blocks(row), a, t0),
+                GgmlType::Q5K => $q4k::<crate::quant::BlockQ5K, T>(crate::quant::blocks(row), a, t0),
+                _ => $q6k::<T>(crate::quant::blocks(row), a, t0),
             }
         }
 
-        /// Q4_K row · `T` Q8_K activation rows from `t0` (one pass over the row's blocks: the
-        /// nibbles and the sub-block scales are unpacked once for all `T`): the same integer
-        /// sums as `quant::dot_q4k_ref` (nibbles times activations in `maddubs`, times the
-        /// 6-bit scales, never overflowing), combined with the same float operations, so each
-        /// result is bit for bit the reference's.
+        /// Q4_K (Q5_K) row · `T` Q8_K activation rows from `t0` (one pass over the row's
+        /// blocks: the codes and the sub-block scales are unpacked once for all `T`): the same
+        /// integer sums as `quant::dot_k4_ref` (codes times activations in `maddubs`: pairs
+        /// <= 2 * 31 * 128; times the 6-bit scales, never overflowing), combined with the same
+        /// float operations, so each result is bit for bit the reference's.
         ///
         /// # Safety
         /// Needs the kernel's features; rows `t0..t0 + T` exist in `a`.
         #[target_feature(enable = $features)]
-        unsafe fn $q4k<const T: usize>(w: &[crate::quant::BlockQ4K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
+        unsafe fn $q4k<B: crate::quant::KBlock, const T: usize>(w: &[B], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
             let mask = _mm256_set1_epi8(0x0F);
             let mut sum = [0.0f32; T];
             for (i, b) in w.iter().enumerate() {
@@ -658,16 +659,22 @@ macro_rules! kquant_kernels {
                 // that one `madd` against Q8_K's `bsums` gives sum_j m_j (bsum_2j + bsum_2j+1).
                 let mut mins16 = [0i16; 16];
                 for (j, m) in mins16.chunks_exact_mut(2).enumerate() {
-                    m.fill(i16::from(crate::quant::scale_min_k4(j, &b.scales).1));
+                    m.fill(i16::from(crate::quant::scale_min_k4(j, b.scales()).1));
                 }
                 let mins16 = _mm256_loadu_si256(mins16.as_ptr().cast());
+                let qh = b.qh().map(|qh| _mm256_loadu_si256(qh.as_ptr().cast()));
                 for j in 0..4 {
-                    let sc1 = crate::quant::scale_min_k4(2 * j, &b.scales).0;
-                    let sc2 = crate::quant::scale_min_k4(2 * j + 1, &b.scales).0;
+                    let sc1 = crate::quant::scale_min_k4(2 * j, b.scales()).0;
+                    let sc2 = crate::quant::scale_min_k4(2 * j + 1, b.scales()).0;
                     let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
-                    let q = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j).cast());
-                    let lo = _mm256_and_si256(q, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                    let q = _mm256_loadu_si256(b.qs().as_ptr().add(32 * j).cast());
+                    let mut lo = _mm256_and_si256(q, mask);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+                    if let Some(h) = qh {
+                        // Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of lo[l] (hi[l]).
+                        lo = $q5codes(lo, h, 2 * j as i32);
+                        hi = $q5codes(hi, h, 2 * j as i32 + 1);
+                    }
                     for t in 0..T {
                         let k = (t0 + t) * a.nb + i;
                         let q8 = a.qs[k].as_ptr();
@@ -678,7 +685,7 @@ macro_rules! kquant_kernels {
                         acc[t] = $madd(acc[t], phi, s2);
                     }
                 }
-                let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+                let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
                 for t in 0..T {
                     let k = (t0 + t) * a.nb + i;
                     // |m bsum| <= 63 * 2048, 16 of them: < 2^21.
@@ -745,8 +752,8 @@ macro_rules! kquant_kernels {
     };
 }
 
-kquant_kernels!(dot_kquant, dot_q4k, dot_q6k, "avx2,fma,f16c", madd_add);
-kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd);
+kquant_kernels!(dot_kquant, dot_q4k, dot_q6k, "avx2,fma,f16c", madd_add, q5_codes);
+kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd, q5_codes_bw);
 
 /// `acc + madd(p, s)`: i16 pairs times i16 scales, summed in pairs into the i32 lanes.
 #[inline]

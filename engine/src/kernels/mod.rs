@@ -11,7 +11,7 @@ use half::f16;
 
 pub use crate::pool::OutPtr;
 use crate::pool::ThreadPool;
-use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
+use crate::quant::{self, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 pub use crate::simd::{has_avx2, simd_name};
 
@@ -45,7 +45,7 @@ pub enum ActKind {
 pub fn act_kind(ty: GgmlType) -> ActKind {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => ActKind::Q8,
-        GgmlType::Q4K | GgmlType::Q6K => ActKind::Q8K,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => ActKind::Q8K,
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActKind::F32,
     }
 }
@@ -90,9 +90,9 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
     // and float weights have row kernels taking 4 tokens a pass (weights unpacked or
     // converted once for the 4).
     match w.ty {
-        GgmlType::Q4K | GgmlType::Q6K => {
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
             if let Some((four, one)) = kquant_kernels() {
-                let q4k = w.ty == GgmlType::Q4K;
+                let ty = w.ty;
                 // SAFETY: `kquant_kernels` checked the CPU's features; `row` is one weight row
                 // of whole blocks and `by_rows` asks only for tokens that exist in `a`.
                 return by_rows(
@@ -102,8 +102,8 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
                     ldo,
                     r0,
                     r1,
-                    |row, t| unsafe { four(q4k, row, &a.q8k, t) },
-                    |row, t| unsafe { one(q4k, row, &a.q8k, t) },
+                    |row, t| unsafe { four(ty, row, &a.q8k, t) },
+                    |row, t| unsafe { one(ty, row, &a.q8k, t) },
                 );
             }
         }
@@ -261,7 +261,7 @@ fn float_rows<const R: usize>(
 }
 
 /// A K-quant row (Q4_K when the flag says so, else Q6_K) against `T` Q8_K activation rows.
-type KquantFn<const T: usize> = unsafe fn(bool, &[u8], &Q8KActs, usize) -> [f32; T];
+type KquantFn<const T: usize> = unsafe fn(GgmlType, &[u8], &Q8KActs, usize) -> [f32; T];
 
 /// The CPU's K-quant row kernels for 4 tokens and for 1, if it has vector ones.
 fn kquant_kernels() -> Option<(KquantFn<4>, KquantFn<1>)> {
@@ -398,7 +398,8 @@ pub fn matmul_rows_ref(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: us
                 GgmlType::Q5_0 => quant::dot_q5_0_ref(quant::blocks::<BlockQ5_0>(row), &a.q8, t),
                 GgmlType::Q5_1 => quant::dot_q5_1_ref(quant::blocks::<BlockQ5_1>(row), &a.q8, t),
                 GgmlType::Q8_0 => quant::dot_q8_0_ref(quant::blocks::<BlockQ8_0>(row), &a.q8, t),
-                GgmlType::Q4K => quant::dot_q4k_ref(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
+                GgmlType::Q4K => quant::dot_k4_ref(quant::blocks::<BlockQ4K>(row), &a.q8k, t),
+                GgmlType::Q5K => quant::dot_k4_ref(quant::blocks::<BlockQ5K>(row), &a.q8k, t),
                 GgmlType::Q6K => quant::dot_q6k_ref(quant::blocks::<BlockQ6K>(row), &a.q8k, t),
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                     if t == 0 {
@@ -768,7 +769,7 @@ mod tests {
                     put(blk, 0, rng.gen_range(0.001..0.05));
                     put(blk, 2, rng.gen_range(-0.2..0.2));
                 }
-                GgmlType::Q4K => {
+                GgmlType::Q4K | GgmlType::Q5K => {
                     put(blk, 0, rng.gen_range(0.001..0.05));
                     put(blk, 2, rng.gen_range(0.001..0.05));
                 }
@@ -827,7 +828,7 @@ mod tests {
     #[test]
     fn k_quant_kernels_equal_the_references() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
-        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+        for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
             for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3), (4, 512, 9)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
@@ -888,7 +889,9 @@ mod tests {
     #[test]
     fn quantized_dots_match_dequantized_f32() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        for ty in
+            [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K]
+        {
             let (rows, cols) = (6, 512);
             let data = random_weights(ty, rows, cols, &mut rng);
             let w = WeightView { ty, rows, cols, data: &data };

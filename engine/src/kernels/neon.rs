@@ -11,7 +11,7 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::{KvRows, OutPtr};
-use crate::quant::{BlockQ4K, BlockQ6K, Q8Acts, Q8KActs};
+use crate::quant::{BlockQ4K, BlockQ5K, BlockQ6K, GgmlType, KBlock, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
 /// How four-byte dot products accumulate into i32 lanes: lane `i` of the result adds
@@ -248,25 +248,34 @@ unsafe fn q8_sums<D: Dot, const T: usize>(qs: &[i8; 256], a: &Q8Acts, xrow: &[us
     p
 }
 
-/// Q4_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q4k_ref` bit for bit (the
-/// integer sums are exact; the floats combine as the reference does).
+/// Q4_K (Q5_K) row · `T` Q8_K activation rows from `t0`, as `quant::dot_k4_ref` bit for bit
+/// (the integer sums are exact; the floats combine as the reference does).
 ///
 /// # Safety
 /// Needs NEON (and the dot-product extension when `D` is [`Sdot`]); rows `t0..t0 + T` exist.
 #[inline(always)]
-unsafe fn dot_q4k<D: Dot, const T: usize>(w: &[BlockQ4K], a: &Q8KActs, t0: usize) -> [f32; T] {
+unsafe fn dot_q4k<B: KBlock, D: Dot, const T: usize>(w: &[B], a: &Q8KActs, t0: usize) -> [f32; T] {
     let mask = vdupq_n_u8(0x0F);
+    let sixteen = vdupq_n_u8(0x10);
     let mut sum = [0.0f32; T];
     for (i, b) in w.iter().enumerate() {
         let mut acc = [vdupq_n_s32(0); T];
         let mut mins = [0i32; T];
         for j in 0..4 {
-            let (sc1, m1) = crate::quant::scale_min_k4(2 * j, &b.scales);
-            let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, &b.scales);
-            let q = b.qs.as_ptr().add(32 * j);
+            let (sc1, m1) = crate::quant::scale_min_k4(2 * j, b.scales());
+            let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, b.scales());
+            let q = b.qs().as_ptr().add(32 * j);
             let (q0, q1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
-            let lo = (vreinterpretq_s8_u8(vandq_u8(q0, mask)), vreinterpretq_s8_u8(vandq_u8(q1, mask)));
-            let hi = (vreinterpretq_s8_u8(vshrq_n_u8(q0, 4)), vreinterpretq_s8_u8(vshrq_n_u8(q1, 4)));
+            let (mut lo, mut hi) = ((vandq_u8(q0, mask), vandq_u8(q1, mask)), (vshrq_n_u8(q0, 4), vshrq_n_u8(q1, 4)));
+            if let Some(qh) = b.qh() {
+                // Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of lo[l] (hi[l]).
+                let h = (vld1q_u8(qh.as_ptr()), vld1q_u8(qh.as_ptr().add(16)));
+                let put = |v: uint8x16_t, h: uint8x16_t, bit: usize| vorrq_u8(v, vandq_u8(vtstq_u8(h, vdupq_n_u8(1 << bit)), sixteen));
+                lo = (put(lo.0, h.0, 2 * j), put(lo.1, h.1, 2 * j));
+                hi = (put(hi.0, h.0, 2 * j + 1), put(hi.1, h.1, 2 * j + 1));
+            }
+            let lo = (vreinterpretq_s8_u8(lo.0), vreinterpretq_s8_u8(lo.1));
+            let hi = (vreinterpretq_s8_u8(hi.0), vreinterpretq_s8_u8(hi.1));
             for t in 0..T {
                 let k = (t0 + t) * a.nb + i;
                 let x = a.qs[k].as_ptr().add(64 * j);
@@ -279,7 +288,7 @@ unsafe fn dot_q4k<D: Dot, const T: usize>(w: &[BlockQ4K], a: &Q8KActs, t0: usize
                 mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
             }
         }
-        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
         for t in 0..T {
             let k = (t0 + t) * a.nb + i;
             sum[t] += a.d[k] * (d * vaddvq_s32(acc[t]) as f32 - dmin * mins[t] as f32);
@@ -337,17 +346,17 @@ unsafe fn dot_q6k<D: Dot, const T: usize>(w: &[BlockQ6K], a: &Q8KActs, t0: usize
     sum
 }
 
-/// The K-quant row kernels, one entry per extension: `q4k` picks Q4_K or Q6_K by `ty`.
+/// The K-quant row kernels, one entry per extension, by type.
 macro_rules! k_quant_entry {
     ($name:ident, $d:ty $(, $feat:literal)?) => {
         /// # Safety
         /// Needs NEON (and what the name says); rows `t0..t0 + T` exist in `a`.
         $(#[target_feature(enable = $feat)])?
-        pub(super) unsafe fn $name<const T: usize>(q4k: bool, row: &[u8], a: &Q8KActs, t0: usize) -> [f32; T] {
-            if q4k {
-                dot_q4k::<$d, T>(crate::quant::blocks::<BlockQ4K>(row), a, t0)
-            } else {
-                dot_q6k::<$d, T>(crate::quant::blocks::<BlockQ6K>(row), a, t0)
+        pub(super) unsafe fn $name<const T: usize>(ty: GgmlType, row: &[u8], a: &Q8KActs, t0: usize) -> [f32; T] {
+            match ty {
+                GgmlType::Q4K => dot_q4k::<BlockQ4K, $d, T>(crate::quant::blocks(row), a, t0),
+                GgmlType::Q5K => dot_q4k::<BlockQ5K, $d, T>(crate::quant::blocks(row), a, t0),
+                _ => dot_q6k::<$d, T>(crate::quant::blocks::<BlockQ6K>(row), a, t0),
             }
         }
     };
