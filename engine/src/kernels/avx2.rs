@@ -653,6 +653,7 @@ macro_rules! kquant_kernels {
         unsafe fn $q4k<B: crate::quant::KBlock, const T: usize>(w: &[B], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
             let mask = _mm256_set1_epi8(0x0F);
             let mut sum = [0.0f32; T];
+            let mut sum4 = _mm_setzero_ps();
             for (i, b) in w.iter().enumerate() {
                 let mut acc = [_mm256_setzero_si256(); T];
                 // The 8 sub-block mins, each beside both 16-value sums of its 32 values, so
@@ -686,12 +687,26 @@ macro_rules! kquant_kernels {
                     }
                 }
                 let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
-                for t in 0..T {
-                    let k = (t0 + t) * a.nb + i;
-                    // |m bsum| <= 63 * 2048, 16 of them: < 2^21.
-                    let mins = hsum_i32(_mm256_madd_epi16(mins16, _mm256_loadu_si256(a.bsums[k].as_ptr().cast())));
-                    sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * mins as f32);
+                // |m bsum| <= 63 * 2048, 16 of them: < 2^21.
+                let mins: [__m256i; T] =
+                    std::array::from_fn(|t| _mm256_madd_epi16(mins16, _mm256_loadu_si256(a.bsums[(t0 + t) * a.nb + i].as_ptr().cast())));
+                if T == 4 {
+                    // The 4 tokens' sums at once, lane by lane the scalar arithmetic below.
+                    let r = hsum_i32_x8([acc[0], acc[1], acc[2], acc[3], mins[0], mins[1], mins[2], mins[3]]);
+                    let r = _mm256_cvtepi32_ps(r);
+                    let (sumi, summ) = (_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+                    let x = _mm_sub_ps(_mm_mul_ps(_mm_set1_ps(d), sumi), _mm_mul_ps(_mm_set1_ps(dmin), summ));
+                    let dx = _mm_set_ps(a.d[(t0 + 3) * a.nb + i], a.d[(t0 + 2) * a.nb + i], a.d[(t0 + 1) * a.nb + i], a.d[t0 * a.nb + i]);
+                    sum4 = _mm_add_ps(sum4, _mm_mul_ps(dx, x));
+                } else {
+                    for t in 0..T {
+                        let k = (t0 + t) * a.nb + i;
+                        sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * hsum_i32(mins[t]) as f32);
+                    }
                 }
+            }
+            if T == 4 {
+                _mm_storeu_ps(sum.as_mut_ptr(), sum4);
             }
             sum
         }
@@ -710,6 +725,7 @@ macro_rules! kquant_kernels {
             let m4 = _mm256_set1_epi8(0x0F);
             let m2 = _mm256_set1_epi8(0x03);
             let mut sum = [0.0f32; T];
+            let mut sum4 = _mm_setzero_ps();
             for (i, b) in w.iter().enumerate() {
                 let mut acc = [_mm256_setzero_si256(); T];
                 let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr().cast()));
@@ -739,13 +755,25 @@ macro_rules! kquant_kernels {
                     }
                 }
                 let d = b.d.to_f32();
-                for t in 0..T {
-                    let k = (t0 + t) * a.nb + i;
-                    // 32 x sum_j scale_j x bsum_j: |.| <= 32 * 16 * 128 * 2048 < 2^31.
-                    let bs = _mm256_loadu_si256(a.bsums[k].as_ptr().cast());
-                    let offset = 32 * hsum_i32(_mm256_madd_epi16(scales16, bs));
-                    sum[t] += d * a.d[k] * (hsum_i32(acc[t]) - offset) as f32;
+                // 32 x sum_j scale_j x bsum_j: |.| <= 32 * 16 * 128 * 2048 < 2^31.
+                let offs: [__m256i; T] =
+                    std::array::from_fn(|t| _mm256_madd_epi16(scales16, _mm256_loadu_si256(a.bsums[(t0 + t) * a.nb + i].as_ptr().cast())));
+                if T == 4 {
+                    // The 4 tokens' sums at once, lane by lane the scalar arithmetic below.
+                    let r = hsum_i32_x8([acc[0], acc[1], acc[2], acc[3], offs[0], offs[1], offs[2], offs[3]]);
+                    let (sumi, off) = (_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+                    let x = _mm_cvtepi32_ps(_mm_sub_epi32(sumi, _mm_slli_epi32(off, 5)));
+                    let dx = _mm_set_ps(a.d[(t0 + 3) * a.nb + i], a.d[(t0 + 2) * a.nb + i], a.d[(t0 + 1) * a.nb + i], a.d[t0 * a.nb + i]);
+                    sum4 = _mm_add_ps(sum4, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), dx), x));
+                } else {
+                    for t in 0..T {
+                        let k = (t0 + t) * a.nb + i;
+                        sum[t] += d * a.d[k] * (hsum_i32(acc[t]) - 32 * hsum_i32(offs[t])) as f32;
+                    }
                 }
+            }
+            if T == 4 {
+                _mm_storeu_ps(sum.as_mut_ptr(), sum4);
             }
             sum
         }
@@ -767,6 +795,16 @@ unsafe fn madd_add(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn madd_dpwssd(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
     _mm256_dpwssd_epi32(acc, p, s)
+}
+
+/// The 8 vectors' horizontal sums, `v[i]`'s in lane `i` (integer sums: any order is exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32_x8(v: [__m256i; 8]) -> __m256i {
+    let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    // a's low half holds v0-v3's sums over their low 128 bits, its high half over the high.
+    _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))
 }
 
 /// Sum of the eight i32 lanes (exact).
