@@ -710,7 +710,7 @@ mod tests {
         b.d = f16::from_f32(0.5);
         b.dmin = f16::from_f32(0.25);
         for (i, s) in b.scales.iter_mut().enumerate() {
-            *s = (i as u8 * 37 + 5) ^ 0x5A;
+            *s = (i as u8).wrapping_mul(37).wrapping_add(5) ^ 0x5A;
         }
         for (i, q) in b.qs.iter_mut().enumerate() {
             *q = (i as u8).wrapping_mul(29) ^ 0x3C;

@@ -13,7 +13,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use crate::quant::{blocks, BlockQ8_0, GgmlType, QK};
+use crate::quant::{blocks, BlockQ8_0, GgmlType, KBlock, QK, QK_K};
 
 /// Rows per packed group.
 pub const ROWS: usize = 8;
@@ -67,6 +67,67 @@ pub struct BlockQ5Mx8 {
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5Mx8>() == 192);
 
+/// 8 rows x 256 columns of Q4_K (llama.cpp's super-block: `w = d sc_j q - dmin m_j` over 8
+/// sub-blocks `j` of 32), interleaved as [`BlockQ4x8`] sub-block by sub-block: `qs[128 j ..]`
+/// is sub-block `j` laid out as a `BlockQ4x8`'s `qs`. The 6-bit scales and mins are unpacked
+/// to bytes: `scales[8 j + r]` is row `r`'s scale of sub-block `j`; `mins[16 q + 2 r + i]` row
+/// `r`'s min of sub-block `2 q + i` (pairs, as one `madd` against two activation sums takes
+/// them). 4.625 bits a weight (the file's 4.5).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4Kx8 {
+    pub d: [f16; ROWS],
+    pub dmin: [f16; ROWS],
+    pub scales: [u8; 64],
+    pub mins: [u8; 64],
+    pub qs: [u8; QK_K * ROWS / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4Kx8>() == 1184);
+
+/// 8 rows x 256 columns of Q5_K: [`BlockQ4Kx8`] with each sub-block's fifth bits laid out as
+/// a [`BlockQ5x8`]'s `qh` at `qh[32 j ..]`. 5.625 bits a weight (the file's 5.5).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ5Kx8 {
+    pub d: [f16; ROWS],
+    pub dmin: [f16; ROWS],
+    pub scales: [u8; 64],
+    pub mins: [u8; 64],
+    pub qh: [u8; QK_K],
+    pub qs: [u8; QK_K * ROWS / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ5Kx8>() == 1440);
+
+/// Row `lane` of a K-quant block (`KBlock`) into the packed fields of an 8-row block.
+#[allow(clippy::too_many_arguments)]
+fn put_k<B: KBlock>(
+    blk: &B,
+    lane: usize,
+    d: &mut [f16; ROWS],
+    dmin: &mut [f16; ROWS],
+    scales: &mut [u8; 64],
+    mins: &mut [u8; 64],
+    qs: &mut [u8; QK_K * ROWS / 2],
+    mut qh: Option<&mut [u8; QK_K]>,
+) {
+    d[lane] = blk.d();
+    dmin[lane] = blk.dmin();
+    for j in 0..8 {
+        let (sc, m) = crate::quant::scale_min_k4(j, blk.scales());
+        scales[8 * j + lane] = sc;
+        mins[16 * (j / 2) + 2 * lane + j % 2] = m;
+        let codes: [u8; QK] = std::array::from_fn(|l| blk.code(j / 2, j % 2, l));
+        let sub_qs: &mut [u8; QK * ROWS / 2] = (&mut qs[128 * j..128 * (j + 1)]).try_into().expect("128 bytes");
+        let mut sub_qh = [0u8; QK];
+        put_q5(&mut sub_qh, sub_qs, lane, &codes);
+        if let Some(qh) = qh.as_deref_mut() {
+            for (o, h) in qh[32 * j..32 * (j + 1)].iter_mut().zip(sub_qh) {
+                *o |= h;
+            }
+        }
+    }
+}
+
 /// Puts the 32 five-bit `codes` of one block row into lane `lane` of a packed Q5 block.
 fn put_q5(qh: &mut [u8; QK], qs: &mut [u8; QK * ROWS / 2], lane: usize, codes: &[u8; QK]) {
     for k in 0..4 {
@@ -94,6 +155,9 @@ pub enum Packed {
     Q5(Blocks<BlockQ5x8>),
     Q5M(Blocks<BlockQ5Mx8>),
     Q8(Blocks<BlockQ8x8>),
+    /// Super-blocks of 256 columns (activations: Q8_K).
+    Q4K(Blocks<BlockQ4Kx8>),
+    Q5K(Blocks<BlockQ5Kx8>),
 }
 
 /// Where packed blocks live: the heap (packed at load), or memory someone else owns, such as
@@ -140,8 +204,12 @@ impl PackedWeight {
     pub fn groups(&self) -> usize {
         self.rows.div_ceil(ROWS)
     }
+    /// Blocks per row: of 32 columns, or of 256 for the K-quants.
     pub fn blocks_per_row(&self) -> usize {
-        self.cols / QK
+        match self.data {
+            Packed::Q4K(_) | Packed::Q5K(_) => self.cols / QK_K,
+            _ => self.cols / QK,
+        }
     }
     pub fn bytes(&self) -> usize {
         self.as_bytes().len()
@@ -154,6 +222,8 @@ impl PackedWeight {
             Packed::Q5(v) => bytemuck::cast_slice(v),
             Packed::Q5M(v) => bytemuck::cast_slice(v),
             Packed::Q8(v) => bytemuck::cast_slice(v),
+            Packed::Q4K(v) => bytemuck::cast_slice(v),
+            Packed::Q5K(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -165,6 +235,8 @@ impl PackedWeight {
             GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ5x8>()),
             GgmlType::Q5_1 => Some(blocks * std::mem::size_of::<BlockQ5Mx8>()),
             GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
+            GgmlType::Q4K => Some(rows.div_ceil(ROWS) * (cols / QK_K) * std::mem::size_of::<BlockQ4Kx8>()),
+            GgmlType::Q5K => Some(rows.div_ceil(ROWS) * (cols / QK_K) * std::mem::size_of::<BlockQ5Kx8>()),
             _ => None,
         }
     }
@@ -187,6 +259,8 @@ impl PackedWeight {
             GgmlType::Q4_0 | GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
             GgmlType::Q5_0 => Packed::Q5(cast(bytes)?),
             GgmlType::Q5_1 => Packed::Q5M(cast(bytes)?),
+            GgmlType::Q4K => Packed::Q4K(cast(bytes)?),
+            GgmlType::Q5K => Packed::Q5K(cast(bytes)?),
             _ => Packed::Q8(cast(bytes)?),
         };
         Some(Self { rows, cols, data })
@@ -256,6 +330,32 @@ impl PackedWeight {
                     }
                 }
                 Packed::Q5M(Blocks::Owned(out))
+            }
+            GgmlType::Q4K => {
+                let nk = cols / QK_K;
+                let mut out = vec![BlockQ4Kx8::zeroed(); groups * nk];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ4K>(row).iter().enumerate() {
+                        let o = &mut out[g * nk + b];
+                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.qs, None);
+                    }
+                }
+                Packed::Q4K(Blocks::Owned(out))
+            }
+            GgmlType::Q5K => {
+                let nk = cols / QK_K;
+                let mut out = vec![BlockQ5Kx8::zeroed(); groups * nk];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ5K>(row).iter().enumerate() {
+                        let o = &mut out[g * nk + b];
+                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.qs, Some(&mut o.qh));
+                    }
+                }
+                Packed::Q5K(Blocks::Owned(out))
             }
             _ => return None,
         };

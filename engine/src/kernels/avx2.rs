@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::{KvRows, OutPtr};
-use crate::quant::{GgmlType, Q8Acts};
+use crate::quant::{GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
 #[inline]
@@ -122,6 +122,7 @@ macro_rules! packed_kernels {
                         }
                     }
                 }
+                Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
                 Packed::Q5M(v) => {
                     // Codes 0..32 (Q5_1) with Q4_1's offset term `m * s_x`.
                     let blks = &v[g * nb..(g + 1) * nb];
@@ -190,6 +191,130 @@ packed_kernels!(
     q4_dpbusd,
     q5_codes_bw
 );
+
+/// The packed K-quant kernels (Q4_K, Q5_K in groups of 8 rows against Q8_K activations),
+/// stamped out per instruction set: `$madd` multiplies i16 pairs by the scales into the i32
+/// accumulator, `$q5codes` puts in the fifth bits. Per sub-block of 32 columns each row's
+/// code x activation sums stay in i16 (16 products of a 4-bit code: <= 16 * 15 * 127 < 2^15;
+/// a 5-bit one, 8: <= 8 * 31 * 127) and one `madd` applies the row's scale; the mins take four
+/// `madd`s a block against pairs of Q8_K's 32-value sums. The same integers as
+/// `quant::dot_k4_ref`, the same float operations lane by lane: the row kernels' bits.
+macro_rules! packed_k_kernels {
+    ($all:ident, $tile:ident, $feat:literal, $madd:ident, $q5codes:ident) => {
+        /// # Safety
+        /// Needs the kernel's features.
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $all(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+            let n_tok = a.rows;
+            for g in g0..g1 {
+                let mut t = 0;
+                while t + 4 <= n_tok {
+                    $tile::<4>(w, a, g, t, out, ldo);
+                    t += 4;
+                }
+                match n_tok - t {
+                    3 => $tile::<3>(w, a, g, t, out, ldo),
+                    2 => $tile::<2>(w, a, g, t, out, ldo),
+                    1 => $tile::<1>(w, a, g, t, out, ldo),
+                    _ => {}
+                }
+            }
+        }
+
+        #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+            let nb = w.blocks_per_row();
+            let mask = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); T];
+            let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+            for b in 0..nb {
+                let (d, dmin, scales, mins, qs, qh) = match &w.data {
+                    Packed::Q4K(v) => {
+                        let x = &v[g * nb + b];
+                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, None)
+                    }
+                    Packed::Q5K(v) => {
+                        let x = &v[g * nb + b];
+                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, Some(&x.qh))
+                    }
+                    _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
+                };
+                let mut isum = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    // Row r's scale in both i16 of i32 lane r.
+                    let sc8 = _mm_loadl_epi64(scales.as_ptr().add(8 * j).cast());
+                    let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+                    let h = qh.map(|qh| _mm256_loadu_si256(qh.as_ptr().add(32 * j).cast()));
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for k in 0..4 {
+                        let wv = _mm256_loadu_si256(qs.as_ptr().add(128 * j + 32 * k).cast());
+                        lo[k] = _mm256_and_si256(wv, mask);
+                        hi[k] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+                        if let Some(h) = h {
+                            lo[k] = $q5codes(lo[k], h, 2 * k as i32);
+                            hi[k] = $q5codes(hi[k], h, 2 * k as i32 + 1);
+                        }
+                    }
+                    for t in 0..T {
+                        let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                        let part = |k: usize| {
+                            _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo[k], bcast4(xq.add(4 * k))),
+                                _mm256_maddubs_epi16(hi[k], bcast4(xq.add(16 + 4 * k))),
+                            )
+                        };
+                        if h.is_none() {
+                            let p = _mm256_add_epi16(_mm256_add_epi16(part(0), part(1)), _mm256_add_epi16(part(2), part(3)));
+                            isum[t] = $madd(isum[t], p, sc);
+                        } else {
+                            isum[t] = $madd(isum[t], _mm256_add_epi16(part(0), part(1)), sc);
+                            isum[t] = $madd(isum[t], _mm256_add_epi16(part(2), part(3)), sc);
+                        }
+                    }
+                }
+                // Mins: row r's (m_2q, m_2q+1) pair in i32 lane r, against (b_2q, b_2q+1), the
+                // 32-value sums of sub-blocks 2q and 2q+1 (each <= 32 * 127 in magnitude).
+                let mq: [__m256i; 4] = std::array::from_fn(|q| _mm256_cvtepu8_epi16(_mm_loadu_si128(mins.as_ptr().add(16 * q).cast())));
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast()));
+                let mv = _mm256_cvtph_ps(_mm_loadu_si128(dmin.as_ptr().cast()));
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    // [b0 b1 b2 b3 0 0 0 0 | b4 b5 b6 b7 0 0 0 0] as i16: pair (b0, b1) is i32 0.
+                    let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(a.bsums[k8].as_ptr().cast()), _mm256_setzero_si256());
+                    let pick = |i: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i));
+                    let m = _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(mq[0], pick(0)), _mm256_madd_epi16(mq[1], pick(1))),
+                        _mm256_add_epi32(_mm256_madd_epi16(mq[2], pick(4)), _mm256_madd_epi16(mq[3], pick(5))),
+                    );
+                    let x = _mm256_sub_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(isum[t])), _mm256_mul_ps(mv, _mm256_cvtepi32_ps(m)));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a.d[k8]), x));
+                }
+            }
+            let r0 = g * ROWS;
+            let valid = (w.rows - r0).min(ROWS);
+            for t in 0..T {
+                let idx = (t0 + t) * ldo + r0;
+                if valid == ROWS {
+                    assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+                    // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+                    _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
+                } else {
+                    let mut tmp = [0.0f32; ROWS];
+                    _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
+                    for (r, &v) in tmp.iter().enumerate().take(valid) {
+                        out.write(idx + r, v);
+                    }
+                }
+            }
+        }
+    };
+}
+
+packed_k_kernels!(matmul_packed_k, packed_k_tile, "avx2,fma,f16c", madd_add, q5_codes);
+packed_k_kernels!(matmul_packed_k_vnni, packed_k_tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd, q5_codes_bw);
 
 /// Q5 codes (0..32) against 4 activation bytes each: |sum| <= 4 * 31 * 127 < 2^15 per i16
 /// lane and load, so each load's pairs go to i32 at once (over a whole block they would not fit).

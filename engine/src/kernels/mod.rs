@@ -358,6 +358,7 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                             let blk = &v[g * nb + b];
                             (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
                         }
+                        Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
                     };
                     sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
                     if let Some(m) = m {
@@ -379,6 +380,89 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
         }
     }
     s
+}
+
+/// A packed matrix's groups `g0..g1` against the activations its format takes.
+pub fn matmul_packed_acts(w: &PackedWeight, a: &Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    match w.data {
+        Packed::Q4K(_) | Packed::Q5K(_) => matmul_packed_k(w, &a.q8k, out, ldo, g0, g1),
+        _ => matmul_packed(w, &a.q8, out, ldo, g0, g1),
+    }
+}
+
+/// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed K-quant groups `g0..g1`
+/// (Q4_K, Q5_K: Q8_K activations), as [`matmul_packed`] does for the 32-column formats.
+pub fn matmul_packed_k(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_vnni() {
+        // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW (checked at run time).
+        unsafe { avx2::matmul_packed_k_vnni(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
+        unsafe { avx2::matmul_packed_k(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_dotprod() {
+        // SAFETY: the CPU has NEON and the dot-product extension (checked at run time).
+        unsafe { neon::matmul_packed_k_sdot(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        // SAFETY: NEON is in use (checked at run time).
+        unsafe { neon::matmul_packed_k(w, a, out, ldo, g0, g1) };
+        return;
+    }
+    matmul_packed_k_ref(w, a, out, ldo, g0, g1);
+}
+
+/// Scalar reference for [`matmul_packed_k`], reading the packed layout: per row and block the
+/// integer sums of [`quant::dot_k4_ref`] and its float operations, so the packed kernels give
+/// the row kernels' bits.
+pub fn matmul_packed_k_ref(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let nb = w.blocks_per_row();
+    for g in g0..g1 {
+        for lane in 0..ROWS {
+            let r = g * ROWS + lane;
+            if r >= w.rows {
+                break;
+            }
+            for t in 0..a.rows {
+                let mut sum = 0.0f32;
+                for b in 0..nb {
+                    let k = t * nb + b;
+                    let (d, dmin, scales, mins, qs, qh) = match &w.data {
+                        Packed::Q4K(v) => {
+                            let x = &v[g * nb + b];
+                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs, None)
+                        }
+                        Packed::Q5K(v) => {
+                            let x = &v[g * nb + b];
+                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs, Some(&x.qh))
+                        }
+                        _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
+                    };
+                    let (mut sumi, mut sumi_mins) = (0i32, 0i32);
+                    for j in 0..8 {
+                        let sub_qs: &[u8; 128] = qs[128 * j..128 * (j + 1)].try_into().expect("128 bytes");
+                        let none = [0u8; 32];
+                        let sub_qh: &[u8; 32] = qh.map_or(&none, |h| h[32 * j..32 * (j + 1)].try_into().expect("32 bytes"));
+                        let xq: &[i8; 32] = a.qs[k][32 * j..32 * (j + 1)].try_into().expect("32 bytes");
+                        sumi += i32::from(scales[8 * j + lane]) * q5_lane_sum(sub_qh, sub_qs, lane, xq, 0);
+                        let m = mins[16 * (j / 2) + 2 * lane + j % 2];
+                        sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * j]) + i32::from(a.bsums[k][2 * j + 1]));
+                    }
+                    sum += a.d[k] * (d.to_f32() * sumi as f32 - dmin.to_f32() * sumi_mins as f32);
+                }
+                out.write(t * ldo + r, sum);
+            }
+        }
+    }
 }
 
 /// One row's integer sum `sum (q - offset) x` in a packed Q5 block.
@@ -842,6 +926,29 @@ mod tests {
                     fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
                     "{ty:?} {rows}x{cols}x{toks}: {fast:?} vs {slow:?}"
                 );
+                // Q4_K and Q5_K packed in groups of 8 rows: the row reference's bits too, from
+                // the kernel in use, the packed layout's reference, and (where both run) VNNI
+                // and AVX2 alike.
+                if let Some(p) = PackedWeight::pack(ty, rows, cols, &data) {
+                    let mut outs = vec![vec![f32::NAN; toks * rows]; 2];
+                    matmul_packed_k(&p, &a.q8k, OutPtr::new(&mut outs[0]), rows, 0, p.groups());
+                    matmul_packed_k_ref(&p, &a.q8k, OutPtr::new(&mut outs[1]), rows, 0, p.groups());
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::simd::has_vnni() {
+                        let mut x = vec![f32::NAN; toks * rows];
+                        // SAFETY: has_vnni implies AVX2/FMA/F16C.
+                        unsafe { avx2::matmul_packed_k(&p, &a.q8k, OutPtr::new(&mut x), rows, 0, p.groups()) };
+                        outs.push(x);
+                    }
+                    for (i, o) in outs.iter().enumerate() {
+                        assert!(
+                            o.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                            "{ty:?} {rows}x{cols}x{toks} packed ({i}): {o:?} vs {slow:?}"
+                        );
+                    }
+                } else {
+                    assert_eq!(ty, GgmlType::Q6K, "Q4_K and Q5_K are packed");
+                }
             }
         }
     }

@@ -153,10 +153,11 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
                 }
             }
         }
+        Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
         Packed::Q5(v) => {
             // The codes less 16 are signed bytes: `sum((q - 16) x)` directly.
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
-                let p = q5_sums::<D, T>(&blk.qh, &blk.qs, 16, a, &xrow, b);
+                let p = q5_sums::<D, T, 32>(&blk.qh, &blk.qs, 16, &a.qs, &xrow, b, 0);
                 let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
                 for t in 0..T {
                     combine(&mut acc[t], p[t], d, a.d[xrow[t] + b]);
@@ -165,7 +166,7 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
         }
         Packed::Q5M(v) => {
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
-                let p = q5_sums::<D, T>(&blk.qh, &blk.qs, 0, a, &xrow, b);
+                let p = q5_sums::<D, T, 32>(&blk.qh, &blk.qs, 0, &a.qs, &xrow, b, 0);
                 let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
                 let m = (f16x4(blk.m.as_ptr()), f16x4(blk.m.as_ptr().add(4)));
                 for t in 0..T {
@@ -196,17 +197,126 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
     }
 }
 
+/// # Safety
+/// Needs NEON.
+pub(super) unsafe fn matmul_packed_k(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    packed_k_all::<Mull>(w, a, out, ldo, g0, g1);
+}
+
+/// # Safety
+/// Needs NEON and the dot-product extension.
+#[target_feature(enable = "dotprod")]
+pub(super) unsafe fn matmul_packed_k_sdot(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    packed_k_all::<Sdot>(w, a, out, ldo, g0, g1);
+}
+
+#[inline(always)]
+unsafe fn packed_k_all<D: Dot>(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let n_tok = a.rows;
+    for g in g0..g1 {
+        let mut t = 0;
+        while t + 4 <= n_tok {
+            packed_k_tile::<D, 4>(w, a, g, t, out, ldo);
+            t += 4;
+        }
+        match n_tok - t {
+            3 => packed_k_tile::<D, 3>(w, a, g, t, out, ldo),
+            2 => packed_k_tile::<D, 2>(w, a, g, t, out, ldo),
+            1 => packed_k_tile::<D, 1>(w, a, g, t, out, ldo),
+            _ => {}
+        }
+    }
+}
+
+/// One group of 8 packed K-quant rows against `T` tokens: per sub-block the rows' exact
+/// integer sums (`D::dot`), times each row's scale; the mins against Q8_K's 32-value sums;
+/// then the AVX2 kernel's float operations, half by half.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline(always)]
+unsafe fn packed_k_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let nb = w.blocks_per_row();
+    let zero = vdupq_n_s32(0);
+    let mut acc = [(vdupq_n_f32(0.0), vdupq_n_f32(0.0)); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    for b in 0..nb {
+        let (d, dmin, scales, mins, qs, qh) = match &w.data {
+            Packed::Q4K(v) => {
+                let x = &v[g * nb + b];
+                (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, None)
+            }
+            Packed::Q5K(v) => {
+                let x = &v[g * nb + b];
+                (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, Some(&x.qh))
+            }
+            _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
+        };
+        let mut isum = [(zero, zero); T];
+        for j in 0..8 {
+            let sub_qh: [u8; 32] = qh.map_or([0; 32], |h| h[32 * j..32 * (j + 1)].try_into().expect("32 bytes"));
+            let sub_qs: &[u8; 128] = qs[128 * j..128 * (j + 1)].try_into().expect("128 bytes");
+            let p = q5_sums::<D, T, 256>(&sub_qh, sub_qs, 0, &a.qs, &xrow, b, 32 * j);
+            let sc = |r: usize| i32::from(scales[8 * j + r]);
+            let sc = (vld1q_s32([sc(0), sc(1), sc(2), sc(3)].as_ptr()), vld1q_s32([sc(4), sc(5), sc(6), sc(7)].as_ptr()));
+            for t in 0..T {
+                isum[t].0 = vmlaq_s32(isum[t].0, p[t].0, sc.0);
+                isum[t].1 = vmlaq_s32(isum[t].1, p[t].1, sc.1);
+            }
+        }
+        let m = |j: usize, r: usize| i32::from(mins[16 * (j / 2) + 2 * r + j % 2]);
+        let mv: [(int32x4_t, int32x4_t); 8] = std::array::from_fn(|j| {
+            (vld1q_s32([m(j, 0), m(j, 1), m(j, 2), m(j, 3)].as_ptr()), vld1q_s32([m(j, 4), m(j, 5), m(j, 6), m(j, 7)].as_ptr()))
+        });
+        let dv = (f16x4(d.as_ptr()), f16x4(d.as_ptr().add(4)));
+        let dmv = (f16x4(dmin.as_ptr()), f16x4(dmin.as_ptr().add(4)));
+        for t in 0..T {
+            let k8 = xrow[t] + b;
+            let bs = &a.bsums[k8];
+            let mut ms = (zero, zero);
+            for (j, mj) in mv.iter().enumerate() {
+                let bj = i32::from(bs[2 * j]) + i32::from(bs[2 * j + 1]);
+                ms.0 = vmlaq_n_s32(ms.0, mj.0, bj);
+                ms.1 = vmlaq_n_s32(ms.1, mj.1, bj);
+            }
+            let dx = vdupq_n_f32(a.d[k8]);
+            let x0 = vsubq_f32(vmulq_f32(dv.0, vcvtq_f32_s32(isum[t].0)), vmulq_f32(dmv.0, vcvtq_f32_s32(ms.0)));
+            let x1 = vsubq_f32(vmulq_f32(dv.1, vcvtq_f32_s32(isum[t].1)), vmulq_f32(dmv.1, vcvtq_f32_s32(ms.1)));
+            acc[t].0 = vaddq_f32(acc[t].0, vmulq_f32(dx, x0));
+            acc[t].1 = vaddq_f32(acc[t].1, vmulq_f32(dx, x1));
+        }
+    }
+    let r0 = g * ROWS;
+    let valid = (w.rows - r0).min(ROWS);
+    for t in 0..T {
+        let idx = (t0 + t) * ldo + r0;
+        if valid == ROWS {
+            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+            vst1q_f32(out.ptr.add(idx), acc[t].0);
+            vst1q_f32(out.ptr.add(idx + 4), acc[t].1);
+        } else {
+            let mut tmp = [0.0f32; ROWS];
+            vst1q_f32(tmp.as_mut_ptr(), acc[t].0);
+            vst1q_f32(tmp.as_mut_ptr().add(4), acc[t].1);
+            for (r, &v) in tmp.iter().enumerate().take(valid) {
+                out.write(idx + r, v);
+            }
+        }
+    }
+}
+
 /// The 8 rows' integer sums `sum (q - offset) x` of one packed Q5 block against `T` tokens:
 /// each 16-byte half of a load gets its fifth bits from the matching half of `qh`
 /// (`vtst` + bit select: bit `b` of `qh`'s byte set means 16 is added).
 #[inline(always)]
-unsafe fn q5_sums<D: Dot, const T: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn q5_sums<D: Dot, const T: usize, const N: usize>(
     qh: &[u8; 32],
     qs: &[u8; 128],
     offset: u8,
-    a: &Q8Acts,
+    x: &[[i8; N]],
     xrow: &[usize; T],
     b: usize,
+    col: usize,
 ) -> [(int32x4_t, int32x4_t); T] {
     let zero = vdupq_n_s32(0);
     let (mask, sixteen, off) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x10), vdupq_n_u8(offset));
@@ -223,7 +333,7 @@ unsafe fn q5_sums<D: Dot, const T: usize>(
         let lo = (codes(vandq_u8(w0, mask), h.0, bit), codes(vandq_u8(w1, mask), h.1, bit));
         let hi = (codes(vshrq_n_u8(w0, 4), h.0, bit + 1), codes(vshrq_n_u8(w1, 4), h.1, bit + 1));
         for (t, pt) in p.iter_mut().enumerate() {
-            let xq = a.qs[xrow[t] + b].as_ptr();
+            let xq = x[xrow[t] + b].as_ptr().add(col);
             let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
             pt.0 = D::dot(D::dot(pt.0, lo.0, xl), hi.0, xh);
             pt.1 = D::dot(D::dot(pt.1, lo.1, xl), hi.1, xh);
