@@ -515,6 +515,12 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
 
 /// The four 6-bit values (minus 32) at position `l` of a 128-value half of a Q6_K block.
 #[inline]
+/// The 6-bit code (0..64, before the offset of 32) of value `v` of a Q6_K block.
+pub fn q6k_code(b: &BlockQ6K, v: usize) -> u8 {
+    let (n, g, l) = (v / 128, (v % 128) / 32, v % 32);
+    (q6_values(&b.ql[64 * n..], &b.qh[32 * n..], l)[g] + 32) as u8
+}
+
 fn q6_values(ql: &[u8], qh: &[u8], l: usize) -> [i8; 4] {
     let h = qh[l];
     [

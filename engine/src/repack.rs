@@ -85,7 +85,9 @@ pub struct BlockQ4Kx8 {
 const _: () = assert!(std::mem::size_of::<BlockQ4Kx8>() == 1184);
 
 /// 8 rows x 256 columns of Q5_K: [`BlockQ4Kx8`] with each sub-block's fifth bits laid out as
-/// a [`BlockQ5x8`]'s `qh` at `qh[32 j ..]`. 5.625 bits a weight (the file's 5.5).
+/// a [`BlockQ5x8`]'s `qh` right after its nibbles: sub-block `j` is `q[160 j ..]`, 128 bytes
+/// of nibbles then 32 of fifth bits (one forward stream, as decode reads it best; see
+/// [`BlockQ6Kx8`]). 5.625 bits a weight (the file's 5.5).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct BlockQ5Kx8 {
@@ -93,12 +95,37 @@ pub struct BlockQ5Kx8 {
     pub dmin: [f16; ROWS],
     pub scales: [u8; 64],
     pub mins: [u8; 64],
-    pub qh: [u8; QK_K],
-    pub qs: [u8; QK_K * ROWS / 2],
+    pub q: [u8; 160 * 8],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ5Kx8>() == 1440);
 
-/// Row `lane` of a K-quant block (`KBlock`) into the packed fields of an 8-row block.
+/// 8 rows x 256 columns of Q6_K (`w = d sc_s (q - 32)`, 16 sub-blocks `s` of 16, 6-bit codes):
+/// per 32 columns `j`, 192 bytes at `q[192 j ..]`: the low 4 bits as a [`BlockQ4x8`]'s `qs`
+/// (the low nibbles are sub-block `2 j`, the high ones `2 j + 1`), then the top 2 bits at
+/// `128 + 32 (k / 2) + p`: bits `2 c, 2 c + 1` with `c = 2 (k % 2) + h` belong to byte `p` of
+/// load `k`'s low (`h = 0`) or high nibbles. One forward stream: with the top bits in a plane
+/// of their own, decode read at two thirds of the bandwidth. `scales[8 s + r]` is row `r`'s
+/// scale of sub-block `s`. 6.5625 bits a weight, as in the file.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ6Kx8 {
+    pub d: [f16; ROWS],
+    pub scales: [i8; 128],
+    pub q: [u8; QK_K * ROWS * 3 / 4],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ6Kx8>() == 1680);
+
+/// The 6-bit code (0..64) of column `c` (0..256) of row `lane` in a packed Q6_K block.
+pub fn q6k_code(blk: &BlockQ6Kx8, lane: usize, c: usize) -> u8 {
+    let (j, half, k, i) = (c / 32, (c % 32) / 16, (c % 16) / 4, c % 4);
+    let q = blk.q[192 * j + 32 * k + 4 * lane + i];
+    let low = if half == 0 { q & 0xF } else { q >> 4 };
+    let sh = 2 * (2 * (k % 2) + half);
+    low | ((blk.q[192 * j + 128 + 32 * (k / 2) + 4 * lane + i] >> sh) & 3) << 4
+}
+
+/// Row `lane` of a K-quant block (`KBlock`) into the packed fields of an 8-row block: sub-block
+/// `j`'s nibbles at `q[stride j ..]`, and with a stride of 160 its fifth bits after them.
 #[allow(clippy::too_many_arguments)]
 fn put_k<B: KBlock>(
     blk: &B,
@@ -107,8 +134,8 @@ fn put_k<B: KBlock>(
     dmin: &mut [f16; ROWS],
     scales: &mut [u8; 64],
     mins: &mut [u8; 64],
-    qs: &mut [u8; QK_K * ROWS / 2],
-    mut qh: Option<&mut [u8; QK_K]>,
+    q: &mut [u8],
+    stride: usize,
 ) {
     d[lane] = blk.d();
     dmin[lane] = blk.dmin();
@@ -117,11 +144,11 @@ fn put_k<B: KBlock>(
         scales[8 * j + lane] = sc;
         mins[16 * (j / 2) + 2 * lane + j % 2] = m;
         let codes: [u8; QK] = std::array::from_fn(|l| blk.code(j / 2, j % 2, l));
-        let sub_qs: &mut [u8; QK * ROWS / 2] = (&mut qs[128 * j..128 * (j + 1)]).try_into().expect("128 bytes");
+        let sub_qs: &mut [u8; QK * ROWS / 2] = (&mut q[stride * j..stride * j + 128]).try_into().expect("128 bytes");
         let mut sub_qh = [0u8; QK];
         put_q5(&mut sub_qh, sub_qs, lane, &codes);
-        if let Some(qh) = qh.as_deref_mut() {
-            for (o, h) in qh[32 * j..32 * (j + 1)].iter_mut().zip(sub_qh) {
+        if stride > 128 {
+            for (o, h) in q[stride * j + 128..stride * j + 160].iter_mut().zip(sub_qh) {
                 *o |= h;
             }
         }
@@ -158,6 +185,7 @@ pub enum Packed {
     /// Super-blocks of 256 columns (activations: Q8_K).
     Q4K(Blocks<BlockQ4Kx8>),
     Q5K(Blocks<BlockQ5Kx8>),
+    Q6K(Blocks<BlockQ6Kx8>),
 }
 
 /// Where packed blocks live: the heap (packed at load), or memory someone else owns, such as
@@ -207,7 +235,7 @@ impl PackedWeight {
     /// Blocks per row: of 32 columns, or of 256 for the K-quants.
     pub fn blocks_per_row(&self) -> usize {
         match self.data {
-            Packed::Q4K(_) | Packed::Q5K(_) => self.cols / QK_K,
+            Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => self.cols / QK_K,
             _ => self.cols / QK,
         }
     }
@@ -224,6 +252,7 @@ impl PackedWeight {
             Packed::Q8(v) => bytemuck::cast_slice(v),
             Packed::Q4K(v) => bytemuck::cast_slice(v),
             Packed::Q5K(v) => bytemuck::cast_slice(v),
+            Packed::Q6K(v) => bytemuck::cast_slice(v),
         }
     }
 
@@ -237,6 +266,7 @@ impl PackedWeight {
             GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
             GgmlType::Q4K => Some(rows.div_ceil(ROWS) * (cols / QK_K) * std::mem::size_of::<BlockQ4Kx8>()),
             GgmlType::Q5K => Some(rows.div_ceil(ROWS) * (cols / QK_K) * std::mem::size_of::<BlockQ5Kx8>()),
+            GgmlType::Q6K => Some(rows.div_ceil(ROWS) * (cols / QK_K) * std::mem::size_of::<BlockQ6Kx8>()),
             _ => None,
         }
     }
@@ -261,6 +291,7 @@ impl PackedWeight {
             GgmlType::Q5_1 => Packed::Q5M(cast(bytes)?),
             GgmlType::Q4K => Packed::Q4K(cast(bytes)?),
             GgmlType::Q5K => Packed::Q5K(cast(bytes)?),
+            GgmlType::Q6K => Packed::Q6K(cast(bytes)?),
             _ => Packed::Q8(cast(bytes)?),
         };
         Some(Self { rows, cols, data })
@@ -339,7 +370,7 @@ impl PackedWeight {
                     let (g, lane) = (r / ROWS, r % ROWS);
                     for (b, blk) in blocks::<crate::quant::BlockQ4K>(row).iter().enumerate() {
                         let o = &mut out[g * nk + b];
-                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.qs, None);
+                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.qs, 128);
                     }
                 }
                 Packed::Q4K(Blocks::Owned(out))
@@ -352,10 +383,32 @@ impl PackedWeight {
                     let (g, lane) = (r / ROWS, r % ROWS);
                     for (b, blk) in blocks::<crate::quant::BlockQ5K>(row).iter().enumerate() {
                         let o = &mut out[g * nk + b];
-                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.qs, Some(&mut o.qh));
+                        put_k(blk, lane, &mut o.d, &mut o.dmin, &mut o.scales, &mut o.mins, &mut o.q, 160);
                     }
                 }
                 Packed::Q5K(Blocks::Owned(out))
+            }
+            GgmlType::Q6K => {
+                let nk = cols / QK_K;
+                let mut out = vec![BlockQ6Kx8::zeroed(); groups * nk];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ6K>(row).iter().enumerate() {
+                        let o = &mut out[g * nk + b];
+                        o.d[lane] = blk.d;
+                        for s in 0..16 {
+                            o.scales[8 * s + lane] = blk.scales[s];
+                        }
+                        for c in 0..QK_K {
+                            let q = crate::quant::q6k_code(blk, c);
+                            let (j, half, k, i) = (c / 32, (c % 32) / 16, (c % 16) / 4, c % 4);
+                            o.q[192 * j + 32 * k + 4 * lane + i] |= (q & 0xF) << (4 * half);
+                            o.q[192 * j + 128 + 32 * (k / 2) + 4 * lane + i] |= (q >> 4) << (2 * (2 * (k % 2) + half));
+                        }
+                    }
+                }
+                Packed::Q6K(Blocks::Owned(out))
             }
             _ => return None,
         };

@@ -122,7 +122,7 @@ macro_rules! packed_kernels {
                         }
                     }
                 }
-                Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
+                Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
                 Packed::Q5M(v) => {
                     // Codes 0..32 (Q5_1) with Q4_1's offset term `m * s_x`.
                     let blks = &v[g * nb..(g + 1) * nb];
@@ -200,7 +200,7 @@ packed_kernels!(
 /// `madd`s a block against pairs of Q8_K's 32-value sums. The same integers as
 /// `quant::dot_k4_ref`, the same float operations lane by lane: the row kernels' bits.
 macro_rules! packed_k_kernels {
-    ($all:ident, $tile:ident, $feat:literal, $madd:ident, $q5codes:ident) => {
+    ($all:ident, $tile:ident, $q6k:ident, $feat:literal, $madd:ident, $q5codes:ident) => {
         /// # Safety
         /// Needs the kernel's features.
         #[target_feature(enable = $feat)]
@@ -230,14 +230,24 @@ macro_rules! packed_k_kernels {
             let mut acc = [_mm256_setzero_ps(); T];
             let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
             for b in 0..nb {
-                let (d, dmin, scales, mins, qs, qh) = match &w.data {
+                if let Packed::Q6K(v) = &w.data {
+                    prefetch_next(v, g * nb + b + 1);
+                    $q6k(&v[g * nb + b], a, &xrow, b, &mut acc);
+                    continue;
+                }
+                match &w.data {
+                    Packed::Q4K(v) => prefetch_next(v, g * nb + b + 1),
+                    Packed::Q5K(v) => prefetch_next(v, g * nb + b + 1),
+                    _ => {}
+                }
+                let (d, dmin, scales, mins, q, stride) = match &w.data {
                     Packed::Q4K(v) => {
                         let x = &v[g * nb + b];
-                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, None)
+                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs[..], 128)
                     }
                     Packed::Q5K(v) => {
                         let x = &v[g * nb + b];
-                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, Some(&x.qh))
+                        (&x.d, &x.dmin, &x.scales, &x.mins, &x.q[..], 160)
                     }
                     _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
                 };
@@ -246,11 +256,11 @@ macro_rules! packed_k_kernels {
                     // Row r's scale in both i16 of i32 lane r.
                     let sc8 = _mm_loadl_epi64(scales.as_ptr().add(8 * j).cast());
                     let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
-                    let h = qh.map(|qh| _mm256_loadu_si256(qh.as_ptr().add(32 * j).cast()));
+                    let h = (stride > 128).then(|| _mm256_loadu_si256(q.as_ptr().add(stride * j + 128).cast()));
                     let mut lo = [_mm256_setzero_si256(); 4];
                     let mut hi = [_mm256_setzero_si256(); 4];
                     for k in 0..4 {
-                        let wv = _mm256_loadu_si256(qs.as_ptr().add(128 * j + 32 * k).cast());
+                        let wv = _mm256_loadu_si256(q.as_ptr().add(stride * j + 32 * k).cast());
                         lo[k] = _mm256_and_si256(wv, mask);
                         hi[k] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
                         if let Some(h) = h {
@@ -310,11 +320,97 @@ macro_rules! packed_k_kernels {
                 }
             }
         }
+
+        /// One packed Q6_K block of 8 rows against `T` tokens, added into `acc`: per 16-value
+        /// sub-block the rows' sums of code x activation (codes 0..64: two loads' products
+        /// <= 4 * 63 * 128 < 2^15 in i16) times their scales in a `madd`; the codes' offset of 32
+        /// off once a block as 32 x the scales times Q8_K's 16-value sums (as the row kernel).
+        #[allow(clippy::needless_range_loop)]
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $q6k<const T: usize>(x: &crate::repack::BlockQ6Kx8, a: &Q8KActs, xrow: &[usize; T], b: usize, acc: &mut [__m256; T]) {
+            let m4 = _mm256_set1_epi8(0x0F);
+            // Row r's scale of sub-block s in both i16 of i32 lane r; and (s, s + 1) pairs.
+            let sc8: [__m128i; 16] = std::array::from_fn(|s| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast()));
+            let mut isum = [_mm256_setzero_si256(); T];
+            for j in 0..8 {
+                let sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j], sc8[2 * j]));
+                let sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j + 1], sc8[2 * j + 1]));
+                let h = [
+                    _mm256_loadu_si256(x.q.as_ptr().add(192 * j + 128).cast()),
+                    _mm256_loadu_si256(x.q.as_ptr().add(192 * j + 160).cast()),
+                ];
+                // Bits 2c, 2c + 1 of h moved to bits 4-5 (masked first: nothing crosses a byte).
+                let top = |h: __m256i, c: i32| {
+                    let v = _mm256_and_si256(h, _mm256_set1_epi8(3 << (2 * c)));
+                    match c {
+                        0 => _mm256_slli_epi16(v, 4),
+                        1 => _mm256_slli_epi16(v, 2),
+                        2 => v,
+                        _ => _mm256_srli_epi16(v, 2),
+                    }
+                };
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for k in 0..4 {
+                    let wv = _mm256_loadu_si256(x.q.as_ptr().add(192 * j + 32 * k).cast());
+                    let c = 2 * (k as i32 % 2);
+                    lo[k] = _mm256_or_si256(_mm256_and_si256(wv, m4), top(h[k / 2], c));
+                    hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), m4), top(h[k / 2], c + 1));
+                }
+                for t in 0..T {
+                    let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                    let two = |v: &[__m256i; 4], k: usize, at: usize| {
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(v[k], bcast4(xq.add(at + 4 * k))),
+                            _mm256_maddubs_epi16(v[k + 1], bcast4(xq.add(at + 4 * k + 4))),
+                        )
+                    };
+                    isum[t] = $madd(isum[t], two(&lo, 0, 0), sc_lo);
+                    isum[t] = $madd(isum[t], two(&lo, 2, 0), sc_lo);
+                    isum[t] = $madd(isum[t], two(&hi, 0, 16), sc_hi);
+                    isum[t] = $madd(isum[t], two(&hi, 2, 16), sc_hi);
+                }
+            }
+            let scp: [__m256i; 8] = std::array::from_fn(|q| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * q], sc8[2 * q + 1])));
+            let dv = _mm256_cvtph_ps(_mm_loadu_si128(x.d.as_ptr().cast()));
+            for t in 0..T {
+                let k8 = xrow[t] + b;
+                // The 16-value sums as 8 (s, s + 1) pairs, one per i32 lane.
+                let bs = _mm256_loadu_si256(a.bsums[k8].as_ptr().cast());
+                let mut off = _mm256_setzero_si256();
+                for (q, &sp) in scp.iter().enumerate() {
+                    off = _mm256_add_epi32(off, _mm256_madd_epi16(sp, _mm256_permutevar8x32_epi32(bs, _mm256_set1_epi32(q as i32))));
+                }
+                let p = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(off, 5));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), _mm256_cvtepi32_ps(p)));
+            }
+        }
     };
 }
 
-packed_k_kernels!(matmul_packed_k, packed_k_tile, "avx2,fma,f16c", madd_add, q5_codes);
-packed_k_kernels!(matmul_packed_k_vnni, packed_k_tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd, q5_codes_bw);
+packed_k_kernels!(matmul_packed_k, packed_k_tile, packed_q6k_block, "avx2,fma,f16c", madd_add, q5_codes);
+packed_k_kernels!(
+    matmul_packed_k_vnni,
+    packed_k_tile_vnni,
+    packed_q6k_block_vnni,
+    "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw",
+    madd_dpwssd,
+    q5_codes_bw
+);
+
+/// Asks for block `i` of `v` (if any) to be brought into cache: the next K-quant block is a
+/// whole 1-2 KiB that decode reads once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch_next<B>(v: &[B], i: usize) {
+    if let Some(b) = v.get(i) {
+        let p = (b as *const B).cast::<i8>();
+        for off in (0..std::mem::size_of::<B>()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(off));
+        }
+    }
+}
 
 /// Q5 codes (0..32) against 4 activation bytes each: |sum| <= 4 * 31 * 127 < 2^15 per i16
 /// lane and load, so each load's pairs go to i32 at once (over a whole block they would not fit).
@@ -749,165 +845,6 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
     }
 }
 
-/// The K-quant row kernels (Q4_K when `q4k`, else Q6_K) behind one signature, for a feature
-/// set: `$madd(acc, p, s)` adds the i16 pairs `p` times the i16 scales `s` into the i32
-/// lanes of `acc` (`madd` + `add` on AVX2; one `vpdpwssd` with VNNI).
-macro_rules! kquant_kernels {
-    ($kquant:ident, $q4k:ident, $q6k:ident, $features:literal, $madd:ident, $q5codes:ident) => {
-        /// # Safety
-        /// Needs the kernel's features; `row` whole blocks of `ty` (a K-quant); rows
-        /// `t0..t0 + T` exist in `a`.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn $kquant<const T: usize>(ty: GgmlType, row: &[u8], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-            match ty {
-                GgmlType::Q4K => $q4k::<crate::quant::BlockQ4K, T>(crate::quant::blocks(row), a, t0),
-                GgmlType::Q5K => $q4k::<crate::quant::BlockQ5K, T>(crate::quant::blocks(row), a, t0),
-                _ => $q6k::<T>(crate::quant::blocks(row), a, t0),
-            }
-        }
-
-        /// Q4_K (Q5_K) row · `T` Q8_K activation rows from `t0` (one pass over the row's
-        /// blocks: the codes and the sub-block scales are unpacked once for all `T`): the same
-        /// integer sums as `quant::dot_k4_ref` (codes times activations in `maddubs`: pairs
-        /// <= 2 * 31 * 128; times the 6-bit scales, never overflowing), combined with the same
-        /// float operations, so each result is bit for bit the reference's.
-        ///
-        /// # Safety
-        /// Needs the kernel's features; rows `t0..t0 + T` exist in `a`.
-        #[target_feature(enable = $features)]
-        unsafe fn $q4k<B: crate::quant::KBlock, const T: usize>(w: &[B], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-            let mask = _mm256_set1_epi8(0x0F);
-            let mut sum = [0.0f32; T];
-            let mut sum4 = _mm_setzero_ps();
-            for (i, b) in w.iter().enumerate() {
-                let mut acc = [_mm256_setzero_si256(); T];
-                // The 8 sub-block mins, each beside both 16-value sums of its 32 values, so
-                // that one `madd` against Q8_K's `bsums` gives sum_j m_j (bsum_2j + bsum_2j+1).
-                let mut mins16 = [0i16; 16];
-                for (j, m) in mins16.chunks_exact_mut(2).enumerate() {
-                    m.fill(i16::from(crate::quant::scale_min_k4(j, b.scales()).1));
-                }
-                let mins16 = _mm256_loadu_si256(mins16.as_ptr().cast());
-                let qh = b.qh().map(|qh| _mm256_loadu_si256(qh.as_ptr().cast()));
-                for j in 0..4 {
-                    let sc1 = crate::quant::scale_min_k4(2 * j, b.scales()).0;
-                    let sc2 = crate::quant::scale_min_k4(2 * j + 1, b.scales()).0;
-                    let (s1, s2) = (_mm256_set1_epi16(i16::from(sc1)), _mm256_set1_epi16(i16::from(sc2)));
-                    let q = _mm256_loadu_si256(b.qs().as_ptr().add(32 * j).cast());
-                    let mut lo = _mm256_and_si256(q, mask);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-                    if let Some(h) = qh {
-                        // Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of lo[l] (hi[l]).
-                        lo = $q5codes(lo, h, 2 * j as i32);
-                        hi = $q5codes(hi, h, 2 * j as i32 + 1);
-                    }
-                    for t in 0..T {
-                        let k = (t0 + t) * a.nb + i;
-                        let q8 = a.qs[k].as_ptr();
-                        // |pair sum| <= 2 * 15 * 128 < 2^15; times a scale < 64, summed in pairs: < 2^22.
-                        let plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(q8.add(64 * j).cast()));
-                        let phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(q8.add(64 * j + 32).cast()));
-                        acc[t] = $madd(acc[t], plo, s1);
-                        acc[t] = $madd(acc[t], phi, s2);
-                    }
-                }
-                let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
-                // |m bsum| <= 63 * 2048, 16 of them: < 2^21.
-                let mins: [__m256i; T] =
-                    std::array::from_fn(|t| _mm256_madd_epi16(mins16, _mm256_loadu_si256(a.bsums[(t0 + t) * a.nb + i].as_ptr().cast())));
-                if T == 4 {
-                    // The 4 tokens' sums at once, lane by lane the scalar arithmetic below.
-                    let r = hsum_i32_x8([acc[0], acc[1], acc[2], acc[3], mins[0], mins[1], mins[2], mins[3]]);
-                    let r = _mm256_cvtepi32_ps(r);
-                    let (sumi, summ) = (_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-                    let x = _mm_sub_ps(_mm_mul_ps(_mm_set1_ps(d), sumi), _mm_mul_ps(_mm_set1_ps(dmin), summ));
-                    let dx = _mm_set_ps(a.d[(t0 + 3) * a.nb + i], a.d[(t0 + 2) * a.nb + i], a.d[(t0 + 1) * a.nb + i], a.d[t0 * a.nb + i]);
-                    sum4 = _mm_add_ps(sum4, _mm_mul_ps(dx, x));
-                } else {
-                    for t in 0..T {
-                        let k = (t0 + t) * a.nb + i;
-                        sum[t] += a.d[k] * (d * hsum_i32(acc[t]) as f32 - dmin * hsum_i32(mins[t]) as f32);
-                    }
-                }
-            }
-            if T == 4 {
-                _mm_storeu_ps(sum.as_mut_ptr(), sum4);
-            }
-            sum
-        }
-
-        /// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit:
-        /// the 6-bit codes are rebuilt 32 at a time (once for all `T`), multiplied unsigned
-        /// (`maddubs`: |pair| <= 2 * 63 * 128 < 2^15) and times the signed 16-value sub-block
-        /// scales; the codes' offset of 32 comes off once a block, as 32 x the scales times
-        /// the activations' 16-value sums (Q8_K's `bsums`): the same integer, three vector
-        /// operations fewer per 32 codes and token.
-        ///
-        /// # Safety
-        /// Needs the kernel's features; rows `t0..t0 + T` exist in `a`.
-        #[target_feature(enable = $features)]
-        unsafe fn $q6k<const T: usize>(w: &[crate::quant::BlockQ6K], a: &crate::quant::Q8KActs, t0: usize) -> [f32; T] {
-            let m4 = _mm256_set1_epi8(0x0F);
-            let m2 = _mm256_set1_epi8(0x03);
-            let mut sum = [0.0f32; T];
-            let mut sum4 = _mm_setzero_ps();
-            for (i, b) in w.iter().enumerate() {
-                let mut acc = [_mm256_setzero_si256(); T];
-                let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.scales.as_ptr().cast()));
-                for n in 0..2 {
-                    let ql0 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n).cast());
-                    let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * n + 32).cast());
-                    let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * n).cast());
-                    // Bits 0-1, 2-3, 4-5 and 6-7 of qh, moved to bits 4-5 of each byte.
-                    let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4);
-                    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4);
-                    let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4);
-                    let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4);
-                    let q = [
-                        _mm256_or_si256(_mm256_and_si256(ql0, m4), h0),
-                        _mm256_or_si256(_mm256_and_si256(ql1, m4), h1),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h2),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3),
-                    ];
-                    for (g, &qg) in q.iter().enumerate() {
-                        let s0 = i16::from(b.scales[8 * n + 2 * g]);
-                        let s1 = i16::from(b.scales[8 * n + 2 * g + 1]);
-                        let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                        for (t, acc) in acc.iter_mut().enumerate() {
-                            let x = _mm256_loadu_si256(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g).cast());
-                            *acc = $madd(*acc, _mm256_maddubs_epi16(qg, x), sc);
-                        }
-                    }
-                }
-                let d = b.d.to_f32();
-                // 32 x sum_j scale_j x bsum_j: |.| <= 32 * 16 * 128 * 2048 < 2^31.
-                let offs: [__m256i; T] =
-                    std::array::from_fn(|t| _mm256_madd_epi16(scales16, _mm256_loadu_si256(a.bsums[(t0 + t) * a.nb + i].as_ptr().cast())));
-                if T == 4 {
-                    // The 4 tokens' sums at once, lane by lane the scalar arithmetic below.
-                    let r = hsum_i32_x8([acc[0], acc[1], acc[2], acc[3], offs[0], offs[1], offs[2], offs[3]]);
-                    let (sumi, off) = (_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-                    let x = _mm_cvtepi32_ps(_mm_sub_epi32(sumi, _mm_slli_epi32(off, 5)));
-                    let dx = _mm_set_ps(a.d[(t0 + 3) * a.nb + i], a.d[(t0 + 2) * a.nb + i], a.d[(t0 + 1) * a.nb + i], a.d[t0 * a.nb + i]);
-                    sum4 = _mm_add_ps(sum4, _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), dx), x));
-                } else {
-                    for t in 0..T {
-                        let k = (t0 + t) * a.nb + i;
-                        sum[t] += d * a.d[k] * (hsum_i32(acc[t]) - 32 * hsum_i32(offs[t])) as f32;
-                    }
-                }
-            }
-            if T == 4 {
-                _mm_storeu_ps(sum.as_mut_ptr(), sum4);
-            }
-            sum
-        }
-    };
-}
-
-kquant_kernels!(dot_kquant, dot_q4k, dot_q6k, "avx2,fma,f16c", madd_add, q5_codes);
-kquant_kernels!(dot_kquant_vnni, dot_q4k_vnni, dot_q6k_vnni, "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw", madd_dpwssd, q5_codes_bw);
-
 /// `acc + madd(p, s)`: i16 pairs times i16 scales, summed in pairs into the i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -920,26 +857,6 @@ unsafe fn madd_add(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 unsafe fn madd_dpwssd(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
     _mm256_dpwssd_epi32(acc, p, s)
-}
-
-/// The 8 vectors' horizontal sums, `v[i]`'s in lane `i` (integer sums: any order is exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32_x8(v: [__m256i; 8]) -> __m256i {
-    let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    // a's low half holds v0-v3's sums over their low 128 bits, its high half over the high.
-    _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))
-}
-
-/// Sum of the eight i32 lanes (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
 }
 
 /// Eight weights of a float row (F32, F16 or BF16) as f32s: exact conversions, so a row gives

@@ -86,27 +86,10 @@ impl Acts {
 pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
     debug_assert_eq!(a.cols, w.cols);
     debug_assert!(r1 <= w.rows);
-    // Types with fast kernels are repacked at load and go through `matmul_packed`; K-quants
-    // and float weights have row kernels taking 4 tokens a pass (weights unpacked or
-    // converted once for the 4).
+    // Quantized types are repacked at load and go through `matmul_packed` / `matmul_packed_k`
+    // (here they run the scalar reference); float weights have row kernels taking 4 tokens a
+    // pass (weights converted once for the 4).
     match w.ty {
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
-            if let Some((four, one)) = kquant_kernels() {
-                let ty = w.ty;
-                // SAFETY: `kquant_kernels` checked the CPU's features; `row` is one weight row
-                // of whole blocks and `by_rows` asks only for tokens that exist in `a`.
-                return by_rows(
-                    w,
-                    a.rows,
-                    out,
-                    ldo,
-                    r0,
-                    r1,
-                    |row, t| unsafe { four(ty, row, &a.q8k, t) },
-                    |row, t| unsafe { one(ty, row, &a.q8k, t) },
-                );
-            }
-        }
         #[cfg(target_arch = "x86_64")]
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 if has_avx2() => {
             let (ty, cols, x) = (w.ty, w.cols, &a.f32[..]);
@@ -146,48 +129,9 @@ pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize,
     matmul_rows_ref(w, a, out, ldo, r0, r1, a.rows);
 }
 
-/// Rows `r0..r1` of `w` against `n_tok` tokens through a row kernel taking 4 tokens a pass
-/// (`four`) and one (`one`), each given the row's bytes and the first token. Tokens go in
-/// tiles of [`TOKEN_TILE`], every row over one tile before the next: a tile's activations
-/// stay in cache while the rows stream past (all 512 tokens of f32 activations are ~1 MiB,
-/// which every row would otherwise stream again). Each output is computed as without tiles.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-fn by_rows(
-    w: &WeightView,
-    n_tok: usize,
-    out: OutPtr,
-    ldo: usize,
-    r0: usize,
-    r1: usize,
-    four: impl Fn(&[u8], usize) -> [f32; 4],
-    one: impl Fn(&[u8], usize) -> [f32; 1],
-) {
-    for t0 in (0..n_tok).step_by(TOKEN_TILE) {
-        let t1 = (t0 + TOKEN_TILE).min(n_tok);
-        for r in r0..r1 {
-            let row = w.row(r);
-            let put = |t: usize, v: &[f32]| {
-                for (j, &x) in v.iter().enumerate() {
-                    out.write((t + j) * ldo + r, x);
-                }
-            };
-            let mut t = t0;
-            while t + 4 <= t1 {
-                put(t, &four(row, t));
-                t += 4;
-            }
-            while t < t1 {
-                put(t, &one(row, t));
-                t += 1;
-            }
-        }
-    }
-}
-
-/// Tokens per tile of the row kernels (a multiple of their 4 tokens a pass): 64 tokens of a
-/// 576-wide row are 144 KiB of f32 activations (in L2), 37 KiB of Q8_K ones, where all 512
-/// of a pp512 are ~1 MiB. Measured on the F16 requantization's pp512: tiles of 16 and 64 gave
+/// Tokens per tile of the float row kernels (a multiple of their 4 tokens a pass): 64 tokens
+/// of a 576-wide row are 144 KiB of f32 activations (in L2), where all 512 of a pp512 are
+/// ~1 MiB. Measured on the F16 requantization's pp512: tiles of 16 and 64 gave
 /// 454 and 451 tok/s one after the other; with the earlier one-row kernel, tiles of 32 against
 /// none moved nothing beyond noise (290 vs 282-300). Kept for the cache footprint, not a
 /// measured gain.
@@ -205,8 +149,10 @@ fn float_elem(ty: GgmlType, row: &[u8], i: usize) -> f32 {
 }
 
 /// Float weights (F32/F16/BF16): rows in blocks of `R` against tokens in fours (`block`:
-/// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), token tiles as in
-/// [`by_rows`]; the rows left over (a thread's share of rows comes in eights, not in
+/// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), in tiles of
+/// [`TOKEN_TILE`] tokens, every row over one tile before the next (a tile's activations stay
+/// in cache while the rows stream past: all 512 tokens of f32 activations are ~1 MiB, which
+/// every row would otherwise stream again); the rows left over (a thread's share of rows comes in eights, not in
 /// multiples of `R`) a row against four tokens (`row4`: four chains, where one chain per
 /// row and token waited on each multiply-add's latency — a tenth of an F16 prefill), the
 /// tokens left over one at a time (`one`). Every output is [`dot_lanes`]'s, as the
@@ -258,32 +204,6 @@ fn float_rows<const R: usize>(
             }
         }
     }
-}
-
-/// A K-quant row (Q4_K when the flag says so, else Q6_K) against `T` Q8_K activation rows.
-type KquantFn<const T: usize> = unsafe fn(GgmlType, &[u8], &Q8KActs, usize) -> [f32; T];
-
-/// The CPU's K-quant row kernels for 4 tokens and for 1, if it has vector ones.
-fn kquant_kernels() -> Option<(KquantFn<4>, KquantFn<1>)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::simd::has_vnni() {
-            return Some((avx2::dot_kquant_vnni::<4>, avx2::dot_kquant_vnni::<1>));
-        }
-        if has_avx2() {
-            return Some((avx2::dot_kquant::<4>, avx2::dot_kquant::<1>));
-        }
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        if crate::simd::has_dotprod() {
-            return Some((neon::dot_kquant_sdot::<4>, neon::dot_kquant_sdot::<1>));
-        }
-        if crate::simd::has_neon() {
-            return Some((neon::dot_kquant::<4>, neon::dot_kquant::<1>));
-        }
-    }
-    None
 }
 
 /// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed groups `g0..g1` (rows past
@@ -358,7 +278,9 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                             let blk = &v[g * nb + b];
                             (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
                         }
-                        Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
+                        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
+                            unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)")
+                        }
                     };
                     sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
                     if let Some(m) = m {
@@ -385,13 +307,13 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
 /// A packed matrix's groups `g0..g1` against the activations its format takes.
 pub fn matmul_packed_acts(w: &PackedWeight, a: &Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     match w.data {
-        Packed::Q4K(_) | Packed::Q5K(_) => matmul_packed_k(w, &a.q8k, out, ldo, g0, g1),
+        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => matmul_packed_k(w, &a.q8k, out, ldo, g0, g1),
         _ => matmul_packed(w, &a.q8, out, ldo, g0, g1),
     }
 }
 
 /// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed K-quant groups `g0..g1`
-/// (Q4_K, Q5_K: Q8_K activations), as [`matmul_packed`] does for the 32-column formats.
+/// (Q4_K, Q5_K, Q6_K: Q8_K activations), as [`matmul_packed`] does for the 32-column formats.
 pub fn matmul_packed_k(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
     #[cfg(target_arch = "x86_64")]
@@ -436,24 +358,38 @@ pub fn matmul_packed_k_ref(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usiz
                 let mut sum = 0.0f32;
                 for b in 0..nb {
                     let k = t * nb + b;
-                    let (d, dmin, scales, mins, qs, qh) = match &w.data {
+                    if let Packed::Q6K(v) = &w.data {
+                        // As `quant::dot_q6k_ref`: per 16-value sub-block the sum of
+                        // `(q - 32) x`, times its scale; then `d d_x` times the integer.
+                        let x = &v[g * nb + b];
+                        let mut sumi = 0i32;
+                        for s in 0..16 {
+                            let sub: i32 = (16 * s..16 * (s + 1))
+                                .map(|c| (i32::from(crate::repack::q6k_code(x, lane, c)) - 32) * i32::from(a.qs[k][c]))
+                                .sum();
+                            sumi += i32::from(x.scales[8 * s + lane]) * sub;
+                        }
+                        sum += x.d[lane].to_f32() * a.d[k] * sumi as f32;
+                        continue;
+                    }
+                    let (d, dmin, scales, mins, q, stride) = match &w.data {
                         Packed::Q4K(v) => {
                             let x = &v[g * nb + b];
-                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs, None)
+                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs[..], 128)
                         }
                         Packed::Q5K(v) => {
                             let x = &v[g * nb + b];
-                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs, Some(&x.qh))
+                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.q[..], 160)
                         }
                         _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
                     };
                     let (mut sumi, mut sumi_mins) = (0i32, 0i32);
                     for j in 0..8 {
-                        let sub_qs: &[u8; 128] = qs[128 * j..128 * (j + 1)].try_into().expect("128 bytes");
-                        let none = [0u8; 32];
-                        let sub_qh: &[u8; 32] = qh.map_or(&none, |h| h[32 * j..32 * (j + 1)].try_into().expect("32 bytes"));
+                        let sub_qs: &[u8; 128] = q[stride * j..stride * j + 128].try_into().expect("128 bytes");
+                        let sub_qh: [u8; 32] =
+                            if stride > 128 { q[stride * j + 128..stride * j + 160].try_into().expect("32 bytes") } else { [0; 32] };
                         let xq: &[i8; 32] = a.qs[k][32 * j..32 * (j + 1)].try_into().expect("32 bytes");
-                        sumi += i32::from(scales[8 * j + lane]) * q5_lane_sum(sub_qh, sub_qs, lane, xq, 0);
+                        sumi += i32::from(scales[8 * j + lane]) * q5_lane_sum(&sub_qh, sub_qs, lane, xq, 0);
                         let m = mins[16 * (j / 2) + 2 * lane + j % 2];
                         sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * j]) + i32::from(a.bsums[k][2 * j + 1]));
                     }
@@ -908,28 +844,24 @@ mod tests {
         }
     }
 
-    /// The K-quant row kernels give the scalar references' results bit for bit.
+    /// The K-quants packed in groups of 8 rows give the row-major scalar references' results
+    /// (llama.cpp's arithmetic, `quant::dot_k4_ref` / `dot_q6k_ref`) bit for bit: from the kernel
+    /// in use, the packed layout's own reference, and (where both run) VNNI and AVX2 alike; over
+    /// partial groups and 1, 3 and 9 tokens (tiles of 4 and the rest).
     #[test]
     fn k_quant_kernels_equal_the_references() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
         for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
-            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3), (4, 512, 9)] {
+            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3), (4, 512, 9), (16, 256, 4)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
                 let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
                 let mut a = Acts::default();
                 a.prepare(&x, toks, cols, &[w.act_kind()], &ThreadPool::new(1));
-                let (mut fast, mut slow) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
-                matmul_rows(&w, &a, OutPtr::new(&mut fast), rows, 0, rows);
+                let mut slow = vec![f32::NAN; toks * rows];
                 matmul_rows_ref(&w, &a, OutPtr::new(&mut slow), rows, 0, rows, toks);
-                assert!(
-                    fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
-                    "{ty:?} {rows}x{cols}x{toks}: {fast:?} vs {slow:?}"
-                );
-                // Q4_K and Q5_K packed in groups of 8 rows: the row reference's bits too, from
-                // the kernel in use, the packed layout's reference, and (where both run) VNNI
-                // and AVX2 alike.
-                if let Some(p) = PackedWeight::pack(ty, rows, cols, &data) {
+                {
+                    let p = PackedWeight::pack(ty, rows, cols, &data).expect("K-quants pack");
                     let mut outs = vec![vec![f32::NAN; toks * rows]; 2];
                     matmul_packed_k(&p, &a.q8k, OutPtr::new(&mut outs[0]), rows, 0, p.groups());
                     matmul_packed_k_ref(&p, &a.q8k, OutPtr::new(&mut outs[1]), rows, 0, p.groups());
@@ -946,8 +878,6 @@ mod tests {
                             "{ty:?} {rows}x{cols}x{toks} packed ({i}): {o:?} vs {slow:?}"
                         );
                     }
-                } else {
-                    assert_eq!(ty, GgmlType::Q6K, "Q4_K and Q5_K are packed");
                 }
             }
         }

@@ -11,7 +11,7 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::{KvRows, OutPtr};
-use crate::quant::{BlockQ4K, BlockQ5K, BlockQ6K, GgmlType, KBlock, Q8Acts, Q8KActs};
+use crate::quant::{Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
 /// How four-byte dot products accumulate into i32 lanes: lane `i` of the result adds
@@ -153,7 +153,7 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
                 }
             }
         }
-        Packed::Q4K(_) | Packed::Q5K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
+        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
         Packed::Q5(v) => {
             // The codes less 16 are signed bytes: `sum((q - 16) x)` directly.
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
@@ -239,21 +239,25 @@ unsafe fn packed_k_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8KActs, g
     let mut acc = [(vdupq_n_f32(0.0), vdupq_n_f32(0.0)); T];
     let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
     for b in 0..nb {
-        let (d, dmin, scales, mins, qs, qh) = match &w.data {
+        if let Packed::Q6K(v) = &w.data {
+            packed_q6k_block::<D, T>(&v[g * nb + b], a, &xrow, b, &mut acc);
+            continue;
+        }
+        let (d, dmin, scales, mins, q, stride) = match &w.data {
             Packed::Q4K(v) => {
                 let x = &v[g * nb + b];
-                (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, None)
+                (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs[..], 128)
             }
             Packed::Q5K(v) => {
                 let x = &v[g * nb + b];
-                (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs, Some(&x.qh))
+                (&x.d, &x.dmin, &x.scales, &x.mins, &x.q[..], 160)
             }
             _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
         };
         let mut isum = [(zero, zero); T];
         for j in 0..8 {
-            let sub_qh: [u8; 32] = qh.map_or([0; 32], |h| h[32 * j..32 * (j + 1)].try_into().expect("32 bytes"));
-            let sub_qs: &[u8; 128] = qs[128 * j..128 * (j + 1)].try_into().expect("128 bytes");
+            let sub_qh: [u8; 32] = if stride > 128 { q[stride * j + 128..stride * j + 160].try_into().expect("32 bytes") } else { [0; 32] };
+            let sub_qs: &[u8; 128] = q[stride * j..stride * j + 128].try_into().expect("128 bytes");
             let p = q5_sums::<D, T, 256>(&sub_qh, sub_qs, 0, &a.qs, &xrow, b, 32 * j);
             let sc = |r: usize| i32::from(scales[8 * j + r]);
             let sc = (vld1q_s32([sc(0), sc(1), sc(2), sc(3)].as_ptr()), vld1q_s32([sc(4), sc(5), sc(6), sc(7)].as_ptr()));
@@ -301,6 +305,57 @@ unsafe fn packed_k_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8KActs, g
                 out.write(idx + r, v);
             }
         }
+    }
+}
+
+/// One packed Q6_K block of 8 rows against `T` tokens, added into `acc`: the codes less 32
+/// as signed bytes, per 16-value sub-block the rows' exact sums times their scales, then
+/// `d d_x` times the integer (the AVX2 kernel's float operations).
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn packed_q6k_block<D: Dot, const T: usize>(
+    x: &crate::repack::BlockQ6Kx8,
+    a: &Q8KActs,
+    xrow: &[usize; T],
+    b: usize,
+    acc: &mut [(float32x4_t, float32x4_t); T],
+) {
+    let zero = vdupq_n_s32(0);
+    let (m4, m32) = (vdupq_n_u8(0x0F), vdupq_n_s8(32));
+    let mut isum = [(zero, zero); T];
+    for j in 0..8 {
+        let sc = |s: usize| {
+            let v = |r: usize| i32::from(x.scales[8 * s + r]);
+            (vld1q_s32([v(0), v(1), v(2), v(3)].as_ptr()), vld1q_s32([v(4), v(5), v(6), v(7)].as_ptr()))
+        };
+        let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+        for k in 0..4 {
+            let q = x.q.as_ptr().add(192 * j + 32 * k);
+            let hp = x.q.as_ptr().add(192 * j + 128 + 32 * (k / 2));
+            let c = 2 * (k % 2);
+            let code = |nib: uint8x16_t, h: uint8x16_t, c: usize| {
+                let top = vandq_u8(vshlq_u8(h, vdupq_n_s8(4 - 2 * c as i8)), vdupq_n_u8(0x30));
+                vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nib, top)), m32)
+            };
+            let (w0, w1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
+            let (h0, h1) = (vld1q_u8(hp), vld1q_u8(hp.add(16)));
+            let lo = (code(vandq_u8(w0, m4), h0, c), code(vandq_u8(w1, m4), h1, c));
+            let hi = (code(vshrq_n_u8(w0, 4), h0, c + 1), code(vshrq_n_u8(w1, 4), h1, c + 1));
+            for t in 0..T {
+                let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+                let pl = (D::dot(zero, lo.0, xl), D::dot(zero, lo.1, xl));
+                let ph = (D::dot(zero, hi.0, xh), D::dot(zero, hi.1, xh));
+                isum[t].0 = vmlaq_s32(vmlaq_s32(isum[t].0, pl.0, sc_lo.0), ph.0, sc_hi.0);
+                isum[t].1 = vmlaq_s32(vmlaq_s32(isum[t].1, pl.1, sc_lo.1), ph.1, sc_hi.1);
+            }
+        }
+    }
+    let dv = (f16x4(x.d.as_ptr()), f16x4(x.d.as_ptr().add(4)));
+    for t in 0..T {
+        let dx = vdupq_n_f32(a.d[xrow[t] + b]);
+        acc[t].0 = vaddq_f32(acc[t].0, vmulq_f32(vmulq_f32(dv.0, dx), vcvtq_f32_s32(isum[t].0)));
+        acc[t].1 = vaddq_f32(acc[t].1, vmulq_f32(vmulq_f32(dv.1, dx), vcvtq_f32_s32(isum[t].1)));
     }
 }
 
@@ -357,122 +412,6 @@ unsafe fn q8_sums<D: Dot, const T: usize>(qs: &[i8; 256], a: &Q8Acts, xrow: &[us
     }
     p
 }
-
-/// Q4_K (Q5_K) row · `T` Q8_K activation rows from `t0`, as `quant::dot_k4_ref` bit for bit
-/// (the integer sums are exact; the floats combine as the reference does).
-///
-/// # Safety
-/// Needs NEON (and the dot-product extension when `D` is [`Sdot`]); rows `t0..t0 + T` exist.
-#[inline(always)]
-unsafe fn dot_q4k<B: KBlock, D: Dot, const T: usize>(w: &[B], a: &Q8KActs, t0: usize) -> [f32; T] {
-    let mask = vdupq_n_u8(0x0F);
-    let sixteen = vdupq_n_u8(0x10);
-    let mut sum = [0.0f32; T];
-    for (i, b) in w.iter().enumerate() {
-        let mut acc = [vdupq_n_s32(0); T];
-        let mut mins = [0i32; T];
-        for j in 0..4 {
-            let (sc1, m1) = crate::quant::scale_min_k4(2 * j, b.scales());
-            let (sc2, m2) = crate::quant::scale_min_k4(2 * j + 1, b.scales());
-            let q = b.qs().as_ptr().add(32 * j);
-            let (q0, q1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
-            let (mut lo, mut hi) = ((vandq_u8(q0, mask), vandq_u8(q1, mask)), (vshrq_n_u8(q0, 4), vshrq_n_u8(q1, 4)));
-            if let Some(qh) = b.qh() {
-                // Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of lo[l] (hi[l]).
-                let h = (vld1q_u8(qh.as_ptr()), vld1q_u8(qh.as_ptr().add(16)));
-                let put = |v: uint8x16_t, h: uint8x16_t, bit: usize| vorrq_u8(v, vandq_u8(vtstq_u8(h, vdupq_n_u8(1 << bit)), sixteen));
-                lo = (put(lo.0, h.0, 2 * j), put(lo.1, h.1, 2 * j));
-                hi = (put(hi.0, h.0, 2 * j + 1), put(hi.1, h.1, 2 * j + 1));
-            }
-            let lo = (vreinterpretq_s8_u8(lo.0), vreinterpretq_s8_u8(lo.1));
-            let hi = (vreinterpretq_s8_u8(hi.0), vreinterpretq_s8_u8(hi.1));
-            for t in 0..T {
-                let k = (t0 + t) * a.nb + i;
-                let x = a.qs[k].as_ptr().add(64 * j);
-                let zero = vdupq_n_s32(0);
-                let sl = D::dot(D::dot(zero, lo.0, vld1q_s8(x)), lo.1, vld1q_s8(x.add(16)));
-                let sh = D::dot(D::dot(zero, hi.0, vld1q_s8(x.add(32))), hi.1, vld1q_s8(x.add(48)));
-                acc[t] = vmlaq_n_s32(vmlaq_n_s32(acc[t], sl, i32::from(sc1)), sh, i32::from(sc2));
-                let bs = &a.bsums[k];
-                mins[t] += i32::from(m1) * (i32::from(bs[4 * j]) + i32::from(bs[4 * j + 1]));
-                mins[t] += i32::from(m2) * (i32::from(bs[4 * j + 2]) + i32::from(bs[4 * j + 3]));
-            }
-        }
-        let (d, dmin) = (b.d().to_f32(), b.dmin().to_f32());
-        for t in 0..T {
-            let k = (t0 + t) * a.nb + i;
-            sum[t] += a.d[k] * (d * vaddvq_s32(acc[t]) as f32 - dmin * mins[t] as f32);
-        }
-    }
-    sum
-}
-
-/// Q6_K row · `T` Q8_K activation rows from `t0`, as `quant::dot_q6k_ref` bit for bit: the
-/// 6-bit codes rebuilt 16 at a time (once for all `T`), less 32 (signed bytes), dotted with the
-/// activations and scaled by their 16-value sub-block's scale.
-///
-/// # Safety
-/// As [`dot_q4k`].
-#[inline(always)]
-unsafe fn dot_q6k<D: Dot, const T: usize>(w: &[BlockQ6K], a: &Q8KActs, t0: usize) -> [f32; T] {
-    let m4 = vdupq_n_u8(0x0F);
-    let m2 = vdupq_n_u8(0x03);
-    let m32 = vdupq_n_s8(32);
-    let mut sum = [0.0f32; T];
-    for (i, b) in w.iter().enumerate() {
-        let mut acc = [vdupq_n_s32(0); T];
-        for n in 0..2 {
-            for h in 0..2 {
-                let ql0 = vld1q_u8(b.ql.as_ptr().add(64 * n + 16 * h));
-                let ql1 = vld1q_u8(b.ql.as_ptr().add(64 * n + 32 + 16 * h));
-                let qh = vld1q_u8(b.qh.as_ptr().add(32 * n + 16 * h));
-                let hbits = |s: i32| match s {
-                    0 => vshlq_n_u8(vandq_u8(qh, m2), 4),
-                    2 => vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 2), m2), 4),
-                    4 => vshlq_n_u8(vandq_u8(vshrq_n_u8(qh, 4), m2), 4),
-                    _ => vshlq_n_u8(vshrq_n_u8(qh, 6), 4),
-                };
-                let q = [
-                    vorrq_u8(vandq_u8(ql0, m4), hbits(0)),
-                    vorrq_u8(vandq_u8(ql1, m4), hbits(2)),
-                    vorrq_u8(vshrq_n_u8(ql0, 4), hbits(4)),
-                    vorrq_u8(vshrq_n_u8(ql1, 4), hbits(6)),
-                ]
-                .map(|v| vsubq_s8(vreinterpretq_s8_u8(v), m32));
-                for (g, &qg) in q.iter().enumerate() {
-                    let sc = i32::from(b.scales[8 * n + 2 * g + h]);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let x = vld1q_s8(a.qs[(t0 + t) * a.nb + i].as_ptr().add(128 * n + 32 * g + 16 * h));
-                        *acc = vmlaq_n_s32(*acc, D::dot(vdupq_n_s32(0), qg, x), sc);
-                    }
-                }
-            }
-        }
-        let d = b.d.to_f32();
-        for t in 0..T {
-            sum[t] += d * a.d[(t0 + t) * a.nb + i] * vaddvq_s32(acc[t]) as f32;
-        }
-    }
-    sum
-}
-
-/// The K-quant row kernels, one entry per extension, by type.
-macro_rules! k_quant_entry {
-    ($name:ident, $d:ty $(, $feat:literal)?) => {
-        /// # Safety
-        /// Needs NEON (and what the name says); rows `t0..t0 + T` exist in `a`.
-        $(#[target_feature(enable = $feat)])?
-        pub(super) unsafe fn $name<const T: usize>(ty: GgmlType, row: &[u8], a: &Q8KActs, t0: usize) -> [f32; T] {
-            match ty {
-                GgmlType::Q4K => dot_q4k::<BlockQ4K, $d, T>(crate::quant::blocks(row), a, t0),
-                GgmlType::Q5K => dot_q4k::<BlockQ5K, $d, T>(crate::quant::blocks(row), a, t0),
-                _ => dot_q6k::<$d, T>(crate::quant::blocks::<BlockQ6K>(row), a, t0),
-            }
-        }
-    };
-}
-k_quant_entry!(dot_kquant, Mull);
-k_quant_entry!(dot_kquant_sdot, Sdot, "dotprod");
 
 /// How a kernel loads row `t` of a chunk into `lanes` pairs of 4-float vectors (one pair is
 /// an AVX2 vector of 8); one implementation per format so each kernel inlines its own loads.
