@@ -1000,7 +1000,7 @@ fn matmul_cols(
             }
             let o = outp.offset(r0);
             match &m.packed {
-                Some(p) => kernels::matmul_packed_acts(p, acts, o, ldo, lo - u0, hi - u0),
+                Some(p) => kernels::matmul_packed(p, acts, o, ldo, lo - u0, hi - u0),
                 None => {
                     let rows = ((lo - u0) * repack::ROWS, ((hi - u0) * repack::ROWS).min(m.raw.rows));
                     kernels::matmul_rows(&model.view(&m.raw), acts, o, ldo, rows.0, rows.1);

@@ -232,12 +232,13 @@ impl PackedWeight {
     pub fn groups(&self) -> usize {
         self.rows.div_ceil(ROWS)
     }
+    /// Whether the blocks are K-quant super-blocks (Q8_K activations) rather than 32 columns.
+    pub fn is_k_quant(&self) -> bool {
+        matches!(self.data, Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_))
+    }
     /// Blocks per row: of 32 columns, or of 256 for the K-quants.
     pub fn blocks_per_row(&self) -> usize {
-        match self.data {
-            Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => self.cols / QK_K,
-            _ => self.cols / QK,
-        }
+        self.cols / if self.is_k_quant() { QK_K } else { QK }
     }
     pub fn bytes(&self) -> usize {
         self.as_bytes().len()

@@ -207,34 +207,43 @@ fn float_rows<const R: usize>(
 }
 
 /// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed groups `g0..g1` (rows past
-/// the matrix in the last group are not written). Threads may run disjoint group ranges at once.
-pub fn matmul_packed(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
+/// the matrix in the last group are not written), against the activations the format takes
+/// (Q8; Q8_K for the K-quants). Threads may run disjoint group ranges at once.
+pub fn matmul_packed(w: &PackedWeight, a: &Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    let k = w.is_k_quant();
+    assert_eq!(w.blocks_per_row(), if k { a.q8k.nb } else { a.q8.nb }, "activation width does not match the weight");
+    // One choice of kernel set for both families: `$q8` takes Q8 activations, `$k` Q8_K ones.
+    macro_rules! run {
+        ($q8:path, $k:path) => {{
+            if k {
+                $k(w, &a.q8k, out, ldo, g0, g1)
+            } else {
+                $q8(w, &a.q8, out, ldo, g0, g1)
+            }
+            return;
+        }};
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_vnni() {
         // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW (checked at run time).
-        unsafe { avx2::matmul_packed_vnni(w, a, out, ldo, g0, g1) };
-        return;
+        unsafe { run!(avx2::matmul_packed_vnni, avx2::matmul_packed_k_vnni) }
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
-        unsafe { avx2::matmul_packed(w, a, out, ldo, g0, g1) };
-        return;
+        unsafe { run!(avx2::matmul_packed, avx2::matmul_packed_k) }
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_dotprod() {
         // SAFETY: the CPU has NEON and the dot-product extension (checked at run time).
-        unsafe { neon::matmul_packed_sdot(w, a, out, ldo, g0, g1) };
-        return;
+        unsafe { run!(neon::matmul_packed_sdot, neon::matmul_packed_k_sdot) }
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
         // SAFETY: NEON is in use (checked at run time).
-        unsafe { neon::matmul_packed(w, a, out, ldo, g0, g1) };
-        return;
+        unsafe { run!(neon::matmul_packed, neon::matmul_packed_k) }
     }
-    matmul_packed_ref(w, a, out, ldo, g0, g1);
+    run!(matmul_packed_ref, matmul_packed_k_ref)
 }
 
 /// Scalar reference for [`matmul_packed`], reading the packed layout directly. It does the
@@ -304,46 +313,7 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
     s
 }
 
-/// A packed matrix's groups `g0..g1` against the activations its format takes.
-pub fn matmul_packed_acts(w: &PackedWeight, a: &Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    match w.data {
-        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => matmul_packed_k(w, &a.q8k, out, ldo, g0, g1),
-        _ => matmul_packed(w, &a.q8, out, ldo, g0, g1),
-    }
-}
-
-/// Computes `out[t * ldo + r] = W[r] · a[t]` for the rows of packed K-quant groups `g0..g1`
-/// (Q4_K, Q5_K, Q6_K: Q8_K activations), as [`matmul_packed`] does for the 32-column formats.
-pub fn matmul_packed_k(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    assert_eq!(w.blocks_per_row(), a.nb, "activation width does not match the weight");
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_vnni() {
-        // SAFETY: the CPU has AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW (checked at run time).
-        unsafe { avx2::matmul_packed_k_vnni(w, a, out, ldo, g0, g1) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
-        unsafe { avx2::matmul_packed_k(w, a, out, ldo, g0, g1) };
-        return;
-    }
-    #[cfg(target_arch = "aarch64")]
-    if crate::simd::has_dotprod() {
-        // SAFETY: the CPU has NEON and the dot-product extension (checked at run time).
-        unsafe { neon::matmul_packed_k_sdot(w, a, out, ldo, g0, g1) };
-        return;
-    }
-    #[cfg(target_arch = "aarch64")]
-    if crate::simd::has_neon() {
-        // SAFETY: NEON is in use (checked at run time).
-        unsafe { neon::matmul_packed_k(w, a, out, ldo, g0, g1) };
-        return;
-    }
-    matmul_packed_k_ref(w, a, out, ldo, g0, g1);
-}
-
-/// Scalar reference for [`matmul_packed_k`], reading the packed layout: per row and block the
+/// Scalar reference for [`matmul_packed`] over the K-quants, reading the packed layout: per row and block the
 /// integer sums of [`quant::dot_k4_ref`] and its float operations, so the packed kernels give
 /// the row kernels' bits.
 pub fn matmul_packed_k_ref(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
@@ -828,7 +798,7 @@ mod tests {
                     );
                 }
                 let (mut fast, mut slow) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
-                matmul_packed(&p, &a.q8, OutPtr::new(&mut fast), rows, 0, p.groups());
+                matmul_packed(&p, &a, OutPtr::new(&mut fast), rows, 0, p.groups());
                 matmul_packed_ref(&p, &a.q8, OutPtr::new(&mut slow), rows, 0, p.groups());
                 // The kernel in use (AVX2, VNNI, NEON or the scalar one) gives the reference's bits.
                 assert!(
@@ -863,7 +833,7 @@ mod tests {
                 {
                     let p = PackedWeight::pack(ty, rows, cols, &data).expect("K-quants pack");
                     let mut outs = vec![vec![f32::NAN; toks * rows]; 2];
-                    matmul_packed_k(&p, &a.q8k, OutPtr::new(&mut outs[0]), rows, 0, p.groups());
+                    matmul_packed(&p, &a, OutPtr::new(&mut outs[0]), rows, 0, p.groups());
                     matmul_packed_k_ref(&p, &a.q8k, OutPtr::new(&mut outs[1]), rows, 0, p.groups());
                     #[cfg(target_arch = "x86_64")]
                     if crate::simd::has_vnni() {
