@@ -122,7 +122,9 @@ macro_rules! packed_kernels {
                         }
                     }
                 }
-                Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
+                Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
+                    unreachable!("K-quant groups take Q8_K activations: matmul_packed sends them to the K kernels")
+                }
                 Packed::Q5M(v) => {
                     // Codes 0..32 (Q5_1) with Q4_1's offset term `m * s_x`.
                     let blks = &v[g * nb..(g + 1) * nb];
@@ -139,22 +141,7 @@ macro_rules! packed_kernels {
                     }
                 }
             }
-            let r0 = g * ROWS;
-            let valid = (w.rows - r0).min(ROWS);
-            for t in 0..T {
-                let idx = (t0 + t) * ldo + r0;
-                if valid == ROWS {
-                    assert!(idx + ROWS <= out.len, "packed matmul output out of range");
-                    // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
-                    _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
-                } else {
-                    let mut tmp = [0.0f32; ROWS];
-                    _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
-                    for (r, &v) in tmp.iter().enumerate().take(valid) {
-                        out.write(idx + r, v);
-                    }
-                }
-            }
+            store_group(&acc, w.rows, g, t0, out, ldo);
         }
 
         /// The 8 rows' integer sums `sum q x` (codes 0..32) of one packed Q5 block against `T`
@@ -195,8 +182,8 @@ packed_kernels!(
 /// The packed K-quant kernels (Q4_K, Q5_K in groups of 8 rows against Q8_K activations),
 /// stamped out per instruction set: `$madd` multiplies i16 pairs by the scales into the i32
 /// accumulator, `$q5codes` puts in the fifth bits. Per sub-block of 32 columns each row's
-/// code x activation sums stay in i16 (16 products of a 4-bit code: <= 16 * 15 * 127 < 2^15;
-/// a 5-bit one, 8: <= 8 * 31 * 127) and one `madd` applies the row's scale; the mins take four
+/// code x activation sums stay in i16 (Q8_K's codes reach -128; 16 products of a 4-bit code:
+/// <= 16 * 15 * 128 < 2^15; a 5-bit one, 8: <= 8 * 31 * 128) and one `madd` applies the row's scale; the mins take four
 /// `madd`s a block against pairs of Q8_K's 32-value sums. The same integers as
 /// `quant::dot_k4_ref`, the same float operations lane by lane: the row kernels' bits.
 macro_rules! packed_k_kernels {
@@ -231,14 +218,8 @@ macro_rules! packed_k_kernels {
             let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
             for b in 0..nb {
                 if let Packed::Q6K(v) = &w.data {
-                    prefetch_next(v, g * nb + b + 1);
                     $q6k(&v[g * nb + b], a, &xrow, b, &mut acc);
                     continue;
-                }
-                match &w.data {
-                    Packed::Q4K(v) => prefetch_next(v, g * nb + b + 1),
-                    Packed::Q5K(v) => prefetch_next(v, g * nb + b + 1),
-                    _ => {}
                 }
                 let (d, dmin, scales, mins, q, stride) = match &w.data {
                     Packed::Q4K(v) => {
@@ -286,7 +267,7 @@ macro_rules! packed_k_kernels {
                     }
                 }
                 // Mins: row r's (m_2q, m_2q+1) pair in i32 lane r, against (b_2q, b_2q+1), the
-                // 32-value sums of sub-blocks 2q and 2q+1 (each <= 32 * 127 in magnitude).
+                // 32-value sums of sub-blocks 2q and 2q+1 (each <= 32 * 128 in magnitude).
                 let mq: [__m256i; 4] = std::array::from_fn(|q| _mm256_cvtepu8_epi16(_mm_loadu_si128(mins.as_ptr().add(16 * q).cast())));
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast()));
                 let mv = _mm256_cvtph_ps(_mm_loadu_si128(dmin.as_ptr().cast()));
@@ -303,22 +284,7 @@ macro_rules! packed_k_kernels {
                     acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a.d[k8]), x));
                 }
             }
-            let r0 = g * ROWS;
-            let valid = (w.rows - r0).min(ROWS);
-            for t in 0..T {
-                let idx = (t0 + t) * ldo + r0;
-                if valid == ROWS {
-                    assert!(idx + ROWS <= out.len, "packed matmul output out of range");
-                    // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
-                    _mm256_storeu_ps(out.ptr.add(idx), acc[t]);
-                } else {
-                    let mut tmp = [0.0f32; ROWS];
-                    _mm256_storeu_ps(tmp.as_mut_ptr(), acc[t]);
-                    for (r, &v) in tmp.iter().enumerate().take(valid) {
-                        out.write(idx + r, v);
-                    }
-                }
-            }
+            store_group(&acc, w.rows, g, t0, out, ldo);
         }
 
         /// One packed Q6_K block of 8 rows against `T` tokens, added into `acc`: per 16-value
@@ -399,15 +365,25 @@ packed_k_kernels!(
     q5_codes_bw
 );
 
-/// Asks for block `i` of `v` (if any) to be brought into cache: the next K-quant block is a
-/// whole 1-2 KiB that decode reads once.
+/// Stores a packed tile's sums: token `t0 + t`'s 8 rows of group `g` (those inside the
+/// matrix's `rows`) at `out[(t0 + t) * ldo + 8 g ..]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prefetch_next<B>(v: &[B], i: usize) {
-    if let Some(b) = v.get(i) {
-        let p = (b as *const B).cast::<i8>();
-        for off in (0..std::mem::size_of::<B>()).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(p.add(off));
+unsafe fn store_group<const T: usize>(acc: &[__m256; T], rows: usize, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let r0 = g * ROWS;
+    let valid = (rows - r0).min(ROWS);
+    for (t, &v) in acc.iter().enumerate() {
+        let idx = (t0 + t) * ldo + r0;
+        if valid == ROWS {
+            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+            _mm256_storeu_ps(out.ptr.add(idx), v);
+        } else {
+            let mut tmp = [0.0f32; ROWS];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+            for (r, &x) in tmp.iter().enumerate().take(valid) {
+                out.write(idx + r, x);
+            }
         }
     }
 }

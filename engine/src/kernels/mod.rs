@@ -86,8 +86,8 @@ impl Acts {
 pub fn matmul_rows(w: &WeightView, a: &Acts, out: OutPtr, ldo: usize, r0: usize, r1: usize) {
     debug_assert_eq!(a.cols, w.cols);
     debug_assert!(r1 <= w.rows);
-    // Quantized types are repacked at load and go through `matmul_packed` / `matmul_packed_k`
-    // (here they run the scalar reference); float weights have row kernels taking 4 tokens a
+    // Quantized types are repacked at load and go through `matmul_packed` (here they run the
+    // scalar reference); float weights have row kernels taking 4 tokens a
     // pass (weights converted once for the 4).
     match w.ty {
         #[cfg(target_arch = "x86_64")]
@@ -152,8 +152,8 @@ fn float_elem(ty: GgmlType, row: &[u8], i: usize) -> f32 {
 /// `R` x 4 sums a pass, `R` = 3 on AVX2's 16 registers, 2 on NEON), in tiles of
 /// [`TOKEN_TILE`] tokens, every row over one tile before the next (a tile's activations stay
 /// in cache while the rows stream past: all 512 tokens of f32 activations are ~1 MiB, which
-/// every row would otherwise stream again); the rows left over (a thread's share of rows comes in eights, not in
-/// multiples of `R`) a row against four tokens (`row4`: four chains, where one chain per
+/// every row would otherwise stream again); the rows left over (a thread's share of rows comes
+/// in eights, not in multiples of `R`) a row against four tokens (`row4`: four chains, where one chain per
 /// row and token waited on each multiply-add's latency — a tenth of an F16 prefill), the
 /// tokens left over one at a time (`one`). Every output is [`dot_lanes`]'s, as the
 /// reference computes it.
@@ -288,7 +288,7 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                             (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
                         }
                         Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
-                            unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)")
+                            unreachable!("K-quant groups take Q8_K activations (matmul_packed_k_ref)")
                         }
                     };
                     sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
@@ -313,9 +313,9 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
     s
 }
 
-/// Scalar reference for [`matmul_packed`] over the K-quants, reading the packed layout: per row and block the
-/// integer sums of [`quant::dot_k4_ref`] and its float operations, so the packed kernels give
-/// the row kernels' bits.
+/// Scalar reference for [`matmul_packed`] over the K-quants, reading the packed layout: per
+/// row and block the integer sums of [`quant::dot_k4_ref`] / [`quant::dot_q6k_ref`] and their
+/// float operations, so the packed kernels give the row-major references' bits.
 pub fn matmul_packed_k_ref(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     let nb = w.blocks_per_row();
     for g in g0..g1 {

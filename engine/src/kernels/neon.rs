@@ -153,7 +153,9 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
                 }
             }
         }
-        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => unreachable!("K-quant groups take Q8_K activations (matmul_packed_k)"),
+        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
+            unreachable!("K-quant groups take Q8_K activations: matmul_packed sends them to the K kernels")
+        }
         Packed::Q5(v) => {
             // The codes less 16 are signed bytes: `sum((q - 16) x)` directly.
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
@@ -177,24 +179,7 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
             }
         }
     }
-    let r0 = g * ROWS;
-    let valid = (w.rows - r0).min(ROWS);
-    for t in 0..T {
-        let idx = (t0 + t) * ldo + r0;
-        if valid == ROWS {
-            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
-            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
-            vst1q_f32(out.ptr.add(idx), acc[t].0);
-            vst1q_f32(out.ptr.add(idx + 4), acc[t].1);
-        } else {
-            let mut tmp = [0.0f32; ROWS];
-            vst1q_f32(tmp.as_mut_ptr(), acc[t].0);
-            vst1q_f32(tmp.as_mut_ptr().add(4), acc[t].1);
-            for (r, &v) in tmp.iter().enumerate().take(valid) {
-                out.write(idx + r, v);
-            }
-        }
-    }
+    store_group(&acc, w.rows, g, t0, out, ldo);
 }
 
 /// # Safety
@@ -288,24 +273,7 @@ unsafe fn packed_k_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8KActs, g
             acc[t].1 = vaddq_f32(acc[t].1, vmulq_f32(dx, x1));
         }
     }
-    let r0 = g * ROWS;
-    let valid = (w.rows - r0).min(ROWS);
-    for t in 0..T {
-        let idx = (t0 + t) * ldo + r0;
-        if valid == ROWS {
-            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
-            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
-            vst1q_f32(out.ptr.add(idx), acc[t].0);
-            vst1q_f32(out.ptr.add(idx + 4), acc[t].1);
-        } else {
-            let mut tmp = [0.0f32; ROWS];
-            vst1q_f32(tmp.as_mut_ptr(), acc[t].0);
-            vst1q_f32(tmp.as_mut_ptr().add(4), acc[t].1);
-            for (r, &v) in tmp.iter().enumerate().take(valid) {
-                out.write(idx + r, v);
-            }
-        }
-    }
+    store_group(&acc, w.rows, g, t0, out, ldo);
 }
 
 /// One packed Q6_K block of 8 rows against `T` tokens, added into `acc`: the codes less 32
@@ -395,6 +363,30 @@ unsafe fn q5_sums<D: Dot, const T: usize, const N: usize>(
         }
     }
     p
+}
+
+/// Stores a packed tile's sums: token `t0 + t`'s 8 rows of group `g` (those inside the
+/// matrix's `rows`) at `out[(t0 + t) * ldo + 8 g ..]`.
+#[inline(always)]
+unsafe fn store_group<const T: usize>(acc: &[(float32x4_t, float32x4_t); T], rows: usize, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let r0 = g * ROWS;
+    let valid = (rows - r0).min(ROWS);
+    for (t, v) in acc.iter().enumerate() {
+        let idx = (t0 + t) * ldo + r0;
+        if valid == ROWS {
+            assert!(idx + ROWS <= out.len, "packed matmul output out of range");
+            // SAFETY: idx + 8 <= len (checked); this thread owns rows r0..r0+8.
+            vst1q_f32(out.ptr.add(idx), v.0);
+            vst1q_f32(out.ptr.add(idx + 4), v.1);
+        } else {
+            let mut tmp = [0.0f32; ROWS];
+            vst1q_f32(tmp.as_mut_ptr(), v.0);
+            vst1q_f32(tmp.as_mut_ptr().add(4), v.1);
+            for (r, &x) in tmp.iter().enumerate().take(valid) {
+                out.write(idx + r, x);
+            }
+        }
+    }
 }
 
 /// The 8 rows' integer sums of one 8-bit block against `T` tokens' activations.
