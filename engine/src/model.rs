@@ -711,19 +711,39 @@ impl Caches for ManyCaches<'_, '_> {
         self.sessions[i].kv.write(layer, pos, k, v);
     }
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
+        // Sessions with one tile of rows (decoding) attend together, in the same few pool
+        // operations; longer pieces of prompts tile their own.
+        let mut decoding = Vec::new();
+        let mut observers: Vec<Option<std::sync::Mutex<&mut AttentionStats>>> = Vec::new();
+        let mut longer = Vec::new();
+        let mut rest = out;
         for (s, r) in self.sessions.iter_mut().zip(&self.spans) {
+            let (o, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * c.dim);
+            rest = tail;
             let s = &mut **s;
-            attention(
-                pool,
-                c,
-                &s.kv,
-                layer,
-                &qkv[r.start * ld..r.end * ld],
-                ld,
-                &positions[r.clone()],
-                &mut out[r.start * c.dim..r.end * c.dim],
-                s.attention.as_mut(),
-            );
+            if r.len() <= TILE {
+                decoding.push((&s.kv, r.clone(), o));
+                observers.push(s.attention.as_mut().map(std::sync::Mutex::new));
+            } else {
+                longer.push((s, r.clone(), o));
+            }
+        }
+        let mut ctxs: Vec<Decoding> = decoding
+            .into_iter()
+            .zip(&observers)
+            .map(|((kv, r, out), obs)| Decoding {
+                kv,
+                qkv: &qkv[r.start * ld..r.end * ld],
+                positions: &positions[r],
+                out,
+                obs: obs.as_ref(),
+            })
+            .collect();
+        if !ctxs.is_empty() {
+            attend_spans(pool, c, layer, ld, &mut ctxs);
+        }
+        for (s, r, out) in longer {
+            attention(pool, c, &s.kv, layer, &qkv[r.start * ld..r.end * ld], ld, &positions[r], out, s.attention.as_mut());
         }
     }
 }
@@ -1159,6 +1179,72 @@ enum Dst<'a> {
     F32(&'a mut [f32]),
 }
 
+/// Attention computes queries in tiles of this many tokens; a pass with at most one tile per
+/// context (decoding) runs [`attend_spans`].
+const TILE: usize = 8;
+
+/// Whether chunks of format `f` are decoded before attention's jobs start: the reduced levels
+/// that are not read in place, except Q4/Q2 when each job decodes the blocks it reads
+/// (`in_job`).
+fn up_front(f: KvFormat, in_job: bool, hd: usize) -> bool {
+    !(f.is_base() || f.split() || in_job && crate::kv::decodes_to_int8(f, hd))
+}
+
+/// Decodes the chunks of layer `layer` that attention over `positions` reads and cannot read
+/// in place ([`up_front`]) into `dec8` (int8 blocks) and `dec32` (f32), spread over the pool;
+/// returns each chunk's slot in them (empty when there is none).
+#[allow(clippy::too_many_arguments)]
+fn decode_up_front(
+    pool: &ThreadPool,
+    c: &Config,
+    kv: &ChunkedKv,
+    layer: usize,
+    positions: &[usize],
+    in_job: bool,
+    dec8: &mut Vec<u8>,
+    dec32: &mut Vec<f32>,
+) -> Vec<usize> {
+    let (hd, ct) = (c.head_dim, kv.geom.chunk_tokens);
+    let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
+    let last = seen.div_ceil(ct);
+    let reduced = |ch: &usize| up_front(kv.format(*ch), in_job, hd);
+    if !(0..last).any(|ch| reduced(&ch)) {
+        return Vec::new();
+    }
+    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
+    let blocks = 2 * c.n_kv_heads;
+    let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
+    let mut slot_of = vec![usize::MAX; last];
+    let (mut n8, mut n32) = (0, 0);
+    for (ch, slot) in slot_of.iter_mut().enumerate().filter(|(ch, _)| reduced(ch)) {
+        if to8(&ch) {
+            (*slot, n8) = (n8, n8 + 1);
+        } else {
+            (*slot, n32) = (n32, n32 + 1);
+        }
+    }
+    dec8.resize(n8 * blocks * blk8, 0);
+    dec32.resize(n32 * blocks * ct * hd, 0.0);
+    let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
+    let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
+    pool.scatter("kv decode", items8.chain(items32).collect(), &|(ch, mut dst)| {
+        let f = kv.format(ch);
+        let n_c = ct.min(seen - ch * ct);
+        for b in 0..blocks {
+            let kvsel = b / c.n_kv_heads;
+            let off = kv.geom.block_offset(f, layer, kvsel, b % c.n_kv_heads);
+            let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
+            match &mut dst {
+                Dst::Int8(d) => {
+                    crate::kv::decode_block_to_int8(f, src, ct, hd, n_c, &mut d[b * blk8..(b + 1) * blk8]);
+                }
+                Dst::F32(d) => crate::kv::read_block_f32(f, kvsel, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
+            }
+        }
+    });
+    slot_of
+}
+
 /// Decoding attention splits the context into spans of this many tokens (rounded to whole
 /// chunks): a job is one KV head's whole GQA group over one span. A fixed length, not a
 /// share of the threads, so the bits do not depend on the thread count.
@@ -1222,7 +1308,7 @@ fn with_span_job<R>(lb: &LayerBlocks, nq: usize, f: impl FnOnce(&mut BlockScratc
 impl<'a> LayerBlocks<'a> {
     /// Whether chunks of format `f` are decoded before the jobs start.
     fn up_front(&self, f: KvFormat) -> bool {
-        !(f.is_base() || f.split() || self.in_job && crate::kv::decodes_to_int8(f, self.hd))
+        up_front(f, self.in_job, self.hd)
     }
 
     /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
@@ -1284,8 +1370,12 @@ fn attention(
     out: &mut [f32],
     observer: Option<&mut AttentionStats>,
 ) {
-    const TILE: usize = 8;
     let n = positions.len();
+    let obs = observer.map(std::sync::Mutex::new);
+    if n <= TILE {
+        attend_spans(pool, c, layer, ld, &mut [Decoding { kv, qkv, positions, out, obs: obs.as_ref() }]);
+        return;
+    }
     let (hd, nh) = (c.head_dim, c.n_heads);
     let group = c.n_heads / c.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -1293,7 +1383,6 @@ fn attention(
     let tiles = n.div_ceil(TILE);
     let per_job = if c.n_kv_heads * tiles >= 2 * pool.threads() { group } else { 1 };
     let sets = nh / per_job;
-    let obs = observer.map(std::sync::Mutex::new);
     // Reduced chunks decoded up front, once for the layer (per job, a block was decoded by
     // every tile and every head set that reads it: 16x for a 128-token prefill). Q4/Q2 blocks
     // become int8 blocks (exact: they hold int8 codes), read by the int8 kernel; rotated
@@ -1303,56 +1392,9 @@ fn attention(
     thread_local! {
         static DECODED: std::cell::RefCell<(Vec<u8>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
-    let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
-    let last = seen.div_ceil(ct);
-    let mut slot_of = Vec::new();
     let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
-    let blocks = 2 * c.n_kv_heads;
-    // With one tile (decoding), each job decodes the Q4/Q2 blocks it reads into a buffer of
-    // its own, which stays in L1: decoded up front, a 4k-token context's blocks (1.6 MB a
-    // layer) went to memory and back, costing more than decoding each block in its job.
-    // Prefill tiles share the up-front decode.
-    let mut lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: tiles == 1, slot_of: &[], dec8: &[], dec32: &[] };
-    if (0..last).any(|ch| lb.up_front(kv.format(ch))) {
-        slot_of = vec![usize::MAX; last];
-        let (mut n8, mut n32) = (0, 0);
-        for (ch, slot) in slot_of.iter_mut().enumerate() {
-            let f = kv.format(ch);
-            if lb.up_front(f) && crate::kv::decodes_to_int8(f, hd) {
-                (*slot, n8) = (n8, n8 + 1);
-            } else if lb.up_front(f) {
-                (*slot, n32) = (n32, n32 + 1);
-            }
-        }
-        dec8.resize(n8 * blocks * blk8, 0);
-        dec32.resize(n32 * blocks * ct * hd, 0.0);
-        let reduced = |ch: &usize| lb.up_front(kv.format(*ch));
-        let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
-        let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
-        let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
-        pool.scatter("kv decode", items8.chain(items32).collect(), &|(ch, mut dst)| {
-            let f = kv.format(ch);
-            let n_c = ct.min(seen - ch * ct);
-            for b in 0..blocks {
-                let kvsel = b / c.n_kv_heads;
-                let off = kv.geom.block_offset(f, layer, kvsel, b % c.n_kv_heads);
-                let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
-                match &mut dst {
-                    Dst::Int8(d) => {
-                        crate::kv::decode_block_to_int8(f, src, ct, hd, n_c, &mut d[b * blk8..(b + 1) * blk8]);
-                    }
-                    Dst::F32(d) => crate::kv::read_block_f32(f, kvsel, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
-                }
-            }
-        });
-    }
-    (lb.slot_of, lb.dec8, lb.dec32) = (&slot_of, &dec8, &dec32);
-    if tiles == 1 {
-        attend_spans(pool, c, &lb, qkv, ld, positions, out, obs.as_ref());
-        DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
-        return;
-    }
+    let slot_of = decode_up_front(pool, c, kv, layer, positions, false, &mut dec8, &mut dec32);
+    let lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: false, slot_of: &slot_of, dec8: &dec8, dec32: &dec32 };
     let outp = OutPtr::new(out);
     pool.for_chunks("attention tiles", sets * tiles, 1, &|a, b| {
         let mut scores = Vec::new();
@@ -1456,123 +1498,262 @@ fn add_rotated_back(o: &mut [f32], r: &mut [f32]) {
     }
 }
 
-/// Attention for one tile of up to 8 tokens (a decode step): split-K over the context, as
-/// flash-decoding does. A job is one KV head's whole GQA group over one span of
-/// [`SPAN_TOKENS`]: each K and V row is unpacked once for all the group's query heads (one
-/// head a job read every row three times on this model, and a split level's unpacking and
-/// step table three times), and a long context gives every thread work. Three passes: the
-/// scores of each span; each query's softmax over its whole row (gathered from the spans, so
-/// it is the one softmax of every other path); each span's share of the output, which are then
-/// added in span order (the only arithmetic that differs from one job over the whole context,
-/// and only past the first span).
-#[allow(clippy::too_many_arguments)]
-fn attend_spans(
-    pool: &ThreadPool,
-    c: &Config,
-    lb: &LayerBlocks,
-    qkv: &[f32],
-    ld: usize,
-    positions: &[usize],
-    out: &mut [f32],
-    obs: Option<&std::sync::Mutex<&mut AttentionStats>>,
-) {
+/// One context's share of a pass that computes at most one tile ([`TILE`]) of its tokens: a
+/// decode step's token, or a short piece of a prompt. `qkv` and `out` are its rows.
+struct Decoding<'a, 'o> {
+    kv: &'a ChunkedKv,
+    qkv: &'a [f32],
+    positions: &'a [usize],
+    out: &'a mut [f32],
+    obs: Option<&'a std::sync::Mutex<&'o mut AttentionStats>>,
+}
+
+/// How [`attend_spans`] lays out one context: its queries, spans, and where its pieces of the
+/// shared buffers start.
+struct SpanPlan {
+    /// Queries of one KV head (tokens x the GQA group), their longest row, chunks and spans.
+    nq: usize,
+    p_max: usize,
+    n_chunks: usize,
+    spans: usize,
+    /// Tokens in a span.
+    st: usize,
+    rotated: bool,
+    /// Offsets in the queries, limits, scores and span outputs.
+    q0: usize,
+    l0: usize,
+    sc0: usize,
+    pa0: usize,
+}
+
+/// Attention for passes of at most one tile per context (decode steps, alone or batched):
+/// split-K over each context, as flash-decoding does. A job is one KV head's whole GQA group
+/// over one span of [`SPAN_TOKENS`] of one context: each K and V row is unpacked once for all
+/// the group's query heads (one head a job read every row three times on this model, and a
+/// split level's unpacking and step table three times), and a long context gives every thread
+/// work. Three passes: the scores of each span; each query's softmax over its whole row
+/// (gathered from the spans, so it is the one softmax of every other path); each span's share
+/// of the output, which are then added in span order (the only arithmetic that differs from
+/// one job over the whole context, and only past the first span). A context of one span runs
+/// all three in one job (the same operations on the same rows, so the same bits).
+///
+/// Every context of a batch runs in the same three pool operations (or one, when each has one
+/// span): with a pass per context, a batch of four 150-token contexts was twelve operations
+/// of 3-6 jobs a layer, each a barrier with an idle thread at its end.
+fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usize, ctxs: &mut [Decoding]) {
     let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
     let group = nh / nkv;
-    // A KV head's queries, token-major: query `qi` is token `qi / group`, head `qi % group` of
-    // the group.
-    let nq = positions.len() * group;
     let scale = 1.0 / (hd as f32).sqrt();
-    let ct = lb.kv.geom.chunk_tokens;
-    let p_max = positions.iter().copied().max().map_or(0, |p| p + 1);
-    let n_chunks = p_max.div_ceil(ct);
-    let span = (SPAN_TOKENS / ct).max(1);
-    let spans = n_chunks.div_ceil(span);
-    let st = span * ct;
-    let mut q = vec![0.0f32; nkv * nq * hd];
-    for (qi, dst) in q.chunks_exact_mut(hd).enumerate() {
-        let (kvh, qi) = (qi / nq, qi % nq);
-        let (t, h) = (qi / group, kvh * group + qi % group);
-        round_query(&qkv[t * ld + h * hd..][..hd], dst);
+    // Chunks read neither in place nor by the job (rotated legacy levels): decoded first.
+    let decoded: Vec<(Vec<usize>, Vec<u8>, Vec<f32>)> = ctxs
+        .iter()
+        .map(|d| {
+            let (mut d8, mut d32) = (Vec::new(), Vec::new());
+            let slot_of = decode_up_front(pool, c, d.kv, layer, d.positions, true, &mut d8, &mut d32);
+            (slot_of, d8, d32)
+        })
+        .collect();
+    let lbs: Vec<LayerBlocks> = ctxs
+        .iter()
+        .zip(&decoded)
+        .map(|(d, (slot_of, d8, d32))| LayerBlocks { kv: d.kv, layer, hd, n_kv_heads: nkv, in_job: true, slot_of, dec8: d8, dec32: d32 })
+        .collect();
+    let (mut nq_all, mut sc_all, mut pa_all) = (0, 0, 0);
+    let plans: Vec<SpanPlan> = ctxs
+        .iter()
+        .map(|d| {
+            // A KV head's queries, token-major: query `qi` is token `qi / group`, head
+            // `qi % group` of the group.
+            let nq = d.positions.len() * group;
+            let ct = d.kv.geom.chunk_tokens;
+            let p_max = d.positions.iter().copied().max().map_or(0, |p| p + 1);
+            let n_chunks = p_max.div_ceil(ct);
+            let span = (SPAN_TOKENS / ct).max(1);
+            let spans = n_chunks.div_ceil(span);
+            let st = span * ct;
+            let rotated = (0..n_chunks).any(|ch| d.kv.format(ch).split());
+            let p = SpanPlan { nq, p_max, n_chunks, spans, st, rotated, q0: nq_all * nkv * hd, l0: nq_all, sc0: sc_all, pa0: pa_all };
+            nq_all += nq;
+            sc_all += nkv * spans * nq * st;
+            pa_all += nkv * spans * 2 * nq * hd;
+            p
+        })
+        .collect();
+    let mut q = vec![0.0f32; nq_all * nkv * hd];
+    let mut limits = vec![0usize; nq_all];
+    for (d, p) in ctxs.iter().zip(&plans) {
+        for (qi, dst) in q[p.q0..p.q0 + nkv * p.nq * hd].chunks_exact_mut(hd).enumerate() {
+            let (kvh, qi) = (qi / p.nq, qi % p.nq);
+            let (t, h) = (qi / group, kvh * group + qi % group);
+            round_query(&d.qkv[t * ld + h * hd..][..hd], dst);
+        }
+        for (qi, l) in limits[p.l0..p.l0 + p.nq].iter_mut().enumerate() {
+            *l = d.positions[qi / group] + 1;
+        }
     }
-    let limits: Vec<usize> = (0..nq).map(|qi| positions[qi / group] + 1).collect();
-    let rotated = (0..n_chunks).any(|ch| lb.kv.format(ch).split());
-    // Scores and span outputs in job order ([kv head][span]), one disjoint piece a job. Every
-    // score read is written first (each span's chunks cover its columns up to every query's
-    // limit); the outputs are sums, so they start at zero.
+    // Scores and span outputs in job order ([context][kv head][span]), one disjoint piece a
+    // job. Every score read is written first (each span's chunks cover its columns up to
+    // every query's limit); the outputs are sums, so they start at zero.
     let (mut scores, mut parts) = SPAN_BUFS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    scores.resize(nkv * spans * nq * st, 0.0);
+    scores.resize(sc_all, 0.0);
     parts.clear();
-    parts.resize(nkv * spans * 2 * nq * hd, 0.0);
-    // The chunks of job `job`'s span: (chunk, its tokens up to `p_max`, its first column in
-    // the span).
-    let span_chunks = |job: usize| {
-        let s = job % spans;
-        (s * span..((s + 1) * span).min(n_chunks)).map(move |ch| (ch, ct.min(p_max - ch * ct), ch * ct - s * st))
+    parts.resize(pa_all, 0.0);
+    // The chunks of span `s` of context `i`: (chunk, its tokens up to `p_max`, its first
+    // column in the span).
+    let span_chunks = |i: usize, s: usize| {
+        let p = &plans[i];
+        let (span, ct) = (p.st / lbs[i].kv.geom.chunk_tokens, lbs[i].kv.geom.chunk_tokens);
+        (s * span..((s + 1) * span).min(p.n_chunks)).map(move |ch| (ch, ct.min(p.p_max - ch * ct), ch * ct - s * p.st))
     };
-    // How many of chunk `ch`'s `n_c` tokens each query sees.
-    let see = |ch: usize, n_c: usize, visible: &mut [usize]| {
-        for (v, &lim) in visible.iter_mut().zip(&limits) {
+    // How many of chunk `ch`'s `n_c` tokens each query of context `i` sees.
+    let see = |i: usize, ch: usize, n_c: usize, visible: &mut [usize]| {
+        let (p, ct) = (&plans[i], lbs[i].kv.geom.chunk_tokens);
+        for (v, &lim) in visible.iter_mut().zip(&limits[p.l0..p.l0 + p.nq]) {
             *v = lim.saturating_sub(ch * ct).min(n_c);
         }
     };
-    pool.scatter("attention span scores", scores.chunks_exact_mut(nq * st).enumerate().collect(), &|(job, sc)| {
-        let kvh = job / spans;
-        with_span_job(lb, nq, |scratch, visible| {
-            for (ch, n_c, col0) in span_chunks(job) {
-                see(ch, n_c, visible);
+    let job_scores = |i: usize, kvh: usize, s: usize, sc: &mut [f32]| {
+        let (p, lb) = (&plans[i], &lbs[i]);
+        with_span_job(lb, p.nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(i, s) {
+                see(i, ch, n_c, visible);
                 let rows = lb.rows(ch, 0, kvh, n_c, scratch);
-                kernels::chunk_scores(&q[kvh * nq * hd..(kvh + 1) * nq * hd], hd, rows, visible, scale, sc, st, col0);
+                let q = &q[p.q0 + kvh * p.nq * hd..p.q0 + (kvh + 1) * p.nq * hd];
+                kernels::chunk_scores(q, hd, rows, visible, scale, sc, p.st, col0);
             }
         });
-    });
-    pool.scatter("attention softmax", scores.chunks_exact_mut(spans * nq * st).collect(), &|sc| {
-        let mut row = vec![0.0f32; p_max];
-        for (qi, &lim) in limits.iter().enumerate() {
-            let piece = |s: usize| (s * st, ((s + 1) * st).min(lim), (s * nq + qi) * st);
-            for (lo, hi, at) in (0..spans).map(piece).take_while(|p| p.0 < p.1) {
-                row[lo..hi].copy_from_slice(&sc[at..at + hi - lo]);
-            }
-            kernels::softmax_f16(&mut row[..lim]);
-            for (lo, hi, at) in (0..spans).map(piece).take_while(|p| p.0 < p.1) {
-                sc[at..at + hi - lo].copy_from_slice(&row[lo..hi]);
-            }
-            if let Some(obs) = obs {
-                obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&row[..lim], lim, &[lim]);
-            }
-        }
-    });
-    let probs_all = &scores;
-    pool.scatter("attention span values", parts.chunks_exact_mut(2 * nq * hd).enumerate().collect(), &|(job, part)| {
-        let kvh = job / spans;
-        let probs = &probs_all[job * nq * st..(job + 1) * nq * st];
-        let (o, o_rot) = part.split_at_mut(nq * hd);
-        with_span_job(lb, nq, |scratch, visible| {
-            for (ch, n_c, col0) in span_chunks(job) {
-                see(ch, n_c, visible);
+    };
+    let job_values = |i: usize, kvh: usize, s: usize, probs: &[f32], part: &mut [f32]| {
+        let (p, lb) = (&plans[i], &lbs[i]);
+        let (o, o_rot) = part.split_at_mut(p.nq * hd);
+        with_span_job(lb, p.nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(i, s) {
+                see(i, ch, n_c, visible);
                 let rows = lb.rows(ch, 1, kvh, n_c, scratch);
                 let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };
-                kernels::chunk_values(probs, st, col0, rows, visible, hd, acc);
+                kernels::chunk_values(probs, p.st, col0, rows, visible, hd, acc);
             }
         });
-    });
-    let (mut o, mut o_rot) = (vec![0.0f32; hd], vec![0.0f32; hd]);
-    for kvh in 0..nkv {
-        for qi in 0..nq {
-            for (s, part) in parts[kvh * spans * 2 * nq * hd..].chunks_exact(2 * nq * hd).take(spans).enumerate() {
-                let (po, pr) = (&part[qi * hd..(qi + 1) * hd], &part[(nq + qi) * hd..(nq + qi + 1) * hd]);
-                if s == 0 {
-                    o.copy_from_slice(po);
-                    o_rot.copy_from_slice(pr);
-                } else {
-                    o.iter_mut().zip(po).for_each(|(a, &b)| *a += b);
-                    o_rot.iter_mut().zip(pr).for_each(|(a, &b)| *a += b);
+    };
+    let observe = |i: usize, probs: &[f32], lim: usize| {
+        if let Some(obs) = ctxs[i].obs {
+            obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(probs, lim, &[lim]);
+        }
+    };
+    {
+        // Pass 1: every span's scores; a one-span context's whole job.
+        let mut items = Vec::new();
+        let (mut sc_rest, mut pa_rest) = (&mut scores[..], &mut parts[..]);
+        for (i, p) in plans.iter().enumerate() {
+            for kvh in 0..nkv {
+                for s in 0..p.spans {
+                    let (sc, r) = std::mem::take(&mut sc_rest).split_at_mut(p.nq * p.st);
+                    sc_rest = r;
+                    let (pa, r) = std::mem::take(&mut pa_rest).split_at_mut(2 * p.nq * hd);
+                    pa_rest = r;
+                    items.push((i, kvh, s, sc, pa));
                 }
             }
-            if rotated {
-                add_rotated_back(&mut o, &mut o_rot);
+        }
+        pool.scatter("attention span scores", items, &|(i, kvh, s, sc, part)| {
+            job_scores(i, kvh, s, sc);
+            let p = &plans[i];
+            if p.spans > 1 {
+                return;
             }
-            let (t, h) = (qi / group, kvh * group + qi % group);
-            out[t * nh * hd + h * hd..][..hd].copy_from_slice(&o);
+            for (qi, &lim) in limits[p.l0..p.l0 + p.nq].iter().enumerate() {
+                let row = &mut sc[qi * p.st..qi * p.st + lim];
+                kernels::softmax_f16(row);
+                observe(i, row, lim);
+            }
+            job_values(i, kvh, 0, sc, part);
+            if p.rotated {
+                let (o, o_rot) = part.split_at_mut(p.nq * hd);
+                for (oq, rq) in o.chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
+                    add_rotated_back(oq, rq);
+                }
+            }
+        });
+    }
+    if plans.iter().any(|p| p.spans > 1) {
+        // Pass 2: each query's softmax over its whole row, gathered from its spans.
+        let mut items = Vec::new();
+        let mut sc_rest = &mut scores[..];
+        for (i, p) in plans.iter().enumerate() {
+            for _ in 0..nkv {
+                let (sc, r) = std::mem::take(&mut sc_rest).split_at_mut(p.spans * p.nq * p.st);
+                sc_rest = r;
+                if p.spans > 1 {
+                    items.push((i, sc));
+                }
+            }
+        }
+        pool.scatter("attention softmax", items, &|(i, sc)| {
+            let p = &plans[i];
+            let (nq, st) = (p.nq, p.st);
+            let mut row = vec![0.0f32; p.p_max];
+            for (qi, &lim) in limits[p.l0..p.l0 + nq].iter().enumerate() {
+                let piece = |s: usize| (s * st, ((s + 1) * st).min(lim), (s * nq + qi) * st);
+                for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
+                    row[lo..hi].copy_from_slice(&sc[at..at + hi - lo]);
+                }
+                kernels::softmax_f16(&mut row[..lim]);
+                for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
+                    sc[at..at + hi - lo].copy_from_slice(&row[lo..hi]);
+                }
+                observe(i, &row[..lim], lim);
+            }
+        });
+        // Pass 3: every span's share of the output.
+        let probs_all = &scores;
+        let mut items = Vec::new();
+        let mut pa_rest = &mut parts[..];
+        for (i, p) in plans.iter().enumerate() {
+            for kvh in 0..nkv {
+                for s in 0..p.spans {
+                    let (pa, r) = std::mem::take(&mut pa_rest).split_at_mut(2 * p.nq * hd);
+                    pa_rest = r;
+                    if p.spans > 1 {
+                        items.push((i, kvh, s, pa));
+                    }
+                }
+            }
+        }
+        pool.scatter("attention span values", items, &|(i, kvh, s, part)| {
+            let p = &plans[i];
+            let at = p.sc0 + ((kvh * p.spans + s) * p.nq) * p.st;
+            job_values(i, kvh, s, &probs_all[at..at + p.nq * p.st], part);
+        });
+    }
+    // The spans' shares added in span order, rotated back, into each context's output.
+    let (mut o, mut o_rot) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+    for (d, p) in ctxs.iter_mut().zip(&plans) {
+        let parts = &parts[p.pa0..p.pa0 + nkv * p.spans * 2 * p.nq * hd];
+        for kvh in 0..nkv {
+            for qi in 0..p.nq {
+                let (t, h) = (qi / group, kvh * group + qi % group);
+                let dst = &mut d.out[t * nh * hd + h * hd..][..hd];
+                let mut spans = parts[kvh * p.spans * 2 * p.nq * hd..].chunks_exact(2 * p.nq * hd).take(p.spans);
+                if p.spans == 1 {
+                    // Summed and rotated back by its job.
+                    dst.copy_from_slice(&spans.next().expect("one span")[qi * hd..(qi + 1) * hd]);
+                    continue;
+                }
+                for (s, part) in spans.enumerate() {
+                    let (po, pr) = (&part[qi * hd..(qi + 1) * hd], &part[(p.nq + qi) * hd..(p.nq + qi + 1) * hd]);
+                    if s == 0 {
+                        o.copy_from_slice(po);
+                        o_rot.copy_from_slice(pr);
+                    } else {
+                        o.iter_mut().zip(po).for_each(|(a, &b)| *a += b);
+                        o_rot.iter_mut().zip(pr).for_each(|(a, &b)| *a += b);
+                    }
+                }
+                if p.rotated {
+                    add_rotated_back(&mut o, &mut o_rot);
+                }
+                dst.copy_from_slice(&o);
+            }
         }
     }
     SPAN_BUFS.with(|b| *b.borrow_mut() = (scores, parts));
@@ -1625,8 +1806,9 @@ mod tests {
             kv.set_format(i, formats[i % formats.len()]).unwrap();
         }
         // Two tiles (reduced chunks decoded once for the layer); one token and a tile of
-        // scattered positions (split over spans, Q4/Q2 decoded by each job).
-        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1], vec![5, 130, 131, 299, 200]] {
+        // scattered positions (split over spans, Q4/Q2 decoded by each job); one token and a
+        // tile within the first span (its three passes run as one job).
+        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1], vec![5, 130, 131, 299, 200], vec![100], vec![3, 60, 127]] {
             let ld = c.dim + 2 * kvd;
             let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut out = vec![0.0; positions.len() * c.dim];
@@ -1661,7 +1843,8 @@ mod tests {
             }
             for p in [0, 6, 131, 132, 299] {
                 let rows = positions.iter().filter(|&&q| q >= p).count() as u64 * 6;
-                assert_eq!(stats.count[p], rows, "position {p}: every query row of every head that sees it");
+                let got = stats.count.get(p).copied().unwrap_or(0);
+                assert_eq!(got, rows, "position {p}: every query row of every head that sees it");
             }
         }
     }

@@ -21,15 +21,17 @@ fn argmax(v: &[f32]) -> u32 {
     engine::sampler::argmax(v)
 }
 
-/// Four contexts of different lengths and formats (one with a lowered chunk), decoded 12 steps
-/// one at a time and as one batch, then in batches of other sizes: identical logits and tokens.
+/// Four contexts of different lengths and formats (lowered chunks, a split level read in the
+/// rotated domain; one context past decoding attention's first 128-token span, the others
+/// within it), decoded 12 steps one at a time and as one batch, then in batches of other
+/// sizes: identical logits and tokens.
 #[test]
 fn batched_decode_equals_each_sessions_own() {
     let m = Arc::new(Model::load(&model_path()).unwrap());
     let p = Arc::new(ThreadPool::new(2));
     let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
     let toks = m.tokenizer.encode(&text, false, false).unwrap();
-    let prompts: [&[u32]; 4] = [&toks[..7], &toks[100..140], &toks[300..301], &toks[500..590]];
+    let prompts: [&[u32]; 4] = [&toks[..7], &toks[100..140], &toks[300..301], &toks[500..631]];
     let bases = [KvFormat::Int8, KvFormat::F16, KvFormat::Int8, KvFormat::Int8];
     let build = || -> Vec<(Session, u32)> {
         prompts
@@ -42,6 +44,10 @@ fn batched_decode_equals_each_sessions_own() {
                 if i == 3 {
                     // A lowered chunk: attention decodes it; batching must not change that.
                     s.kv.set_format(2, KvFormat::Q4).unwrap();
+                    s.kv.set_format(5, KvFormat::K3V3).unwrap();
+                }
+                if i == 1 {
+                    s.kv.set_format(1, KvFormat::K4V4).unwrap();
                 }
                 (s, next)
             })
