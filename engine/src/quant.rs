@@ -328,13 +328,28 @@ fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [
 /// path does); returns the f16-rounded scale, `d * sum(q)` f16-rounded, and `sum(q)`.
 #[inline(always)]
 pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32, i32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    // The largest magnitude, eight lanes at a time: a fold in one chain compiled to 32 scalar
+    // maxes (a tenth of a batched decode step went to quantizing activations). `max` ignores
+    // NaN either way and is exact, so the result is the fold's.
+    let mut lanes = [0.0f32; 8];
+    for c in x.chunks_exact(8) {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let amax = lanes.iter().fold(0.0f32, |m, &v| m.max(v));
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in out.iter_mut().zip(x) {
-        let r = (v * id).round_ties_even() as i32;
-        *q = r.clamp(-127, 127) as i8;
+        // Clamped as a float (NaN to 0, as `as i32` would): Rust's saturating float-to-int
+        // cast compiled to compares and branches per value here, the clamped one to a
+        // vector conversion. The same codes for every input.
+        let r = (v * id).round_ties_even();
+        #[allow(clippy::eq_op)]
+        let r = if r == r { r.clamp(-127.0, 127.0) } else { 0.0 };
+        // SAFETY: `r` is finite and within -127..=127.
+        *q = unsafe { r.to_int_unchecked::<i32>() } as i8;
         sum += i32::from(*q);
     }
     let d16 = f16::from_f32(d).to_f32();
