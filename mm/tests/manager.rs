@@ -223,7 +223,8 @@ fn levels_follow_density_and_shrink_pages() {
     let cfg = MmConfig {
         policy: Policy::Llms,
         budget: 1 << 30,
-        ratio: 0.5,
+        // Below b4's 0.5: a mix of b4 and b2 (the solver's loss makes 3 b8 + 7 b2 dearer).
+        ratio: 0.4,
         levels: vec![0, 1, 2],
         max_chunks: MAX_CHUNKS,
         features: mm::Features::default(),
@@ -248,8 +249,9 @@ fn levels_follow_density_and_shrink_pages() {
             }
         }
     }
+    assert!(info.iter().any(|c| c.format != info[0].format), "levels are mixed");
     let bytes: usize = info.iter().map(|c| FakeCodec.chunk_bytes(c.format)).sum();
-    assert!(bytes * 2 <= 10 * FakeCodec.chunk_bytes(0), "average ratio {bytes} within 0.5");
+    assert!(bytes * 10 <= 4 * 10 * FakeCodec.chunk_bytes(0), "average ratio {bytes} within 0.4");
     let pages: usize = info.iter().map(|c| FakeCodec.chunk_bytes(c.format).div_ceil(4096) * 4096).sum();
     assert_eq!(mm.context_bytes(9), pages, "only each chunk's format is populated");
     assert!(info.iter().all(|c| c.on_flash), "AoT wrote every chunk once the call ended");
@@ -266,7 +268,8 @@ fn levels_follow_density_and_shrink_pages() {
 fn two_contexts_then_squeeze(features: mm::Features) -> Option<(Manager, Vec<mm::ChunkInfo>, Vec<mm::ChunkInfo>, tempfile::TempDir)> {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
-    let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.5, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features };
+    // 0.6: two b8 chunks a context, the rest b4 (heavy and light chunks to choose between).
+    let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features };
     let mut mm = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))?;
     for ctx in [1, 2] {
         mm.create(ctx).unwrap();
