@@ -1516,7 +1516,9 @@ struct SpanPlan {
     p_max: usize,
     n_chunks: usize,
     spans: usize,
-    /// Tokens in a span.
+    /// Tokens in a chunk, chunks in a span, tokens in a span.
+    ct: usize,
+    span: usize,
     st: usize,
     rotated: bool,
     /// Offsets in the queries, limits, scores and span outputs.
@@ -1572,7 +1574,8 @@ fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usize, ctxs: &m
             let spans = n_chunks.div_ceil(span);
             let st = span * ct;
             let rotated = (0..n_chunks).any(|ch| d.kv.format(ch).split());
-            let p = SpanPlan { nq, p_max, n_chunks, spans, st, rotated, q0: nq_all * nkv * hd, l0: nq_all, sc0: sc_all, pa0: pa_all };
+            let p =
+                SpanPlan { nq, p_max, n_chunks, spans, ct, span, st, rotated, q0: nq_all * nkv * hd, l0: nq_all, sc0: sc_all, pa0: pa_all };
             nq_all += nq;
             sc_all += nkv * spans * nq * st;
             pa_all += nkv * spans * 2 * nq * hd;
@@ -1602,14 +1605,13 @@ fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usize, ctxs: &m
     // column in the span).
     let span_chunks = |i: usize, s: usize| {
         let p = &plans[i];
-        let (span, ct) = (p.st / lbs[i].kv.geom.chunk_tokens, lbs[i].kv.geom.chunk_tokens);
-        (s * span..((s + 1) * span).min(p.n_chunks)).map(move |ch| (ch, ct.min(p.p_max - ch * ct), ch * ct - s * p.st))
+        (s * p.span..((s + 1) * p.span).min(p.n_chunks)).map(move |ch| (ch, p.ct.min(p.p_max - ch * p.ct), ch * p.ct - s * p.st))
     };
     // How many of chunk `ch`'s `n_c` tokens each query of context `i` sees.
     let see = |i: usize, ch: usize, n_c: usize, visible: &mut [usize]| {
-        let (p, ct) = (&plans[i], lbs[i].kv.geom.chunk_tokens);
+        let p = &plans[i];
         for (v, &lim) in visible.iter_mut().zip(&limits[p.l0..p.l0 + p.nq]) {
-            *v = lim.saturating_sub(ch * ct).min(n_c);
+            *v = lim.saturating_sub(ch * p.ct).min(n_c);
         }
     };
     let job_scores = |i: usize, kvh: usize, s: usize, sc: &mut [f32]| {

@@ -346,8 +346,7 @@ pub fn quantize_block_q8(x: &[f32], out: &mut [i8; QK]) -> (f32, f32, i32) {
         // cast compiled to compares and branches per value here, the clamped one to a
         // vector conversion. The same codes for every input.
         let r = (v * id).round_ties_even();
-        #[allow(clippy::eq_op)]
-        let r = if r == r { r.clamp(-127.0, 127.0) } else { 0.0 };
+        let r = if r.is_nan() { 0.0 } else { r.clamp(-127.0, 127.0) };
         // SAFETY: `r` is finite and within -127..=127.
         *q = unsafe { r.to_int_unchecked::<i32>() } as i8;
         sum += i32::from(*q);

@@ -38,22 +38,7 @@ macro_rules! packed_kernels {
         /// Needs AVX2, FMA and F16C.
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $all(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-            let n_tok = a.rows;
-            for g in g0..g1 {
-                let mut t = 0;
-                while t + 4 <= n_tok {
-                    $tile::<4>(w, a, g, t, out, ldo);
-                    t += 4;
-                }
-                // The rest in one pass over the weights (a batch of 2 or 3 decoding contexts reads
-                // the group once, not once per token); a token's arithmetic is the same in any tile.
-                match n_tok - t {
-                    3 => $tile::<3>(w, a, g, t, out, ldo),
-                    2 => $tile::<2>(w, a, g, t, out, ldo),
-                    1 => $tile::<1>(w, a, g, t, out, ldo),
-                    _ => {}
-                }
-            }
+            each_tile!($tile, w, a, out, ldo, g0, g1);
         }
 
         /// One group of 8 rows against `T` tokens starting at `t0`, over every block.
@@ -192,20 +177,7 @@ macro_rules! packed_k_kernels {
         /// Needs the kernel's features.
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $all(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-            let n_tok = a.rows;
-            for g in g0..g1 {
-                let mut t = 0;
-                while t + 4 <= n_tok {
-                    $tile::<4>(w, a, g, t, out, ldo);
-                    t += 4;
-                }
-                match n_tok - t {
-                    3 => $tile::<3>(w, a, g, t, out, ldo),
-                    2 => $tile::<2>(w, a, g, t, out, ldo),
-                    1 => $tile::<1>(w, a, g, t, out, ldo),
-                    _ => {}
-                }
-            }
+            each_tile!($tile, w, a, out, ldo, g0, g1);
         }
 
         #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step

@@ -252,51 +252,63 @@ pub fn matmul_packed(w: &PackedWeight, a: &Acts, out: OutPtr, ldo: usize, g0: us
 /// VNNI, NEON — gives the same bits, and a model runs to the same logits on any of them.
 pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     let nb = w.blocks_per_row();
-    for g in g0..g1 {
-        for lane in 0..ROWS {
-            let r = g * ROWS + lane;
-            if r >= w.rows {
-                break;
-            }
-            for t in 0..a.rows {
-                let mut sum = 0.0f32;
-                for b in 0..nb {
-                    let k8 = t * nb + b;
-                    let xq = &a.qs[k8];
-                    let (s, d, m) = match &w.data {
-                        Packed::Q4(v) => {
-                            let blk = &v[g * nb + b];
-                            let mut s = 0i32;
-                            for k in 0..4 {
-                                for j in 0..4 {
-                                    let q = blk.qs[32 * k + 4 * lane + j];
-                                    s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
-                                }
-                            }
-                            (s, blk.d[lane], Some(blk.m[lane]))
+    each_packed_output(w, a.rows, out, ldo, g0, g1, |g, lane, t| {
+        let mut sum = 0.0f32;
+        for b in 0..nb {
+            let k8 = t * nb + b;
+            let xq = &a.qs[k8];
+            let (s, d, m) = match &w.data {
+                Packed::Q4(v) => {
+                    let blk = &v[g * nb + b];
+                    let mut s = 0i32;
+                    for k in 0..4 {
+                        for j in 0..4 {
+                            let q = blk.qs[32 * k + 4 * lane + j];
+                            s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
                         }
-                        Packed::Q8(v) => {
-                            let blk = &v[g * nb + b];
-                            (q8_lane_sum(&blk.qs, lane, xq), blk.d[lane], None)
-                        }
-                        Packed::Q5(v) => {
-                            let blk = &v[g * nb + b];
-                            (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 16), blk.d[lane], None)
-                        }
-                        Packed::Q5M(v) => {
-                            let blk = &v[g * nb + b];
-                            (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
-                        }
-                        Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
-                            unreachable!("K-quant groups take Q8_K activations (matmul_packed_k_ref)")
-                        }
-                    };
-                    sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
-                    if let Some(m) = m {
-                        sum = m.to_f32().mul_add(a.s[k8], sum);
                     }
+                    (s, blk.d[lane], Some(blk.m[lane]))
                 }
-                out.write(t * ldo + r, sum);
+                Packed::Q8(v) => {
+                    let blk = &v[g * nb + b];
+                    (q8_lane_sum(&blk.qs, lane, xq), blk.d[lane], None)
+                }
+                Packed::Q5(v) => {
+                    let blk = &v[g * nb + b];
+                    (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 16), blk.d[lane], None)
+                }
+                Packed::Q5M(v) => {
+                    let blk = &v[g * nb + b];
+                    (q5_lane_sum(&blk.qh, &blk.qs, lane, xq, 0), blk.d[lane], Some(blk.m[lane]))
+                }
+                Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_) => {
+                    unreachable!("K-quant groups take Q8_K activations (matmul_packed_k_ref)")
+                }
+            };
+            sum = (s as f32).mul_add(d.to_f32() * a.d[k8], sum);
+            if let Some(m) = m {
+                sum = m.to_f32().mul_add(a.s[k8], sum);
+            }
+        }
+        sum
+    });
+}
+
+/// Writes `dot(group, lane, token)` for every row of groups `g0..g1` (the last group may be
+/// partial) and each of `n_tok` tokens: the scalar references' walk of the packed layout.
+fn each_packed_output(
+    w: &PackedWeight,
+    n_tok: usize,
+    out: OutPtr,
+    ldo: usize,
+    g0: usize,
+    g1: usize,
+    dot: impl Fn(usize, usize, usize) -> f32,
+) {
+    for g in g0..g1 {
+        for lane in (0..ROWS).take_while(|lane| g * ROWS + lane < w.rows) {
+            for t in 0..n_tok {
+                out.write(t * ldo + g * ROWS + lane, dot(g, lane, t));
             }
         }
     }
@@ -318,57 +330,48 @@ fn q8_lane_sum(qs: &[i8; 8 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
 /// float operations, so the packed kernels give the row-major references' bits.
 pub fn matmul_packed_k_ref(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
     let nb = w.blocks_per_row();
-    for g in g0..g1 {
-        for lane in 0..ROWS {
-            let r = g * ROWS + lane;
-            if r >= w.rows {
-                break;
-            }
-            for t in 0..a.rows {
-                let mut sum = 0.0f32;
-                for b in 0..nb {
-                    let k = t * nb + b;
-                    if let Packed::Q6K(v) = &w.data {
-                        // As `quant::dot_q6k_ref`: per 16-value sub-block the sum of
-                        // `(q - 32) x`, times its scale; then `d d_x` times the integer.
-                        let x = &v[g * nb + b];
-                        let mut sumi = 0i32;
-                        for s in 0..16 {
-                            let sub: i32 = (16 * s..16 * (s + 1))
-                                .map(|c| (i32::from(crate::repack::q6k_code(x, lane, c)) - 32) * i32::from(a.qs[k][c]))
-                                .sum();
-                            sumi += i32::from(x.scales[8 * s + lane]) * sub;
-                        }
-                        sum += x.d[lane].to_f32() * a.d[k] * sumi as f32;
-                        continue;
-                    }
-                    let (d, dmin, scales, mins, q, stride) = match &w.data {
-                        Packed::Q4K(v) => {
-                            let x = &v[g * nb + b];
-                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs[..], 128)
-                        }
-                        Packed::Q5K(v) => {
-                            let x = &v[g * nb + b];
-                            (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.q[..], 160)
-                        }
-                        _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
-                    };
-                    let (mut sumi, mut sumi_mins) = (0i32, 0i32);
-                    for j in 0..8 {
-                        let sub_qs: &[u8; 128] = q[stride * j..stride * j + 128].try_into().expect("128 bytes");
-                        let sub_qh: [u8; 32] =
-                            if stride > 128 { q[stride * j + 128..stride * j + 160].try_into().expect("32 bytes") } else { [0; 32] };
-                        let xq: &[i8; 32] = a.qs[k][32 * j..32 * (j + 1)].try_into().expect("32 bytes");
-                        sumi += i32::from(scales[8 * j + lane]) * q5_lane_sum(&sub_qh, sub_qs, lane, xq, 0);
-                        let m = mins[16 * (j / 2) + 2 * lane + j % 2];
-                        sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * j]) + i32::from(a.bsums[k][2 * j + 1]));
-                    }
-                    sum += a.d[k] * (d.to_f32() * sumi as f32 - dmin.to_f32() * sumi_mins as f32);
+    each_packed_output(w, a.rows, out, ldo, g0, g1, |g, lane, t| {
+        let mut sum = 0.0f32;
+        for b in 0..nb {
+            let k = t * nb + b;
+            if let Packed::Q6K(v) = &w.data {
+                // As `quant::dot_q6k_ref`: per 16-value sub-block the sum of
+                // `(q - 32) x`, times its scale; then `d d_x` times the integer.
+                let x = &v[g * nb + b];
+                let mut sumi = 0i32;
+                for s in 0..16 {
+                    let sub: i32 =
+                        (16 * s..16 * (s + 1)).map(|c| (i32::from(crate::repack::q6k_code(x, lane, c)) - 32) * i32::from(a.qs[k][c])).sum();
+                    sumi += i32::from(x.scales[8 * s + lane]) * sub;
                 }
-                out.write(t * ldo + r, sum);
+                sum += x.d[lane].to_f32() * a.d[k] * sumi as f32;
+                continue;
             }
+            let (d, dmin, scales, mins, q, stride) = match &w.data {
+                Packed::Q4K(v) => {
+                    let x = &v[g * nb + b];
+                    (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.qs[..], 128)
+                }
+                Packed::Q5K(v) => {
+                    let x = &v[g * nb + b];
+                    (x.d[lane], x.dmin[lane], &x.scales, &x.mins, &x.q[..], 160)
+                }
+                _ => unreachable!("32-column groups take Q8 activations (matmul_packed)"),
+            };
+            let (mut sumi, mut sumi_mins) = (0i32, 0i32);
+            for j in 0..8 {
+                let sub_qs: &[u8; 128] = q[stride * j..stride * j + 128].try_into().expect("128 bytes");
+                let sub_qh: [u8; 32] =
+                    if stride > 128 { q[stride * j + 128..stride * j + 160].try_into().expect("32 bytes") } else { [0; 32] };
+                let xq: &[i8; 32] = a.qs[k][32 * j..32 * (j + 1)].try_into().expect("32 bytes");
+                sumi += i32::from(scales[8 * j + lane]) * q5_lane_sum(&sub_qh, sub_qs, lane, xq, 0);
+                let m = mins[16 * (j / 2) + 2 * lane + j % 2];
+                sumi_mins += i32::from(m) * (i32::from(a.bsums[k][2 * j]) + i32::from(a.bsums[k][2 * j + 1]));
+            }
+            sum += a.d[k] * (d.to_f32() * sumi as f32 - dmin.to_f32() * sumi_mins as f32);
         }
-    }
+        sum
+    });
 }
 
 /// One row's integer sum `sum (q - offset) x` in a packed Q5 block.
@@ -677,6 +680,30 @@ pub(crate) const EXP_MIN: f32 = -87.0;
 pub(crate) const EXP_C: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
 /// The polynomial's coefficients, highest degree first (then `r^2 p + r + 1`).
 pub(crate) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+
+/// Runs a packed kernel's tile `$tile::<[$gen,] T>(w, a, g, t, out, ldo)` over groups `g0..g1`:
+/// the tokens four at a time, the rest (1-3) in one more pass over the group's weights (a
+/// batch of 2 or 3 decoding contexts reads each group once, not once per token; a token's
+/// arithmetic is the same in any tile). Shared by every vector kernel set.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! each_tile {
+    ($tile:ident $(<$gen:ty>)?, $w:expr, $a:expr, $out:expr, $ldo:expr, $g0:expr, $g1:expr) => {{
+        let n_tok = $a.rows;
+        for g in $g0..$g1 {
+            let mut t = 0;
+            while t + 4 <= n_tok {
+                $tile::<$($gen,)? 4>($w, $a, g, t, $out, $ldo);
+                t += 4;
+            }
+            match n_tok - t {
+                3 => $tile::<$($gen,)? 3>($w, $a, g, t, $out, $ldo),
+                2 => $tile::<$($gen,)? 2>($w, $a, g, t, $out, $ldo),
+                1 => $tile::<$($gen,)? 1>($w, $a, g, t, $out, $ldo),
+                _ => {}
+            }
+        }
+    }};
+}
 
 /// Runs `$body` with `$rows` bound to the row loader of `$k` (one instantiation per format
 /// and code width): shared by the vector kernel sets, each with its own `F32Rows`, `F16Rows`,

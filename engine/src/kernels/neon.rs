@@ -81,21 +81,7 @@ pub(super) unsafe fn matmul_packed_sdot(w: &PackedWeight, a: &Q8Acts, out: OutPt
 
 #[inline(always)]
 unsafe fn packed_all<D: Dot>(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    let n_tok = a.rows;
-    for g in g0..g1 {
-        let mut t = 0;
-        while t + 4 <= n_tok {
-            packed_tile::<D, 4>(w, a, g, t, out, ldo);
-            t += 4;
-        }
-        // The rest in one pass over the weights, as the AVX2 kernel does.
-        match n_tok - t {
-            3 => packed_tile::<D, 3>(w, a, g, t, out, ldo),
-            2 => packed_tile::<D, 2>(w, a, g, t, out, ldo),
-            1 => packed_tile::<D, 1>(w, a, g, t, out, ldo),
-            _ => {}
-        }
-    }
+    each_tile!(packed_tile<D>, w, a, out, ldo, g0, g1);
 }
 
 /// One group of 8 rows (two halves of 4: `.0` rows 0-3, `.1` rows 4-7) against `T` tokens
@@ -197,20 +183,7 @@ pub(super) unsafe fn matmul_packed_k_sdot(w: &PackedWeight, a: &Q8KActs, out: Ou
 
 #[inline(always)]
 unsafe fn packed_k_all<D: Dot>(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    let n_tok = a.rows;
-    for g in g0..g1 {
-        let mut t = 0;
-        while t + 4 <= n_tok {
-            packed_k_tile::<D, 4>(w, a, g, t, out, ldo);
-            t += 4;
-        }
-        match n_tok - t {
-            3 => packed_k_tile::<D, 3>(w, a, g, t, out, ldo),
-            2 => packed_k_tile::<D, 2>(w, a, g, t, out, ldo),
-            1 => packed_k_tile::<D, 1>(w, a, g, t, out, ldo),
-            _ => {}
-        }
-    }
+    each_tile!(packed_k_tile<D>, w, a, out, ldo, g0, g1);
 }
 
 /// One group of 8 packed K-quant rows against `T` tokens: per sub-block the rows' exact
