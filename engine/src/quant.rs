@@ -692,6 +692,54 @@ pub fn dot_q6k_ref(w: &[BlockQ6K], a: &Q8KActs, row: usize) -> f32 {
 mod tests {
     use super::*;
 
+    /// The vectorizable quantizer gives the codes, scale and sums of the plain formula (a
+    /// sequential fold for the maximum, the saturating cast, then the clamp) for every input:
+    /// random blocks, exact ties, zeros, infinities and NaN.
+    #[test]
+    fn q8_blocks_quantize_as_the_plain_formula() {
+        fn plain(x: &[f32], out: &mut [i8; QK]) -> (f32, f32, i32) {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in out.iter_mut().zip(x) {
+                *q = ((v * id).round_ties_even() as i32).clamp(-127, 127) as i8;
+                sum += i32::from(*q);
+            }
+            (f16::from_f32(d).to_f32(), f16::from_f32(d * sum as f32).to_f32(), sum)
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.5, -0.5, 127.0, -254.0, 1e-30];
+        for case in 0..2000 {
+            let mut x = [0.0f32; QK];
+            for v in &mut x {
+                let r = next();
+                *v = match case % 4 {
+                    // Values on a grid of halves of the step: rounding ties.
+                    0 => (r % 509) as f32 * 0.5 - 127.0,
+                    1 => f32::from_bits(r as u32 & 0xBF7F_FFFF),
+                    _ => ((r % 20_001) as f32 - 10_000.0) / 1000.0,
+                };
+                if case % 3 == 0 && r % 7 == 0 {
+                    *v = specials[(r >> 8) as usize % specials.len()];
+                }
+            }
+            let (mut a, mut b) = ([0i8; QK], [0i8; QK]);
+            let got = quantize_block_q8(&x, &mut a);
+            let want = plain(&x, &mut b);
+            assert_eq!(a, b, "codes of {x:?}");
+            assert_eq!(got.0.to_bits(), want.0.to_bits(), "scale of {x:?}");
+            assert_eq!(got.1.to_bits(), want.1.to_bits(), "scaled sum of {x:?}");
+            assert_eq!(got.2, want.2, "sum of {x:?}");
+        }
+    }
+
     /// Q5 codes as ggml defines them: low nibbles as Q4's, fifth bits from `qh` (bit j for
     /// element j, bit 16 + j for element 16 + j); Q5_0 is `(q - 16) d`, Q5_1 `q d + m`.
     #[test]
