@@ -619,6 +619,12 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Sr
             }
         }),
     };
+    if let Err(e) = &result {
+        // Logged before the slot reads as Poisoned: another thread's fault on it from then on
+        // gets SIGBUS at once, and its handler's message points at this line ("see the log
+        // above"), so the line must be out first (CI once caught the SIGBUS winning the race).
+        eprintln!("llms: uffd region {} slot {slot}: {e}; the slot is poisoned (readers get SIGBUS)", r.id);
+    }
     let mut slots = r.slots.lock().unwrap_or_else(|e| e.into_inner());
     let s = &mut slots[slot];
     let pending = std::mem::take(&mut s.pending);
@@ -645,7 +651,6 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Sr
         Err(e) => {
             s.state = SlotState::Poisoned;
             drop(slots);
-            eprintln!("llms: uffd region {} slot {slot}: {e}; the slot is poisoned (readers get SIGBUS)", r.id);
             poison(p, r, slot, r.slot_addr(slot), r.slot_size as u64);
             Err(e)
         }
