@@ -273,8 +273,9 @@ fn level_rank(f: KvFormat) -> u8 {
         KvFormat::F16 => 0,
         KvFormat::Int8 => 1,
         KvFormat::Q4 | KvFormat::Q4R | KvFormat::K4V4 => 2,
-        KvFormat::K3V3 => 3,
-        KvFormat::Q2 | KvFormat::Q2R | KvFormat::K2V2 => 4,
+        KvFormat::K4V3 => 3,
+        KvFormat::K3V3 => 4,
+        KvFormat::Q2 | KvFormat::Q2R | KvFormat::K2V2 => 5,
     }
 }
 

@@ -32,13 +32,14 @@
 //! 16-token chunks where q4 costs 0.64x. Reading decodes and rotates back (H is its own
 //! inverse), so attention sees plain K/V rows; the format code says the rotation.
 //!
-//! The split levels K4V4, K3V3 and K2V2 (issue #27) quantize values too, K and V each the way
+//! The split levels K4V4, K3V3, K2V2 and K4V3 (issue #27) quantize values too, K and V each the way
 //! it holds: K channel-wise over the chunk's tokens (its outlier channels keep their range from
 //! token to token, KIVI's finding), with parameters small enough for 16-token chunks (12 bits
 //! a channel: an i8 zero point and a 4-bit exponent below one f16 reference step); V per token
 //! after the rotation, on a Gaussian codebook (the rotated entries are near-Gaussian). K and V
 //! blocks differ in size, so a block's size and offset take K=0/V=1. k4v4 is 0.546x int8's
-//! bytes on the default model, k3v3 0.425x, k2v2 0.304x.
+//! bytes on the default model, k4v3 (K at 4 bits, V at 3: V loses less per bit taken) 0.486x,
+//! k3v3 0.425x, k2v2 0.304x.
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use half::f16;
@@ -55,11 +56,14 @@ pub enum KvFormat {
     K4V4,
     K3V3,
     K2V2,
+    /// K at 4 bits, V at 3: V is the half that loses less per bit taken (docs/kv.md).
+    K4V3,
 }
 
 impl KvFormat {
     /// Every format, in the order of their stored codes (never reorder: records name them).
-    pub const ALL: [Self; 9] = [Self::F16, Self::Int8, Self::Q4, Self::Q2, Self::Q4R, Self::Q2R, Self::K4V4, Self::K3V3, Self::K2V2];
+    pub const ALL: [Self; 10] =
+        [Self::F16, Self::Int8, Self::Q4, Self::Q2, Self::Q4R, Self::Q2R, Self::K4V4, Self::K3V3, Self::K2V2, Self::K4V3];
 
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -72,6 +76,7 @@ impl KvFormat {
             "k4v4" => Self::K4V4,
             "k3v3" => Self::K3V3,
             "k2v2" => Self::K2V2,
+            "k4v3" => Self::K4V3,
             _ => return None,
         })
     }
@@ -86,6 +91,7 @@ impl KvFormat {
             Self::K4V4 => "k4v4",
             Self::K3V3 => "k3v3",
             Self::K2V2 => "k2v2",
+            Self::K4V3 => "k4v3",
         }
     }
     /// Whether head vectors (all, or V's for the split levels) are stored rotated by the
@@ -95,21 +101,42 @@ impl KvFormat {
     }
     /// The split levels: K channel-wise, V rotated token-wise, each quantized from values.
     pub fn split(self) -> bool {
-        matches!(self, Self::K4V4 | Self::K3V3 | Self::K2V2)
+        matches!(self, Self::K4V4 | Self::K3V3 | Self::K2V2 | Self::K4V3)
     }
     /// Formats tokens can be appended to one at a time.
     pub fn is_base(self) -> bool {
         matches!(self, Self::F16 | Self::Int8)
     }
-    /// Bits per value.
+    /// Bits per value of its K blocks (of its V blocks: [`Self::v_bits`]; they differ in K4V3
+    /// only).
     pub fn bits(self) -> usize {
         match self {
             Self::F16 => 16,
             Self::Int8 => 8,
-            Self::Q4 | Self::Q4R | Self::K4V4 => 4,
+            Self::Q4 | Self::Q4R | Self::K4V4 | Self::K4V3 => 4,
             Self::K3V3 => 3,
             Self::Q2 | Self::Q2R | Self::K2V2 => 2,
         }
+    }
+    /// Bits per value of its V blocks.
+    pub fn v_bits(self) -> usize {
+        match self {
+            Self::K4V3 => 3,
+            f => f.bits(),
+        }
+    }
+    /// Bits per value of its K (`kv` 0) or V (1) blocks.
+    pub fn bits_of(self, kv: usize) -> usize {
+        if kv == 0 {
+            self.bits()
+        } else {
+            self.v_bits()
+        }
+    }
+    /// Bits per value over K and V.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn mean_bits(self) -> f64 {
+        (self.bits() + self.v_bits()) as f64 / 2.0
     }
     /// Largest code of a reduced level.
     fn levels(self) -> i32 {
@@ -134,7 +161,7 @@ impl KvGeometry {
     /// Bytes of one (layer, K=0/V=1, head) block (K and V blocks differ in the split levels).
     pub fn head_block_bytes(&self, f: KvFormat, kv: usize) -> usize {
         let (t, hd) = (self.chunk_tokens, self.head_dim);
-        let codes = (t * hd * f.bits()).div_ceil(8);
+        let codes = (t * hd * f.bits_of(kv)).div_ceil(8);
         match f {
             _ if f.split() && kv == 0 => 2 + hd + hd.div_ceil(2) + codes,
             _ if f.split() => t * 2 + codes,
@@ -276,7 +303,7 @@ fn write_rotated(f: KvFormat, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
 pub fn write_block_f32(f: KvFormat, kv: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, vals: &[f32]) {
     match f {
         _ if f.split() && kv == 0 => write_split_k(f.bits(), blk, hd, n, vals),
-        _ if f.split() => write_split_v(f.bits(), blk, t_cap, hd, n, vals),
+        _ if f.split() => write_split_v(f.v_bits(), blk, t_cap, hd, n, vals),
         KvFormat::F16 | KvFormat::Int8 => {
             for t in 0..n {
                 write_token(f, blk, t, t_cap, &vals[t * hd..(t + 1) * hd]);
@@ -301,7 +328,7 @@ pub fn write_block_f32(f: KvFormat, kv: usize, blk: &mut [u8], t_cap: usize, hd:
 pub fn read_block_f32(f: KvFormat, kv: usize, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
     match f {
         _ if f.split() && kv == 0 => read_split_k(f.bits(), blk, hd, n, out),
-        _ if f.split() => read_split_v(f.bits(), blk, t_cap, hd, n, out),
+        _ if f.split() => read_split_v(f.v_bits(), blk, t_cap, hd, n, out),
         KvFormat::F16 => {
             for (i, o) in out[..n * hd].iter_mut().enumerate() {
                 *o = f16_at(blk, i);
@@ -661,7 +688,7 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
     }
 }
 
-// ---- The split levels (K4V4, K3V3, K2V2): K channel-wise, V rotated token-wise ----
+// ---- The split levels (K4V4, K3V3, K2V2, K4V3): K channel-wise, V rotated token-wise ----
 // Their heads are at most MAX_FAST_HD wide and a power of two (`rotation_fits`, which
 // `ChunkedKv::set_format` checks before making one).
 
@@ -1134,7 +1161,7 @@ mod tests {
         for tok in 0..t {
             vals[tok * hd + 9] = 20.0 + rng.gen_range(-0.1..0.1);
         }
-        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
+        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2, KvFormat::K4V3] {
             let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: t };
             let top = ((1u32 << f.bits()) - 1) as f32;
             // K
@@ -1159,7 +1186,7 @@ mod tests {
             let mut blk = vec![0u8; g.head_block_bytes(f, 1)];
             write_block_f32(f, 1, &mut blk, t, hd, t, &vals);
             read_block_f32(f, 1, &blk, t, hd, t, &mut out);
-            let levels = v_levels(f.bits());
+            let levels = v_levels(f.v_bits());
             let gap = levels.windows(2).map(|w| f32::from(w[1]) - f32::from(w[0])).fold(0.0f32, f32::max);
             for k in 0..t {
                 let mut r = vals[k * hd..(k + 1) * hd].to_vec();
@@ -1183,8 +1210,12 @@ mod tests {
         assert!(k4 <= 0.55 * i8b, "{}", k4 / i8b);
         assert!(g.chunk_bytes(KvFormat::K4V4) < g.chunk_bytes(KvFormat::Q4));
         assert!(
-            g.chunk_bytes(KvFormat::K2V2) < g.chunk_bytes(KvFormat::K3V3) && g.chunk_bytes(KvFormat::K3V3) < g.chunk_bytes(KvFormat::K4V4)
+            g.chunk_bytes(KvFormat::K2V2) < g.chunk_bytes(KvFormat::K3V3) && g.chunk_bytes(KvFormat::K3V3) < g.chunk_bytes(KvFormat::K4V3)
         );
+        // K4V3: K's block as k4v4's, V's as k3v3's (under 0.5x int8 here).
+        assert_eq!(g.head_block_bytes(KvFormat::K4V3, 0), g.head_block_bytes(KvFormat::K4V4, 0));
+        assert_eq!(g.head_block_bytes(KvFormat::K4V3, 1), g.head_block_bytes(KvFormat::K3V3, 1));
+        assert!((g.chunk_bytes(KvFormat::K4V3) as f64) < 0.5 * i8b && g.chunk_bytes(KvFormat::K4V3) < g.chunk_bytes(KvFormat::K4V4));
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
         let (_, f16c) = random_chunk(&mut rng);
         let mut int8 = vec![0u8; G.chunk_bytes(KvFormat::Int8)];
@@ -1202,7 +1233,7 @@ mod tests {
         };
         let (s, q4, q4r) = (mse(KvFormat::K4V4), mse(KvFormat::Q4), mse(KvFormat::Q4R));
         assert!(s < q4 && s < q4r, "k4v4 {s} q4 {q4} q4r {q4r}");
-        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
+        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2, KvFormat::K4V3] {
             let mut q = vec![0u8; G.chunk_bytes(f)];
             convert_chunk(&G, KvFormat::Int8, &int8, f, &mut q, 16);
             let dq = decode_all(f, &q);

@@ -1328,7 +1328,9 @@ impl<'a> LayerBlocks<'a> {
                 let codes = crate::kv::split_k_params(bytes, hd, &mut s.zero, &mut s.step);
                 kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step }
             }
-            f if f.split() => kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.bits(), levels: crate::kv::split_v_levels(f.bits()) },
+            f if f.split() => {
+                kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }
+            }
             f if !self.up_front(f) => {
                 crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut s.own8);
                 kernels::KvRows::Int8 { blk: &s.own8, t_cap: ct }
@@ -1802,8 +1804,17 @@ mod tests {
         }
         // Every span mixes formats; the last chunk stays int8 (partial); the split levels are
         // read in place, V rotated back.
-        let formats =
-            [KvFormat::Q4, KvFormat::F16, KvFormat::K4V4, KvFormat::Q2, KvFormat::K3V3, KvFormat::Q4R, KvFormat::Int8, KvFormat::K2V2];
+        let formats = [
+            KvFormat::Q4,
+            KvFormat::F16,
+            KvFormat::K4V4,
+            KvFormat::Q2,
+            KvFormat::K3V3,
+            KvFormat::Q4R,
+            KvFormat::Int8,
+            KvFormat::K2V2,
+            KvFormat::K4V3,
+        ];
         for i in 0..n / 16 {
             kv.set_format(i, formats[i % formats.len()]).unwrap();
         }

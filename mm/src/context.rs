@@ -16,8 +16,8 @@ pub trait Codec: Send + Sync {
         self.n_layers() * self.layer_bytes(f)
     }
     fn chunk_tokens(&self) -> usize;
-    /// Bits per value of `f` (the compression level's weight in eq. 3).
-    fn bits(&self, f: Format) -> u32;
+    /// Bits per value of `f`, over K and V (the compression level's weight in eq. 3).
+    fn bits(&self, f: Format) -> f64;
     fn name(&self, f: Format) -> &'static str;
     /// A fingerprint of the model and codec: records of another model are never read.
     fn fingerprint(&self) -> u64;

@@ -26,8 +26,8 @@ impl Codec for FakeCodec {
     fn chunk_tokens(&self) -> usize {
         CT
     }
-    fn bits(&self, f: Format) -> u32 {
-        [8, 4, 2][f as usize]
+    fn bits(&self, f: Format) -> f64 {
+        [8.0, 4.0, 2.0][f as usize]
     }
     fn name(&self, f: Format) -> &'static str {
         ["b8", "b4", "b2"][f as usize]

@@ -821,7 +821,7 @@ pub fn accuracy_vs_memory(
     let mut ref_ppl = 0.0;
     for name in &plans {
         let plan = engine::eval::KvPlan::parse(name)
-            .with_context(|| format!("plan {name:?}: a KV format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2) or mix:R"))?;
+            .with_context(|| format!("plan {name:?}: a KV format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3) or mix:R"))?;
         let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
         let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
         let mut top = Vec::new();

@@ -22,6 +22,7 @@ pub fn code(f: KvFormat) -> Format {
         KvFormat::K4V4 => 6,
         KvFormat::K3V3 => 7,
         KvFormat::K2V2 => 8,
+        KvFormat::K4V3 => 9,
     }
 }
 
@@ -85,8 +86,8 @@ impl Codec for EngineCodec {
     fn chunk_tokens(&self) -> usize {
         self.geom.chunk_tokens
     }
-    fn bits(&self, f: Format) -> u32 {
-        u32::try_from(format(f).bits()).unwrap_or(16)
+    fn bits(&self, f: Format) -> f64 {
+        format(f).mean_bits()
     }
     fn name(&self, f: Format) -> &'static str {
         format(f).name()

@@ -179,7 +179,7 @@ pub struct PerplexityArgs {
     /// Score at most this many windows (0 = all).
     #[arg(long, default_value_t = 0)]
     pub chunks: usize,
-    /// KV cache while scoring: f16 (default), int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, or
+    /// KV cache while scoring: f16 (default), int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3,
     /// mix:R (tolerance-aware levels at R x int8 bytes; docs/kv.md). With --kv, windows are fed
     /// one KV chunk at a time.
     #[arg(long)]
@@ -230,7 +230,7 @@ impl PerplexityArgs {
             None => (::engine::eval::perplexity(&model, pool, &ids, ctx, chunks)?, None),
             Some(k) => {
                 let plan = ::engine::eval::KvPlan::parse(&k).with_context(|| {
-                    format!("--kv {k:?}: expected a format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2) or mix:R with 0 < R <= 1")
+                    format!("--kv {k:?}: expected a format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3) or mix:R with 0 < R <= 1")
                 })?;
                 if chunk_tokens == 0 || chunk_tokens > ctx {
                     bail!("--chunk-tokens must be between 1 and --ctx");
@@ -274,7 +274,7 @@ impl PerplexityArgs {
 /// `llms bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// KV cache format: f16 or int8; a lower level (q4, q2, q4r, q2r, k4v4, k3v3, k2v2):
+    /// KV cache format: f16 or int8; a lower level (q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3):
     /// written as int8, the depth's full chunks then lowered (the attention cost of a
     /// compressed context).
     #[arg(long, default_value = "f16")]
@@ -463,7 +463,7 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     let (base, lower) = match KvFormat::parse(kv) {
         Some(f) if f.is_base() => (f, None),
         Some(f) => (KvFormat::Int8, Some(f)),
-        None => bail!("--kv {kv:?}: expected f16, int8, q4, q2, q4r, q2r, k4v4, k3v3 or k2v2"),
+        None => bail!("--kv {kv:?}: expected f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2 or k4v3"),
     };
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
