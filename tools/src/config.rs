@@ -166,6 +166,22 @@ impl Default for Config {
     }
 }
 
+/// Most levels a mix may choose from. The level solver is exact, and its work grows as
+/// chunks^(levels - 2): five levels over a 4k-token context (256 chunks) take ~30 ms a
+/// choice, six about 100x that.
+pub const MAX_LEVELS: usize = 5;
+
+/// A mix's levels are distinct and at most [`MAX_LEVELS`].
+pub fn check_level_count(levels: &[KvFormat]) -> Result<()> {
+    if levels.len() > MAX_LEVELS {
+        bail!("{} levels given; at most {MAX_LEVELS} (the base and four lower ones)", levels.len());
+    }
+    if let Some((i, f)) = levels.iter().enumerate().find(|(i, f)| levels[..*i].contains(f)) {
+        bail!("{} is given twice (at positions {} and {})", f.name(), levels.iter().position(|x| x == f).unwrap_or(0) + 1, i + 1);
+    }
+    Ok(())
+}
+
 impl Config {
     /// Reads a TOML file (unknown keys are errors: a typo must not pass silently).
     pub fn load(path: &Path) -> Result<Self> {
@@ -232,6 +248,7 @@ impl Config {
         if v[1..].iter().any(|f| f.is_base()) {
             bail!("levels: only the first level may be f16 or int8");
         }
+        check_level_count(&v).context("levels")?;
         Ok(v)
     }
 
@@ -401,6 +418,8 @@ mod tests {
         Config::default().validate().unwrap();
         let c: Config = toml::from_str("budget = \"64MiB\"\nlevels = [\"int8\"]\nratio = 1.0\n").unwrap();
         c.validate().unwrap();
+        let c: Config = toml::from_str("levels = [\"int8\", \"k4v4\", \"k4v3\", \"k3v3\", \"k2v2\"]").unwrap();
+        c.validate().unwrap();
         let c: Config = toml::from_str("weights_budget = \"50%\"\nweights_plan = true\nweights_max_sparsity = 0.5").unwrap();
         c.validate().unwrap();
         let c: Config = toml::from_str("budget = 3145728").unwrap();
@@ -408,6 +427,8 @@ mod tests {
         assert!(toml::from_str::<Config>("bugdet = \"1M\"").is_err(), "unknown keys are errors");
         for bad in [
             "levels = [\"q4\"]",
+            "levels = [\"int8\", \"k4v4\", \"k4v4\"]",
+            "levels = [\"int8\", \"k4v4\", \"k4v3\", \"k3v3\", \"k2v2\", \"q4\"]",
             "ratio = 0.0",
             "policy = \"lru\"",
             "ablate = [\"lru\"]",

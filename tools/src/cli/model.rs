@@ -206,6 +206,7 @@ impl PerplexityArgs {
         if levels.first() != Some(&::engine::kv::KvFormat::Int8) {
             bail!("--kv-levels: the base level int8 comes first");
         }
+        crate::config::check_level_count(&levels).context("--kv-levels")?;
         let (model, pool, sp) = load_sparse(&m)?;
         if ctx < 8 || ctx > model.config.ctx_len {
             bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
