@@ -179,7 +179,7 @@ mod tests {
             let n = 1 + (rng(&mut seed) * if k > 3 { 5.0 } else { 7.0 }) as usize;
             let d: Vec<f64> = (0..n).map(|_| rng(&mut seed) + 1e-3).collect();
             let ratio = 0.3 + rng(&mut seed) * 0.75;
-            let got = choose_levels(&d, &sizes, &losses, ratio);
+            let got = choose_levels(&d, sizes, losses, ratio);
             let size = |v: &[usize]| v.iter().map(|&l| sizes[l]).sum::<f64>();
             let loss = |v: &[usize]| v.iter().zip(&d).map(|(&l, x)| losses[l] * x).sum::<f64>();
             let budget = ratio * n as f64 * sizes[0];
