@@ -253,3 +253,68 @@ fn one_uid_cannot_keep_others_out_of_the_batch() {
     assert!(other_done < long_done, "the other uid waited behind root's queued call: it ended after root's long call ({s_long:?})");
     d.stop();
 }
+
+/// A forward pass that panics with several calls in it fails only the call whose data made it
+/// panic: each call's piece runs again alone, the guilty one panics again and its context is
+/// quarantined, and the others go on, answering what they answer with no fault at all. (The
+/// panic is injected: llmsd's debug build panics on a pass feeding `LLMS_FAULT_PANIC_TOKEN`,
+/// standing for a context whose data crashes the model.)
+#[test]
+fn a_pass_that_panics_fails_only_the_call_that_made_it() {
+    if !kernel_ok() {
+        return;
+    }
+    let model = engine::Model::load(&llms_tests::model_path()).expect("model");
+    let enc = |t: &str| model.tokenizer.encode(t, false, false).expect("tokens");
+    let poison_prompt = "Listen to the xylophone";
+    let poison = *enc(poison_prompt).last().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("LLMS_FAULT_PANIC_TOKEN", poison.to_string())];
+    let d = Daemon::start_env(dir.path(), "fault", &dir.path().join("fault"), &format!("{EXACT}max_batch = 4\n"), &env);
+    // The innocent client: two calls on one context; the guilty one calls once the first of
+    // them decodes, so its prompt runs in a pass with it.
+    let (go, started) = std::sync::mpsc::channel::<()>();
+    let guilty = std::thread::spawn({
+        let socket = d.socket.clone();
+        move || {
+            let mut c = Client::connect(&socket, "guilty").unwrap();
+            let ctx = c.new_ctx(None).unwrap();
+            started.recv().unwrap();
+            let err = c.call(&raw(&ctx, poison_prompt, 16), &mut |_| {}).unwrap_err();
+            (c, ctx, format!("{err:#}"))
+        }
+    });
+    let mut c = d.client("innocent");
+    let ctx = c.new_ctx(None).unwrap();
+    let mut seen = 0;
+    let (first, st1) = c
+        .call(&raw(&ctx, TEXTS[0], 48), &mut |_| {
+            seen += 1;
+            if seen == 1 {
+                go.send(()).unwrap();
+            }
+        })
+        .unwrap();
+    let (mut g, gctx, err) = guilty.join().unwrap();
+    assert!(err.contains("quarantined"), "the guilty call's error: {err}");
+    assert_eq!(st1.output_tokens, 48, "the innocent call ran to its length: {st1:?}");
+    assert_eq!(st1.batch_max, 2, "the guilty prompt shared a pass with the innocent call: {st1:?}");
+    assert!(d.log_text().contains("run again one by one"), "the batched pass panicked and was split: {}", d.log_text());
+    let (second, _) = c.call(&raw(&ctx, " And then:", 24), &mut |_| {}).unwrap();
+    // The guilty context stays quarantined; its owner can still make others.
+    let again = g.call(&raw(&gctx, " more", 4), &mut |_| {}).unwrap_err();
+    assert!(format!("{again:#}").contains("quarantined"), "{again:#}");
+    let fresh = g.new_ctx(None).unwrap();
+    g.call(&raw(&fresh, "Hello", 4), &mut |_| {}).unwrap();
+    // The innocent calls, again on a fresh context with nobody else: the same answers.
+    let ctx2 = c.new_ctx(None).unwrap();
+    let (first2, alone) = c.call(&raw(&ctx2, TEXTS[0], 48), &mut |_| {}).unwrap();
+    let (second2, _) = c.call(&raw(&ctx2, " And then:", 24), &mut |_| {}).unwrap();
+    assert_eq!(alone.batch_max, 1);
+    assert_eq!((first, second), (first2.clone(), second2.clone()), "the failed pass changed an innocent call's answer");
+    // The injected token never ran in the innocent calls (else they would have failed too).
+    for t in [TEXTS[0], first2.as_str(), second2.as_str(), " And then:"] {
+        assert!(!enc(t).contains(&poison), "{t:?} holds the injected token");
+    }
+    d.stop();
+}

@@ -49,8 +49,6 @@ struct Active {
     /// Made for this call (a stateless client's new or branched context): a failed call
     /// deletes it.
     made: bool,
-    /// Runs alone: its last call failed in a batch whose pass panicked.
-    solo: bool,
     s: Session,
     /// The context as saved before the call (what a failure rolls back to), and as it will
     /// be saved after it.
@@ -191,8 +189,7 @@ impl Service {
                         }
                         return !active.is_empty();
                     }
-                    // A context that was in a batch that failed runs alone (see `step`).
-                    if active.len() >= self.cfg.max_batch.max(1) || active.iter().any(|a| a.solo) {
+                    if active.len() >= self.cfg.max_batch.max(1) {
                         return true;
                     }
                     // Calls on one context run one after the other: a call whose context is
@@ -305,12 +302,12 @@ impl Service {
                 Some(e) if e.saved.owner == job.owner => match (&e.unavailable, e.session.take()) {
                     (Some(why), _) => Err(unavailable(&ctx, why)),
                     (None, None) => Err(refuse(ErrorCode::Busy, "the context is in a call")),
-                    (None, Some(s)) => Ok((s, e.saved.clone(), e.solo)),
+                    (None, Some(s)) => Ok((s, e.saved.clone())),
                 },
                 _ => Err(not_found(&ctx)),
             }
         };
-        let (mut s, before, solo) = match taken {
+        let (mut s, before) = match taken {
             Ok(t) => t,
             Err(r) => {
                 if made {
@@ -331,7 +328,6 @@ impl Service {
                 job,
                 ctx,
                 made,
-                solo,
                 s,
                 before,
                 saved,
@@ -345,7 +341,7 @@ impl Service {
                 next: None,
                 out: Output::default(),
             }),
-            Ok(Err(e)) => Err(self.settle(&job, &ctx, made, false, s, before, saved, Err(e)).expect_err("failed")),
+            Ok(Err(e)) => Err(self.settle(&job, &ctx, made, s, before, saved, Err(e)).expect_err("failed")),
             Err(panic) => {
                 let r = self.quarantine(&ctx, s, saved.mm_id, &panic_message(panic.as_ref()));
                 if made {
@@ -359,15 +355,13 @@ impl Service {
     /// A call's end in the registry. A call is atomic: its turn is in the context once the
     /// context file holding it is on disk, and only then acknowledged (a cancelled call keeps
     /// what it made). A call that failed anywhere (a full disk included) leaves the context as
-    /// it was before it; a context made for a failed call goes. `solo_next`: the context's
-    /// next call runs alone (this one failed in a batch that panicked).
+    /// it was before it; a context made for a failed call goes.
     #[allow(clippy::too_many_arguments)]
     fn settle(
         &self,
         job: &Job,
         ctx: &str,
         made: bool,
-        solo_next: bool,
         s: Session,
         before: Saved,
         mut saved: Saved,
@@ -406,7 +400,6 @@ impl Service {
             e.session = session;
             e.saved = saved;
             e.unavailable = unusable;
-            e.solo = solo_next;
         }
         if !ok && made {
             let _ = self.del_ctx(&job.owner, ctx);
@@ -578,21 +571,12 @@ impl Service {
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
         let mut rows: Vec<usize> = Vec::new();
         let mut pieces: Vec<Vec<u32>> = Vec::new();
-        let alone = active.iter().position(|a| a.solo);
         let decoding = active.iter().filter(|a| a.next.is_some()).count();
         // The prompt with the fewest tokens left goes first: a short prompt does not wait
         // behind a long one's pieces (its caller waits for a first token; the long one's
         // caller waits far longer anyway).
-        let prefill = active
-            .iter()
-            .enumerate()
-            .filter(|(k, a)| a.next.is_none() && alone.is_none_or(|j| j == *k))
-            .min_by_key(|(_, a)| a.ids.len() - a.fed)
-            .map(|(k, _)| k);
+        let prefill = active.iter().enumerate().filter(|(_, a)| a.next.is_none()).min_by_key(|(_, a)| a.ids.len() - a.fed).map(|(k, _)| k);
         for (i, a) in active.iter_mut().enumerate() {
-            if alone.is_some_and(|k| k != i) {
-                continue;
-            }
             if let Some(t) = a.next {
                 match catch_unwind(AssertUnwindSafe(|| self.put_token(a, t))) {
                     Ok(Ok(true)) => {
@@ -626,42 +610,22 @@ impl Service {
         if !rows.is_empty() {
             let t0 = Instant::now();
             let n = rows.len();
+            // Where each call's positions start: a pass that panics is undone from here.
+            let from: Vec<usize> = rows.iter().map(|&i| active[i].s.n_past()).collect();
             let run = {
                 // `rows` is increasing: each call's session once, in the pieces' order.
                 let mut sessions: Vec<&mut Session> =
                     active.iter_mut().enumerate().filter(|(i, _)| rows.binary_search(i).is_ok()).map(|(_, a)| &mut a.s).collect();
                 let refs: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
-                catch_unwind(AssertUnwindSafe(|| Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len)))
+                catch_unwind(AssertUnwindSafe(|| {
+                    injected_fault(&refs);
+                    Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len)
+                }))
             };
             let pass_ms = ms(t0.elapsed());
             match run {
                 Ok(Ok(len)) => {
-                    let logits = &scratch.logits()[..len];
-                    for ((&i, piece), row) in rows.iter().zip(&pieces).zip(logits.chunks_exact(vocab)) {
-                        let a = &mut active[i];
-                        a.stats.batch_max = a.stats.batch_max.max(u32::try_from(n).unwrap_or(u32::MAX));
-                        let r = catch_unwind(AssertUnwindSafe(|| {
-                            if a.next.is_some() {
-                                self.take_logits(a, row)
-                            } else {
-                                a.fed += piece.len();
-                                if a.fed == a.ids.len() {
-                                    a.next = Some(a.sampler.sample(row));
-                                    a.stats.prefill_ms = ms(a.t_prefill.elapsed());
-                                    // From the call's arrival: its queue wait is in it once.
-                                    a.stats.ttft_ms = ms(a.job.received.elapsed());
-                                    a.stats.finish = "length".into();
-                                    a.t_decode = Instant::now();
-                                }
-                                true
-                            }
-                        }));
-                        match r {
-                            Ok(true) => {}
-                            Ok(false) => ended.push((i, Outcome::Done)),
-                            Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
-                        }
-                    }
+                    self.take_rows(active, &rows, &pieces, &scratch.logits()[..len], n, &mut ended);
                     if decoding > 0 {
                         self.prom.step(n, pass_ms);
                     }
@@ -672,21 +636,33 @@ impl Service {
                         ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string()))));
                     }
                 }
-                Err(p) => {
-                    // Which context's data made the model panic is not known: alone, it is
-                    // quarantined; in a batch, every call in it fails and its context runs its
-                    // next call alone (where a second panic quarantines it).
-                    let what = panic_message(p.as_ref());
+                Err(p) if n == 1 => {
                     *scratch = Scratch::default();
-                    for &i in &rows {
-                        if rows.len() == 1 {
-                            ended.push((i, Outcome::Panicked(what.clone())));
-                        } else {
-                            active[i].solo = true;
-                            ended.push((
-                                i,
-                                Outcome::Failed(refuse(ErrorCode::Failed, format!("the call failed inside the service ({what})"))),
-                            ));
+                    ended.push((rows[0], Outcome::Panicked(panic_message(p.as_ref()))));
+                }
+                Err(p) => {
+                    // Which call's data made the model panic is not known: each call's piece
+                    // runs again alone, its positions rolled back first (the pass wrote only
+                    // those, and a row's arithmetic does not depend on the others: a call that
+                    // goes on answers as if the pass had not failed). The one that panics alone
+                    // is quarantined; the others go on.
+                    *scratch = Scratch::default();
+                    warn!(calls = n, "a forward pass panicked ({}); its calls run again one by one", panic_message(p.as_ref()));
+                    for (k, &i) in rows.iter().enumerate() {
+                        let s = &mut active[i].s;
+                        s.truncate(from[k]);
+                        let piece = [pieces[k].as_slice()];
+                        let r = catch_unwind(AssertUnwindSafe(|| {
+                            injected_fault(&piece);
+                            Session::step_batch(&mut [s], &piece, scratch).map(<[f32]>::len)
+                        }));
+                        match r {
+                            Ok(Ok(len)) => self.take_rows(active, &[i], &pieces[k..=k], &scratch.logits()[..len], n, &mut ended),
+                            Ok(Err(e)) => ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string())))),
+                            Err(p) => {
+                                *scratch = Scratch::default();
+                                ended.push((i, Outcome::Panicked(panic_message(p.as_ref()))));
+                            }
                         }
                     }
                 }
@@ -697,6 +673,48 @@ impl Service {
         for (i, how) in ended {
             let a = active.remove(i);
             self.finish(a, how);
+        }
+    }
+
+    /// After a pass: each call in `rows` takes its row of `logits` (a decoding call its next
+    /// token; a prefilling one counts its piece, and samples once its prompt is in). `batch`:
+    /// the calls in the pass (one that panicked and was run again call by call included).
+    #[allow(clippy::too_many_arguments)]
+    fn take_rows(
+        &self,
+        active: &mut [Active],
+        rows: &[usize],
+        pieces: &[Vec<u32>],
+        logits: &[f32],
+        batch: usize,
+        ended: &mut Vec<(usize, Outcome)>,
+    ) {
+        let vocab = self.model.config.vocab;
+        let n = u32::try_from(batch).unwrap_or(u32::MAX);
+        for ((&i, piece), row) in rows.iter().zip(pieces).zip(logits.chunks_exact(vocab)) {
+            let a = &mut active[i];
+            a.stats.batch_max = a.stats.batch_max.max(n);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                if a.next.is_some() {
+                    self.take_logits(a, row)
+                } else {
+                    a.fed += piece.len();
+                    if a.fed == a.ids.len() {
+                        a.next = Some(a.sampler.sample(row));
+                        a.stats.prefill_ms = ms(a.t_prefill.elapsed());
+                        // From the call's arrival: its queue wait is in it once.
+                        a.stats.ttft_ms = ms(a.job.received.elapsed());
+                        a.stats.finish = "length".into();
+                        a.t_decode = Instant::now();
+                    }
+                    true
+                }
+            }));
+            match r {
+                Ok(true) => {}
+                Ok(false) => ended.push((i, Outcome::Done)),
+                Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
+            }
         }
     }
 
@@ -783,7 +801,7 @@ impl Service {
                 }
                 Err(r)
             }
-            Outcome::Failed(r) => self.settle(&a.job, &a.ctx, a.made, a.solo, a.s, a.before, a.saved, Err(r)),
+            Outcome::Failed(r) => self.settle(&a.job, &a.ctx, a.made, a.s, a.before, a.saved, Err(r)),
             Outcome::Done => {
                 let c = &a.job.call;
                 // A stateless client sends the turn's end itself with its next history.
@@ -795,7 +813,7 @@ impl Service {
                     batch = st.batch_max, finish = %st.finish, "call"
                 );
                 let out = (std::mem::take(&mut a.out.text), a.stats);
-                self.settle(&a.job, &a.ctx, a.made, false, a.s, a.before, a.saved, Ok(out))
+                self.settle(&a.job, &a.ctx, a.made, a.s, a.before, a.saved, Ok(out))
             }
         };
         let ev = match r {
@@ -834,3 +852,18 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
     let m = p.downcast_ref::<&str>().map(|s| (*s).to_string()).or_else(|| p.downcast_ref::<String>().cloned());
     format!("panic: {}", m.unwrap_or_else(|| "unknown".into()))
 }
+
+/// Fault injection for tests, in debug builds only: a forward pass that feeds the token
+/// `LLMS_FAULT_PANIC_TOKEN` panics, standing for context data that makes the model panic
+/// (tools/tests/batching.rs).
+#[cfg(debug_assertions)]
+fn injected_fault(pieces: &[&[u32]]) {
+    static TOKEN: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let token = *TOKEN.get_or_init(|| std::env::var("LLMS_FAULT_PANIC_TOKEN").ok().and_then(|v| v.parse().ok()));
+    if let Some(t) = token.filter(|t| pieces.iter().any(|p| p.contains(t))) {
+        panic!("injected fault: token {t} in a forward pass");
+    }
+}
+
+#[cfg(not(debug_assertions))]
+fn injected_fault(_: &[&[u32]]) {}

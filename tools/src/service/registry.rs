@@ -49,14 +49,11 @@ pub(super) struct CtxEntry {
     /// Why the context cannot be used, if it cannot: its data is kept (never deleted for
     /// it), its owner is told why at every call, and it can be deleted.
     pub(super) unavailable: Option<String>,
-    /// Its next call runs alone: its last one failed in a batch whose forward pass panicked
-    /// (not kept across restarts).
-    pub(super) solo: bool,
 }
 
 impl CtxEntry {
     fn usable(saved: Saved, session: Session) -> Self {
-        Self { saved, session: Some(session), unavailable: None, solo: false }
+        Self { saved, session: Some(session), unavailable: None }
     }
 }
 
@@ -124,7 +121,7 @@ impl Service {
                 }
                 Err(why) => {
                     warn!(ctx = %id, app = %saved.owner.app, uid = saved.owner.uid, file = %path.display(), "context unavailable, its data kept: {why}");
-                    CtxEntry { saved, session: None, unavailable: Some(why), solo: false }
+                    CtxEntry { saved, session: None, unavailable: Some(why) }
                 }
             };
             reg.insert(id.to_string(), entry);

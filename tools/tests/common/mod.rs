@@ -24,6 +24,15 @@ impl Daemon {
     /// [`Daemon::start`], with `disk` (a file system image) loop-mounted at `state`'s parent in
     /// a mount namespace of llmsd's own (nothing outside it sees the mount).
     pub fn start_on(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>) -> Self {
+        Self::start_full(dir, name, state, settings, disk, &[])
+    }
+
+    /// [`Daemon::start`] with environment variables for llmsd (fault injection).
+    pub fn start_env(dir: &Path, name: &str, state: &Path, settings: &str, env: &[(&str, String)]) -> Self {
+        Self::start_full(dir, name, state, settings, None, env)
+    }
+
+    fn start_full(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>, env: &[(&str, String)]) -> Self {
         let socket = dir.join(format!("{name}.sock"));
         let cfg = dir.join(format!("{name}.toml"));
         let toml = format!(
@@ -47,6 +56,7 @@ impl Daemon {
                 c
             }
         };
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let child =
             cmd.arg("--config").arg(&cfg).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().expect("llmsd starts");
         let mut d = Self { child, socket, log };
