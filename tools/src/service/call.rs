@@ -644,8 +644,9 @@ impl Service {
                     // Which call's data made the model panic is not known: each call's piece
                     // runs again alone, its positions rolled back first (the pass wrote only
                     // those, and a row's arithmetic does not depend on the others: a call that
-                    // goes on answers as if the pass had not failed). The one that panics alone
-                    // is quarantined; the others go on.
+                    // goes on answers as if the pass had not failed; only the attention observer
+                    // may have counted part of the failed pass, and densities only guide levels).
+                    // The one that panics alone is quarantined; the others go on.
                     *scratch = Scratch::default();
                     warn!(calls = n, "a forward pass panicked ({}); its calls run again one by one", panic_message(p.as_ref()));
                     for (k, &i) in rows.iter().enumerate() {
