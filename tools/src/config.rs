@@ -136,8 +136,10 @@ impl Default for Config {
             cgroup: None,
             policy: "llms".into(),
             chunk_tokens: 16,
-            levels: vec!["int8".into(), "q4".into(), "q2".into()],
-            ratio: 0.75,
+            // The split levels with k4v3, at the most compressed ratio within 1% of int8's
+            // perplexity on the accuracy texts (docs/kv.md; it was 0.75 over int8, q4, q2).
+            levels: vec!["int8".into(), "k4v4".into(), "k4v3".into(), "k3v3".into()],
+            ratio: 0.6,
             ablate: Vec::new(),
             max_contexts_per_app: 16,
             max_contexts: 256,

@@ -1154,3 +1154,41 @@ fn the_c_library_talks_to_llmsd() {
     assert!(stdout.lines().filter(|l| !l.starts_with("> ") && !l.trim().is_empty()).count() >= 2, "two answers: {stdout}");
     d.stop();
 }
+
+/// The default levels (the split ones) rotate head vectors: llmsd refuses a model whose heads
+/// cannot be rotated at start, naming the levels that work, and serves it with those.
+#[test]
+fn levels_a_model_cannot_hold_are_refused_at_start() {
+    if !kernel_ok() {
+        return;
+    }
+    use tools::synth::{Arch, Shape, WType};
+    let dir = tempfile::tempdir().unwrap();
+    // Heads of 48 channels: not a power of two.
+    let shape = Shape {
+        arch: Arch::Llama,
+        dim: 96,
+        layers: 2,
+        heads: 2,
+        kv_heads: 2,
+        ffn: 128,
+        ctx: 4096,
+        rope_base: 10_000.0,
+        llama3_rope: false,
+        rope_scale: 1.0,
+        tied: true,
+    };
+    let m = dir.path().join("hd48.gguf");
+    tools::synth::write(&shape, WType::F32, 1, &llms_tests::model_path(), &m).unwrap();
+    let at = |name: &str| {
+        format!("model = {m:?}\nsocket = {:?}\nstate_dir = {:?}\n", dir.path().join(format!("{name}.sock")), dir.path().join(name))
+    };
+    let err = refused_start(dir.path(), "split", &at("split"));
+    assert!(err.contains("k4v4") && err.contains("48 channels") && err.contains("\"q4\""), "{err}");
+    let d = Daemon::start(dir.path(), "q", &dir.path().join("q"), &format!("model = {m:?}\nlevels = [\"int8\", \"q4\", \"q2\"]\n"));
+    let mut c = d.client("app");
+    let ctx = c.new_ctx(None).unwrap();
+    let (_, st) = call(&mut c, &ctx, "Hello", 4);
+    assert_eq!(st.output_tokens, 4, "{st:?}");
+    d.stop();
+}

@@ -266,7 +266,7 @@ pub struct BenchServeArgs {
     /// Run the same calls with one client first (same service settings) and report the ratios.
     #[arg(long)]
     pub vs_solo: bool,
-    /// The service's KV levels [default: the service's, int8,q4,q2].
+    /// The service's KV levels [default: the service's, int8,k4v4,k4v3,k3v3].
     #[arg(long, value_delimiter = ',')]
     pub levels: Option<Vec<String>>,
     /// An llmsd to run against instead of one started in process.

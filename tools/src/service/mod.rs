@@ -184,6 +184,13 @@ impl Service {
         let turns = Turns::new(&model)?;
         let policy = cfg.policy()?;
         let levels = cfg.level_formats()?;
+        let hd = model.config.head_dim;
+        if let Some(f) = levels.iter().find(|f| f.rotated() && !engine::kv::rotation_fits(hd)) {
+            bail!(
+                "levels: {} rotates head vectors, which this model's heads of {hd} channels cannot be (a power of two up to 256 is needed); set levels = [\"int8\", \"q4\", \"q2\"]",
+                f.name()
+            );
+        }
         let profile = if policy == Policy::Llms && cfg.load_profile && !cfg.ablations()?.pipeline {
             Some(crate::loadbench::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
         } else {

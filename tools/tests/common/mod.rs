@@ -35,9 +35,10 @@ impl Daemon {
     fn start_full(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>, env: &[(&str, String)]) -> Self {
         let socket = dir.join(format!("{name}.sock"));
         let cfg = dir.join(format!("{name}.toml"));
+        // A `model` line in `settings` replaces the default (TOML refuses a key twice).
+        let model = if settings.contains("model =") { String::new() } else { format!("model = {:?}\n", model_path()) };
         let toml = format!(
-            "model = {:?}\nsocket = {:?}\nstate_dir = {:?}\nload_profile = false\nthreads = 2\n{}{settings}\n",
-            model_path(),
+            "{model}socket = {:?}\nstate_dir = {:?}\nload_profile = false\nthreads = 2\n{}{settings}\n",
             socket,
             state,
             if settings.contains("pressure") { "" } else { "pressure = false\n" }
