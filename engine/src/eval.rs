@@ -207,7 +207,8 @@ fn lower(
             let lv = choose(&d);
             for (c, &l) in lv.iter().enumerate() {
                 let cur = s.kv.format(c);
-                if level_rank(l) > level_rank(cur) {
+                // Only down: fewer bits than the chunk holds now.
+                if l.mean_bits() < cur.mean_bits() {
                     s.kv.set_format(c, l)?;
                 }
             }
@@ -266,17 +267,6 @@ pub fn greedy_kv(
         out.push(toks);
     }
     Ok(out)
-}
-
-fn level_rank(f: KvFormat) -> u8 {
-    match f {
-        KvFormat::F16 => 0,
-        KvFormat::Int8 => 1,
-        KvFormat::Q4 | KvFormat::Q4R | KvFormat::K4V4 => 2,
-        KvFormat::K4V3 => 3,
-        KvFormat::K3V3 => 4,
-        KvFormat::Q2 | KvFormat::Q2R | KvFormat::K2V2 => 5,
-    }
 }
 
 /// Levels tried per site when allocating.

@@ -46,8 +46,10 @@ pub fn choose_levels(densities: &[f64], sizes: &[f64], losses: &[f64], ratio: f6
     search(&prefix, sizes, losses, budget, 0, 0, 0.0, 0.0, &mut counts, &mut best);
     let counts = best.map_or_else(
         || {
+            // Levels need not be listed by size: the smallest is whichever it is.
+            let smallest = (0..k).min_by(|&a, &b| sizes[a].total_cmp(&sizes[b])).unwrap_or(k - 1);
             let mut all_smallest = vec![0; k];
-            all_smallest[k - 1] = n;
+            all_smallest[smallest] = n;
             all_smallest
         },
         |(_, c)| c,
@@ -87,11 +89,12 @@ fn search(
         // O(n^(k-2)) instead of O(n^(k-1)) (5 levels over 256 chunks: 0.58 s before).
         let rest = n - start;
         let fits = |c: usize| size + c as f64 * sizes[level] + (rest - c) as f64 * sizes[k - 1] <= budget;
-        let Some(lo) = (if fits(0) { Some(0) } else { crossing(rest, &fits, false) }) else { return };
-        let hi = if fits(rest) { rest } else { crossing(rest, &fits, true).unwrap_or(lo) };
-        if !fits(lo) || !fits(hi) {
-            return;
-        }
+        let (lo, hi) = match (fits(0), fits(rest)) {
+            (true, true) => (0, rest),
+            (true, false) => (0, last_fitting(&fits, 0, rest)),
+            (false, true) => (last_fitting(&fits, rest, 0), rest),
+            (false, false) => return,
+        };
         let c = if losses[level] <= losses[k - 1] { hi } else { lo };
         let l = loss + losses[level] * (prefix[start + c] - prefix[start]) + losses[k - 1] * (prefix[n] - prefix[start + c]);
         if best.as_ref().is_none_or(|(b, _)| l < *b) {
@@ -105,11 +108,17 @@ fn search(
     }
     let take_all = level + 1 == k;
     let lo = if take_all { n - start } else { 0 };
+    // Every chunk left after this level's costs at least the smallest of the levels below.
+    let least = sizes[level + 1..k].iter().copied().fold(f64::INFINITY, f64::min);
     for c in lo..=n - start {
         let s = size + c as f64 * sizes[level];
-        // Every remaining chunk costs at least the smallest level.
-        if s + (n - start - c) as f64 * sizes[k - 1] > budget {
-            break;
+        let left = n - start - c;
+        if s + if left == 0 { 0.0 } else { left as f64 * least } > budget {
+            // More chunks here only add to that bound when this level is not the smaller.
+            if sizes[level] >= least || take_all {
+                break;
+            }
+            continue;
         }
         let l = loss + losses[level] * (prefix[start + c] - prefix[start]);
         counts[level] = c;
@@ -124,17 +133,10 @@ fn search(
     counts[level] = 0;
 }
 
-/// The feasible `c` in `0..=rest` next to the one end that is not: `fits` is monotone in `c`
-/// (a linear size against the budget). With `last`, the largest feasible `c` when `rest` does
-/// not fit; else the smallest when 0 does not. Binary search, so float rounding at the
-/// boundary decides as `fits` itself does.
-fn crossing(rest: usize, fits: &dyn Fn(usize) -> bool, last: bool) -> Option<usize> {
-    // Invariant: fits(a) != fits(b) is sought with `a` on the end that is known.
-    let (mut a, mut b) = if last { (0usize, rest) } else { (rest, 0usize) };
-    if !fits(a) {
-        return None;
-    }
-    // `a` fits and `b` does not; halve the gap.
+/// From `a`, which fits, towards `b`, which does not (`fits` is monotone between them: a
+/// linear size against the budget), the last count that fits. Bisection on `fits` itself, so
+/// float rounding at the boundary decides as it does.
+fn last_fitting(fits: &dyn Fn(usize) -> bool, mut a: usize, mut b: usize) -> usize {
     while a.abs_diff(b) > 1 {
         let m = a.min(b) + a.abs_diff(b) / 2;
         if fits(m) {
@@ -143,7 +145,7 @@ fn crossing(rest: usize, fits: &dyn Fn(usize) -> bool, last: bool) -> Option<usi
             b = m;
         }
     }
-    Some(a)
+    a
 }
 
 #[cfg(test)]
@@ -157,15 +159,17 @@ mod tests {
 
     /// Equal to brute force over every assignment; monotone in density; within budget and
     /// within one chunk's step of it: for the default levels, the split ones (five, where the
-    /// last choice is made directly), and a set whose middle level is larger than the one
-    /// above it (the feasible counts then start above zero).
+    /// last choice is made directly), and sets whose levels are out of size order (the
+    /// feasible counts of the last choice then start above zero).
     #[test]
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     fn optimal_monotone_and_on_target() {
         let default = ([190_080.0, 120_960.0, 74_880.0].to_vec(), [8.0, 4.0, 2.0].map(loss_of_bits).to_vec());
         let split = ([190_080.0, 103_860.0, 92_340.0, 80_820.0, 57_780.0].to_vec(), [8.0, 4.0, 3.5, 3.0, 2.0].map(loss_of_bits).to_vec());
         let odd = ([100.0, 40.0, 60.0, 30.0].to_vec(), [0.0, 0.2, 0.1, 1.0].to_vec());
-        for (sizes, losses) in [default, split, odd] {
+        // The last level larger than the one before it: the fewest chunks that fit go there.
+        let odd_last = ([100.0, 30.0, 60.0].to_vec(), [0.0, 1.0, 0.1].to_vec());
+        for (sizes, losses) in [default, split, odd, odd_last] {
             check_against_brute_force(&sizes, &losses);
         }
     }
@@ -174,7 +178,6 @@ mod tests {
     fn check_against_brute_force(sizes: &[f64], losses: &[f64]) {
         let mut seed = 11;
         let k = sizes.len();
-        let last = k - 1;
         for _ in 0..200 {
             let n = 1 + (rng(&mut seed) * if k > 3 { 5.0 } else { 7.0 }) as usize;
             let d: Vec<f64> = (0..n).map(|_| rng(&mut seed) + 1e-3).collect();
@@ -194,7 +197,8 @@ mod tests {
                 }
             }
             if best.is_infinite() {
-                assert!(got.iter().all(|&l| l == last), "nothing fits: all smallest");
+                let smallest = (0..k).min_by(|&a, &b| sizes[a].total_cmp(&sizes[b])).unwrap();
+                assert!(got.iter().all(|&l| l == smallest), "nothing fits: all at the smallest level");
                 continue;
             }
             assert!((loss(&got) - best).abs() < 1e-12, "{sizes:?} {d:?} ratio {ratio}: {got:?}");

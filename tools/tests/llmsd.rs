@@ -1162,22 +1162,10 @@ fn levels_a_model_cannot_hold_are_refused_at_start() {
     if !kernel_ok() {
         return;
     }
-    use tools::synth::{Arch, Shape, WType};
+    use tools::synth::{Shape, WType};
     let dir = tempfile::tempdir().unwrap();
-    // Heads of 48 channels: not a power of two.
-    let shape = Shape {
-        arch: Arch::Llama,
-        dim: 96,
-        layers: 2,
-        heads: 2,
-        kv_heads: 2,
-        ffn: 128,
-        ctx: 4096,
-        rope_base: 10_000.0,
-        llama3_rope: false,
-        rope_scale: 1.0,
-        tied: true,
-    };
+    // The default model's shape, small, with heads of 48 channels: not a power of two.
+    let shape = Shape { dim: 96, layers: 2, heads: 2, kv_heads: 2, ffn: 128, ..tools::synth::preset("smollm2-135m").unwrap() };
     let m = dir.path().join("hd48.gguf");
     tools::synth::write(&shape, WType::F32, 1, &llms_tests::model_path(), &m).unwrap();
     let at = |name: &str| {
