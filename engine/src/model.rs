@@ -1325,8 +1325,8 @@ impl<'a> LayerBlocks<'a> {
             KvFormat::F16 => kernels::KvRows::F16(bytes),
             KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
             f if f.split() && kvsel == 0 => {
-                let codes = crate::kv::split_k_params(bytes, hd, &mut s.zero, &mut s.step);
-                kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step }
+                let (outliers, codes) = crate::kv::split_k_params(bytes, ct, hd, &mut s.zero, &mut s.step);
+                kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step, outliers }
             }
             f if f.split() => {
                 kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }

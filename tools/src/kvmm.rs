@@ -56,7 +56,7 @@ impl EngineCodec {
         let geom = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens };
         // What makes two models' KV records incompatible: the weights (file size and shape
         // stand in for them) and the chunk layout. Bump LAYOUT when kv.rs's layout changes.
-        const LAYOUT: u64 = 1;
+        const LAYOUT: u64 = 2;
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for v in [
             LAYOUT,

@@ -419,12 +419,14 @@ pub enum KvRows<'a> {
         t_cap: usize,
     },
     /// Channel-wise codes (a split level's K, `kv::split_k_params`): channel `c` of a row is
-    /// `(code - zero[c]) * step[c]`, codes `bits` (2-4) wide, low bits first, `[token][hd]`.
+    /// `(code - zero[c]) * step[c]`, codes `bits` (2-4) wide, low bits first, `[token][hd]`,
+    /// plus the corrections of the block's outliers (`kv::k_outlier_at`).
     Channel {
         codes: &'a [u8],
         bits: usize,
         zero: &'a [f32],
         step: &'a [f32],
+        outliers: &'a [u8],
     },
     /// Token-wise codebook codes (a split level's V, `kv::split_v_levels`): channel `c` of row
     /// `t` is `scale_t * levels[code]`, the block's `t_cap` f16 scales first, then codes as in
@@ -445,7 +447,8 @@ fn codes_f32(data: &[u8], i: usize, bits: usize, out: &mut [f32]) {
 }
 
 impl KvRows<'_> {
-    /// Row `t` as f32 (reference path).
+    /// Row `t` as f32 (reference path), without a channel-wise block's outliers (added apart,
+    /// after the rows: [`add_outliers_at`]).
     fn row(&self, t: usize, hd: usize, out: &mut [f32]) {
         match *self {
             KvRows::F32(v) => out[..hd].copy_from_slice(&v[t * hd..(t + 1) * hd]),
@@ -461,7 +464,7 @@ impl KvRows<'_> {
                     *o = s * f32::from(blk[t_cap * 2 + t * hd + i] as i8);
                 }
             }
-            KvRows::Channel { codes, bits, zero, step } => {
+            KvRows::Channel { codes, bits, zero, step, .. } => {
                 codes_f32(codes, t * hd, bits, &mut out[..hd]);
                 for ((o, &z), &st) in out[..hd].iter_mut().zip(zero).zip(step) {
                     *o = (*o - z) * st;
@@ -482,8 +485,12 @@ impl KvRows<'_> {
             KvRows::F32(v) => v.len() >= n * hd,
             KvRows::F16(b) => b.len() >= n * hd * 2,
             KvRows::Int8 { blk, t_cap } => n <= t_cap && blk.len() >= t_cap * 2 + n * hd,
-            KvRows::Channel { codes, bits, zero, step } => {
-                (2..=4).contains(&bits) && codes.len() * 8 >= n * hd * bits && zero.len() >= hd && step.len() >= hd
+            KvRows::Channel { codes, bits, zero, step, outliers } => {
+                (2..=4).contains(&bits)
+                    && codes.len() * 8 >= n * hd * bits
+                    && zero.len() >= hd
+                    && step.len() >= hd
+                    && outliers.len().is_multiple_of(4)
             }
             KvRows::Token { blk, t_cap, bits, levels } => {
                 (2..=4).contains(&bits) && n <= t_cap && blk.len() * 8 >= t_cap * 16 + n * hd * bits && levels.len() >= 1 << bits
@@ -503,15 +510,43 @@ pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f
     if has_avx2() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: features checked; every index used is bounded by the asserts above.
         unsafe { avx2::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
+        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
         return;
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: NEON in use; every index used is bounded by the asserts above.
         unsafe { neon::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
+        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
         return;
     }
     chunk_scores_ref(q, hd, k, visible, scale, scores, ld, col0);
+}
+
+/// Adds a channel-wise block's outlier corrections, in scalar code after every kernel set alike
+/// (so they keep one another's bits; a block has a few: 8 in a 16-token chunk of 64-channel
+/// heads). Scores (`scores`: `x` the queries, `y` the scores, `scale` applied): `q_c x corr`
+/// for the outlier at `(t, c)`; values: `p_t x corr` into output channel `c` (`x` the
+/// probabilities).
+#[allow(clippy::too_many_arguments)]
+fn add_outliers_at(x: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, y: &mut [f32], ld: usize, col0: usize, scores: bool) {
+    let KvRows::Channel { outliers, .. } = k else { return };
+    for i in 0..outliers.len() / 4 {
+        let (pos, corr) = crate::kv::k_outlier_at(outliers, i);
+        if corr == 0.0 {
+            continue; // an unused entry
+        }
+        let (t, c) = (pos / hd, pos % hd);
+        for (j, &vis) in visible.iter().enumerate() {
+            if t < vis {
+                if scores {
+                    y[j * ld + col0 + t] += x[j * hd + c] * corr * scale;
+                } else {
+                    y[j * hd + c] = x[j * ld + col0 + t].mul_add(corr, y[j * hd + c]);
+                }
+            }
+        }
+    }
 }
 
 /// The scalar reference for [`chunk_scores`] (the same bits: see [`dot_lanes`]).
@@ -523,7 +558,7 @@ pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f
 pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
     let n = visible.iter().copied().max().unwrap_or(0);
     let mut row = vec![0.0f32; hd];
-    if let KvRows::Channel { codes, bits, zero, step } = k {
+    if let KvRows::Channel { codes, bits, zero, step, .. } = k {
         let mut scaled = vec![0.0f32; hd];
         for (i, &vis) in visible.iter().enumerate() {
             for ((s, &x), &st) in scaled.iter_mut().zip(&q[i * hd..(i + 1) * hd]).zip(step) {
@@ -535,6 +570,7 @@ pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scal
                 scores[i * ld + col0 + t] = (dot_lanes(&row, &scaled) - offset) * scale;
             }
         }
+        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
         return;
     }
     for t in 0..n {
@@ -572,12 +608,14 @@ pub fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &
     if has_avx2() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: features checked; indices bounded by the asserts above.
         unsafe { avx2::chunk_values(probs, ld, col0, v, visible, hd, out) };
+        add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
         return;
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: NEON in use; indices bounded by the asserts above.
         unsafe { neon::chunk_values(probs, ld, col0, v, visible, hd, out) };
+        add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
         return;
     }
     chunk_values_ref(probs, ld, col0, v, visible, hd, out);
@@ -595,6 +633,7 @@ pub fn chunk_values_ref(probs: &[f32], ld: usize, col0: usize, v: KvRows, visibl
             }
         }
     }
+    add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
 }
 
 /// `out += a * x`, each element fused (as the vector kernels do).
@@ -724,7 +763,7 @@ macro_rules! with_rows {
                 let $rows = &I8Rows(blk.as_ptr(), t_cap);
                 $body
             }
-            KvRows::Channel { codes, bits, zero, step } => {
+            KvRows::Channel { codes, bits, zero, step, .. } => {
                 let (codes, zero, step) = (codes.as_ptr(), zero.as_ptr(), step.as_ptr());
                 match bits {
                     2 => {
@@ -991,8 +1030,8 @@ mod tests {
             kv::read_block_f32(f, 0, &kb, 16, 64, 16, &mut dk);
             kv::read_block_f32(f, 1, &vb, 16, 64, 16, &mut dv);
             let (mut zero, mut step) = (vec![0.0; 64], vec![0.0; 64]);
-            let codes = kv::split_k_params(&kb, 64, &mut zero, &mut step);
-            let k_rows = KvRows::Channel { codes, bits: f.bits(), zero: &zero, step: &step };
+            let (outliers, codes) = kv::split_k_params(&kb, 16, 64, &mut zero, &mut step);
+            let k_rows = KvRows::Channel { codes, bits: f.bits(), zero: &zero, step: &step, outliers };
             let (mut x, mut y) = (vec![0.0; 3 * 40], vec![0.0; 3 * 40]);
             chunk_scores(&q, 64, k_rows, &visible, 0.125, &mut x, 40, 16);
             chunk_scores(&q, 64, KvRows::F32(&dk), &visible, 0.125, &mut y, 40, 16);
@@ -1045,18 +1084,24 @@ mod tests {
             let levels: Vec<f32> = (0..16).map(|_| f32::from(rng.gen_range(-127i8..=127))).collect();
             let odd: Vec<f32> = levels.iter().map(|l| l + 0.25).collect();
             let mut coded = vec![0u8; 32 + 16 * hd];
+            // K outliers at random positions (the last entry unused, as an encoder leaves one).
+            let mut outl = vec![0u8; 4 * 8];
+            for o in outl.chunks_exact_mut(4).take(7) {
+                o[..2].copy_from_slice(&(rng.gen_range(0..16 * hd) as u16).to_le_bytes());
+                o[2..].copy_from_slice(&f16::from_f32(rng.gen_range(-2.0..2.0)).to_le_bytes());
+            }
             rng.fill(&mut coded[32..]);
             for t in 0..16 {
                 coded[2 * t..2 * t + 2].copy_from_slice(&f16::from_f32(rng.gen_range(0.0..0.1)).to_le_bytes());
             }
             for bits in 2..=4 {
-                rows.push(KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step });
+                rows.push(KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step, outliers: &outl });
                 rows.push(KvRows::Token { blk: &coded, t_cap: 16, bits, levels: &levels[..1 << bits] });
                 rows.push(KvRows::Token { blk: &coded, t_cap: 16, bits, levels: &odd[..1 << bits] });
                 // More queries than the channel-wise kernel scales at once.
                 let many: Vec<usize> = (0..11).map(|i| (i * 5) % 17).collect();
                 let q11: Vec<f32> = (0..11 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-                let k = KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step };
+                let k = KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step, outliers: &outl };
                 let (mut x, mut y) = (vec![-9.0; 11 * 20], vec![-9.0; 11 * 20]);
                 chunk_scores(&q11, hd, k, &many, 0.125, &mut x, 20, 3);
                 chunk_scores_ref(&q11, hd, k, &many, 0.125, &mut y, 20, 3);

@@ -499,7 +499,7 @@ pub(super) unsafe fn chunk_scores(
     ld: usize,
     col0: usize,
 ) {
-    if let KvRows::Channel { codes, bits, zero, step } = k {
+    if let KvRows::Channel { codes, bits, zero, step, .. } = k {
         let args = (codes.as_ptr(), zero.as_ptr(), step.as_ptr());
         match bits {
             2 => scores_channel::<2>(args, q, hd, visible, scale, scores, ld, col0),
