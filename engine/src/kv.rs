@@ -759,8 +759,8 @@ pub fn split_v_levels(bits: usize) -> &'static [f32] {
 /// Outliers a split-level K block of `t_cap` tokens of `hd` channels keeps exactly: one per 128
 /// values (8 in a 16-token chunk of 64-channel heads). An outlier widens its channel's range
 /// for every token of the block (and the block's reference step for every channel); taken out,
-/// k4v3 lost +0.6-1.2% / +1.3-1.8% instead of +2.0% / +2.1% on the KV accuracy texts
-/// (docs/kv.md, "K outliers"), for 4 bytes each.
+/// k4v3 loses +0.57% / +1.20% instead of +1.34% / +1.69% on the KV accuracy texts, k3v3 +2.09% /
+/// +3.13% instead of +3.26% / +6.07% (docs/kv.md, "K outliers"), for 4 bytes each.
 pub fn k_outliers(t_cap: usize, hd: usize) -> usize {
     // Positions are u16s.
     if t_cap * hd > 1 << 16 {

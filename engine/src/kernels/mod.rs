@@ -524,10 +524,10 @@ pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f
 }
 
 /// Adds a channel-wise block's outlier corrections, in scalar code after every kernel set alike
-/// (so they keep one another's bits; a block has a few: 8 in a 16-token chunk of 64-channel
-/// heads). Scores (`scores`: `x` the queries, `y` the scores, `scale` applied): `q_c x corr`
-/// for the outlier at `(t, c)`; values: `p_t x corr` into output channel `c` (`x` the
-/// probabilities).
+/// so they keep one another's bits (a block has a few: 8 in a 16-token chunk of 64-channel
+/// heads). With `scores`, `x` holds the queries and `y` the scores: `q_c x corr x scale` for the
+/// outlier at `(t, c)`; otherwise `x` holds the probabilities and `y` the outputs: `p_t x corr`
+/// into channel `c`.
 #[allow(clippy::too_many_arguments)]
 fn add_outliers_at(x: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, y: &mut [f32], ld: usize, col0: usize, scores: bool) {
     let KvRows::Channel { outliers, .. } = k else { return };
