@@ -773,7 +773,12 @@ pub fn k_outliers(t_cap: usize, hd: usize) -> usize {
 /// channel, an exponent nibble a channel, and the outliers (u16 position `t x hd + c`, f16
 /// correction each).
 fn split_k_header(t_cap: usize, hd: usize) -> usize {
-    2 + hd + hd.div_ceil(2) + 4 * k_outliers(t_cap, hd)
+    split_k_outliers_at(hd) + 4 * k_outliers(t_cap, hd)
+}
+
+/// Where a split-level K block's outliers start: after the reference, zero points and exponents.
+fn split_k_outliers_at(hd: usize) -> usize {
+    2 + hd + hd.div_ceil(2)
 }
 
 /// A split-level K block's per-channel zero points and steps (`head_dim` each), its outliers
@@ -786,13 +791,13 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
         *z = f32::from(b as i8);
     }
     // Two channels' exponents a byte, low nibble first.
-    for (pair, &b) in step[..hd].chunks_mut(2).zip(&blk[2 + hd..2 + hd + hd.div_ceil(2)]) {
+    let at = split_k_outliers_at(hd);
+    for (pair, &b) in step[..hd].chunks_mut(2).zip(&blk[2 + hd..at]) {
         pair[0] = k_step(reference, b & 0xF);
         if let Some(s) = pair.get_mut(1) {
             *s = k_step(reference, b >> 4);
         }
     }
-    let at = 2 + hd + hd.div_ceil(2);
     let end = split_k_header(t_cap, hd);
     (&blk[at..end], &blk[end..])
 }
@@ -874,7 +879,7 @@ fn write_split_k(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
     let (mut zero, mut step) = ([0.0f32; MAX_FAST_HD], [0.0f32; MAX_FAST_HD]);
     let (_, codes) = split_k_params(head, t_cap, hd, &mut zero, &mut step);
     debug_assert!(codes.is_empty());
-    let at = 2 + hd + hd.div_ceil(2);
+    let at = split_k_outliers_at(hd);
     for (i, &(pos, x)) in outliers.iter().enumerate() {
         let c = pos % hd;
         let decoded = (f32::from(get_code(data, pos, bits)) - zero[c]) * step[c];
@@ -891,14 +896,15 @@ fn take_k_outliers(vals: &mut [f32], hd: usize, n: usize, count: usize) -> Vec<(
     if n < 3 || count == 0 {
         return Vec::new();
     }
-    // Each channel's tokens in value order, and the span [lo, hi] of them still in.
-    let order: Vec<Vec<usize>> = (0..hd)
-        .map(|c| {
-            let mut o: Vec<usize> = (0..n).collect();
-            o.sort_by(|&a, &b| vals[a * hd + c].total_cmp(&vals[b * hd + c]));
-            o
-        })
-        .collect();
+    // Each channel's tokens in value order (channel `c`'s at `c * n..`), and the span [lo, hi]
+    // of them still in.
+    let mut order: Vec<usize> = Vec::with_capacity(hd * n);
+    for c in 0..hd {
+        let at = order.len();
+        order.extend(0..n);
+        order[at..].sort_by(|&a, &b| vals[a * hd + c].total_cmp(&vals[b * hd + c]));
+    }
+    let order = |c: usize, k: usize| order[c * n + k];
     let mut span: Vec<(usize, usize)> = vec![(0, n - 1); hd];
     let mut taken = Vec::with_capacity(count);
     for _ in 0..count {
@@ -908,7 +914,7 @@ fn take_k_outliers(vals: &mut [f32], hd: usize, n: usize, count: usize) -> Vec<(
             if hi - lo < 2 {
                 continue;
             }
-            let v = |k: usize| vals[order[c][k] * hd + c];
+            let v = |k: usize| vals[order(c, k) * hd + c];
             let r = v(hi) - v(lo);
             for (at_top, r2) in [(false, v(hi) - v(lo + 1)), (true, v(hi - 1) - v(lo))] {
                 let gain = r * r - r2 * r2;
@@ -919,7 +925,7 @@ fn take_k_outliers(vals: &mut [f32], hd: usize, n: usize, count: usize) -> Vec<(
         }
         let Some((_, c, at_top)) = best else { break };
         let (lo, hi) = &mut span[c];
-        let t = if at_top { order[c][*hi] } else { order[c][*lo] };
+        let t = order(c, if at_top { *hi } else { *lo });
         if at_top {
             *hi -= 1;
         } else {
@@ -932,7 +938,7 @@ fn take_k_outliers(vals: &mut [f32], hd: usize, n: usize, count: usize) -> Vec<(
     for &(pos, _) in &taken {
         let c = pos % hd;
         let (lo, hi) = span[c];
-        vals[pos] = 0.5 * (vals[order[c][lo] * hd + c] + vals[order[c][hi] * hd + c]);
+        vals[pos] = 0.5 * (vals[order(c, lo) * hd + c] + vals[order(c, hi) * hd + c]);
     }
     taken
 }

@@ -448,7 +448,7 @@ fn codes_f32(data: &[u8], i: usize, bits: usize, out: &mut [f32]) {
 
 impl KvRows<'_> {
     /// Row `t` as f32 (reference path), without a channel-wise block's outliers (added apart,
-    /// after the rows: [`add_outliers_at`]).
+    /// after the rows: [`add_outlier_scores`], [`add_outlier_values`]).
     fn row(&self, t: usize, hd: usize, out: &mut [f32]) {
         match *self {
             KvRows::F32(v) => out[..hd].copy_from_slice(&v[t * hd..(t + 1) * hd]),
@@ -510,40 +510,49 @@ pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f
     if has_avx2() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: features checked; every index used is bounded by the asserts above.
         unsafe { avx2::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
-        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
+        add_outlier_scores(q, hd, k, visible, scale, scores, ld, col0);
         return;
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: NEON in use; every index used is bounded by the asserts above.
         unsafe { neon::chunk_scores(q, hd, k, visible, scale, scores, ld, col0) };
-        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
+        add_outlier_scores(q, hd, k, visible, scale, scores, ld, col0);
         return;
     }
     chunk_scores_ref(q, hd, k, visible, scale, scores, ld, col0);
 }
 
-/// Adds a channel-wise block's outlier corrections, in scalar code after every kernel set alike
-/// so they keep one another's bits (a block has a few: 8 in a 16-token chunk of 64-channel
-/// heads). With `scores`, `x` holds the queries and `y` the scores: `q_c x corr x scale` for the
-/// outlier at `(t, c)`; otherwise `x` holds the probabilities and `y` the outputs: `p_t x corr`
-/// into channel `c`.
+/// A channel-wise block's outliers as (token, channel, correction), unused entries left out.
+/// Their corrections are added in scalar code after every kernel set alike, so AVX2, NEON and
+/// the reference keep one another's bits (a block has a few: 8 in a 16-token chunk of
+/// 64-channel heads).
+fn outliers<'a>(k: &KvRows<'a>, hd: usize) -> impl Iterator<Item = (usize, usize, f32)> + 'a {
+    let bytes: &[u8] = if let KvRows::Channel { outliers, .. } = *k { outliers } else { &[] };
+    (0..bytes.len() / 4)
+        .map(move |i| crate::kv::k_outlier_at(bytes, i))
+        .filter(|&(_, corr)| corr != 0.0)
+        .map(move |(pos, corr)| (pos / hd, pos % hd, corr))
+}
+
+/// Adds `q_c x corr x scale` to the score of each outlier's token `t` (for the queries that see it).
 #[allow(clippy::too_many_arguments)]
-fn add_outliers_at(x: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, y: &mut [f32], ld: usize, col0: usize, scores: bool) {
-    let KvRows::Channel { outliers, .. } = k else { return };
-    for i in 0..outliers.len() / 4 {
-        let (pos, corr) = crate::kv::k_outlier_at(outliers, i);
-        if corr == 0.0 {
-            continue; // an unused entry
-        }
-        let (t, c) = (pos / hd, pos % hd);
+fn add_outlier_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    for (t, c, corr) in outliers(&k, hd) {
         for (j, &vis) in visible.iter().enumerate() {
             if t < vis {
-                if scores {
-                    y[j * ld + col0 + t] += x[j * hd + c] * corr * scale;
-                } else {
-                    y[j * hd + c] = x[j * ld + col0 + t].mul_add(corr, y[j * hd + c]);
-                }
+                scores[j * ld + col0 + t] += q[j * hd + c] * corr * scale;
+            }
+        }
+    }
+}
+
+/// Adds `p_t x corr` to output channel `c` of each query that sees the outlier's token `t`.
+fn add_outlier_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+    for (t, c, corr) in outliers(&v, hd) {
+        for (j, &vis) in visible.iter().enumerate() {
+            if t < vis {
+                out[j * hd + c] = probs[j * ld + col0 + t].mul_add(corr, out[j * hd + c]);
             }
         }
     }
@@ -570,7 +579,7 @@ pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scal
                 scores[i * ld + col0 + t] = (dot_lanes(&row, &scaled) - offset) * scale;
             }
         }
-        add_outliers_at(q, hd, k, visible, scale, scores, ld, col0, true);
+        add_outlier_scores(q, hd, k, visible, scale, scores, ld, col0);
         return;
     }
     for t in 0..n {
@@ -608,14 +617,14 @@ pub fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &
     if has_avx2() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: features checked; indices bounded by the asserts above.
         unsafe { avx2::chunk_values(probs, ld, col0, v, visible, hd, out) };
-        add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
+        add_outlier_values(probs, ld, col0, v, visible, hd, out);
         return;
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && hd.is_multiple_of(8) && hd <= 256 {
         // SAFETY: NEON in use; indices bounded by the asserts above.
         unsafe { neon::chunk_values(probs, ld, col0, v, visible, hd, out) };
-        add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
+        add_outlier_values(probs, ld, col0, v, visible, hd, out);
         return;
     }
     chunk_values_ref(probs, ld, col0, v, visible, hd, out);
@@ -633,7 +642,7 @@ pub fn chunk_values_ref(probs: &[f32], ld: usize, col0: usize, v: KvRows, visibl
             }
         }
     }
-    add_outliers_at(probs, hd, v, visible, 1.0, out, ld, col0, false);
+    add_outlier_values(probs, ld, col0, v, visible, hd, out);
 }
 
 /// `out += a * x`, each element fused (as the vector kernels do).
