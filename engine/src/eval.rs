@@ -127,12 +127,17 @@ impl KvPlan {
     }
 }
 
+/// Picks the levels of a context's full chunks from their densities and the levels they hold
+/// now (the memory manager's policy, `mm::levels`, passed in by tools: the engine knows none).
+pub type LevelChooser = dyn Fn(&[f64], &[KvFormat]) -> Vec<KvFormat>;
+
 /// Perplexity (llama.cpp's method, as [`perplexity`]) with the KV cache compressed as `plan`
 /// says: each window is fed one chunk at a time, and every full chunk is lowered to its level
 /// before the next is computed, so later tokens attend to compressed chunks. For the mix,
 /// densities come from the attention observer and levels only ever go down. Returns the
 /// perplexity and the average KV bytes of the full chunks relative to int8. For the mix,
-/// `choose(densities)` picks the levels (the policy is the memory manager's, `mm::levels`).
+/// `choose(densities, held)` picks the levels of chunks that hold `held` now (the policy is the
+/// memory manager's, `mm::levels`).
 /// `top1`, when given, receives the most likely token at every scored position (to compare
 /// plans' greedy choices).
 #[allow(clippy::cast_precision_loss)]
@@ -145,7 +150,7 @@ pub fn perplexity_kv(
     max_windows: usize,
     plan: KvPlan,
     chunk_tokens: usize,
-    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
+    choose: &LevelChooser,
     mut top1: Option<&mut Vec<u32>>,
 ) -> Result<(Perplexity, f64), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
@@ -188,13 +193,7 @@ pub fn perplexity_kv(
 }
 
 /// Lowers the first `full` chunks of `s` as `plan` says (levels only go down).
-fn lower(
-    s: &mut Session,
-    plan: KvPlan,
-    full: usize,
-    chunk_tokens: usize,
-    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
-) -> Result<(), ModelError> {
+fn lower(s: &mut Session, plan: KvPlan, full: usize, chunk_tokens: usize, choose: &LevelChooser) -> Result<(), ModelError> {
     match plan {
         KvPlan::Uniform(f) => {
             for c in 0..full {
@@ -204,7 +203,8 @@ fn lower(
         KvPlan::Mix(_) => {
             let a = s.attention.as_ref().expect("observer on for the mix");
             let d: Vec<f64> = (0..full).map(|c| a.density(c * chunk_tokens..(c + 1) * chunk_tokens)).collect();
-            let lv = choose(&d);
+            let held: Vec<KvFormat> = (0..full).map(|c| s.kv.format(c)).collect();
+            let lv = choose(&d, &held);
             for (c, &l) in lv.iter().enumerate() {
                 let cur = s.kv.format(c);
                 // Only down: fewer bits than the chunk holds now.
@@ -232,7 +232,7 @@ pub fn greedy_kv(
     max_windows: usize,
     plan: KvPlan,
     chunk_tokens: usize,
-    choose: &dyn Fn(&[f64]) -> Vec<KvFormat>,
+    choose: &LevelChooser,
 ) -> Result<Vec<Vec<u32>>, ModelError> {
     let wins = windows(model, ids, prompt, max_windows)?;
     let base = match plan {

@@ -1265,12 +1265,13 @@ struct LayerBlocks<'a> {
 }
 
 /// A job's buffers for [`LayerBlocks::rows`]: a Q4/Q2 block decoded to int8, a split K
-/// block's channel zero points and steps.
+/// block's channel zero points and steps, a split V block's token scales.
 #[derive(Default)]
 struct BlockScratch {
     own8: Vec<u8>,
     zero: Vec<f32>,
     step: Vec<f32>,
+    scales: Vec<f32>,
 }
 
 impl BlockScratch {
@@ -1284,6 +1285,7 @@ impl BlockScratch {
         self.own8.resize(blk8, 0);
         self.zero.resize(b.hd, 0.0);
         self.step.resize(b.hd, 0.0);
+        self.scales.resize(b.kv.geom.chunk_tokens, 0.0);
     }
 }
 
@@ -1329,7 +1331,8 @@ impl<'a> LayerBlocks<'a> {
                 kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step, outliers }
             }
             f if f.split() => {
-                kernels::KvRows::Token { blk: bytes, t_cap: ct, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }
+                let codes = crate::kv::split_v_params(bytes, ct, &mut s.scales);
+                kernels::KvRows::Token { codes, scales: &s.scales, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }
             }
             f if !self.up_front(f) => {
                 crate::kv::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut s.own8);

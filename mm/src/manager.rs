@@ -13,7 +13,7 @@ use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, 
 
 use crate::context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
 use crate::lctru::{ChunkId, Lctru};
-use crate::levels::{choose_levels, loss_of_bits};
+use crate::levels::{choose_levels_held, loss_of_bits};
 use crate::planner::{plan_forced, Plan};
 use crate::profile::Profile;
 use crate::ring::{Op, Ring};
@@ -999,7 +999,9 @@ impl Manager {
                 let sizes: Vec<f64> = self.cfg.levels.iter().map(|&f| self.codec.chunk_bytes(f) as f64).collect();
                 let losses: Vec<f64> = self.cfg.levels.iter().map(|&f| loss_of_bits(self.codec.bits(f))).collect();
                 let dd: Vec<f64> = (0..full).map(|i| d.get(i).copied().unwrap_or(0.0)).collect();
-                for (i, l) in choose_levels(&dd, &sizes, &losses, self.cfg.ratio).into_iter().enumerate() {
+                // Levels only go down (below): the choice spends no budget on raising a chunk.
+                let held: Vec<usize> = (0..full).map(|i| self.cfg.levels.iter().position(|&f| f == kv.format(i)).unwrap_or(0)).collect();
+                for (i, l) in choose_levels_held(&dd, &held, &sizes, &losses, self.cfg.ratio).into_iter().enumerate() {
                     targets[i] = Some(self.cfg.levels[l]);
                 }
             }

@@ -83,6 +83,16 @@ pub fn most_compressed_within(
     Ok((best, steps))
 }
 
+/// The ratios between `within` (passed) and `failed` (the next coarser step, which did not)
+/// at 0.01 apart, least compressed first: where the search looks again to place the ratio
+/// within a hundredth (the switch latency moves steeply with it, docs/kv.md).
+pub fn finer_ratios(within: f64, failed: f64) -> Vec<f64> {
+    #[allow(clippy::cast_possible_truncation)]
+    let (hi, lo) = ((within * 100.0).round() as i64, (failed * 100.0).round() as i64);
+    #[allow(clippy::cast_precision_loss)]
+    (lo + 1..hi).rev().map(|c| c as f64 / 100.0).collect()
+}
+
 fn level_names(levels: &[engine::kv::KvFormat]) -> String {
     levels.iter().map(|f| f.name()).collect::<Vec<_>>().join(",")
 }
@@ -90,7 +100,8 @@ fn level_names(levels: &[engine::kv::KvFormat]) -> String {
 /// The llms ratio chosen by quality (issue #27): the most compressed global ratio of the mix
 /// over `levels` (the base first) whose perplexity on every one of `texts` (ctx 512, the
 /// first `windows` windows of each, each chunk lowered as it fills, as `llms perplexity --kv
-/// mix:R`) is within `tolerance_pct` of the base level's. Prints each ratio tried. Falls back
+/// mix:R`) is within `tolerance_pct` of the base level's: by steps of 0.05, then by hundredths
+/// between the last within and the first not ([`finer_ratios`]). Prints each ratio tried. Falls back
 /// to 1.0 (every chunk at the base) when no ratio below it is within.
 pub fn ratio_by_quality(
     model: &Arc<engine::Model>,
@@ -125,12 +136,19 @@ pub fn ratio_by_quality(
         level_names(levels),
         base_level.name()
     );
-    let (best, steps) = most_compressed_within(&QUALITY_RATIOS[1..], &base, tolerance_pct, |r| {
+    let mut score = |r: f64| {
         let p = ppl(engine::eval::KvPlan::Mix(r), r)?;
         let pct: Vec<String> = p.iter().zip(&base).map(|(p, b)| format!("{:+.2}%", (p / b - 1.0) * 100.0)).collect();
         println!("  mix:{r:.2}: perplexity {p:.3?} ({})", pct.join(", "));
         Ok(p)
-    })?;
+    };
+    let (mut best, mut steps) = most_compressed_within(&QUALITY_RATIOS[1..], &base, tolerance_pct, &mut score)?;
+    // Between the last step within and the first that was not, by hundredths.
+    if let (Some(within), Some(failed)) = (best, steps.last().filter(|s| !s.within).map(|s| s.ratio)) {
+        let (fine, fine_steps) = most_compressed_within(&finer_ratios(within, failed), &base, tolerance_pct, &mut score)?;
+        best = fine.or(best);
+        steps.extend(fine_steps);
+    }
     let ratio = best.unwrap_or(1.0);
     println!("llms ratio by quality: {ratio:.2} (the most compressed within {tolerance_pct}% of {} on every text)", base_level.name());
     Ok((ratio, steps))
@@ -966,6 +984,9 @@ mod tests {
         assert_eq!(steps.len(), 5);
         let (none, _) = most_compressed_within(&[0.9, 0.8], &base, 0.1, score).unwrap();
         assert_eq!(none, None);
+        // Between a step within and the next that failed, hundredths, least compressed first.
+        assert_eq!(finer_ratios(0.55, 0.5), vec![0.54, 0.53, 0.52, 0.51]);
+        assert!(finer_ratios(0.55, 0.54).is_empty());
         // A failing score stops the search with its error.
         assert!(most_compressed_within(&[0.9], &base, 1.0, |_| Err(anyhow!("no text"))).is_err());
     }

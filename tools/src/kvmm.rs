@@ -34,13 +34,17 @@ pub fn format(c: Format) -> KvFormat {
 /// The tolerance-aware level choice (mm's eq. 2-3) over `levels` (the base first) at `ratio` x
 /// int8 bytes, as a function of chunk densities: what `engine::eval::perplexity_kv` calls for a
 /// mix.
-pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvFormat]) -> impl Fn(&[f64]) -> Vec<KvFormat> {
+pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvFormat]) -> impl Fn(&[f64], &[KvFormat]) -> Vec<KvFormat> {
     let codec = EngineCodec::new(model, chunk_tokens);
     let levels = levels.to_vec();
     #[allow(clippy::cast_precision_loss)]
     let sizes: Vec<f64> = levels.iter().map(|&f| codec.geom.chunk_bytes(f) as f64).collect();
     let losses: Vec<f64> = levels.iter().map(|&f| mm::levels::loss_of_bits(mm::Codec::bits(&codec, code(f)))).collect();
-    move |d: &[f64]| mm::levels::choose_levels(d, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
+    move |d: &[f64], held: &[KvFormat]| {
+        // A format outside the levels (the f16 base) counts as the heaviest.
+        let held: Vec<usize> = held.iter().map(|f| levels.iter().position(|l| l == f).unwrap_or(0)).collect();
+        mm::levels::choose_levels_held(d, &held, &sizes, &losses, ratio).into_iter().map(|l| levels[l]).collect()
+    }
 }
 
 /// Chunk sizes of a model's KV cache.

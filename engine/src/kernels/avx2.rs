@@ -492,8 +492,8 @@ struct ChannelRows<const B: usize> {
 /// two 8-entry permutes, picked by the code's top bit; 4-bit codes into a codebook of small
 /// integers, as the split levels' is: one byte shuffle for 16 codes).
 struct TokenRows<const B: usize> {
-    blk: *const u8,
-    t_cap: usize,
+    codes: *const u8,
+    scales: *const f32,
     levels: [f32; 16],
     /// The codebook as bytes, when every level is an integer in i8 (then `level as f32` is
     /// the same float).
@@ -501,12 +501,12 @@ struct TokenRows<const B: usize> {
 }
 
 impl<const B: usize> TokenRows<B> {
-    fn new(blk: *const u8, t_cap: usize, levels: &[f32]) -> Self {
+    fn new(codes: *const u8, scales: *const f32, levels: &[f32]) -> Self {
         let mut table = [0.0f32; 16];
         table[..1 << B].copy_from_slice(&levels[..1 << B]);
         #[allow(clippy::cast_possible_truncation)]
         let bytes = table.iter().all(|&l| l.fract() == 0.0 && (-128.0..=127.0).contains(&l)).then(|| table.map(|l| l as i8));
-        Self { blk, t_cap, levels: table, bytes }
+        Self { codes, scales, levels: table, bytes }
     }
 }
 
@@ -551,9 +551,8 @@ impl<const B: usize> RowLoad for ChannelRows<B> {
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
     unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
-        let sb = self.blk.add(2 * t);
-        let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
-        let p = self.blk.add(self.t_cap * 2 + t * hd * B / 8);
+        let s = _mm256_set1_ps(*self.scales.add(t));
+        let p = self.codes.add(t * hd * B / 8);
         let mut c = 0;
         if let (4, Some(bytes)) = (B, self.bytes) {
             let table = _mm_loadu_si128(bytes.as_ptr().cast());

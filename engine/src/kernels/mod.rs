@@ -428,12 +428,12 @@ pub enum KvRows<'a> {
         step: &'a [f32],
         outliers: &'a [u8],
     },
-    /// Token-wise codebook codes (a split level's V, `kv::split_v_levels`): channel `c` of row
-    /// `t` is `scale_t * levels[code]`, the block's `t_cap` f16 scales first, then codes as in
+    /// Token-wise codebook codes (a split level's V, `kv::split_v_params`,
+    /// `kv::split_v_levels`): channel `c` of row `t` is `scales[t] * levels[code]`, codes as in
     /// `Channel`. These are rotated rows: the caller rotates what it accumulates back.
     Token {
-        blk: &'a [u8],
-        t_cap: usize,
+        codes: &'a [u8],
+        scales: &'a [f32],
         bits: usize,
         levels: &'a [f32],
     },
@@ -470,9 +470,9 @@ impl KvRows<'_> {
                     *o = (*o - z) * st;
                 }
             }
-            KvRows::Token { blk, t_cap, bits, levels } => {
-                let s = f16::from_le_bytes([blk[2 * t], blk[2 * t + 1]]).to_f32();
-                codes_f32(&blk[t_cap * 2..], t * hd, bits, &mut out[..hd]);
+            KvRows::Token { codes, scales, bits, levels } => {
+                let s = scales[t];
+                codes_f32(codes, t * hd, bits, &mut out[..hd]);
                 for o in &mut out[..hd] {
                     *o = s * levels[*o as usize];
                 }
@@ -490,10 +490,10 @@ impl KvRows<'_> {
                     && codes.len() * 8 >= n * hd * bits
                     && zero.len() >= hd
                     && step.len() >= hd
-                    && outliers.len().is_multiple_of(4)
+                    && outliers.len().is_multiple_of(crate::kv::OUTLIER_BYTES)
             }
-            KvRows::Token { blk, t_cap, bits, levels } => {
-                (2..=4).contains(&bits) && n <= t_cap && blk.len() * 8 >= t_cap * 16 + n * hd * bits && levels.len() >= 1 << bits
+            KvRows::Token { codes, scales, bits, levels } => {
+                (2..=4).contains(&bits) && n <= scales.len() && codes.len() * 8 >= n * hd * bits && levels.len() >= 1 << bits
             }
         }
     }
@@ -529,7 +529,7 @@ pub fn chunk_scores(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scale: f
 /// 64-channel heads).
 fn outliers<'a>(k: &KvRows<'a>, hd: usize) -> impl Iterator<Item = (usize, usize, f32)> + 'a {
     let bytes: &[u8] = if let KvRows::Channel { outliers, .. } = *k { outliers } else { &[] };
-    (0..bytes.len() / 4)
+    (0..bytes.len() / crate::kv::OUTLIER_BYTES)
         .map(move |i| crate::kv::k_outlier_at(bytes, i))
         .filter(|&(_, corr)| corr != 0.0)
         .map(move |(pos, corr)| (pos / hd, pos % hd, corr))
@@ -789,19 +789,19 @@ macro_rules! with_rows {
                     }
                 }
             }
-            KvRows::Token { blk, t_cap, bits, levels } => {
-                let blk = blk.as_ptr();
+            KvRows::Token { codes, scales, bits, levels } => {
+                let (codes, scales) = (codes.as_ptr(), scales.as_ptr());
                 match bits {
                     2 => {
-                        let $rows = &TokenRows::<2>::new(blk, t_cap, levels);
+                        let $rows = &TokenRows::<2>::new(codes, scales, levels);
                         $body
                     }
                     3 => {
-                        let $rows = &TokenRows::<3>::new(blk, t_cap, levels);
+                        let $rows = &TokenRows::<3>::new(codes, scales, levels);
                         $body
                     }
                     _ => {
-                        let $rows = &TokenRows::<4>::new(blk, t_cap, levels);
+                        let $rows = &TokenRows::<4>::new(codes, scales, levels);
                         $body
                     }
                 }
@@ -1047,7 +1047,9 @@ mod tests {
             for (a, b) in x.iter().zip(&y) {
                 assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{f:?} scores: {a} vs {b}");
             }
-            let v_rows = KvRows::Token { blk: &vb, t_cap: 16, bits: f.bits(), levels: kv::split_v_levels(f.bits()) };
+            let mut scales = vec![0.0; 16];
+            let vcodes = kv::split_v_params(&vb, 16, &mut scales);
+            let v_rows = KvRows::Token { codes: vcodes, scales: &scales, bits: f.bits(), levels: kv::split_v_levels(f.bits()) };
             let (mut ox, mut oy) = (vec![0.0; 3 * 64], vec![0.0; 3 * 64]);
             chunk_values(&x, 40, 16, v_rows, &visible, 64, &mut ox);
             chunk_values(&x, 40, 16, KvRows::F32(&dv), &visible, 64, &mut oy);
@@ -1092,25 +1094,24 @@ mod tests {
             // Integer levels (the split levels' codebooks: a byte-shuffle path) and others.
             let levels: Vec<f32> = (0..16).map(|_| f32::from(rng.gen_range(-127i8..=127))).collect();
             let odd: Vec<f32> = levels.iter().map(|l| l + 0.25).collect();
-            let mut coded = vec![0u8; 32 + 16 * hd];
+            let mut coded = vec![0u8; 16 * hd];
             // K outliers at random positions (the last entry unused, as an encoder leaves one).
-            let mut outl = vec![0u8; 4 * 8];
-            for o in outl.chunks_exact_mut(4).take(7) {
-                o[..2].copy_from_slice(&(rng.gen_range(0..16 * hd) as u16).to_le_bytes());
-                o[2..].copy_from_slice(&f16::from_f32(rng.gen_range(-2.0..2.0)).to_le_bytes());
+            let mut outl = vec![0u8; kv::OUTLIER_BYTES * 8];
+            for o in outl.chunks_exact_mut(kv::OUTLIER_BYTES).take(7) {
+                let pos = rng.gen_range(0..16 * hd as u32);
+                let corr = u32::from(f16::from_f32(rng.gen_range(-2.0..2.0)).to_bits() >> 4);
+                o.copy_from_slice(&(pos | corr << 12).to_le_bytes()[..3]);
             }
-            rng.fill(&mut coded[32..]);
-            for t in 0..16 {
-                coded[2 * t..2 * t + 2].copy_from_slice(&f16::from_f32(rng.gen_range(0.0..0.1)).to_le_bytes());
-            }
+            rng.fill(&mut coded[..]);
+            let scales: Vec<f32> = (0..16).map(|_| rng.gen_range(0.0..0.1)).collect();
             for bits in 2..=4 {
-                rows.push(KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step, outliers: &outl });
-                rows.push(KvRows::Token { blk: &coded, t_cap: 16, bits, levels: &levels[..1 << bits] });
-                rows.push(KvRows::Token { blk: &coded, t_cap: 16, bits, levels: &odd[..1 << bits] });
+                rows.push(KvRows::Channel { codes: &coded, bits, zero: &zero, step: &step, outliers: &outl });
+                rows.push(KvRows::Token { codes: &coded, scales: &scales, bits, levels: &levels[..1 << bits] });
+                rows.push(KvRows::Token { codes: &coded, scales: &scales, bits, levels: &odd[..1 << bits] });
                 // More queries than the channel-wise kernel scales at once.
                 let many: Vec<usize> = (0..11).map(|i| (i * 5) % 17).collect();
                 let q11: Vec<f32> = (0..11 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
-                let k = KvRows::Channel { codes: &coded[32..], bits, zero: &zero, step: &step, outliers: &outl };
+                let k = KvRows::Channel { codes: &coded, bits, zero: &zero, step: &step, outliers: &outl };
                 let (mut x, mut y) = (vec![-9.0; 11 * 20], vec![-9.0; 11 * 20]);
                 chunk_scores(&q11, hd, k, &many, 0.125, &mut x, 20, 3);
                 chunk_scores_ref(&q11, hd, k, &many, 0.125, &mut y, 20, 3);

@@ -442,8 +442,8 @@ struct ChannelRows<const B: usize> {
 }
 /// [`KvRows::Token`]: `scale * levels[code]`.
 struct TokenRows<const B: usize> {
-    blk: *const u8,
-    t_cap: usize,
+    codes: *const u8,
+    scales: *const f32,
     levels: [f32; 16],
 }
 
@@ -462,18 +462,17 @@ impl<const B: usize> RowLoad for ChannelRows<B> {
     }
 }
 impl<const B: usize> TokenRows<B> {
-    fn new(blk: *const u8, t_cap: usize, levels: &[f32]) -> Self {
+    fn new(codes: *const u8, scales: *const f32, levels: &[f32]) -> Self {
         let mut table = [0.0f32; 16];
         table[..1 << B].copy_from_slice(&levels[..1 << B]);
-        Self { blk, t_cap, levels: table }
+        Self { codes, scales, levels: table }
     }
 }
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
     unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
-        let sb = self.blk.add(2 * t);
-        let s = vdupq_n_f32(half::f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
-        let p = self.blk.add(self.t_cap * 2 + t * hd * B / 8);
+        let s = vdupq_n_f32(*self.scales.add(t));
+        let p = self.codes.add(t * hd * B / 8);
         for c in 0..lanes {
             let (lo, hi) = unpack8::<B>(p.add(c * B));
             for (h, code) in [lo, hi].into_iter().enumerate() {
