@@ -664,25 +664,37 @@ impl Shared {
         }
         let sizes: Vec<usize> = self.cycle.iter().map(|&g| self.group_bytes(g)).collect();
         let cycle_bytes: usize = sizes.iter().sum();
-        let window = if cycle_bytes <= budget {
+        let (window, cap) = if cycle_bytes <= budget {
             // Touched-only slots (embedding rows) live in what is left, possibly nothing: then
             // each is dropped at the next announcement (one slot over budget at most).
-            budget - cycle_bytes
+            (budget - cycle_bytes, usize::MAX)
         } else {
-            stream_window(&sizes, ss).min(budget)
+            stream_split(&sizes, ss, budget).unwrap_or((stream_window(&sizes, ss).min(budget), usize::MAX))
         };
         let mut p = self.policy.lock().unwrap_or_else(|e| e.into_inner());
         p.budget = budget;
         p.window = window;
         p.hot.iter_mut().for_each(|h| *h = false);
         let mut left = budget - window;
+        // Each group's head beyond its streamed tail of `cap` bytes, then what the budget has
+        // left from the start of the cycle.
+        for (&g, &size) in self.cycle.iter().zip(&sizes) {
+            for s in self.info.slots_of(g).take(size.saturating_sub(cap) / ss) {
+                if left >= ss {
+                    p.hot[s] = true;
+                    left -= ss;
+                }
+            }
+        }
         'pick: for &g in &self.cycle {
             for s in self.info.slots_of(g) {
                 if left < ss {
                     break 'pick;
                 }
-                p.hot[s] = true;
-                left -= ss;
+                if !p.hot[s] {
+                    p.hot[s] = true;
+                    left -= ss;
+                }
             }
         }
         p.hot_bytes = budget - window - left;
@@ -735,12 +747,34 @@ impl Shared {
 
 /// The streaming window of a cycle whose groups take `sizes` bytes (whole slots, in cycle
 /// order) when it does not fit the budget: the two largest consecutive groups (the one being
-/// read and the one being loaded) and 4 slots. What the hot set gives up; a planner weighing
-/// this pager needs it too.
+/// read and the one being loaded) and 4 slots. What the hot set gives up at most (the pager
+/// caps each group's streamed part when the budget allows, [`stream_split`]); the planner
+/// weighs this bound.
 pub fn stream_window(sizes: &[usize], slot: usize) -> usize {
     let n = sizes.len();
     let pair = (0..n).map(|i| sizes[i] + sizes[(i + 1) % n]).max().unwrap_or(0);
     pair + 4 * slot
+}
+
+/// How a cycle of groups taking `sizes` bytes (whole slots, in cycle order) streams within
+/// `budget` when it does not fit: each group streams at most its last `cap` bytes and keeps the
+/// rest hot, and the window holds the two largest consecutive streamed parts and 4 slots.
+/// Returns `(window, cap)` with the smallest window for which the groups' hot heads and the
+/// window fit the budget (the rest of the budget is hot too), `None` when none does.
+/// Streaming whole groups ([`stream_window`]) costs the two largest consecutive groups: at the
+/// 7B shape the feed-forward's (72 MiB of a 1990 MiB budget); capping every group's streamed
+/// part spreads the hot set over all of them so the window is two caps instead.
+pub fn stream_split(sizes: &[usize], slot: usize, budget: usize) -> Option<(usize, usize)> {
+    let n = sizes.len();
+    let largest = sizes.iter().copied().max()?;
+    // Scanning caps upwards, the first that fits has the smallest window (the window only
+    // grows with the cap).
+    (1..=largest.div_ceil(slot.max(1))).map(|k| k * slot).find_map(|cap| {
+        let part = |i: usize| sizes[i % n].min(cap);
+        let window = (0..n).map(|i| part(i) + part(i + 1)).max().unwrap_or(0) + 4 * slot;
+        let hot: usize = sizes.iter().map(|&s| s.saturating_sub(cap)).sum();
+        (hot + window <= budget).then_some((window, cap))
+    })
 }
 
 /// The preload thread: for each announced group, makes the window's worth of groups from it
@@ -1345,7 +1379,30 @@ impl SparseShared {
 
 #[cfg(test)]
 mod tests {
-    use super::slots_of_ranges;
+    use super::{slots_of_ranges, stream_split, stream_window};
+
+    /// Half a cycle of 7B-like groups streams through half the window whole groups would
+    /// need, and the split is the smallest that fits.
+    #[test]
+    fn a_budget_streams_capped_tails_through_a_smaller_window() {
+        let slot = 4;
+        // A layer's groups at the 7B shape's proportions: 27, 9, 48, 24 (x 4-byte slots).
+        let sizes: Vec<usize> = (0..8).flat_map(|_| [108, 36, 192, 96]).collect();
+        let total: usize = sizes.iter().sum();
+        let whole = stream_window(&sizes, slot);
+        let (window, cap) = stream_split(&sizes, slot, total / 2).expect("half the cycle fits a split");
+        assert!(window <= whole / 2, "window {window} vs {whole} streaming whole groups");
+        let hot: usize = sizes.iter().map(|&s| s.saturating_sub(cap)).sum();
+        assert!(hot + window <= total / 2);
+        // The smallest: one slot less of cap does not fit.
+        let smaller: usize = sizes.iter().map(|&s| s.saturating_sub(cap - slot)).sum();
+        let w = 2 * (cap - slot) + 4 * slot;
+        assert!(smaller + w > total / 2 || cap == slot);
+        // A budget below any split: none; one that holds whole-group streaming: a split at
+        // most as wide.
+        assert_eq!(stream_split(&sizes, slot, 8), None);
+        assert!(stream_split(&sizes, slot, whole).is_some_and(|(w, _)| w <= whole));
+    }
 
     /// Ranges become each touched slot once, in order, whether they share slots, arrive out of
     /// order (two layer groups) or run past the image.
