@@ -1126,7 +1126,8 @@ fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
         fwht(r);
         *a = r.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     }
-    let reference = f16_up(amax.iter().fold(0.0f32, |m, &a| m.max(a)) / 127.0);
+    // Past f16's range the reference is its largest value: such values clip, never zero.
+    let reference = f16_up(amax.iter().fold(0.0f32, |m, &a| m.max(a)) / 127.0).min(f16::MAX.to_f32());
     put_f16(head, 0, reference);
     let exps = &mut head[2..];
     for t in n..t_cap {
@@ -1134,8 +1135,8 @@ fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
     }
     for (t, (r, &a)) in rot.chunks_exact(hd).zip(&amax).enumerate() {
         let want = a / 127.0;
-        if !(want > 0.0 && reference.is_finite()) {
-            // All zeros (or a block past f16): the level nearest zero, times a zero scale.
+        if !(want > 0.0) {
+            // All zeros: the level nearest zero, times a zero scale.
             put_code(exps, t, V_EXP_BITS, V_ZERO_SCALE);
             for c in 0..hd {
                 put_code(data, t * hd + c, bits, nearest(levels, 0.0) as u8);
@@ -1501,6 +1502,13 @@ mod tests {
             assert!(out.iter().all(|&v| v == 0.0));
         }
         assert!(V_SCALE_OF.iter().all(|s| s.is_finite() && (0.0..=1.0).contains(s)));
+        // Values past what an f16 reference spans clip to the largest; they never read as zero.
+        let huge: Vec<f32> = vals.iter().map(|v| v * 1e9).collect();
+        let mut blk = vec![0u8; g.head_block_bytes(KvFormat::K4V4, 1)];
+        write_block_f32(KvFormat::K4V4, 1, &mut blk, t, hd, t, &huge);
+        let mut out = vec![0.0f32; t * hd];
+        read_block_f32(KvFormat::K4V4, 1, &blk, t, hd, t, &mut out);
+        assert!(out[..hd].iter().all(|v| v.is_finite()) && out[..hd].iter().any(|v| v.abs() > 1e5));
         let mut o = [0u8; OUTLIER_BYTES];
         for corr in [0.0f32, 1.0, -1.0, 0.3, -17.25, 1e-6, 6.5e4, -6.55e4, 1e9] {
             let kept = put_k_outlier(&mut o, 0, 4095, corr);
