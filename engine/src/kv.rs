@@ -1135,8 +1135,8 @@ fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
     }
     for (t, (r, &a)) in rot.chunks_exact(hd).zip(&amax).enumerate() {
         let want = a / 127.0;
-        if !(want > 0.0) {
-            // All zeros: the level nearest zero, times a zero scale.
+        if want <= 0.0 {
+            // All zeros (NaNs fold out of the largest): the level nearest zero, times a zero scale.
             put_code(exps, t, V_EXP_BITS, V_ZERO_SCALE);
             for c in 0..hd {
                 put_code(data, t * hd + c, bits, nearest(levels, 0.0) as u8);
