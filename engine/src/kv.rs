@@ -835,11 +835,10 @@ fn round_k_correction(corr: f32) -> f32 {
     f16::from_bits((k_correction_bits(corr) << 4) as u16).to_f32()
 }
 
-/// Outlier `i`'s 3 bytes: `pos` and `corr` rounded to 12 bits; returns the correction stored.
-fn put_k_outlier(outliers: &mut [u8], i: usize, pos: usize, corr: f32) -> f32 {
+/// Outlier `i`'s 3 bytes: `pos` and `corr` rounded to 12 bits ([`round_k_correction`]).
+fn put_k_outlier(outliers: &mut [u8], i: usize, pos: usize, corr: f32) {
     let word = (pos as u32 & ((1 << OUTLIER_POS_BITS) - 1)) | k_correction_bits(corr) << OUTLIER_POS_BITS;
     outliers[OUTLIER_BYTES * i..OUTLIER_BYTES * (i + 1)].copy_from_slice(&word.to_le_bytes()[..3]);
-    round_k_correction(corr)
 }
 
 /// The nearest level's index (levels ascending).
@@ -1107,11 +1106,6 @@ pub fn split_v_params<'a>(blk: &'a [u8], t_cap: usize, scales: &mut [f32]) -> &'
     codes
 }
 
-/// Token `t`'s scale in a split-level V block.
-fn split_v_scale(blk: &[u8], t: usize) -> f32 {
-    f16_at(blk, 0) * V_SCALE_OF[usize::from(get_code(&blk[2..], t, V_EXP_BITS))]
-}
-
 /// Encodes a V block of a split level: each head vector rotated by H, then a scale per token
 /// (the block's reference step scaled by a power of 2^(1/8)) and a codebook level per channel;
 /// the scale is the one of the steps from the token's largest entry down to about half of it
@@ -1170,9 +1164,10 @@ fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
 
 fn read_split_v(bits: usize, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
     let levels = split_v_levels(bits);
-    let data = &blk[split_v_header(t_cap)..];
+    let mut scales = vec![0.0f32; t_cap];
+    let data = split_v_params(blk, t_cap, &mut scales);
     for (t, o) in out[..n * hd].chunks_exact_mut(hd).enumerate() {
-        let s = split_v_scale(blk, t);
+        let s = scales[t];
         for (c, v) in o.iter_mut().enumerate() {
             *v = s * levels[usize::from(get_code(data, t * hd + c, bits))];
         }
@@ -1511,7 +1506,8 @@ mod tests {
         assert!(out[..hd].iter().all(|v| v.is_finite()) && out[..hd].iter().any(|v| v.abs() > 1e5));
         let mut o = [0u8; OUTLIER_BYTES];
         for corr in [0.0f32, 1.0, -1.0, 0.3, -17.25, 1e-6, 6.5e4, -6.55e4, 1e9] {
-            let kept = put_k_outlier(&mut o, 0, 4095, corr);
+            put_k_outlier(&mut o, 0, 4095, corr);
+            let kept = round_k_correction(corr);
             let (pos, read) = k_outlier_at(&o, 0);
             assert_eq!((pos, read.to_bits()), (4095, kept.to_bits()));
             let want = corr.clamp(-65504.0, 65504.0);
