@@ -59,8 +59,11 @@ impl EngineCodec {
         let c = &model.config;
         let geom = KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens };
         // What makes two models' KV records incompatible: the weights (file size and shape
-        // stand in for them) and the chunk layout. Bump LAYOUT when kv.rs's layout changes.
-        const LAYOUT: u64 = 2;
+        // stand in for them) and the chunk layout. Bump LAYOUT when kv.rs's layout changes;
+        // every format's block sizes are hashed too, so a change of size cannot be missed
+        // (one was: layout 3's smaller split headers first shipped under layout 2's number).
+        const LAYOUT: u64 = 3;
+        let sizes = KvFormat::ALL.iter().flat_map(|&f| [geom.head_block_bytes(f, 0) as u64, geom.head_block_bytes(f, 1) as u64]);
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for v in [
             LAYOUT,
@@ -71,7 +74,10 @@ impl EngineCodec {
             c.vocab as u64,
             c.dim as u64,
             chunk_tokens as u64,
-        ] {
+        ]
+        .into_iter()
+        .chain(sizes)
+        {
             for b in v.to_le_bytes() {
                 h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
             }

@@ -160,6 +160,15 @@ fn bench_at_depth_with_an_int8_cache() {
     assert!(v["pp8_tok_s"].as_f64().unwrap() > 0.0);
     let out = llms(&["bench", "--kv", "q3", "--reps", "1"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--kv"));
+    // Several formats in one run: one object each, in order, the later ones paired with the first.
+    let v = json_ok(&["bench", "--kv", "int8,k4v3", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "2", "--json"]);
+    let rows = v.as_array().expect("an array for several formats");
+    assert_eq!(rows.iter().map(|r| r["kv"].as_str().unwrap()).collect::<Vec<_>>(), ["int8", "k4v3"]);
+    assert!(rows[0]["vs"].is_null());
+    assert_eq!(rows[1]["vs"]["kv"], "int8");
+    assert!(rows[1]["vs"]["tg"].as_f64().unwrap() > 0.0 && rows[1]["vs"]["pp"].as_f64().unwrap() > 0.0);
+    let out = llms(&["bench", "--kv", "int8,q3", "--reps", "1"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("q3"));
 }
 
 #[test]

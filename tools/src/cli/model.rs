@@ -277,9 +277,10 @@ impl PerplexityArgs {
 pub struct BenchArgs {
     /// KV cache format: f16 or int8; a lower level (q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3):
     /// written as int8, the depth's full chunks then lowered (the attention cost of a
-    /// compressed context).
-    #[arg(long, default_value = "f16")]
-    pub kv: String,
+    /// compressed context). Several, comma-separated, run in turn within each repetition and
+    /// are compared with the first by the median of their paired ratios.
+    #[arg(long, default_value = "f16", value_delimiter = ',')]
+    pub kv: Vec<String>,
     /// Context depth: pp and tg run after a prefilled context of this many tokens (like
     /// llama-bench -d).
     #[arg(short = 'd', long, default_value_t = 0)]
@@ -455,26 +456,37 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
 
 #[allow(clippy::cast_precision_loss)]
 #[allow(clippy::too_many_arguments)]
-fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usize, pool_stats: bool, json: bool) -> Result<()> {
+#[allow(clippy::too_many_lines)]
+fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps: usize, pool_stats: bool, json: bool) -> Result<()> {
     use ::engine::kv::KvFormat;
     let (model, pool, sp) = load_sparse(m)?;
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
-    let (base, lower) = match KvFormat::parse(kv) {
-        Some(f) if f.is_base() => (f, None),
-        Some(f) => (KvFormat::Int8, Some(f)),
-        None => bail!("--kv {kv:?}: expected f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2 or k4v3"),
-    };
+    if kvs.is_empty() || kvs.len() > 8 {
+        bail!("--kv: one to eight formats");
+    }
+    let formats: Vec<(KvFormat, Option<KvFormat>)> = kvs
+        .iter()
+        .map(|kv| match KvFormat::parse(kv) {
+            Some(f) if f.is_base() => Ok((f, None)),
+            Some(f) => Ok((KvFormat::Int8, Some(f))),
+            None => bail!("--kv {kv:?}: expected f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2 or k4v3 (or several, comma-separated)"),
+        })
+        .collect::<Result<_>>()?;
     // Token ids as llama-bench uses: arbitrary valid ids, here a fixed pseudo-random sequence.
     let vocab = u32::try_from(model.config.vocab).context("vocab")?;
     let prompt: Vec<u32> = (0..u32::try_from(depth + pp.max(tg))?).map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab).collect();
-    let opts = ::engine::model::SessionOptions { base, ..::engine::model::SessionOptions::new(depth + pp.max(tg)) };
-    let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
-    s.set_sparsity(sp.clone())?;
+    let mut sessions = Vec::with_capacity(formats.len());
+    for &(base, _) in &formats {
+        let opts = ::engine::model::SessionOptions { base, ..::engine::model::SessionOptions::new(depth + pp.max(tg)) };
+        let mut s = Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts);
+        s.set_sparsity(sp.clone())?;
+        sessions.push(s);
+    }
     // Both runs start from `depth` tokens of context (0: an empty one, as llama-bench's
-    // pp512/tg128), its full chunks lowered to the --kv level when that is q4/q2.
-    let at_depth = |s: &mut Session| -> Result<()> {
+    // pp512/tg128), its full chunks lowered to the --kv level when that is a reduced one.
+    let at_depth = |s: &mut Session, lower: Option<KvFormat>| -> Result<()> {
         s.truncate(0);
         if depth > 0 {
             s.eval(&prompt[..depth], Logits::None)?;
@@ -486,14 +498,14 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         }
         Ok(())
     };
-    let run_pp = |s: &mut Session| -> Result<f64> {
-        at_depth(s)?;
+    let run_pp = |s: &mut Session, lower: Option<KvFormat>| -> Result<f64> {
+        at_depth(s, lower)?;
         let t = Instant::now();
         s.eval(&prompt[depth..depth + pp], Logits::Last)?;
         Ok(t.elapsed().as_secs_f64())
     };
-    let run_tg = |s: &mut Session| -> Result<f64> {
-        at_depth(s)?;
+    let run_tg = |s: &mut Session, lower: Option<KvFormat>| -> Result<f64> {
+        at_depth(s, lower)?;
         let mut tok = prompt[depth];
         let t = Instant::now();
         for _ in 0..tg {
@@ -501,34 +513,41 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
         }
         Ok(t.elapsed().as_secs_f64())
     };
-    let mut pp_rates = Vec::new();
-    let mut tg_rates = Vec::new();
+    // Several formats run in turn within each repetition, the order rotated from one to the
+    // next, so a drift of the machine's speed falls on all alike: each one's rates are then
+    // compared with the first's of the same repetition (paired ratios), whose median is
+    // steadier than a ratio of medians taken minutes apart.
+    let k = formats.len();
+    let (mut pp_rates, mut tg_rates) = (vec![Vec::new(); k], vec![Vec::new(); k]);
     for rep in 0..=reps {
-        let pp_s = run_pp(&mut s)?;
-        let tg_s = run_tg(&mut s)?;
-        if rep > 0 {
-            // rep 0 is the warm-up.
-            pp_rates.push(pp as f64 / pp_s);
-            tg_rates.push(tg as f64 / tg_s);
+        for j in 0..k {
+            let i = (j + rep) % k;
+            let lower = formats[i].1;
+            let pp_s = run_pp(&mut sessions[i], lower)?;
+            let tg_s = run_tg(&mut sessions[i], lower)?;
+            if rep > 0 {
+                // rep 0 is the warm-up.
+                pp_rates[i].push(pp as f64 / pp_s);
+                tg_rates[i].push(tg as f64 / tg_s);
+            }
         }
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (ppr, tgr) = (med(&mut pp_rates), med(&mut tg_rates));
+    let med = crate::stats::median;
+    let paired = |rates: &[Vec<f64>], i: usize| med(rates[i].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
     // The pool's statistics come from runs of their own, so the timed ones carry no probes.
     let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);
     if pool_stats {
-        let mut report = |what: &str, tokens: usize, run: &dyn Fn(&mut Session) -> Result<f64>| -> Result<serde_json::Value> {
-            pool.take_profile();
-            pool.set_profiling(true);
-            let secs = run(&mut s);
-            pool.set_profiling(false);
-            let (text, v) = pool_report(what, tokens, &pool.take_profile(), secs?);
-            pool_text.push_str(&text);
-            Ok(v)
-        };
+        let lower = formats[0].1;
+        let mut report =
+            |what: &str, tokens: usize, run: &dyn Fn(&mut Session, Option<KvFormat>) -> Result<f64>| -> Result<serde_json::Value> {
+                pool.take_profile();
+                pool.set_profiling(true);
+                let secs = run(&mut sessions[0], lower);
+                pool.set_profiling(false);
+                let (text, v) = pool_report(what, tokens, &pool.take_profile(), secs?);
+                pool_text.push_str(&text);
+                Ok(v)
+            };
         pool_json = json!({"pp": report(&format!("pp{pp}"), pp, &run_pp)?, "tg": report(&format!("tg{tg}"), tg, &run_tg)?});
     }
     let format_name = if model.uses_image() {
@@ -538,22 +557,45 @@ fn bench(m: &ModelArgs, kv: &str, depth: usize, pp: usize, tg: usize, reps: usiz
     } else {
         "packed"
     };
+    let name = |i: usize| formats[i].1.unwrap_or(formats[i].0).name();
     if json {
-        println!(
-            "{}",
-            json!({"pp": pp, "tg": tg, "depth": depth, "kv": lower.unwrap_or(base).name(), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): ppr, format!("tg{tg}_tok_s"): tgr, "pool": pool_json})
-        );
+        let rows: Vec<serde_json::Value> = (0..k)
+            .map(|i| {
+                let mut v = json!({"pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
+                if i == 0 {
+                    v["pool"] = pool_json.clone();
+                } else {
+                    v["vs"] = json!({"kv": name(0), "pp": paired(&pp_rates, i), "tg": paired(&tg_rates, i)});
+                }
+                v
+            })
+            .collect();
+        // One format: its object, as before; several: one object each, in --kv's order.
+        println!("{}", if k == 1 { rows[0].clone() } else { serde_json::Value::from(rows) });
     } else {
+        let kv_names: Vec<&str> = (0..k).map(name).collect();
         println!(
             "model {} | threads {} | kernels {} | kv {} | depth {depth} | weights {format_name}{}",
             model.file.path.display(),
             pool.threads(),
             ::engine::kernels::simd_name(),
-            lower.unwrap_or(base).name(),
+            kv_names.join(","),
             m.sparsity.map_or(String::new(), |s| format!(" | sparsity {s}"))
         );
-        println!("pp{pp}: {ppr:.1} tok/s (median of {reps})");
-        println!("tg{tg}: {tgr:.1} tok/s (median of {reps})");
+        for i in 0..k {
+            let (ppr, tgr) = (med(pp_rates[i].clone()), med(tg_rates[i].clone()));
+            let label = if k == 1 { String::new() } else { format!("{}: ", name(i)) };
+            print!("{label}pp{pp}: {ppr:.1} tok/s, tg{tg}: {tgr:.1} tok/s (medians of {reps})");
+            if i > 0 {
+                print!(
+                    "; vs {}: pp {:.3}x, tg {:.3}x (median of the {reps} paired ratios)",
+                    name(0),
+                    paired(&pp_rates, i),
+                    paired(&tg_rates, i)
+                );
+            }
+            println!();
+        }
         print!("{pool_text}");
     }
     Ok(())
