@@ -320,9 +320,11 @@ pub struct PlanInputs {
     /// Bytes of the packed image's layers and head (its groups are aligned more coarsely
     /// than the channel-major image's); 0: as `shape.weight_bytes()`.
     pub packed_bytes: usize,
-    /// The pager's streaming window over the packed image ([`crate::weights::stream_window`]:
-    /// its two largest consecutive groups and a few slots); 0: two layers.
-    pub packed_window: usize,
+    /// The packed image's streamed cycle: its groups' bytes (whole slots, in cycle order) and
+    /// the slot size, from which the pager's window at a budget follows
+    /// ([`crate::weights::stream_split`]); empty: a window of two layers.
+    pub packed_groups: Vec<usize>,
+    pub packed_slot: usize,
     /// Whether the preload thread has a core of its own (the engine computes on fewer
     /// threads than there are cores). Without one, its reads and page work take turns with
     /// the computing instead of overlapping it (measured on 2 cores: preloading ran at
@@ -499,11 +501,16 @@ impl PlanInputs {
         let room = budget as f64 - self.kv_bytes as f64;
         let layer = s.layer_bytes as f64;
         let all = if self.packed_bytes > 0 { self.packed_bytes } else { s.weight_bytes() } as f64;
-        let window = self.packed_window() as f64;
-        if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < window {
+        if self.packed_mem.is_nan() || self.packed_mem <= 0.0 || room < 0.0 {
             return None;
         }
-        let hot = if room >= all { all } else { room - window };
+        let hot = if room >= all {
+            all
+        } else {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let window = self.packed_window(room as usize)? as f64;
+            room - window
+        };
         let read = all - hot;
         let load = read / self.bw.read_install_at(layer);
         let comp = all / self.packed_mem;
@@ -525,12 +532,25 @@ impl PlanInputs {
         })
     }
 
-    /// Bytes the packed pager streams through (see `packed_window`).
-    fn packed_window(&self) -> usize {
-        if self.packed_window > 0 {
-            self.packed_window
+    /// Bytes the packed pager streams through within `room` bytes, as it splits the cycle
+    /// (`packed_groups`): each group's head hot, its capped tail streamed through the window;
+    /// `None` when no split fits.
+    fn packed_window(&self, room: usize) -> Option<usize> {
+        if self.packed_groups.is_empty() {
+            let w = 2 * self.shape.layer_bytes;
+            (room >= w).then_some(w)
         } else {
+            crate::weights::stream_split(&self.packed_groups, self.packed_slot, room).map(|(w, _)| w)
+        }
+    }
+
+    /// The least the packed pager streams through (its whole largest consecutive groups),
+    /// what a budget refused as too small is told it needed at most.
+    fn packed_window_bound(&self) -> usize {
+        if self.packed_groups.is_empty() {
             2 * self.shape.layer_bytes
+        } else {
+            crate::weights::stream_window(&self.packed_groups, self.packed_slot)
         }
     }
 
@@ -591,7 +611,7 @@ impl PlanInputs {
     pub fn replan(&self, plan: &Plan, budget: usize) -> Result<Plan, PlanError> {
         self.check()?;
         if plan.packed {
-            return self.cost_packed(budget).ok_or(PlanError::TooSmall { budget, group: self.packed_window(), kv: self.kv_bytes });
+            return self.cost_packed(budget).ok_or(PlanError::TooSmall { budget, group: self.packed_window_bound(), kv: self.kv_bytes });
         }
         let level = self
             .levels
@@ -625,7 +645,8 @@ mod tests {
             kv_bytes: 0,
             packed_mem: 0.0,
             packed_bytes: 0,
-            packed_window: 0,
+            packed_groups: Vec::new(),
+            packed_slot: 0,
             spare_core: true,
         }
     }
@@ -762,10 +783,15 @@ mod tests {
         let full = p.cost_packed(wb as usize).unwrap();
         assert!(full.read_bytes == 0.0 && (full.times.decode - wb / 5e9).abs() < 1e-12, "{full:?}");
         assert!(p.cost_packed(layer as usize).is_none(), "two layers must fit");
-        // The pager's window when the image says it (groups smaller than a layer).
-        p.packed_window = layer as usize / 2;
+        // The pager's window when the image says its groups (four a layer): the split's two
+        // capped tails and 4 slots, below the two whole groups the pager once streamed.
+        let slot = 4096;
+        p.packed_groups = vec![(layer as usize / 4).next_multiple_of(slot); 4 * p.shape.n_layers];
+        let (window, _) = crate::weights::stream_split(&p.packed_groups, slot, budget).unwrap();
+        p.packed_slot = slot;
+        assert!(window < crate::weights::stream_window(&p.packed_groups, slot));
         let c = p.cost_packed(budget).unwrap();
-        assert!((c.read_bytes - (wb - (budget as f64 - layer / 2.0))).abs() < 1.0, "{c:?}");
+        assert!((c.read_bytes - (wb - (budget - window) as f64)).abs() < 1.0, "{c:?}");
         assert!(p.cost_packed(layer as usize).is_some());
         // Dense: whichever is predicted faster. The packed kernels at the channel-major rate
         // (10e9 here) win at full budget (nothing read either way, same compute).

@@ -115,6 +115,12 @@ fn bench_pool_report_counts_the_operations() {
         assert!((1.0..=2.0 + 1e-9).contains(imb), "{name}: imbalance {imb} outside [1, threads]");
     }
     assert_eq!(v["pool"]["tg"]["threads"], 2);
+    // At depth the statistics are the timed tokens' only, not the context's prefill.
+    let v = json_ok(&["bench", "--pp", "16", "--tg", "4", "-d", "64", "--reps", "1", "--pool-report", "--json"]);
+    let tg = &v["pool"]["tg"]["ops"];
+    let matmul = tg.as_array().unwrap().iter().find(|o| o["op"] == "matmul").expect("decode runs matmuls");
+    assert_eq!(matmul["calls_per_token"].as_f64(), Some(121.0), "{tg}");
+    assert!(v["pool"]["tg"]["in_operations_share"].as_f64().unwrap() <= 1.0, "{}", v["pool"]["tg"]);
 }
 
 #[test]

@@ -454,9 +454,10 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
     })
 }
 
-#[allow(clippy::cast_precision_loss)]
-#[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_lines)]
+/// One timed run of `llms bench` on a session at its level, the pool's statistics on or off.
+type RunOnce<'a> = dyn Fn(&mut Session, Option<::engine::kv::KvFormat>, bool) -> Result<f64> + 'a;
+
+#[allow(clippy::cast_precision_loss, clippy::too_many_lines, clippy::too_many_arguments)]
 fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps: usize, pool_stats: bool, json: bool) -> Result<()> {
     use ::engine::kv::KvFormat;
     let (model, pool, sp) = load_sparse(m)?;
@@ -498,20 +499,31 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
         }
         Ok(())
     };
-    let run_pp = |s: &mut Session, lower: Option<KvFormat>| -> Result<f64> {
-        at_depth(s, lower)?;
+    // `profile`: the pool's statistics on for the timed part only (not the context's prefill).
+    let profiled = |profile: bool, timed: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        if profile {
+            pool.take_profile();
+            pool.set_profiling(true);
+        }
         let t = Instant::now();
-        s.eval(&prompt[depth..depth + pp], Logits::Last)?;
-        Ok(t.elapsed().as_secs_f64())
+        let r = timed();
+        let secs = t.elapsed().as_secs_f64();
+        pool.set_profiling(false);
+        r.map(|()| secs)
     };
-    let run_tg = |s: &mut Session, lower: Option<KvFormat>| -> Result<f64> {
+    let run_pp = |s: &mut Session, lower: Option<KvFormat>, profile: bool| -> Result<f64> {
+        at_depth(s, lower)?;
+        profiled(profile, &mut || s.eval(&prompt[depth..depth + pp], Logits::Last).map(|_| ()).map_err(Into::into))
+    };
+    let run_tg = |s: &mut Session, lower: Option<KvFormat>, profile: bool| -> Result<f64> {
         at_depth(s, lower)?;
         let mut tok = prompt[depth];
-        let t = Instant::now();
-        for _ in 0..tg {
-            tok = ::engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
-        }
-        Ok(t.elapsed().as_secs_f64())
+        profiled(profile, &mut || {
+            for _ in 0..tg {
+                tok = ::engine::sampler::argmax(s.eval(&[tok], Logits::Last)?);
+            }
+            Ok(())
+        })
     };
     // Several formats run in turn within each repetition, the order rotated from one to the
     // next, so a drift of the machine's speed falls on all alike: each one's rates are then
@@ -523,8 +535,8 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
         for j in 0..k {
             let i = (j + rep) % k;
             let lower = formats[i].1;
-            let pp_s = run_pp(&mut sessions[i], lower)?;
-            let tg_s = run_tg(&mut sessions[i], lower)?;
+            let pp_s = run_pp(&mut sessions[i], lower, false)?;
+            let tg_s = run_tg(&mut sessions[i], lower, false)?;
             if rep > 0 {
                 // rep 0 is the warm-up.
                 pp_rates[i].push(pp as f64 / pp_s);
@@ -538,16 +550,12 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
     let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);
     if pool_stats {
         let lower = formats[0].1;
-        let mut report =
-            |what: &str, tokens: usize, run: &dyn Fn(&mut Session, Option<KvFormat>) -> Result<f64>| -> Result<serde_json::Value> {
-                pool.take_profile();
-                pool.set_profiling(true);
-                let secs = run(&mut sessions[0], lower);
-                pool.set_profiling(false);
-                let (text, v) = pool_report(what, tokens, &pool.take_profile(), secs?);
-                pool_text.push_str(&text);
-                Ok(v)
-            };
+        let mut report = |what: &str, tokens: usize, run: &RunOnce| -> Result<serde_json::Value> {
+            let secs = run(&mut sessions[0], lower, true)?;
+            let (text, v) = pool_report(what, tokens, &pool.take_profile(), secs);
+            pool_text.push_str(&text);
+            Ok(v)
+        };
         pool_json = json!({"pp": report(&format!("pp{pp}"), pp, &run_pp)?, "tg": report(&format!("tg{tg}"), tg, &run_tg)?});
     }
     let format_name = if model.uses_image() {

@@ -139,7 +139,6 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
     let packed = WeightLayout::for_file(model_path, slot, ImageFormat::Packed)?;
     let (cycle, packed_bytes) = super::weight_groups(&packed, slot);
     let sizes: Vec<usize> = cycle.iter().map(|&g| packed.groups[g].len.next_multiple_of(slot)).collect();
-    let packed_window = mm::weights::stream_window(&sizes, slot);
     let packed_mem = compute_rate(model_path, &pool, packed_bytes, WeightFormat::Packed)?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let inputs = PlanInputs {
@@ -151,7 +150,8 @@ pub fn inputs(model_path: &Path, s: &PlanSetup) -> Result<(PlanInputs, Vec<Level
         kv_bytes: 0,
         packed_mem,
         packed_bytes,
-        packed_window,
+        packed_groups: sizes,
+        packed_slot: slot,
         spare_core: s.threads < cores,
     };
     Ok((inputs, thresholds))
