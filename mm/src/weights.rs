@@ -748,8 +748,8 @@ impl Shared {
 /// The streaming window of a cycle whose groups take `sizes` bytes (whole slots, in cycle
 /// order) when it does not fit the budget: the two largest consecutive groups (the one being
 /// read and the one being loaded) and 4 slots. What the hot set gives up at most (the pager
-/// caps each group's streamed part when the budget allows, [`stream_split`]); the planner
-/// weighs this bound.
+/// and the planner cap each group's streamed part when the budget allows, [`stream_split`]);
+/// the pager falls back to it when no split fits.
 pub fn stream_window(sizes: &[usize], slot: usize) -> usize {
     let n = sizes.len();
     let pair = (0..n).map(|i| sizes[i] + sizes[(i + 1) % n]).max().unwrap_or(0);
