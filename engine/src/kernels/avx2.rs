@@ -431,9 +431,18 @@ unsafe fn q8_dpbusd(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
 /// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one
 /// implementation per format so each kernel instantiation inlines its own loads.
 trait RowLoad {
+    /// Lanes `c0..c0 + out.len()` of row `t` (lane `c`: channels `8c..8c + 8`).
+    ///
     /// # Safety
-    /// AVX2/F16C present; row `t` inside the block (checked by the caller).
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]);
+    /// AVX2/F16C present; row `t` inside the block and the lanes inside `hd` (checked by the
+    /// caller).
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]);
+    /// # Safety
+    /// As [`RowLoad::load_lanes`].
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+        self.load_lanes(t, hd, 0, &mut out[..lanes]);
+    }
 }
 struct F32Rows(*const f32);
 struct F16Rows(*const u8);
@@ -441,29 +450,29 @@ struct I8Rows(*const u8, usize);
 
 impl RowLoad for F32Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
-        let p = self.0.add(t * hd);
-        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+        let p = self.0.add(t * hd + 8 * c0);
+        for (c, slot) in out.iter_mut().enumerate() {
             *slot = _mm256_loadu_ps(p.add(8 * c));
         }
     }
 }
 impl RowLoad for F16Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
-        let p = self.0.add(2 * t * hd);
-        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+        let p = self.0.add(2 * (t * hd + 8 * c0));
+        for (c, slot) in out.iter_mut().enumerate() {
             *slot = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()));
         }
     }
 }
 impl RowLoad for I8Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
         let sb = self.0.add(2 * t);
         let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
-        let p = self.0.add(self.1 * 2 + t * hd);
-        for (c, slot) in out.iter_mut().enumerate().take(lanes) {
+        let p = self.0.add(self.1 * 2 + t * hd + 8 * c0);
+        for (c, slot) in out.iter_mut().enumerate() {
             let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
             *slot = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q));
         }
@@ -474,11 +483,16 @@ impl RowLoad for I8Rows {
 /// the bytes broadcast to every lane, each lane shifted by its code's offset and masked.
 #[inline(always)]
 unsafe fn unpack8<const B: usize>(p: *const u8) -> __m256i {
-    let mut w = [0u8; 4];
-    std::ptr::copy_nonoverlapping(p, w.as_mut_ptr(), B);
+    // The word is assembled from whole loads (a 2-byte and a 1-byte one for 3-bit codes):
+    // bytes copied into a stack word and read back as one stall the store forwarding.
+    let word = match B {
+        2 => i32::from(p.cast::<u16>().read_unaligned()),
+        3 => i32::from(p.cast::<u16>().read_unaligned()) | i32::from(*p.add(2)) << 16,
+        _ => p.cast::<i32>().read_unaligned(),
+    };
     let b = B as i32;
     let shifts = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
-    let word = _mm256_set1_epi32(i32::from_le_bytes(w));
+    let word = _mm256_set1_epi32(word);
     _mm256_and_si256(_mm256_srlv_epi32(word, shifts), _mm256_set1_epi32((1 << B) - 1))
 }
 
@@ -528,35 +542,36 @@ unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4
 
 impl<const B: usize> RowLoad for ChannelRows<B> {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
-        let p = self.codes.add(t * hd * B / 8);
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+        let p = self.codes.add((t * hd + 8 * c0) * B / 8);
+        let (zero, step) = (self.zero.add(8 * c0), self.step.add(8 * c0));
         let value = |c: usize, code: __m256i| {
-            let v = _mm256_sub_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(self.zero.add(8 * c)));
-            _mm256_mul_ps(v, _mm256_loadu_ps(self.step.add(8 * c)))
+            let v = _mm256_sub_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(zero.add(8 * c)));
+            _mm256_mul_ps(v, _mm256_loadu_ps(step.add(8 * c)))
         };
         let mut c = 0;
         if B == 4 {
-            while c + 4 <= lanes {
+            while c + 4 <= out.len() {
                 for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
                     out[c + k] = value(c + k, code);
                 }
                 c += 4;
             }
         }
-        for (c, slot) in out.iter_mut().enumerate().take(lanes).skip(c) {
+        for (c, slot) in out.iter_mut().enumerate().skip(c) {
             *slot = value(c, unpack8::<B>(p.add(c * B)));
         }
     }
 }
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
         let s = _mm256_set1_ps(*self.scales.add(t));
-        let p = self.codes.add(t * hd * B / 8);
+        let p = self.codes.add((t * hd + 8 * c0) * B / 8);
         let mut c = 0;
         if let (4, Some(bytes)) = (B, self.bytes) {
             let table = _mm_loadu_si128(bytes.as_ptr().cast());
-            while c + 4 <= lanes {
+            while c + 4 <= out.len() {
                 let (a, b) = nibbles32(p.add(4 * c));
                 let levels = (_mm_shuffle_epi8(table, a), _mm_shuffle_epi8(table, b));
                 for (k, level) in widen32::<true>(levels).into_iter().enumerate() {
@@ -567,7 +582,7 @@ impl<const B: usize> RowLoad for TokenRows<B> {
         }
         let low = _mm256_loadu_ps(self.levels.as_ptr());
         let high = _mm256_loadu_ps(self.levels.as_ptr().add(8));
-        for (c, slot) in out.iter_mut().enumerate().take(lanes).skip(c) {
+        for (c, slot) in out.iter_mut().enumerate().skip(c) {
             let code = unpack8::<B>(p.add(c * B));
             let mut level = _mm256_permutevar8x32_ps(low, code);
             if B == 4 {
@@ -704,21 +719,70 @@ pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRo
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    // Tiles of up to 3 queries by 4 lanes: 12 accumulators and 4 row vectors fill the 16
+    // registers, and each output is loaded and stored once a chunk instead of once a token
+    // (a load-FMA-store chain through memory per token was most of this kernel's time). A row
+    // is decoded once per 3 queries: a decode step's group (GQA) is one tile.
     let lanes = hd / 8;
-    let n = visible.iter().copied().max().unwrap_or(0);
-    let mut vv = [_mm256_setzero_ps(); 32];
+    for q0 in (0..visible.len()).step_by(3) {
+        let vis = &visible[q0..(q0 + 3).min(visible.len())];
+        let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
+        for c0 in (0..lanes).step_by(4) {
+            let tile = (v, probs, ld, col, vis, hd, o, c0);
+            match (vis.len(), lanes - c0) {
+                (3, 4..) => values_tile::<L, 3, 4>(tile),
+                (2, 4..) => values_tile::<L, 2, 4>(tile),
+                (_, 4..) => values_tile::<L, 1, 4>(tile),
+                (3, w) => values_tile_narrow::<L, 3>(tile, w),
+                (2, w) => values_tile_narrow::<L, 2>(tile, w),
+                (_, w) => values_tile_narrow::<L, 1>(tile, w),
+            }
+        }
+    }
+}
+
+/// Rows, probabilities, their stride, the tile's first probability column, its queries'
+/// visible counts, `hd`, its first output, its first lane.
+type ValuesTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_tile_narrow<L: RowLoad, const Q: usize>(tile: ValuesTile<L>, width: usize) {
+    match width {
+        3 => values_tile::<L, Q, 3>(tile),
+        2 => values_tile::<L, Q, 2>(tile),
+        _ => values_tile::<L, Q, 1>(tile),
+    }
+}
+
+/// `Q` queries by `N` lanes of [`values_with`], accumulated in registers in token order (the
+/// reference's order, so the same bits).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_tile<L: RowLoad, const Q: usize, const N: usize>((v, probs, ld, col, vis, hd, o, c0): ValuesTile<L>) {
+    let mut acc = [[_mm256_setzero_ps(); N]; Q];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (c, slot) in a.iter_mut().enumerate() {
+            *slot = _mm256_loadu_ps(o.add(i * hd + 8 * (c0 + c)));
+        }
+    }
+    let n = vis.iter().copied().max().unwrap_or(0);
+    let mut row = [_mm256_setzero_ps(); N];
     for t in 0..n {
-        v.load(t, hd, lanes, &mut vv);
-        for (i, &vis) in visible.iter().enumerate() {
-            if t >= vis {
+        v.load_lanes(t, hd, c0, &mut row);
+        for (i, a) in acc.iter_mut().enumerate() {
+            if t >= *vis.get_unchecked(i) {
                 continue;
             }
-            let w = _mm256_set1_ps(*probs.get_unchecked(i * ld + col0 + t));
-            let o = out.as_mut_ptr().add(i * hd);
-            for (c, vc) in vv.iter().enumerate().take(lanes) {
-                let d = o.add(8 * c);
-                _mm256_storeu_ps(d, _mm256_fmadd_ps(w, *vc, _mm256_loadu_ps(d)));
+            let w = _mm256_set1_ps(*probs.get_unchecked(col + i * ld + t));
+            for (slot, r) in a.iter_mut().zip(&row) {
+                *slot = _mm256_fmadd_ps(w, *r, *slot);
             }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (c, slot) in a.iter().enumerate() {
+            _mm256_storeu_ps(o.add(i * hd + 8 * (c0 + c)), *slot);
         }
     }
 }

@@ -1068,7 +1068,8 @@ mod tests {
     fn attention_kernels_equal_the_references_bit_for_bit() {
         use crate::kv::{self, KvFormat, KvGeometry};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
-        for hd in [8, 24, 64, 128, 256, 12] {
+        // Head widths of 1 to 32 lanes (the values kernel's tiles: 4 lanes and narrower).
+        for hd in [8, 24, 48, 64, 128, 256, 12] {
             let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: 16 };
             let vals: Vec<f32> = (0..16 * hd).map(|_| rng.gen_range(-3.0..3.0)).collect();
             let q: Vec<f32> = (0..4 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
@@ -1116,6 +1117,12 @@ mod tests {
                 chunk_scores(&q11, hd, k, &many, 0.125, &mut x, 20, 3);
                 chunk_scores_ref(&q11, hd, k, &many, 0.125, &mut y, 20, 3);
                 assert!(x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {bits} bits, 11 queries");
+                // And values over them: tiles of 3, 3, 3 and 2 queries.
+                let v = KvRows::Token { codes: &coded, scales: &scales, bits, levels: &odd[..1 << bits] };
+                let (mut ox, mut oy) = (vec![0.5; 11 * hd], vec![0.5; 11 * hd]);
+                chunk_values(&x, 20, 3, v, &many, hd, &mut ox);
+                chunk_values_ref(&x, 20, 3, v, &many, hd, &mut oy);
+                assert!(ox.iter().zip(&oy).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {bits} bits, 11 queries' values");
             }
             for k in rows {
                 let (mut x, mut y) = (vec![-9.0; 4 * 20], vec![-9.0; 4 * 20]);

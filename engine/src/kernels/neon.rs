@@ -381,9 +381,17 @@ unsafe fn q8_sums<D: Dot, const T: usize>(qs: &[i8; 256], a: &Q8Acts, xrow: &[us
 /// How a kernel loads row `t` of a chunk into `lanes` pairs of 4-float vectors (one pair is
 /// an AVX2 vector of 8); one implementation per format so each kernel inlines its own loads.
 trait RowLoad {
+    /// Lanes of 8 channels `c0..c0 + out.len() / 2` of row `t`, two vectors a lane.
+    ///
     /// # Safety
-    /// Row `t` inside the block (checked by the caller).
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]);
+    /// Row `t` inside the block and the lanes inside `hd` (checked by the caller).
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]);
+    /// # Safety
+    /// As [`RowLoad::load_lanes`].
+    #[inline(always)]
+    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+        self.load_lanes(t, hd, 0, &mut out[..2 * lanes]);
+    }
 }
 struct F32Rows(*const f32);
 struct F16Rows(*const u8);
@@ -391,29 +399,29 @@ struct I8Rows(*const u8, usize);
 
 impl RowLoad for F32Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
-        let p = self.0.add(t * hd);
-        for (c, slot) in out.iter_mut().enumerate().take(2 * lanes) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]) {
+        let p = self.0.add(t * hd + 8 * c0);
+        for (c, slot) in out.iter_mut().enumerate() {
             *slot = vld1q_f32(p.add(4 * c));
         }
     }
 }
 impl RowLoad for F16Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
-        let p = self.0.add(2 * t * hd);
-        for (c, slot) in out.iter_mut().enumerate().take(2 * lanes) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]) {
+        let p = self.0.add(2 * (t * hd + 8 * c0));
+        for (c, slot) in out.iter_mut().enumerate() {
             *slot = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p.add(8 * c).cast())));
         }
     }
 }
 impl RowLoad for I8Rows {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]) {
         let sb = self.0.add(2 * t);
         let s = vdupq_n_f32(half::f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
-        let p = self.0.add(self.1 * 2 + t * hd);
-        for c in 0..lanes {
+        let p = self.0.add(self.1 * 2 + t * hd + 8 * c0);
+        for c in 0..out.len() / 2 {
             let q = vmovl_s8(vld1_s8(p.add(8 * c).cast()));
             out[2 * c] = vmulq_f32(s, vcvtq_f32_s32(vmovl_s16(vget_low_s16(q))));
             out[2 * c + 1] = vmulq_f32(s, vcvtq_f32_s32(vmovl_high_s16(q)));
@@ -425,9 +433,12 @@ impl RowLoad for I8Rows {
 /// vectors of four u32s: the bytes in every lane, shifted right by each code's offset, masked.
 #[inline(always)]
 unsafe fn unpack8<const B: usize>(p: *const u8) -> (uint32x4_t, uint32x4_t) {
-    let mut w = [0u8; 4];
-    std::ptr::copy_nonoverlapping(p, w.as_mut_ptr(), B);
-    let word = vdupq_n_u32(u32::from_le_bytes(w));
+    // Whole loads, not bytes copied into a stack word and read back (a store-forwarding stall).
+    let word = vdupq_n_u32(match B {
+        2 => u32::from(p.cast::<u16>().read_unaligned()),
+        3 => u32::from(p.cast::<u16>().read_unaligned()) | u32::from(*p.add(2)) << 16,
+        _ => p.cast::<u32>().read_unaligned(),
+    });
     let b = B as i32;
     let (s0, s1) = ([0, -b, -2 * b, -3 * b], [-4 * b, -5 * b, -6 * b, -7 * b]);
     let mask = vdupq_n_u32((1 << B) - 1);
@@ -449,12 +460,12 @@ struct TokenRows<const B: usize> {
 
 impl<const B: usize> RowLoad for ChannelRows<B> {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
-        let p = self.codes.add(t * hd * B / 8);
-        for c in 0..lanes {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]) {
+        let p = self.codes.add((t * hd + 8 * c0) * B / 8);
+        for c in 0..out.len() / 2 {
             let (lo, hi) = unpack8::<B>(p.add(c * B));
             for (h, code) in [lo, hi].into_iter().enumerate() {
-                let at = 8 * c + 4 * h;
+                let at = 8 * (c0 + c) + 4 * h;
                 let v = vsubq_f32(vcvtq_f32_u32(code), vld1q_f32(self.zero.add(at)));
                 out[2 * c + h] = vmulq_f32(v, vld1q_f32(self.step.add(at)));
             }
@@ -470,10 +481,10 @@ impl<const B: usize> TokenRows<B> {
 }
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [float32x4_t; 64]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [float32x4_t]) {
         let s = vdupq_n_f32(*self.scales.add(t));
-        let p = self.codes.add(t * hd * B / 8);
-        for c in 0..lanes {
+        let p = self.codes.add((t * hd + 8 * c0) * B / 8);
+        for c in 0..out.len() / 2 {
             let (lo, hi) = unpack8::<B>(p.add(c * B));
             for (h, code) in [lo, hi].into_iter().enumerate() {
                 let mut idx = [0u32; 4];
@@ -609,21 +620,57 @@ pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRo
 
 #[inline(always)]
 unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    // Tiles of up to 3 queries by 2 lanes (16 channels) kept in registers over the chunk's
+    // tokens, as the AVX2 kernel does (there: why).
     let lanes = hd / 8;
-    let n = visible.iter().copied().max().unwrap_or(0);
-    let mut vv = [vdupq_n_f32(0.0); 64];
+    for q0 in (0..visible.len()).step_by(3) {
+        let vis = &visible[q0..(q0 + 3).min(visible.len())];
+        let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
+        for c0 in (0..lanes).step_by(2) {
+            let tile = (v, probs, ld, col, vis, hd, o, c0);
+            match (vis.len(), lanes - c0) {
+                (3, 2..) => values_tile::<L, 3, 4>(tile),
+                (2, 2..) => values_tile::<L, 2, 4>(tile),
+                (_, 2..) => values_tile::<L, 1, 4>(tile),
+                (3, _) => values_tile::<L, 3, 2>(tile),
+                (2, _) => values_tile::<L, 2, 2>(tile),
+                (_, _) => values_tile::<L, 1, 2>(tile),
+            }
+        }
+    }
+}
+
+/// Rows, probabilities, their stride, the tile's first probability column, its queries'
+/// visible counts, `hd`, its first output, its first lane.
+type ValuesTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+
+/// `Q` queries by `N` vectors (`N / 2` lanes) of [`values_with`], accumulated in registers in
+/// token order (the reference's order, so the same bits).
+#[inline(always)]
+unsafe fn values_tile<L: RowLoad, const Q: usize, const N: usize>((v, probs, ld, col, vis, hd, o, c0): ValuesTile<L>) {
+    let mut acc = [[vdupq_n_f32(0.0); N]; Q];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (c, slot) in a.iter_mut().enumerate() {
+            *slot = vld1q_f32(o.add(i * hd + 8 * c0 + 4 * c));
+        }
+    }
+    let n = vis.iter().copied().max().unwrap_or(0);
+    let mut row = [vdupq_n_f32(0.0); N];
     for t in 0..n {
-        v.load(t, hd, lanes, &mut vv);
-        for (i, &vis) in visible.iter().enumerate() {
-            if t >= vis {
+        v.load_lanes(t, hd, c0, &mut row);
+        for (i, a) in acc.iter_mut().enumerate() {
+            if t >= *vis.get_unchecked(i) {
                 continue;
             }
-            let w = vdupq_n_f32(*probs.get_unchecked(i * ld + col0 + t));
-            let o = out.as_mut_ptr().add(i * hd);
-            for (c, vc) in vv.iter().enumerate().take(2 * lanes) {
-                let d = o.add(4 * c);
-                vst1q_f32(d, vfmaq_f32(vld1q_f32(d), w, *vc));
+            let w = vdupq_n_f32(*probs.get_unchecked(col + i * ld + t));
+            for (slot, r) in a.iter_mut().zip(&row) {
+                *slot = vfmaq_f32(*slot, w, *r);
             }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (c, slot) in a.iter().enumerate() {
+            vst1q_f32(o.add(i * hd + 8 * c0 + 4 * c), *slot);
         }
     }
 }
