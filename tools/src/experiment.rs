@@ -36,13 +36,32 @@ use crate::trace::{generate, GenParams, Pattern};
 /// the paper's {8,4,2}/8 bits at 50% by default, or the ratio chosen by quality,
 /// [`ratio_by_quality`]); `vllm-sq` int8 chunks; `vllm-s` chunks as the engine computes
 /// them, f16; `swap` and `lmk` int8 (the cheaper format is only to their advantage).
+/// `llms@R` is llms at the fixed global ratio R (a second llms row beside the chosen one:
+/// the paper's 0.5 next to the ratio found by quality).
 pub fn policy_config(base: &Config, policy: &str) -> Config {
     let (levels, ratio): (Vec<String>, f64) = match policy {
         "llms" => (base.levels.clone(), base.ratio),
         "vllm-s" => (vec!["f16".into()], 1.0),
-        _ => (vec!["int8".into()], 1.0),
+        p => match fixed_llms_ratio(p) {
+            Some(r) => (base.levels.clone(), r),
+            None => (vec!["int8".into()], 1.0),
+        },
     };
-    Config { policy: policy.into(), levels, ratio, ..base.clone() }
+    let name = if fixed_llms_ratio(policy).is_some() { "llms" } else { policy };
+    Config { policy: name.into(), levels, ratio, ..base.clone() }
+}
+
+/// R of a policy spelled `llms@R`, R in (0, 1].
+fn fixed_llms_ratio(policy: &str) -> Option<f64> {
+    policy.strip_prefix("llms@")?.parse().ok().filter(|r: &f64| *r > 0.0 && *r <= 1.0)
+}
+
+/// Checks an experiment's policy name: one of [`mm::Policy`]'s, or `llms@R`.
+pub fn check_policy(p: &str) -> Result<()> {
+    if mm::Policy::parse(p).is_some() || fixed_llms_ratio(p).is_some() {
+        return Ok(());
+    }
+    bail!("policy {p:?}: llms, llms@R (R a ratio in (0, 1]), vllm-sq, vllm-s, swap or lmk")
 }
 
 /// One ratio tried by [`ratio_by_quality`]: its perplexity on each text and the change from
@@ -165,6 +184,10 @@ pub struct SwitchVsContexts {
     pub scale: f64,
     pub seed: u64,
     pub corpus: Vec<PathBuf>,
+    /// The llms policy's levels and global ratio, and how the ratio was chosen.
+    pub llms_levels: Vec<String>,
+    pub llms_ratio: f64,
+    pub llms_ratio_by: String,
 }
 
 /// One point of the figure.
@@ -281,8 +304,14 @@ fn x_of(n: usize) -> f64 {
 pub fn write_switch_vs_contexts(dir: &Path, name: &str, s: &SwitchVsContexts, points: &[Point]) -> Result<Vec<PathBuf>> {
     let fig = Figure {
         caption: format!(
-            "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}.",
-            s.budget, s.calls_per_context, s.scale, s.seed
+            "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}; llms over {} at {:.2} of int8's bytes ({}).",
+            s.budget,
+            s.calls_per_context,
+            s.scale,
+            s.seed,
+            s.llms_levels.join(","),
+            s.llms_ratio,
+            s.llms_ratio_by
         ),
         x_desc: "active contexts".into(),
         log_x: false,
@@ -963,6 +992,22 @@ mod tests {
     /// The chosen ratio is the last one within the tolerance on every text, the search stops at
     /// the first one that is not (a later one passing again is not taken), and none within
     /// gives `None`.
+    #[test]
+    fn llms_at_a_fixed_ratio_is_a_policy_of_its_own() {
+        let base = Config { ratio: 0.55, levels: vec!["int8".into(), "k4v3".into()], ..Config::default() };
+        let fixed = policy_config(&base, "llms@0.5");
+        assert_eq!((fixed.policy.as_str(), fixed.ratio, &fixed.levels), ("llms", 0.5, &base.levels));
+        let chosen = policy_config(&base, "llms");
+        assert_eq!((chosen.policy.as_str(), chosen.ratio), ("llms", 0.55));
+        assert_eq!(policy_config(&base, "vllm-sq").levels, ["int8"]);
+        for ok in ["llms", "llms@0.5", "llms@1", "vllm-sq", "lmk"] {
+            check_policy(ok).unwrap();
+        }
+        for bad in ["llms@0", "llms@1.5", "llms@", "llms@x", "llms@NaN", "llms@-0.5", "LLMS", "vllm-sq@0.5", ""] {
+            assert!(check_policy(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
     #[test]
     fn the_ratio_by_quality_is_the_most_compressed_within_on_every_text() {
         let base = [10.0, 20.0];

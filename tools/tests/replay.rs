@@ -83,28 +83,34 @@ fn a_tiny_experiment_writes_its_table_and_plots() {
     let dir = tempfile::tempdir().unwrap();
     let s = tools::experiment::SwitchVsContexts {
         contexts: vec![2, 3],
-        policies: vec!["llms".into(), "lmk".into()],
+        // llms at the base's ratio and at a fixed one (a second llms row).
+        policies: vec!["llms".into(), "llms@0.5".into(), "lmk".into()],
         patterns: vec!["markov".into()],
         calls_per_context: 2,
         budget: "1MiB".into(),
         scale: 0.05,
         seed: 1,
         corpus: vec![fixture("gpl-3.txt")],
+        llms_levels: vec!["int8".into(), "q4".into(), "q2".into()],
+        llms_ratio: 0.7,
+        llms_ratio_by: "a fixed ratio".into(),
     };
-    let base = Config { model: model_path(), threads: 2, load_profile: false, ..Config::default() };
+    let base = Config { model: model_path(), threads: 2, load_profile: false, ratio: 0.7, ..Config::default() };
     let mut seen = 0;
     let pts = tools::experiment::switch_vs_contexts(&base, &s, &dir.path().join("work"), dir.path(), &mut |_| seen += 1).unwrap();
-    assert_eq!(pts.len(), 4);
-    assert_eq!(seen, 4);
+    assert_eq!(pts.len(), 6);
+    assert_eq!(seen, 6);
     assert!(pts.iter().all(|p| p.switch_mean_ms > 0.0));
     let files = tools::experiment::write_switch_vs_contexts(&dir.path().join("out"), "fig", &s, &pts).unwrap();
     for f in &files {
         assert!(std::fs::metadata(f).unwrap().len() > 100, "{} is empty", f.display());
     }
     let md = std::fs::read_to_string(&files[0]).unwrap();
-    assert!(md.contains("| llms |") && md.contains("| lmk |") && md.contains("**markov pattern**"), "{md}");
+    assert!(md.contains("| llms |") && md.contains("| llms@0.5 |") && md.contains("| lmk |") && md.contains("**markov pattern**"), "{md}");
+    assert!(md.contains("llms over int8,q4,q2 at 0.70 of int8's bytes (a fixed ratio)"), "the caption states llms's quality setting: {md}");
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[1]).unwrap()).unwrap();
-    assert_eq!(json["rows"].as_array().unwrap().len(), 4);
+    assert_eq!(json["rows"].as_array().unwrap().len(), 6);
+    assert_eq!(json["settings"]["llms_ratio"], 0.7);
     assert!(std::fs::read_to_string(&files[2]).unwrap().starts_with("<svg"));
     assert_eq!(&std::fs::read(&files[3]).unwrap()[1..4], b"PNG");
 }

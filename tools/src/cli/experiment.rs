@@ -226,12 +226,14 @@ struct ExpEnv {
     base: crate::config::Config,
     profiles: PathBuf,
     work: PathBuf,
+    /// How the llms ratio was chosen (for captions).
+    ratio_by: String,
 }
 
 impl ExpEnv {
     fn new(t: &TraceExp, policies: &[String]) -> Result<Self> {
         for p in policies {
-            mm::Policy::parse(p).with_context(|| format!("policy {p:?}: llms, vllm-sq, vllm-s, swap or lmk"))?;
+            crate::experiment::check_policy(p)?;
         }
         if t.calls_per_context < 2 {
             bail!("--calls-per-context must be at least 2: the first call of a context is not a switch");
@@ -248,21 +250,36 @@ impl ExpEnv {
             ..crate::config::Config::default()
         };
         let levels = base.level_formats()?;
-        base.ratio = match t.llms_ratio.as_str() {
+        let ratio_by;
+        (base.ratio, ratio_by) = match t.llms_ratio.as_str() {
             "quality" => {
                 if !(t.quality_tolerance >= 0.0 && t.quality_tolerance.is_finite()) {
                     bail!("--quality-tolerance must be a percentage >= 0");
                 }
-                crate::experiment::ratio_by_quality(&model, &pool, &levels, &t.accuracy_text, t.quality_windows, t.quality_tolerance)?.0
+                let r =
+                    crate::experiment::ratio_by_quality(&model, &pool, &levels, &t.accuracy_text, t.quality_windows, t.quality_tolerance)?
+                        .0;
+                let names: Vec<String> =
+                    t.accuracy_text.iter().map(|p| p.file_name().unwrap_or(p.as_os_str()).to_string_lossy().into_owned()).collect();
+                let windows = if t.quality_windows == 0 { "all".to_string() } else { t.quality_windows.to_string() };
+                let by = format!(
+                    "the most compressed ratio within {}% of {}'s perplexity on {} ({windows} windows of 512 each)",
+                    t.quality_tolerance,
+                    t.llms_levels[0],
+                    names.join(", ")
+                );
+                (r, by)
             }
-            r => r
-                .parse()
-                .ok()
-                .filter(|r: &f64| *r > 0.0 && *r <= 1.0)
-                .with_context(|| format!("--llms-ratio {r:?}: a number in (0, 1] or `quality`"))?,
+            r => (
+                r.parse()
+                    .ok()
+                    .filter(|r: &f64| *r > 0.0 && *r <= 1.0)
+                    .with_context(|| format!("--llms-ratio {r:?}: a number in (0, 1] or `quality`"))?,
+                "a fixed ratio".to_string(),
+            ),
         };
         let work = profiles.join(format!("experiment-{}", std::process::id()));
-        Ok(Self { corpus, base, profiles, work })
+        Ok(Self { corpus, base, profiles, work, ratio_by })
     }
 
     fn done(&self, files: Result<Vec<PathBuf>>) -> Result<()> {
@@ -329,6 +346,9 @@ pub fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
                 scale: t.scale.unwrap_or(0.1),
                 seed: t.seed,
                 corpus: env.corpus.clone(),
+                llms_levels: env.base.levels.clone(),
+                llms_ratio: env.base.ratio,
+                llms_ratio_by: env.ratio_by.clone(),
             };
             println!(
                 "{:<9} {:<8} {:>8} {:>12} {:>12} {:>10} {:>6} {:>7}",
