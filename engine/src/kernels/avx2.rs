@@ -437,12 +437,6 @@ trait RowLoad {
     /// AVX2/F16C present; row `t` inside the block and the lanes inside `hd` (checked by the
     /// caller).
     unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]);
-    /// # Safety
-    /// As [`RowLoad::load_lanes`].
-    #[inline(always)]
-    unsafe fn load(&self, t: usize, hd: usize, lanes: usize, out: &mut [__m256; 32]) {
-        self.load_lanes(t, hd, 0, &mut out[..lanes]);
-    }
 }
 struct F32Rows(*const f32);
 struct F16Rows(*const u8);
@@ -620,9 +614,114 @@ pub(super) unsafe fn chunk_scores(
     with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
 }
 
+/// Eight [`hsum`]s at once: lane `j` of the result is `hsum(a[j])`, the same additions in the
+/// same order (`(l0 + l4) + (l2 + l6)` plus `(l1 + l5) + (l3 + l7)`), so the same bits.
+#[inline(always)]
+unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+    // Halves added: b04 holds a0's four pair sums in its low half, a4's in its high half.
+    let halves = |x: __m256, y: __m256| _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    let (b04, b15, b26, b37) = (halves(a[0], a[4]), halves(a[1], a[5]), halves(a[2], a[6]), halves(a[3], a[7]));
+    // Pair sums 0 + 2 and 1 + 3, interleaved: [x0_0, x1_0, x0_1, x1_1] a half.
+    let c01 = _mm256_add_ps(_mm256_unpacklo_ps(b04, b15), _mm256_unpackhi_ps(b04, b15));
+    let c23 = _mm256_add_ps(_mm256_unpacklo_ps(b26, b37), _mm256_unpackhi_ps(b26, b37));
+    _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0b01_00_01_00), _mm256_shuffle_ps(c01, c23, 0b11_10_11_10))
+}
+
+/// Rows of a block of 8 tokens as vectors of 8 channels, `[token][lane]`.
+type RowBlock = [[__m256; 32]; 8];
+
+/// The dot products of `Q` queries with the `m` (<= 8) rows of `rows`, written to
+/// `part[8 * i + j]` as 8 lane sums (query `i`, row `j`). Two rows at a time against every
+/// query: 2Q independent chains of fused multiply-adds (one chain a dot, in channel order as
+/// the reference takes it), where one dot at a time left the multiply-add's latency exposed.
+#[inline(always)]
+unsafe fn dots<const Q: usize>(rows: &RowBlock, m: usize, lanes: usize, query: impl Fn(usize, usize) -> __m256, part: *mut __m256) {
+    let mut j = 0;
+    while j < m {
+        let two = j + 1 < m;
+        let mut acc = [[_mm256_setzero_ps(); 2]; Q];
+        for (c, (&r0, &r1)) in rows[j].iter().zip(&rows[j + usize::from(two)]).enumerate().take(lanes) {
+            for (i, a) in acc.iter_mut().enumerate() {
+                let qc = query(i, c);
+                a[0] = _mm256_fmadd_ps(r0, qc, a[0]);
+                a[1] = _mm256_fmadd_ps(r1, qc, a[1]);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            part.add(8 * i + j).write(a[0]);
+            if two {
+                part.add(8 * i + j + 1).write(a[1]);
+            }
+        }
+        j += 2;
+    }
+}
+
+/// Writes the scores of rows `t0..t0 + 8` (at most) for a query group from their lane sums
+/// (`part[8 * i + j]`, set for every row below the block's count), `finish(i, sum)` turning
+/// sums into scores: eight at a time where the query sees all eight, else one at a time.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn store_scores(
+    part: *const __m256,
+    group: &[usize],
+    t0: usize,
+    scores: *mut f32,
+    ld: usize,
+    col0: usize,
+    finish: impl Fn(usize, __m256) -> __m256,
+) {
+    for (i, &vis) in group.iter().enumerate() {
+        let dst = scores.add(i * ld + col0 + t0);
+        let p = part.add(8 * i);
+        match vis.saturating_sub(t0) {
+            0 => {}
+            8.. => _mm256_storeu_ps(dst, finish(i, hsum8(&*p.cast::<[__m256; 8]>()))),
+            m => {
+                for j in 0..m {
+                    *dst.add(j) = _mm256_cvtss_f32(finish(i, _mm256_set1_ps(hsum(p.add(j).read()))));
+                }
+            }
+        }
+    }
+}
+
+/// The scores of a block of up to 8 rows for every query, in groups of up to 3 (the GQA group
+/// of a decoding step is one): [`dots`], then [`store_scores`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn score_block(
+    rows: &RowBlock,
+    m: usize,
+    lanes: usize,
+    visible: &[usize],
+    t0: usize,
+    scores: *mut f32,
+    ld: usize,
+    col0: usize,
+    query: impl Fn(usize, usize) -> __m256,
+    finish: impl Fn(usize, __m256) -> __m256,
+) {
+    let mut part = std::mem::MaybeUninit::<[__m256; 8 * 3]>::uninit();
+    let pp = part.as_mut_ptr().cast::<__m256>();
+    for g0 in (0..visible.len()).step_by(3) {
+        let group = &visible[g0..(g0 + 3).min(visible.len())];
+        if group.iter().all(|&v| v <= t0) {
+            continue;
+        }
+        let q = |i: usize, c: usize| query(g0 + i, c);
+        match group.len() {
+            3 => dots::<3>(rows, m, lanes, q, pp),
+            2 => dots::<2>(rows, m, lanes, q, pp),
+            _ => dots::<1>(rows, m, lanes, q, pp),
+        }
+        store_scores(pp, group, t0, scores.add(g0 * ld), ld, col0, |i, sum| finish(g0 + i, sum));
+    }
+}
+
 /// Scores against channel-wise rows as the reference takes them: the queries scaled by the
-/// steps once (eight at a time, kept in registers or on the stack), then per row the codes
-/// unpacked and multiplied into each query, the zero points' share subtracted at the end.
+/// steps once (on the stack), then the rows' codes unpacked 8 rows at a time and multiplied
+/// into the scaled queries, the zero points' share subtracted at the end.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -637,12 +736,14 @@ unsafe fn scores_channel<const B: usize>(
     col0: usize,
 ) {
     let lanes = hd / 8;
-    // Eight scaled queries (8 KiB) are written before they are read: not zeroed each call,
-    // which cost as much as scoring a 16-token chunk for one query.
+    // Eight scaled queries (8 KiB) and a block of rows (8 KiB) are written before they are
+    // read: not zeroed each call, which cost as much as scoring a 16-token chunk for one query.
     let mut scaled = std::mem::MaybeUninit::<[__m256; 8 * 32]>::uninit();
     let sp = scaled.as_mut_ptr().cast::<__m256>();
+    let mut rows = std::mem::MaybeUninit::<RowBlock>::uninit();
+    let rp = rows.as_mut_ptr().cast::<[__m256; 32]>();
     let mut offset = [0.0f32; 8];
-    let mut kv = [_mm256_setzero_ps(); 32];
+    let sc = _mm256_set1_ps(scale);
     for g0 in (0..visible.len()).step_by(8) {
         let group = &visible[g0..(g0 + 8).min(visible.len())];
         for (j, off) in offset.iter_mut().enumerate().take(group.len()) {
@@ -656,54 +757,48 @@ unsafe fn scores_channel<const B: usize>(
             *off = hsum(acc);
         }
         let n = group.iter().copied().max().unwrap_or(0);
-        for t in 0..n {
-            let p = codes.add(t * hd * B / 8);
-            let mut c = 0;
-            if B == 4 {
-                while c + 4 <= lanes {
-                    for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
-                        kv[c + k] = _mm256_cvtepi32_ps(code);
+        for t0 in (0..n).step_by(8) {
+            let m = (n - t0).min(8);
+            for j in 0..m {
+                let p = codes.add((t0 + j) * hd * B / 8);
+                let kv = &mut *rp.add(j);
+                let mut c = 0;
+                if B == 4 {
+                    while c + 4 <= lanes {
+                        for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
+                            kv[c + k] = _mm256_cvtepi32_ps(code);
+                        }
+                        c += 4;
                     }
-                    c += 4;
+                }
+                for (c, slot) in kv.iter_mut().enumerate().take(lanes).skip(c) {
+                    *slot = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
                 }
             }
-            for (c, slot) in kv.iter_mut().enumerate().take(lanes).skip(c) {
-                *slot = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
-            }
-            for (j, &vis) in group.iter().enumerate() {
-                if t >= vis {
-                    continue;
-                }
-                let mut acc = _mm256_setzero_ps();
-                for (c, kc) in kv.iter().enumerate().take(lanes) {
-                    acc = _mm256_fmadd_ps(*kc, sp.add(32 * j + c).read(), acc);
-                }
-                *scores.get_unchecked_mut((g0 + j) * ld + col0 + t) = (hsum(acc) - offset[j]) * scale;
-            }
+            let query = |i: usize, c: usize| sp.add(32 * i + c).read();
+            let finish = |i: usize, sum: __m256| _mm256_mul_ps(_mm256_sub_ps(sum, _mm256_set1_ps(offset[i])), sc);
+            score_block(&*rows.as_ptr(), m, lanes, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, query, finish);
         }
     }
 }
 
+/// Scores 8 rows at a time: each row loaded once for all queries ([`score_block`]).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
     let lanes = hd / 8;
     let n = visible.iter().copied().max().unwrap_or(0);
-    let mut kv = [_mm256_setzero_ps(); 32];
-    for t in 0..n {
-        k.load(t, hd, lanes, &mut kv);
-        for (i, &vis) in visible.iter().enumerate() {
-            if t >= vis {
-                continue;
-            }
-            let qp = q.as_ptr().add(i * hd);
-            let mut acc = _mm256_setzero_ps();
-            for (c, kc) in kv.iter().enumerate().take(lanes) {
-                acc = _mm256_fmadd_ps(*kc, _mm256_loadu_ps(qp.add(8 * c)), acc);
-            }
-            *scores.get_unchecked_mut(i * ld + col0 + t) = hsum(acc) * scale;
+    let mut rows = std::mem::MaybeUninit::<RowBlock>::uninit();
+    let rp = rows.as_mut_ptr().cast::<[__m256; 32]>();
+    let sc = _mm256_set1_ps(scale);
+    for t0 in (0..n).step_by(8) {
+        let m = (n - t0).min(8);
+        for j in 0..m {
+            k.load_lanes(t0 + j, hd, 0, &mut (&mut *rp.add(j))[..lanes]);
         }
+        let query = |i: usize, c: usize| _mm256_loadu_ps(q.as_ptr().add(i * hd + 8 * c));
+        score_block(&*rows.as_ptr(), m, lanes, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
     }
 }
 
