@@ -431,12 +431,13 @@ unsafe fn q8_dpbusd(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
 /// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one
 /// implementation per format so each kernel instantiation inlines its own loads.
 trait RowLoad {
-    /// Lanes `c0..c0 + out.len()` of row `t` (lane `c`: channels `8c..8c + 8`).
+    /// Lanes `c0..c0 + n` of row `t` (lane `c`: channels `8c..8c + 8`) written to `out[..n]`
+    /// (a raw pointer: scoring writes them into a block it has not initialized).
     ///
     /// # Safety
-    /// AVX2/F16C present; row `t` inside the block and the lanes inside `hd` (checked by the
-    /// caller).
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]);
+    /// AVX2/F16C present; row `t` inside the block, the lanes inside `hd` (checked by the
+    /// caller), `out` valid for `n` writes.
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize);
 }
 struct F32Rows(*const f32);
 struct F16Rows(*const u8);
@@ -444,31 +445,31 @@ struct I8Rows(*const u8, usize);
 
 impl RowLoad for F32Rows {
     #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
         let p = self.0.add(t * hd + 8 * c0);
-        for (c, slot) in out.iter_mut().enumerate() {
-            *slot = _mm256_loadu_ps(p.add(8 * c));
+        for c in 0..n {
+            out.add(c).write(_mm256_loadu_ps(p.add(8 * c)));
         }
     }
 }
 impl RowLoad for F16Rows {
     #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
         let p = self.0.add(2 * (t * hd + 8 * c0));
-        for (c, slot) in out.iter_mut().enumerate() {
-            *slot = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast()));
+        for c in 0..n {
+            out.add(c).write(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast())));
         }
     }
 }
 impl RowLoad for I8Rows {
     #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
         let sb = self.0.add(2 * t);
         let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
         let p = self.0.add(self.1 * 2 + t * hd + 8 * c0);
-        for (c, slot) in out.iter_mut().enumerate() {
+        for c in 0..n {
             let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
-            *slot = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q));
+            out.add(c).write(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q)));
         }
     }
 }
@@ -536,7 +537,7 @@ unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4
 
 impl<const B: usize> RowLoad for ChannelRows<B> {
     #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
         let p = self.codes.add((t * hd + 8 * c0) * B / 8);
         let (zero, step) = (self.zero.add(8 * c0), self.step.add(8 * c0));
         let value = |c: usize, code: __m256i| {
@@ -545,45 +546,45 @@ impl<const B: usize> RowLoad for ChannelRows<B> {
         };
         let mut c = 0;
         if B == 4 {
-            while c + 4 <= out.len() {
+            while c + 4 <= n {
                 for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
-                    out[c + k] = value(c + k, code);
+                    out.add(c + k).write(value(c + k, code));
                 }
                 c += 4;
             }
         }
-        for (c, slot) in out.iter_mut().enumerate().skip(c) {
-            *slot = value(c, unpack8::<B>(p.add(c * B)));
+        for c in c..n {
+            out.add(c).write(value(c, unpack8::<B>(p.add(c * B))));
         }
     }
 }
 impl<const B: usize> RowLoad for TokenRows<B> {
     #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: &mut [__m256]) {
+    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
         let s = _mm256_set1_ps(*self.scales.add(t));
         let p = self.codes.add((t * hd + 8 * c0) * B / 8);
         let mut c = 0;
         if let (4, Some(bytes)) = (B, self.bytes) {
             let table = _mm_loadu_si128(bytes.as_ptr().cast());
-            while c + 4 <= out.len() {
+            while c + 4 <= n {
                 let (a, b) = nibbles32(p.add(4 * c));
                 let levels = (_mm_shuffle_epi8(table, a), _mm_shuffle_epi8(table, b));
                 for (k, level) in widen32::<true>(levels).into_iter().enumerate() {
-                    out[c + k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(level));
+                    out.add(c + k).write(_mm256_mul_ps(s, _mm256_cvtepi32_ps(level)));
                 }
                 c += 4;
             }
         }
         let low = _mm256_loadu_ps(self.levels.as_ptr());
         let high = _mm256_loadu_ps(self.levels.as_ptr().add(8));
-        for (c, slot) in out.iter_mut().enumerate().skip(c) {
+        for c in c..n {
             let code = unpack8::<B>(p.add(c * B));
             let mut level = _mm256_permutevar8x32_ps(low, code);
             if B == 4 {
                 let top = _mm256_castsi256_ps(_mm256_slli_epi32(code, 28));
                 level = _mm256_blendv_ps(level, _mm256_permutevar8x32_ps(high, code), top);
             }
-            *slot = _mm256_mul_ps(s, level);
+            out.add(c).write(_mm256_mul_ps(s, level));
         }
     }
 }
@@ -627,7 +628,8 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0b01_00_01_00), _mm256_shuffle_ps(c01, c23, 0b11_10_11_10))
 }
 
-/// Rows of a block of 8 tokens as vectors of 8 channels, `[token][lane]`.
+/// Rows of a block of 8 tokens as vectors of 8 channels, `[token][lane]`: written for the
+/// block's rows and lanes only, so read through raw pointers (never as a whole).
 type RowBlock = [[__m256; 32]; 8];
 
 /// The dot products of `Q` queries with the `m` (<= 8) rows of `rows`, written to
@@ -635,12 +637,20 @@ type RowBlock = [[__m256; 32]; 8];
 /// query: 2Q independent chains of fused multiply-adds (one chain a dot, in channel order as
 /// the reference takes it), where one dot at a time left the multiply-add's latency exposed.
 #[inline(always)]
-unsafe fn dots<const Q: usize>(rows: &RowBlock, m: usize, lanes: usize, query: impl Fn(usize, usize) -> __m256, part: *mut __m256) {
+unsafe fn dots<const Q: usize>(
+    rows: *const [__m256; 32],
+    m: usize,
+    lanes: usize,
+    query: impl Fn(usize, usize) -> __m256,
+    part: *mut __m256,
+) {
     let mut j = 0;
     while j < m {
         let two = j + 1 < m;
+        let (p0, p1) = (rows.add(j).cast::<__m256>(), rows.add(j + usize::from(two)).cast::<__m256>());
         let mut acc = [[_mm256_setzero_ps(); 2]; Q];
-        for (c, (&r0, &r1)) in rows[j].iter().zip(&rows[j + usize::from(two)]).enumerate().take(lanes) {
+        for c in 0..lanes {
+            let (r0, r1) = (p0.add(c).read(), p1.add(c).read());
             for (i, a) in acc.iter_mut().enumerate() {
                 let qc = query(i, c);
                 a[0] = _mm256_fmadd_ps(r0, qc, a[0]);
@@ -691,7 +701,7 @@ unsafe fn store_scores(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn score_block(
-    rows: &RowBlock,
+    rows: *const [__m256; 32],
     m: usize,
     lanes: usize,
     visible: &[usize],
@@ -761,23 +771,23 @@ unsafe fn scores_channel<const B: usize>(
             let m = (n - t0).min(8);
             for j in 0..m {
                 let p = codes.add((t0 + j) * hd * B / 8);
-                let kv = &mut *rp.add(j);
+                let kv = rp.add(j).cast::<__m256>();
                 let mut c = 0;
                 if B == 4 {
                     while c + 4 <= lanes {
                         for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
-                            kv[c + k] = _mm256_cvtepi32_ps(code);
+                            kv.add(c + k).write(_mm256_cvtepi32_ps(code));
                         }
                         c += 4;
                     }
                 }
-                for (c, slot) in kv.iter_mut().enumerate().take(lanes).skip(c) {
-                    *slot = _mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B)));
+                for c in c..lanes {
+                    kv.add(c).write(_mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B))));
                 }
             }
             let query = |i: usize, c: usize| sp.add(32 * i + c).read();
             let finish = |i: usize, sum: __m256| _mm256_mul_ps(_mm256_sub_ps(sum, _mm256_set1_ps(offset[i])), sc);
-            score_block(&*rows.as_ptr(), m, lanes, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, query, finish);
+            score_block(rp, m, lanes, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, query, finish);
         }
     }
 }
@@ -795,10 +805,10 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
     for t0 in (0..n).step_by(8) {
         let m = (n - t0).min(8);
         for j in 0..m {
-            k.load_lanes(t0 + j, hd, 0, &mut (&mut *rp.add(j))[..lanes]);
+            k.load_lanes(t0 + j, hd, 0, rp.add(j).cast(), lanes);
         }
         let query = |i: usize, c: usize| _mm256_loadu_ps(q.as_ptr().add(i * hd + 8 * c));
-        score_block(&*rows.as_ptr(), m, lanes, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
+        score_block(rp, m, lanes, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
     }
 }
 
@@ -864,7 +874,7 @@ unsafe fn values_tile<L: RowLoad, const Q: usize, const N: usize>((v, probs, ld,
     let n = vis.iter().copied().max().unwrap_or(0);
     let mut row = [_mm256_setzero_ps(); N];
     for t in 0..n {
-        v.load_lanes(t, hd, c0, &mut row);
+        v.load_lanes(t, hd, c0, row.as_mut_ptr(), N);
         for (i, a) in acc.iter_mut().enumerate() {
             if t >= *vis.get_unchecked(i) {
                 continue;
