@@ -428,8 +428,8 @@ unsafe fn q8_dpbusd(p: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(p, aw, sx)
 }
 
-/// How a kernel loads row `t` of a chunk into `lanes` vectors of 8 floats; one
-/// implementation per format so each kernel instantiation inlines its own loads.
+/// How a kernel loads lanes of row `t` of a chunk as vectors of 8 floats; one implementation
+/// per format so each kernel instantiation inlines its own loads.
 trait RowLoad {
     /// Lanes `c0..c0 + n` of row `t` (lane `c`: channels `8c..8c + 8`) written to `out[..n]`
     /// (a raw pointer: scoring writes them into a block it has not initialized).
@@ -535,27 +535,32 @@ unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4
     [w(a), w(_mm_unpackhi_epi64(a, a)), w(b), w(_mm_unpackhi_epi64(b, b))]
 }
 
+/// The `B`-bit codes of `n` lanes at `p` as i32s, lane by lane to `put(c, codes)`: 4-bit
+/// codes 32 at a time, other widths 8 at a time.
+#[inline(always)]
+unsafe fn code_lanes<const B: usize>(p: *const u8, n: usize, mut put: impl FnMut(usize, __m256i)) {
+    let mut c = 0;
+    if B == 4 {
+        while c + 4 <= n {
+            for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
+                put(c + k, code);
+            }
+            c += 4;
+        }
+    }
+    for c in c..n {
+        put(c, unpack8::<B>(p.add(c * B)));
+    }
+}
+
 impl<const B: usize> RowLoad for ChannelRows<B> {
     #[inline(always)]
     unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
-        let p = self.codes.add((t * hd + 8 * c0) * B / 8);
         let (zero, step) = (self.zero.add(8 * c0), self.step.add(8 * c0));
-        let value = |c: usize, code: __m256i| {
+        code_lanes::<B>(self.codes.add((t * hd + 8 * c0) * B / 8), n, |c, code| {
             let v = _mm256_sub_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(zero.add(8 * c)));
-            _mm256_mul_ps(v, _mm256_loadu_ps(step.add(8 * c)))
-        };
-        let mut c = 0;
-        if B == 4 {
-            while c + 4 <= n {
-                for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
-                    out.add(c + k).write(value(c + k, code));
-                }
-                c += 4;
-            }
-        }
-        for c in c..n {
-            out.add(c).write(value(c, unpack8::<B>(p.add(c * B))));
-        }
+            out.add(c).write(_mm256_mul_ps(v, _mm256_loadu_ps(step.add(8 * c))));
+        });
     }
 }
 impl<const B: usize> RowLoad for TokenRows<B> {
@@ -770,20 +775,8 @@ unsafe fn scores_channel<const B: usize>(
         for t0 in (0..n).step_by(8) {
             let m = (n - t0).min(8);
             for j in 0..m {
-                let p = codes.add((t0 + j) * hd * B / 8);
                 let kv = rp.add(j).cast::<__m256>();
-                let mut c = 0;
-                if B == 4 {
-                    while c + 4 <= lanes {
-                        for (k, code) in widen32::<false>(nibbles32(p.add(4 * c))).into_iter().enumerate() {
-                            kv.add(c + k).write(_mm256_cvtepi32_ps(code));
-                        }
-                        c += 4;
-                    }
-                }
-                for c in c..lanes {
-                    kv.add(c).write(_mm256_cvtepi32_ps(unpack8::<B>(p.add(c * B))));
-                }
+                code_lanes::<B>(codes.add((t0 + j) * hd * B / 8), lanes, |c, code| kv.add(c).write(_mm256_cvtepi32_ps(code)));
             }
             let query = |i: usize, c: usize| sp.add(32 * i + c).read();
             let finish = |i: usize, sum: __m256| _mm256_mul_ps(_mm256_sub_ps(sum, _mm256_set1_ps(offset[i])), sc);
