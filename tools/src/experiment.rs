@@ -39,26 +39,23 @@ use crate::trace::{generate, GenParams, Pattern};
 /// `llms@R` is llms at the fixed global ratio R (a second llms row beside the chosen one:
 /// the paper's 0.5 next to the ratio found by quality).
 pub fn policy_config(base: &Config, policy: &str) -> Config {
-    let (levels, ratio): (Vec<String>, f64) = match policy {
-        "llms" => (base.levels.clone(), base.ratio),
-        "vllm-s" => (vec!["f16".into()], 1.0),
-        p => match fixed_llms_ratio(p) {
-            Some(r) => (base.levels.clone(), r),
-            None => (vec!["int8".into()], 1.0),
-        },
+    let (name, levels, ratio): (&str, Vec<String>, f64) = match (policy, policy.strip_prefix("llms@").and_then(parse_ratio)) {
+        (_, Some(r)) => ("llms", base.levels.clone(), r),
+        ("llms", None) => ("llms", base.levels.clone(), base.ratio),
+        ("vllm-s", None) => (policy, vec!["f16".into()], 1.0),
+        _ => (policy, vec!["int8".into()], 1.0),
     };
-    let name = if fixed_llms_ratio(policy).is_some() { "llms" } else { policy };
     Config { policy: name.into(), levels, ratio, ..base.clone() }
 }
 
-/// R of a policy spelled `llms@R`, R in (0, 1].
-fn fixed_llms_ratio(policy: &str) -> Option<f64> {
-    policy.strip_prefix("llms@")?.parse().ok().filter(|r: &f64| *r > 0.0 && *r <= 1.0)
+/// A global ratio as the experiments take one: a number in (0, 1].
+pub fn parse_ratio(s: &str) -> Option<f64> {
+    s.parse().ok().filter(|r: &f64| *r > 0.0 && *r <= 1.0)
 }
 
 /// Checks an experiment's policy name: one of [`mm::Policy`]'s, or `llms@R`.
 pub fn check_policy(p: &str) -> Result<()> {
-    if mm::Policy::parse(p).is_some() || fixed_llms_ratio(p).is_some() {
+    if mm::Policy::parse(p).is_some() || p.strip_prefix("llms@").and_then(parse_ratio).is_some() {
         return Ok(());
     }
     bail!("policy {p:?}: llms, llms@R (R a ratio in (0, 1]), vllm-sq, vllm-s, swap or lmk")
@@ -304,13 +301,14 @@ fn x_of(n: usize) -> f64 {
 pub fn write_switch_vs_contexts(dir: &Path, name: &str, s: &SwitchVsContexts, points: &[Point]) -> Result<Vec<PathBuf>> {
     let fig = Figure {
         caption: format!(
-            "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}; llms over {} at {:.2} of int8's bytes ({}).",
+            "Average switch latency (ms) vs active contexts; budget {}, {} calls per context, delta scale {}, seed {}; llms over {} at {:.2} of {}'s bytes ({}).",
             s.budget,
             s.calls_per_context,
             s.scale,
             s.seed,
             s.llms_levels.join(","),
             s.llms_ratio,
+            s.llms_levels.first().map_or("the base", String::as_str),
             s.llms_ratio_by
         ),
         x_desc: "active contexts".into(),
@@ -609,7 +607,7 @@ pub struct ChunkSize {
 /// Runs it: the llms policy's load profile is measured for every chunk size first (saved in
 /// `profiles`, as the service would at its first start).
 pub fn chunk_size(base: &Config, s: &ChunkSize, work: &Path, profiles: &Path, log: &mut dyn FnMut(&SweepRun)) -> Result<Vec<SweepRun>> {
-    if s.policies.iter().any(|p| p == "llms") && base.load_profile {
+    if s.policies.iter().any(|p| policy_config(base, p).policy == "llms") && base.load_profile {
         let model = Arc::new(engine::Model::load(&base.model).with_context(|| format!("loading {}", base.model.display()))?);
         let threads = if base.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { base.threads };
         let pool = Arc::new(engine::ThreadPool::new(threads));

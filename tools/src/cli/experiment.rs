@@ -263,7 +263,7 @@ impl ExpEnv {
                     t.accuracy_text.iter().map(|p| p.file_name().unwrap_or(p.as_os_str()).to_string_lossy().into_owned()).collect();
                 let windows = if t.quality_windows == 0 { "all".to_string() } else { t.quality_windows.to_string() };
                 let by = format!(
-                    "the most compressed ratio within {}% of {}'s perplexity on {} ({windows} windows of 512 each)",
+                    "the most compressed ratio within {}% of {}'s perplexity on {}, {windows} windows of 512 tokens each",
                     t.quality_tolerance,
                     t.llms_levels[0],
                     names.join(", ")
@@ -271,10 +271,7 @@ impl ExpEnv {
                 (r, by)
             }
             r => (
-                r.parse()
-                    .ok()
-                    .filter(|r: &f64| *r > 0.0 && *r <= 1.0)
-                    .with_context(|| format!("--llms-ratio {r:?}: a number in (0, 1] or `quality`"))?,
+                crate::experiment::parse_ratio(r).with_context(|| format!("--llms-ratio {r:?}: a number in (0, 1] or `quality`"))?,
                 "a fixed ratio".to_string(),
             ),
         };
