@@ -794,17 +794,22 @@ fn split_k_outliers_at(hd: usize) -> usize {
 /// is `(code - zero[c]) x step[c]`, plus the correction of an outlier at `t x hd + c`
 /// ([`k_outlier_at`]). Attention reads K blocks in place with these.
 pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
+    // This runs for every K block attention reads: written so that each loop compiles to
+    // straight-line code (no per-channel branch or bounds check).
     let reference = f16_at(blk, 0);
-    for (z, &b) in zero[..hd].iter_mut().zip(&blk[2..2 + hd]) {
+    let at = split_k_outliers_at(hd);
+    let (zeros, exps) = blk[2..at].split_at(hd);
+    for (z, &b) in zero[..hd].iter_mut().zip(zeros) {
         *z = f32::from(b as i8);
     }
     // Two channels' exponents a byte, low nibble first.
-    let at = split_k_outliers_at(hd);
-    for (pair, &b) in step[..hd].chunks_mut(2).zip(&blk[2 + hd..at]) {
+    let (pairs, odd) = step[..hd].split_at_mut(hd & !1);
+    for (pair, &b) in pairs.chunks_exact_mut(2).zip(exps) {
         pair[0] = k_step(reference, b & 0xF);
-        if let Some(s) = pair.get_mut(1) {
-            *s = k_step(reference, b >> 4);
-        }
+        pair[1] = k_step(reference, b >> 4);
+    }
+    if let (Some(s), Some(&b)) = (odd.first_mut(), exps.last()) {
+        *s = k_step(reference, b & 0xF);
     }
     let end = split_k_header(t_cap, hd);
     (&blk[at..end], &blk[end..])
@@ -1099,12 +1104,23 @@ fn split_v_header(t_cap: usize) -> usize {
 pub fn split_v_params<'a>(blk: &'a [u8], t_cap: usize, scales: &mut [f32]) -> &'a [u8] {
     let reference = f16_at(blk, 0);
     let (exps, codes) = blk[2..].split_at(split_v_header(t_cap) - 2);
-    // Four exponents every 3 bytes (this runs for every V block attention reads).
-    for (four, b) in scales[..t_cap].chunks_mut(4).zip(exps.chunks(3)) {
+    // Four exponents every 3 bytes (this runs for every V block attention reads: whole groups
+    // in straight-line code, then a partial one).
+    let scale = |word: u32, k: usize| reference * V_SCALE_OF[(word >> (V_EXP_BITS * k) & 63) as usize];
+    let mut fours = scales[..t_cap].chunks_exact_mut(4);
+    for (four, b) in (&mut fours).zip(exps.chunks_exact(3)) {
+        let word = u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16;
+        for (k, s) in four.iter_mut().enumerate() {
+            *s = scale(word, k);
+        }
+    }
+    let rest = fours.into_remainder();
+    if !rest.is_empty() {
+        let b = &exps[t_cap / 4 * 3..];
         let byte = |i: usize| u32::from(b.get(i).copied().unwrap_or(0));
         let word = byte(0) | byte(1) << 8 | byte(2) << 16;
-        for (k, s) in four.iter_mut().enumerate() {
-            *s = reference * V_SCALE_OF[(word >> (V_EXP_BITS * k) & 63) as usize];
+        for (k, s) in rest.iter_mut().enumerate() {
+            *s = scale(word, k);
         }
     }
     codes
@@ -1505,6 +1521,41 @@ mod tests {
     /// decode within their own step (not the largest token's), a zero block decodes to zeros,
     /// and every exponent a hostile record can hold decodes to a finite scale. A K outlier's
     /// correction keeps its sign and 1/128 of its size up to f16's largest value.
+    /// The block parsers attention runs for every block read each field where the layout puts
+    /// it, for every token count and head width (odd ones and partial exponent groups included):
+    /// checked against the codes read one at a time.
+    #[test]
+    fn split_block_parameters_are_read_field_by_field() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for t_cap in 1..=17 {
+            let hdr = split_v_header(t_cap);
+            let blk: Vec<u8> = (0..hdr + 8).map(|_| rng.gen()).collect();
+            let mut scales = vec![f32::NAN; t_cap + 1];
+            let codes = split_v_params(&blk, t_cap, &mut scales);
+            assert_eq!(codes.len(), 8);
+            for (t, &s) in scales[..t_cap].iter().enumerate() {
+                let want = f16_at(&blk, 0) * V_SCALE_OF[usize::from(get_code(&blk[2..], t, V_EXP_BITS))];
+                assert_eq!(s.to_bits(), want.to_bits(), "t_cap {t_cap} token {t}");
+            }
+            assert!(scales[t_cap].is_nan(), "written past t_cap");
+        }
+        for hd in [1, 5, 8, 63, 64] {
+            let t_cap = 4;
+            let hdr = split_k_header(t_cap, hd);
+            let mut blk: Vec<u8> = (0..hdr + 8).map(|_| rng.gen()).collect();
+            blk[..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+            let (mut zero, mut step) = (vec![f32::NAN; hd + 1], vec![f32::NAN; hd + 1]);
+            let (outliers, codes) = split_k_params(&blk, t_cap, hd, &mut zero, &mut step);
+            assert_eq!((outliers.len(), codes.len()), (OUTLIER_BYTES * k_outliers(t_cap, hd), 8));
+            for c in 0..hd {
+                assert_eq!(zero[c], f32::from(blk[2 + c] as i8), "hd {hd} zero {c}");
+                let e = get_code(&blk[2 + hd..], c, 4);
+                assert_eq!(step[c].to_bits(), k_step(0.25, e).to_bits(), "hd {hd} step {c}");
+            }
+            assert!(zero[hd].is_nan() && step[hd].is_nan(), "written past hd");
+        }
+    }
+
     #[test]
     fn split_v_scales_follow_each_token_and_outliers_round_to_twelve_bits() {
         let (hd, t) = (64, 16);
