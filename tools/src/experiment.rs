@@ -816,6 +816,159 @@ pub struct AccuracyVsMemory {
     pub generate: usize,
     /// The levels the mix plans choose from, the base (int8) first (docs/kv.md).
     pub levels: Vec<String>,
+    /// llama.cpp's perplexities with its own KV cache types (`kv_perplexity` in the JSON that
+    /// `make fixtures` writes, tests/fixtures/llama_cpp.json): the plans run again on each of
+    /// `peer_texts` with the windows the peer ran, beside them (issue #27's peer column).
+    pub peer: Option<PathBuf>,
+    pub peer_texts: Vec<PathBuf>,
+}
+
+/// The plans and llama.cpp's KV types on one text, on the same windows ([`peer_comparison`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerText {
+    /// The text's file name, as the peer's entries name it.
+    pub text: String,
+    pub ctx: usize,
+    pub windows: usize,
+    /// Positions scored (ours, equal to the peer's: the same windows).
+    pub scored: usize,
+    pub rows: Vec<PeerRow>,
+}
+
+/// One KV cache's perplexity on a [`PeerText`]: ours (f16, int8 and every plan) or llama.cpp's.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerRow {
+    /// `llms` or `llama.cpp`.
+    pub engine: String,
+    /// A plan (ours) or a llama.cpp KV type (`type_k` = `type_v`).
+    pub kv: String,
+    /// KV bytes a value relative to our int8's (llama.cpp's types by their block sizes; `None`
+    /// for a type this table does not know).
+    pub bytes_vs_int8: Option<f64>,
+    pub ppl: f64,
+    /// Against the same engine's f16 KV on the same windows, percent.
+    pub vs_f16_pct: f64,
+    /// Against our int8 on the same windows, percent (ours only).
+    pub vs_int8_pct: Option<f64>,
+}
+
+/// Bytes a value of a llama.cpp KV cache type (ggml's block sizes), for the types its
+/// `type_k`/`type_v` take.
+fn ggml_kv_bytes_per_value(kv: &str) -> Option<f64> {
+    Some(match kv {
+        "f32" => 4.0,
+        "f16" | "bf16" => 2.0,
+        "q8_0" => 34.0 / 32.0,
+        "q5_1" => 24.0 / 32.0,
+        "q5_0" => 22.0 / 32.0,
+        "q4_1" => 20.0 / 32.0,
+        "q4_0" | "iq4_nl" => 18.0 / 32.0,
+        _ => return None,
+    })
+}
+
+/// One of llama.cpp's `kv_perplexity` entries.
+struct PeerEntry {
+    kv: String,
+    ppl: f64,
+    ctx: usize,
+    windows: usize,
+    scored: usize,
+}
+
+/// llama.cpp's `kv_perplexity` entries for one text, checked: all on the same windows, one at f16.
+fn peer_entries(json: &serde_json::Value, path: &Path, text: &str) -> Result<Vec<PeerEntry>> {
+    let entries = json["kv_perplexity"]
+        .as_array()
+        .with_context(|| format!("{}: no kv_perplexity list (`make fixtures` writes one)", path.display()))?;
+    let mut out = Vec::new();
+    for e in entries.iter().filter(|e| e["text"].as_str() == Some(text)) {
+        let num = |k: &str| e[k].as_u64().and_then(|v| usize::try_from(v).ok());
+        let (Some(kv), Some(ppl), Some(ctx), Some(windows), Some(scored)) =
+            (e["kv"].as_str(), e["ppl"].as_f64(), num("ctx"), num("windows"), num("scored"))
+        else {
+            bail!("{}: a kv_perplexity entry for {text} lacks kv, ppl, ctx, windows or scored: {e}", path.display());
+        };
+        if !(ppl.is_finite() && ppl >= 1.0 && (8..=4096).contains(&ctx) && (1..=10_000).contains(&windows)) {
+            bail!("{}: a kv_perplexity entry for {text} is out of range: {e}", path.display());
+        }
+        out.push(PeerEntry { kv: kv.to_string(), ppl, ctx, windows, scored });
+    }
+    let Some(first) = out.first() else { bail!("{}: no kv_perplexity entry for {text}", path.display()) };
+    if out.iter().any(|e| (e.ctx, e.windows, e.scored) != (first.ctx, first.windows, first.scored)) {
+        bail!("{}: the entries for {text} ran on different windows", path.display());
+    }
+    if !out.iter().any(|e| e.kv == "f16") {
+        bail!("{}: no f16 entry for {text}, which the others are measured against", path.display());
+    }
+    Ok(out)
+}
+
+/// Our plans (with f16 and int8) on each of `s.peer_texts` with the windows llama.cpp's entries
+/// ran on, beside llama.cpp's KV types; refused when our windows score a different number of
+/// positions than the peer's (not the same windows).
+pub fn peer_comparison(model: &Arc<engine::Model>, pool: &Arc<engine::ThreadPool>, s: &AccuracyVsMemory) -> Result<Vec<PeerText>> {
+    use engine::kv::KvFormat;
+    let Some(path) = &s.peer else { return Ok(Vec::new()) };
+    let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_slice(&raw).with_context(|| format!("{}: not JSON", path.display()))?;
+    let levels: Vec<KvFormat> =
+        s.levels.iter().map(|l| KvFormat::parse(l).with_context(|| format!("levels: {l:?}"))).collect::<Result<_>>()?;
+    let mut plans = vec!["f16".to_string(), "int8".to_string()];
+    plans.extend(s.plans.iter().filter(|p| !plans.contains(p)).cloned().collect::<Vec<_>>());
+    let hd = model.config.head_dim.max(1);
+    #[allow(clippy::cast_precision_loss)]
+    let int8_per_value = 1.0 + 2.0 / hd as f64;
+    // Every text's entries are checked before the first (long) run.
+    let mut texts = Vec::new();
+    for t in &s.peer_texts {
+        let name = t.file_name().map(|n| n.to_string_lossy().into_owned()).with_context(|| format!("{}: no file name", t.display()))?;
+        let entries = peer_entries(&json, path, &name)?;
+        let text = std::fs::read_to_string(t).with_context(|| format!("reading {}", t.display()))?;
+        texts.push((name, entries, model.tokenizer.encode(&text, false, false)?));
+    }
+    let mut out = Vec::new();
+    for (name, entries, ids) in texts {
+        let (ctx, windows, scored) = (entries[0].ctx, entries[0].windows, entries[0].scored);
+        let mut rows: Vec<PeerRow> = Vec::new();
+        let (mut f16, mut int8) = (0.0, 0.0);
+        for plan_name in &plans {
+            let plan = engine::eval::KvPlan::parse(plan_name).with_context(|| format!("plan {plan_name:?}"))?;
+            let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
+            let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
+            let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, ctx, windows, plan, s.chunk_tokens, &choose, None)?;
+            if p.scored != scored {
+                bail!("{name}: our windows score {} positions, llama.cpp's {scored}: not the same windows", p.scored);
+            }
+            match plan_name.as_str() {
+                "f16" => f16 = p.ppl,
+                "int8" => int8 = p.ppl,
+                _ => {}
+            }
+            let bytes = if plan_name == "f16" { 2.0 / int8_per_value } else { bytes };
+            rows.push(PeerRow {
+                engine: "llms".into(),
+                kv: plan_name.clone(),
+                bytes_vs_int8: Some(bytes),
+                ppl: p.ppl,
+                vs_f16_pct: (p.ppl / f16 - 1.0) * 100.0,
+                vs_int8_pct: (int8 > 0.0).then(|| (p.ppl / int8 - 1.0) * 100.0),
+            });
+        }
+        let peer_f16 = entries.iter().find(|e| e.kv == "f16").map_or(f64::NAN, |e| e.ppl);
+        for e in entries {
+            rows.push(PeerRow {
+                engine: "llama.cpp".into(),
+                bytes_vs_int8: ggml_kv_bytes_per_value(&e.kv).map(|b| b / int8_per_value),
+                kv: e.kv,
+                ppl: e.ppl,
+                vs_f16_pct: (e.ppl / peer_f16 - 1.0) * 100.0,
+                vs_int8_pct: None,
+            });
+        }
+        out.push(PeerText { text: name, ctx, windows, scored, rows });
+    }
+    Ok(out)
 }
 
 /// One plan's quality.
@@ -924,7 +1077,7 @@ pub fn sequence_agreement(runs: &[Vec<u32>], reference: &[Vec<u32>]) -> (f64, f6
 }
 
 /// Writes `<dir>/<name>.md`, `.json`, `.svg`, `.png`: the table and perplexity vs KV bytes.
-pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accuracy]) -> Result<Vec<PathBuf>> {
+pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accuracy], peer: &[PeerText]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut md = format!(
         "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk), teacher-forced greedy agreement with int8 (share of scored positions with int8's most likely token) and free-running greedy agreement ({} tokens generated after a {}-token prompt per window: equal tokens at equal positions, and the share before the first difference).\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | teacher-forced agreement | free-running agreement | before first difference |\n|---|---|---|---|---|---|---|\n",
@@ -946,10 +1099,11 @@ pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accu
             r.greedy_prefix * 100.0
         ));
     }
+    md.push_str(&peer_table(peer));
     let md_path = dir.join(format!("{name}.md"));
     std::fs::write(&md_path, md)?;
     let json_path = dir.join(format!("{name}.json"));
-    let json = serde_json::json!({"command": crate::figure::command_line(), "settings": s, "rows": rows});
+    let json = serde_json::json!({"command": crate::figure::command_line(), "settings": s, "rows": rows, "peer": peer});
     std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
     let svg = dir.join(format!("{name}.svg"));
     let png = dir.join(format!("{name}.png"));
@@ -957,6 +1111,27 @@ pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accu
     accuracy_chart(SVGBackend::new(&svg, (560, 400)).into_drawing_area(), rows)?;
     accuracy_chart(BitMapBackend::new(&png, (560, 400)).into_drawing_area(), rows)?;
     Ok(vec![md_path, json_path, svg, png])
+}
+
+/// The peer comparison as a markdown table (empty without one).
+pub fn peer_table(peer: &[PeerText]) -> String {
+    if peer.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "\nOn the KV accuracy texts, beside llama.cpp's own KV cache types (`type_k` = `type_v`, flash attention on, through llama-cpp-python: `make fixtures`), on the same windows; each engine against its own f16:\n\n| text (windows of ctx) | engine | KV | bytes vs int8 | perplexity | vs its f16 | vs int8 |\n|---|---|---|---|---|---|---|\n",
+    );
+    for t in peer {
+        for r in &t.rows {
+            let bytes = r.bytes_vs_int8.map_or_else(|| "?".into(), |b| format!("{b:.3}"));
+            let vs_int8 = r.vs_int8_pct.map_or_else(|| "—".into(), |v| format!("{v:+.2}%"));
+            md.push_str(&format!(
+                "| {} ({} of {}) | {} | {} | {bytes} | {:.3} | {:+.2}% | {vs_int8} |\n",
+                t.text, t.windows, t.ctx, r.engine, r.kv, r.ppl, r.vs_f16_pct
+            ));
+        }
+    }
+    md
 }
 
 fn accuracy_chart<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, rows: &[Accuracy]) -> Result<()>

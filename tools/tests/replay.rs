@@ -127,6 +127,8 @@ fn the_accuracy_experiment_compares_plans_with_int8() {
         corpus: vec![fixture("gpl-3.txt")],
         generate: 24,
         levels: vec!["int8".into(), "q4".into(), "q2".into()],
+        peer: None,
+        peer_texts: Vec::new(),
     };
     let rows = tools::experiment::accuracy_vs_memory(&model, &pool, &s).unwrap();
     assert_eq!(rows.iter().map(|r| r.plan.as_str()).collect::<Vec<_>>(), ["int8", "q2", "mix:0.75"]);
@@ -137,9 +139,70 @@ fn the_accuracy_experiment_compares_plans_with_int8() {
     assert!(rows[1].bytes_vs_int8 < rows[2].bytes_vs_int8 && rows[2].bytes_vs_int8 < 1.0);
     assert!(rows[1].ppl > rows[0].ppl, "2-bit KV costs perplexity");
     let dir = tempfile::tempdir().unwrap();
-    for f in tools::experiment::write_accuracy(dir.path(), "acc", &s, &rows).unwrap() {
+    for f in tools::experiment::write_accuracy(dir.path(), "acc", &s, &rows, &[]).unwrap() {
         assert!(std::fs::metadata(&f).unwrap().len() > 100, "{}", f.display());
     }
+}
+
+/// Fig. 12's llama.cpp comparison: our plans run on the windows llama.cpp's entries name and
+/// sit beside them, each against its own f16; entries that are not the same windows, lack the
+/// f16 to measure against, or are not JSON are refused with what is wrong.
+#[test]
+fn the_accuracy_experiment_sets_plans_beside_llama_cpp_on_the_same_windows() {
+    let model = std::sync::Arc::new(engine::Model::load(&model_path()).unwrap());
+    let pool = std::sync::Arc::new(engine::ThreadPool::new(2));
+    let dir = tempfile::tempdir().unwrap();
+    let peer = dir.path().join("peer.json");
+    // One window of 128 tokens scores its second half but the last position: 63.
+    let entry = |kv: &str, ppl: f64, scored: usize| serde_json::json!({"text": "gpl-3.txt", "ctx": 128, "windows": 1, "kv": kv, "ppl": ppl, "scored": scored, "flash_attn": true});
+    let write = |entries: Vec<serde_json::Value>| std::fs::write(&peer, serde_json::json!({"kv_perplexity": entries}).to_string()).unwrap();
+    write(vec![entry("f16", 20.0, 63), entry("q4_0", 21.0, 63), entry("tq1_0", 30.0, 63)]);
+    let mut s = tools::experiment::AccuracyVsMemory {
+        plans: vec!["int8".into(), "q2".into()],
+        ctx: 128,
+        windows: 1,
+        chunk_tokens: 16,
+        corpus: vec![fixture("gpl-3.txt")],
+        generate: 0,
+        levels: vec!["int8".into(), "q4".into(), "q2".into()],
+        peer: Some(peer.clone()),
+        peer_texts: vec![fixture("gpl-3.txt")],
+    };
+    let texts = tools::experiment::peer_comparison(&model, &pool, &s).unwrap();
+    assert_eq!(texts.len(), 1);
+    let t = &texts[0];
+    assert_eq!((t.text.as_str(), t.ctx, t.windows, t.scored), ("gpl-3.txt", 128, 1, 63));
+    let names: Vec<(&str, &str)> = t.rows.iter().map(|r| (r.engine.as_str(), r.kv.as_str())).collect();
+    assert_eq!(
+        names,
+        [("llms", "f16"), ("llms", "int8"), ("llms", "q2"), ("llama.cpp", "f16"), ("llama.cpp", "q4_0"), ("llama.cpp", "tq1_0")]
+    );
+    let (ours_f16, int8, q2) = (&t.rows[0], &t.rows[1], &t.rows[2]);
+    assert!(ours_f16.vs_f16_pct.abs() < 1e-9 && int8.vs_int8_pct.unwrap().abs() < 1e-9);
+    assert!((int8.bytes_vs_int8.unwrap() - 1.0).abs() < 1e-9 && q2.bytes_vs_int8.unwrap() < 0.5);
+    assert!(q2.ppl > int8.ppl && q2.vs_int8_pct.unwrap() > 0.0, "2-bit KV costs perplexity: {q2:?}");
+    // llama.cpp's rows are its own figures, against its own f16; q4_0 is 18 bytes a 32 values.
+    let q4_0 = &t.rows[4];
+    assert!((q4_0.vs_f16_pct - 5.0).abs() < 1e-9 && q4_0.vs_int8_pct.is_none());
+    assert!((q4_0.bytes_vs_int8.unwrap() - (18.0 / 32.0) / (1.0 + 2.0 / 64.0)).abs() < 1e-9);
+    assert!(t.rows[5].bytes_vs_int8.is_none(), "a type whose size this table does not know says so");
+    tools::experiment::write_accuracy(dir.path(), "acc", &s, &[], &texts).unwrap();
+    let md = std::fs::read_to_string(dir.path().join("acc.md")).unwrap();
+    assert!(md.contains("| gpl-3.txt (1 of 128) | llama.cpp | q4_0 | 0.545 | 21.000 | +5.00% | — |"), "{md}");
+
+    let refused =
+        |s: &tools::experiment::AccuracyVsMemory| format!("{:#}", tools::experiment::peer_comparison(&model, &pool, s).unwrap_err());
+    write(vec![entry("f16", 20.0, 64)]);
+    assert!(refused(&s).contains("not the same windows"), "{}", refused(&s));
+    write(vec![entry("q4_0", 21.0, 63)]);
+    assert!(refused(&s).contains("no f16 entry"), "{}", refused(&s));
+    write(vec![entry("f16", f64::NAN, 63)]);
+    assert!(refused(&s).contains("lacks") || refused(&s).contains("out of range"), "{}", refused(&s));
+    std::fs::write(&peer, b"{\"kv_perplexity\": [").unwrap();
+    assert!(refused(&s).contains("not JSON"), "{}", refused(&s));
+    write(vec![entry("f16", 20.0, 63)]);
+    s.peer_texts = vec![fixture("heapq.py.txt")];
+    assert!(refused(&s).contains("no kv_perplexity entry for heapq.py.txt"), "{}", refused(&s));
 }
 
 #[test]

@@ -66,7 +66,7 @@ pub struct TraceExp {
     #[arg(long, default_value_t = 1.0)]
     quality_tolerance: f64,
     /// With --llms-ratio quality: the texts scored (ctx 512, --quality-windows windows each).
-    #[arg(long, default_values = ["tests/fixtures/gpl-3.txt", "tests/fixtures/heapq.py.txt"])]
+    #[arg(long, default_values = ACCURACY_TEXTS)]
     accuracy_text: Vec<PathBuf>,
     /// With --llms-ratio quality: windows of 512 tokens scored per text (0: all).
     #[arg(long, default_value_t = 8)]
@@ -74,6 +74,11 @@ pub struct TraceExp {
     #[command(flatten)]
     m: ModelArgs,
 }
+
+/// The KV accuracy texts (docs/kv.md): the quality search's and Fig. 12's llama.cpp comparison's.
+const ACCURACY_TEXTS: [&str; 2] = ["tests/fixtures/gpl-3.txt", "tests/fixtures/heapq.py.txt"];
+/// llama.cpp's KV perplexities on them (`make fixtures` writes it).
+const DEFAULT_PEER: &str = "tests/fixtures/llama_cpp.json";
 
 #[derive(Subcommand, Debug)]
 pub enum ExperimentCmd {
@@ -96,6 +101,18 @@ pub enum ExperimentCmd {
         /// The levels the mix plans choose from, the base (int8) first (docs/kv.md).
         #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2"]))]
         levels: Vec<String>,
+        /// llama.cpp's perplexities with its own KV cache types (`kv_perplexity` in the JSON
+        /// `make fixtures` writes): the plans run again on --peer-texts with the same windows,
+        /// beside them [default: tests/fixtures/llama_cpp.json when it is there].
+        #[arg(long)]
+        peer: Option<PathBuf>,
+        /// No llama.cpp comparison.
+        #[arg(long, conflicts_with = "peer")]
+        no_peer: bool,
+        /// The texts of the llama.cpp comparison, named in --peer's entries by file name
+        /// [default: tests/fixtures/gpl-3.txt, tests/fixtures/heapq.py.txt].
+        #[arg(long, value_delimiter = ',')]
+        peer_texts: Vec<PathBuf>,
         #[arg(long, default_value = "docs/results")]
         out_dir: PathBuf,
         #[command(flatten)]
@@ -304,12 +321,35 @@ fn sweep_header(x: &str) {
 pub fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
     use crate::experiment as ex;
     match cmd {
-        ExperimentCmd::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, generate, corpus, levels, out_dir, m } => {
+        ExperimentCmd::AccuracyVsMemory {
+            plans,
+            ctx,
+            windows,
+            chunk_tokens,
+            generate,
+            corpus,
+            levels,
+            peer,
+            no_peer,
+            peer_texts,
+            out_dir,
+            m,
+        } => {
             if !(8..=4096).contains(&ctx) || chunk_tokens == 0 || chunk_tokens > ctx || windows == 0 || generate > 4096 {
                 bail!("--ctx must be 8-4096, --chunk-tokens 1..=ctx, --windows at least 1, --generate at most 4096");
             }
             let corpus = if corpus.is_empty() { crate::trace::default_corpus() } else { corpus };
-            let s = ex::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, generate, levels };
+            // The peer's fixture is used when given, or when this runs in a checkout that has it.
+            let peer = match (no_peer, peer) {
+                (true, _) => None,
+                (false, Some(p)) => Some(p),
+                (false, None) => Some(PathBuf::from(DEFAULT_PEER)).filter(|p| p.is_file()),
+            };
+            if peer.is_none() && !no_peer {
+                println!("no llama.cpp comparison: {DEFAULT_PEER} is not here (--peer FILE names one; `make fixtures` writes it)");
+            }
+            let peer_texts = if peer_texts.is_empty() { ACCURACY_TEXTS.iter().map(PathBuf::from).collect() } else { peer_texts };
+            let s = ex::AccuracyVsMemory { plans, ctx, windows, chunk_tokens, corpus, generate, levels, peer, peer_texts };
             let (model, pool) = load(&m)?;
             let rows = ex::accuracy_vs_memory(&model, &pool, &s)?;
             println!(
@@ -328,7 +368,9 @@ pub fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
                     r.greedy_prefix * 100.0
                 );
             }
-            for f in ex::write_accuracy(&out_dir, "accuracy_vs_memory", &s, &rows)? {
+            let peer = ex::peer_comparison(&model, &pool, &s)?;
+            print!("{}", ex::peer_table(&peer));
+            for f in ex::write_accuracy(&out_dir, "accuracy_vs_memory", &s, &rows, &peer)? {
                 println!("wrote {}", f.display());
             }
         }
