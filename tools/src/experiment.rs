@@ -1103,7 +1103,7 @@ pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accu
     let md_path = dir.join(format!("{name}.md"));
     std::fs::write(&md_path, md)?;
     let json_path = dir.join(format!("{name}.json"));
-    let json = serde_json::json!({"command": crate::figure::command_line(), "settings": s, "rows": rows, "peer": peer});
+    let json = serde_json::json!({"command": crate::figure::command_line(), "measured": crate::figure::measured(), "settings": s, "rows": rows, "peer": peer});
     std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
     let svg = dir.join(format!("{name}.svg"));
     let png = dir.join(format!("{name}.png"));

@@ -78,10 +78,8 @@ impl Figure {
         let md_path = dir.join(format!("{name}.md"));
         std::fs::write(&md_path, self.markdown())?;
         let json_path = dir.join(format!("{name}.json"));
-        // Where and when it was measured: the report prints it under the figure, so a page
-        // regenerated later does not pass old figures off as the current commit's.
-        let measured = format!("{}, {}", crate::report::machine(), crate::report::today());
-        let json = serde_json::json!({"command": command_line(), "measured": measured, "settings": settings, "rows": rows, "figure": self});
+        let json =
+            serde_json::json!({"command": command_line(), "measured": measured(), "settings": settings, "rows": rows, "figure": self});
         std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)?;
         let [svg, png] = self.plot(dir, name)?;
         Ok(vec![md_path, json_path, svg, png])
@@ -220,6 +218,12 @@ where
 }
 
 /// The command that made a figure, for the report (so anyone can run it again).
+/// Where and when a figure was measured, for its JSON: the report prints it under the figure,
+/// so a page regenerated later does not pass old figures off as the current commit's.
+pub fn measured() -> String {
+    format!("{}, {}", crate::report::machine(), crate::report::today())
+}
+
 pub fn command_line() -> String {
     let mut args = std::env::args();
     let prog = args.next().map(|p| Path::new(&p).file_name().map_or(p.clone(), |f| f.to_string_lossy().into_owned()));

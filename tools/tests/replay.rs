@@ -187,6 +187,9 @@ fn the_accuracy_experiment_sets_plans_beside_llama_cpp_on_the_same_windows() {
     assert!((q4_0.bytes_vs_int8.unwrap() - (18.0 / 32.0) / (1.0 + 2.0 / 64.0)).abs() < 1e-9);
     assert!(t.rows[5].bytes_vs_int8.is_none(), "a type whose size this table does not know says so");
     tools::experiment::write_accuracy(dir.path(), "acc", &s, &[], &texts).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("acc.json")).unwrap()).unwrap();
+    assert!(json["measured"].as_str().is_some_and(|m| m.contains("cores")), "Fig. 12 records where and when: {json}");
+    assert_eq!(json["peer"][0]["rows"].as_array().unwrap().len(), 6);
     let md = std::fs::read_to_string(dir.path().join("acc.md")).unwrap();
     assert!(md.contains("| gpl-3.txt (1 of 128) | llama.cpp | q4_0 | 0.545 | 21.000 | +5.00% | — |"), "{md}");
 
