@@ -1080,12 +1080,13 @@ pub fn sequence_agreement(runs: &[Vec<u32>], reference: &[Vec<u32>]) -> (f64, f6
 pub fn write_accuracy(dir: &Path, name: &str, s: &AccuracyVsMemory, rows: &[Accuracy], peer: &[PeerText]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut md = format!(
-        "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk), teacher-forced greedy agreement with int8 (share of scored positions with int8's most likely token) and free-running greedy agreement ({} tokens generated after a {}-token prompt per window: equal tokens at equal positions, and the share before the first difference).\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | teacher-forced agreement | free-running agreement | before first difference |\n|---|---|---|---|---|---|---|\n",
+        "KV compression vs quality: perplexity (llama.cpp's method, ctx {}, {} windows, chunks of {} tokens, KV lowered chunk by chunk), teacher-forced greedy agreement with int8 (share of scored positions with int8's most likely token) and free-running greedy agreement ({} tokens generated after a {}-token prompt per window: equal tokens at equal positions, and the share before the first difference); mix:R chooses among {} for R x int8's bytes.\n\n| plan | KV bytes vs int8 | perplexity | vs int8 | teacher-forced agreement | free-running agreement | before first difference |\n|---|---|---|---|---|---|---|\n",
         s.ctx,
         s.windows,
         s.chunk_tokens,
         s.generate,
-        s.ctx / 2
+        s.ctx / 2,
+        s.levels.join(", ")
     );
     for r in rows {
         md.push_str(&format!(

@@ -192,6 +192,7 @@ fn the_accuracy_experiment_sets_plans_beside_llama_cpp_on_the_same_windows() {
     assert_eq!(json["peer"][0]["rows"].as_array().unwrap().len(), 6);
     let md = std::fs::read_to_string(dir.path().join("acc.md")).unwrap();
     assert!(md.contains("| gpl-3.txt (1 of 128) | llama.cpp | q4_0 | 0.545 | 21.000 | +5.00% | — |"), "{md}");
+    assert!(md.contains("mix:R chooses among int8, q4, q2 for R x int8's bytes"), "the caption names the mix's levels: {md}");
 
     let refused =
         |s: &tools::experiment::AccuracyVsMemory| format!("{:#}", tools::experiment::peer_comparison(&model, &pool, s).unwrap_err());
