@@ -277,8 +277,9 @@ impl PerplexityArgs {
 pub struct BenchArgs {
     /// KV cache format: f16 or int8; a lower level (q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3):
     /// written as int8, the depth's full chunks then lowered (the attention cost of a
-    /// compressed context). Several, comma-separated, run in turn within each repetition and
-    /// are compared with the first by the median of their paired ratios.
+    /// compressed context). Several, comma-separated, are timed side by side (pp runs one after
+    /// another, tg interleaved token by token) and compared with the first by the median of
+    /// their paired ratios.
     #[arg(long, default_value = "f16", value_delimiter = ',')]
     pub kv: Vec<String>,
     /// Context depth: pp and tg run after a prefilled context of this many tokens (like
@@ -525,22 +526,38 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
             Ok(())
         })
     };
-    // Several formats run in turn within each repetition, the order rotated from one to the
-    // next, so a drift of the machine's speed falls on all alike: each one's rates are then
-    // compared with the first's of the same repetition (paired ratios), whose median is
-    // steadier than a ratio of medians taken minutes apart.
+    // Several formats are timed side by side: every session is brought to its depth first
+    // (untimed), then the pp runs follow one another and the tg runs are interleaved token by
+    // token, the order rotated, so a drift of this shared machine's speed falls on all alike
+    // (with each format's run whole, a neighbour's load could land on one format's minute and
+    // not the next: paired 4k ratios of one build ranged 0.87-1.28x). Each one's rates are then
+    // compared with the first's of the same repetition (paired ratios).
     let k = formats.len();
     let (mut pp_rates, mut tg_rates) = (vec![Vec::new(); k], vec![Vec::new(); k]);
     for rep in 0..=reps {
+        for (s, f) in sessions.iter_mut().zip(&formats) {
+            at_depth(s, f.1)?;
+        }
+        let mut pp_s = vec![0.0; k];
         for j in 0..k {
             let i = (j + rep) % k;
-            let lower = formats[i].1;
-            let pp_s = run_pp(&mut sessions[i], lower, false)?;
-            let tg_s = run_tg(&mut sessions[i], lower, false)?;
-            if rep > 0 {
-                // rep 0 is the warm-up.
-                pp_rates[i].push(pp as f64 / pp_s);
-                tg_rates[i].push(tg as f64 / tg_s);
+            pp_s[i] = profiled(false, &mut || sessions[i].eval(&prompt[depth..depth + pp], Logits::Last).map(|_| ()).map_err(Into::into))?;
+            sessions[i].truncate(depth);
+        }
+        let (mut tok, mut tg_s) = (vec![prompt[depth]; k], vec![0.0; k]);
+        for step in 0..tg {
+            for j in 0..k {
+                let i = (j + step + rep) % k;
+                let t = Instant::now();
+                tok[i] = ::engine::sampler::argmax(sessions[i].eval(&[tok[i]], Logits::Last)?);
+                tg_s[i] += t.elapsed().as_secs_f64();
+            }
+        }
+        if rep > 0 {
+            // rep 0 is the warm-up.
+            for i in 0..k {
+                pp_rates[i].push(pp as f64 / pp_s[i]);
+                tg_rates[i].push(tg as f64 / tg_s[i]);
             }
         }
     }
