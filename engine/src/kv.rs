@@ -799,6 +799,14 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
     let reference = f16_at(blk, 0);
     let at = split_k_outliers_at(hd);
     let (zeros, exps) = blk[2..at].split_at(hd);
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && crate::simd::has_avx2() {
+        // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
+        // at least `hd` floats (sliced here).
+        unsafe { crate::kernels::k_params_avx2(reference, zeros, exps, &K_STEP_SCALE, &mut zero[..hd], &mut step[..hd]) };
+        let end = split_k_header(t_cap, hd);
+        return (&blk[at..end], &blk[end..]);
+    }
     for (z, &b) in zero[..hd].iter_mut().zip(zeros) {
         *z = f32::from(b as i8);
     }

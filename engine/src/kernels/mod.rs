@@ -812,6 +812,8 @@ macro_rules! with_rows {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::k_params as k_params_avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
