@@ -852,19 +852,23 @@ pub struct PeerRow {
     pub vs_int8_pct: Option<f64>,
 }
 
-/// Bytes a value of a llama.cpp KV cache type (ggml's block sizes), for the types its
-/// `type_k`/`type_v` take.
+/// Bytes a value of a llama.cpp KV cache type (`type_k`/`type_v` by name), from the engine's
+/// GGML block sizes; `None` for a type the engine does not know.
 fn ggml_kv_bytes_per_value(kv: &str) -> Option<f64> {
-    Some(match kv {
-        "f32" => 4.0,
-        "f16" | "bf16" => 2.0,
-        "q8_0" => 34.0 / 32.0,
-        "q5_1" => 24.0 / 32.0,
-        "q5_0" => 22.0 / 32.0,
-        "q4_1" => 20.0 / 32.0,
-        "q4_0" | "iq4_nl" => 18.0 / 32.0,
+    use engine::GgmlType as T;
+    let ty = match kv {
+        "f32" => T::F32,
+        "f16" => T::F16,
+        "bf16" => T::BF16,
+        "q8_0" => T::Q8_0,
+        "q5_1" => T::Q5_1,
+        "q5_0" => T::Q5_0,
+        "q4_1" => T::Q4_1,
+        "q4_0" => T::Q4_0,
         _ => return None,
-    })
+    };
+    #[allow(clippy::cast_precision_loss)]
+    Some(ty.type_size() as f64 / ty.block_size() as f64)
 }
 
 /// One of llama.cpp's `kv_perplexity` entries.
