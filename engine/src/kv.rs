@@ -1525,10 +1525,6 @@ mod tests {
         }
     }
 
-    /// A split V block's token scales: a zero token and tokens far below the block's largest
-    /// decode within their own step (not the largest token's), a zero block decodes to zeros,
-    /// and every exponent a hostile record can hold decodes to a finite scale. A K outlier's
-    /// correction keeps its sign and 1/128 of its size up to f16's largest value.
     /// The block parsers attention runs for every block read each field where the layout puts
     /// it, for every token count and head width (odd ones and partial exponent groups included):
     /// checked against the codes read one at a time.
@@ -1564,6 +1560,10 @@ mod tests {
         }
     }
 
+    /// A split V block's token scales: a zero token and tokens far below the block's largest
+    /// decode within their own step (not the largest token's), a zero block decodes to zeros,
+    /// and every exponent a hostile record can hold decodes to a finite scale. A K outlier's
+    /// correction keeps its sign and 1/128 of its size up to f16's largest value.
     #[test]
     fn split_v_scales_follow_each_token_and_outliers_round_to_twelve_bits() {
         let (hd, t) = (64, 16);
