@@ -794,24 +794,32 @@ fn split_k_outliers_at(hd: usize) -> usize {
 /// is `(code - zero[c]) x step[c]`, plus the correction of an outlier at `t x hd + c`
 /// ([`k_outlier_at`]). Attention reads K blocks in place with these.
 pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
-    // This runs for every K block attention reads: written so that each loop compiles to
-    // straight-line code (no per-channel branch or bounds check).
     let reference = f16_at(blk, 0);
     let at = split_k_outliers_at(hd);
     let (zeros, exps) = blk[2..at].split_at(hd);
+    let (zero, step) = (&mut zero[..hd], &mut step[..hd]);
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(8) && crate::simd::has_avx2() {
         // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
-        // at least `hd` floats (sliced here).
-        unsafe { crate::kernels::k_params_avx2(reference, zeros, exps, &K_STEP_SCALE, &mut zero[..hd], &mut step[..hd]) };
-        let end = split_k_header(t_cap, hd);
-        return (&blk[at..end], &blk[end..]);
+        // `hd` floats.
+        unsafe { crate::kernels::k_params_avx2(reference, zeros, exps, &K_STEP_SCALE, zero, step) };
+    } else {
+        k_params(reference, zeros, exps, zero, step);
     }
-    for (z, &b) in zero[..hd].iter_mut().zip(zeros) {
+    #[cfg(not(target_arch = "x86_64"))]
+    k_params(reference, zeros, exps, zero, step);
+    let end = split_k_header(t_cap, hd);
+    (&blk[at..end], &blk[end..])
+}
+
+/// [`split_k_params`]'s zero points and steps (it runs for every K block attention reads:
+/// straight-line loops, no per-channel branch or bounds check).
+fn k_params(reference: f32, zeros: &[u8], exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
+    for (z, &b) in zero.iter_mut().zip(zeros) {
         *z = f32::from(b as i8);
     }
     // Two channels' exponents a byte, low nibble first.
-    let (pairs, odd) = step[..hd].split_at_mut(hd & !1);
+    let (pairs, odd) = step.split_at_mut(step.len() & !1);
     for (pair, &b) in pairs.chunks_exact_mut(2).zip(exps) {
         pair[0] = k_step(reference, b & 0xF);
         pair[1] = k_step(reference, b >> 4);
@@ -819,8 +827,6 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
     if let (Some(s), Some(&b)) = (odd.first_mut(), exps.last()) {
         *s = k_step(reference, b & 0xF);
     }
-    let end = split_k_header(t_cap, hd);
-    (&blk[at..end], &blk[end..])
 }
 
 /// Outlier `i` of a K block's outlier bytes: (position `t x hd + c`, correction to add to the
