@@ -1094,7 +1094,7 @@ mod tests {
             // and scales (the kernels take any head width the vector path takes).
             let zero: Vec<f32> = (0..hd).map(|_| f32::from(rng.gen_range(-20i8..20))).collect();
             let step: Vec<f32> = (0..hd).map(|_| rng.gen_range(0.001..0.5)).collect();
-            // Integer levels (the split levels' codebooks: a byte-shuffle path) and others.
+            // Integer levels (the split levels' 4-bit codebook: a byte-shuffle path) and others.
             let levels: Vec<f32> = (0..16).map(|_| f32::from(rng.gen_range(-127i8..=127))).collect();
             let odd: Vec<f32> = levels.iter().map(|l| l + 0.25).collect();
             let mut coded = vec![0u8; 16 * hd];
