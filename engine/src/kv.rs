@@ -661,10 +661,9 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
                 let s = &src[g.block_offset(from, layer, kv, h)..][..g.head_block_bytes(from, kv)];
                 let d = &mut dst[g.block_offset(to, layer, kv, h)..][..g.head_block_bytes(to, kv)];
                 match (from, to) {
-                    // K blocks of two split levels with K's bits alike are the same block.
-                    _ if kv == 0 && from.split() && to.split() && from.bits() == to.bits() => d.copy_from_slice(s),
-                    _ if kv == 1 && from.split() && to.split() && from.v_bits() == to.v_bits() => d.copy_from_slice(s),
-                    // 4-bit V codes refine 3-bit ones: lowered, the block 3 bits make from the values.
+                    // K (or V) blocks of two split levels with its bits alike are the same block.
+                    _ if from.split() && to.split() && from.bits_of(kv) == to.bits_of(kv) => d.copy_from_slice(s),
+                    // 4-bit V codes refine 3-bit ones: lowered, they keep their scales and drop a bit.
                     _ if kv == 1 && from.split() && to.split() && (from.v_bits(), to.v_bits()) == (4, 3) => lower_split_v(s, d, t_cap, hd),
                     _ if from.rotated() || to.rotated() => {
                         read_block_f32(from, kv, s, t_cap, hd, n, &mut vals);
@@ -757,8 +756,9 @@ static V_LEVELS3: [f32; 8] = levels_f32(NF3, NF3_UNIT);
 static V_LEVELS2: [f32; 4] = levels_f32(NF2, 1.0);
 
 /// The codebook of a split level's V blocks as floats: channel `c` of token `t`'s rotated
-/// head vector is `scale_t x levels[code]`, the scales and codes as [`split_v_params`] reads them. Attention reads
-/// V blocks in place with it and rotates its output back once (H is linear).
+/// head vector is `scale_t x levels[code]`, the scales and codes as [`split_v_params`] reads
+/// them. Attention reads V blocks in place with it and rotates its output back once (H is
+/// linear).
 pub fn split_v_levels(bits: usize) -> &'static [f32] {
     match bits {
         4 => &V_LEVELS4,
@@ -1167,7 +1167,8 @@ pub fn split_v_params<'a>(blk: &'a [u8], t_cap: usize, scales: &mut [f32]) -> &'
 /// Encodes a V block of a split level: each head vector rotated by H, then a scale per token
 /// (the block's reference step scaled by a power of 2^(1/8)) and a codebook level per channel;
 /// the scale is the one of the steps from the token's largest entry down to about half of it
-/// with the least squared error (clipping the tail pays at 2 and 3 bits).
+/// with the least squared error (clipping the tail pays at 2 and 3 bits; for 4 bits,
+/// [`v_scale_cost`]).
 fn write_split_v(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize, vals: &[f32]) {
     let levels = v_search_levels(bits);
     let top = levels[levels.len() - 1];
