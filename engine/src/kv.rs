@@ -777,11 +777,13 @@ fn v_search_levels(bits: usize) -> &'static [f32] {
 /// of the two levels refining the nearest 3-bit level.
 fn v_code(bits: usize, u: f32) -> u8 {
     let j = nearest(v_search_levels(bits), u);
-    if bits != 4 {
-        return j as u8;
-    }
+    (if bits == 4 { refine(j, u) } else { j }) as u8
+}
+
+/// The 4-bit code refining 3-bit code `j` for `u`: the nearer of the two levels in its cell.
+fn refine(j: usize, u: f32) -> usize {
     let (lo, hi) = (V_LEVELS4[2 * j], V_LEVELS4[2 * j + 1]);
-    (2 * j + usize::from(u - lo > hi - u)) as u8
+    2 * j + usize::from(u - lo > hi - u)
 }
 
 /// Outliers a split-level K block of `t_cap` tokens of `hd` channels keeps exactly: one per 128
@@ -1231,7 +1233,7 @@ fn v_scale_cost(bits: usize, s: f32, x: f32) -> f32 {
     if bits != 4 {
         return d3 * d3;
     }
-    let d4 = x - s * V_LEVELS4[usize::from(v_code(bits, x / s))];
+    let d4 = x - s * V_LEVELS4[refine(j, x / s)];
     d4 * d4 + 0.25 * d3 * d3
 }
 
@@ -1549,10 +1551,9 @@ mod tests {
             write_block_f32(f, 1, &mut blk, t, hd, t, &vals);
             read_block_f32(f, 1, &blk, t, hd, t, &mut out);
             // Half the widest gap of the levels the scale is searched on, in units of the
-            // finest step that spans the token (at most one exponent step above its largest
-            // entry over the outermost level); for 4 bits, the farthest a value inside the
-            // range lies from the nearer refining level of its 3-bit cell, with a quarter of
-            // the 3-bit error that the scale search weighs too.
+            // token's largest entry over the outermost level; for 4 bits, the farthest a value
+            // inside the range lies from the nearer refining level of its 3-bit cell, with a
+            // quarter of the 3-bit error that the scale search weighs too.
             let coarse = v_search_levels(f.v_bits());
             let half = |l: &[f32]| l.windows(2).map(|w| w[1] - w[0]).fold(0.0f32, f32::max) / 2.0;
             let h3 = half(coarse);
@@ -1575,7 +1576,7 @@ mod tests {
                 let mut r = vals[k * hd..(k + 1) * hd].to_vec();
                 fwht(&mut r);
                 let amax = r.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let bound = (hd as f32).sqrt() * per_value / top * amax * V_SCALE_OF[0] / V_SCALE_OF[1] * 1.01 + 1e-4;
+                let bound = (hd as f32).sqrt() * per_value / top * amax * 1.01 + 1e-4;
                 let err = (0..hd).map(|c| (out[k * hd + c] - vals[k * hd + c]).powi(2)).sum::<f32>().sqrt();
                 assert!(err <= bound, "{f:?} V token {k}: error norm {err} > {bound}");
             }
