@@ -56,6 +56,10 @@ pub trait KvContext {
     fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), String>;
     /// Information density of each chunk (LLMS eq. 1), if the engine observes attention.
     fn densities(&self) -> Option<Vec<f64>>;
+    /// mm is about to wait for the disk with nothing for the engine to do: threads the engine
+    /// keeps spinning for its next job should park instead, or they take the cores the load's
+    /// lanes check and copy on (a load right after a forward pass ran 2x slower, docs/mm.md).
+    fn before_wait(&self) {}
 }
 
 /// The fault path's last resort: produces a chunk's bytes when the store has no valid record

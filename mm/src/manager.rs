@@ -349,7 +349,32 @@ pub struct Manager {
     /// reading into scattered 4 KiB pages (reads complete in waves of five on this VM's disk)
     /// would both sit on the switch path. Memory the service holds beyond the KV budget.
     arena: Staging,
+    /// The load lanes' rings and the thread that runs the second lane (see [`Lanes`]).
+    lanes: Lanes,
     pub stats: MmStats,
+}
+
+/// What the two lanes of an all-read load ([`Manager::read_all`]) keep between loads: an
+/// io_uring each, sized for the arena's buffers, and a parked helper thread for the second
+/// lane. Set up per load they sat on every switch: `io_uring_setup` and its mappings took
+/// 30-130 us a lane and spawning the helper 50-100 us on this project's VM, against ~150 us
+/// for the disk to deliver one 100 KB chunk (docs/mm.md "Speed").
+struct Lanes {
+    rings: [Ring; 2],
+    helper: rayon::ThreadPool,
+}
+
+impl Lanes {
+    /// Lanes for an arena of `n_buf` buffers (a lone lane may have them all in flight).
+    fn new(n_buf: usize) -> Result<Self> {
+        let entries = u32::try_from(n_buf + 1).unwrap_or(u32::MAX);
+        let helper = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(|_| "llms-load".into())
+            .build()
+            .map_err(|e| MmError::Io(std::io::Error::other(format!("the load helper thread: {e}"))))?;
+        Ok(Self { rings: [Ring::new(entries)?, Ring::new(entries)?], helper })
+    }
 }
 
 impl std::fmt::Debug for Manager {
@@ -371,6 +396,7 @@ impl Manager {
         let slot_size = max.max(1).div_ceil(PAGE) * PAGE;
         let n_levels = if cfg.policy == Policy::Llms && cfg.features.lctru { cfg.levels.len() } else { 1 };
         let writer = (cfg.policy == Policy::Llms && cfg.features.aot).then(|| Writer::spawn(Arc::clone(&store)));
+        let arena = Staging::huge((ARENA_BYTES / slot_size.max(1)).max(1) * slot_size)?;
         Ok(Self {
             lctru: Lctru::new(n_levels),
             cfg,
@@ -385,7 +411,8 @@ impl Manager {
             ring: Ring::new(256)?,
             slot_size,
             zero: Staging::new(slot_size)?,
-            arena: Staging::huge((ARENA_BYTES / slot_size.max(1)).max(1) * slot_size)?,
+            lanes: Lanes::new(arena.len() / slot_size)?,
+            arena,
             stats: MmStats::default(),
         })
     }
@@ -405,7 +432,11 @@ impl Manager {
             return Err(MmError::Config(format!("load staging of {bytes} bytes: at most {MAX_ARENA_BYTES}")));
         }
         let ss = self.slot_size.max(1);
-        self.arena = Staging::huge((bytes / ss).max(1) * ss)?;
+        let n_buf = (bytes / ss).max(1);
+        // Rings first: on an error the manager keeps its old arena and lanes, which match.
+        let lanes = Lanes::new(n_buf)?;
+        self.arena = Staging::huge(n_buf * ss)?;
+        self.lanes = lanes;
         Ok(())
     }
 
@@ -807,7 +838,7 @@ impl Manager {
         // threads resubmitted the helper's buffers late and ran at half the disk's speed).
         let n_lanes = if n > 1 && n_buf > 1 { 2 } else { 1 };
         let per_lane = n_buf / n_lanes;
-        let lane = |l: usize| -> Result<LaneOut> {
+        let lane = |l: usize, ring: &mut Ring| -> Result<LaneOut> {
             let mine: Vec<usize> = (l..n).step_by(n_lanes).collect();
             // The lane's j-th chunk lands in the lane's buffer j % per_lane.
             let buf_of = |j: usize| arena.at((l + n_lanes * (j % per_lane)) * ss);
@@ -816,9 +847,6 @@ impl Manager {
                 (tag(j), Op { fd, offset, buf: buf_of(j), len: u32::try_from(len).unwrap_or(u32::MAX), write: false })
             };
             let in_flight = per_lane.min(mine.len());
-            // Dropped on every way out of here, the ring waits for what is still in flight:
-            // no read lands in the arena after this returns.
-            let mut ring = Ring::new(u32::try_from(in_flight + 1).unwrap_or(u32::MAX))?;
             let first: Vec<(u32, Op)> = (0..in_flight).map(read).collect();
             // SAFETY: a buffer is touched only by this lane, not before its read is waited for,
             // and is given a new read only once its chunk was copied out; the arena outlives
@@ -850,13 +878,27 @@ impl Manager {
         };
         let mut ok = vec![false; n];
         let mut wait = 0.0;
-        let lanes: Vec<Result<LaneOut>> = std::thread::scope(|sc| {
-            let lane = &lane;
-            let helpers: Vec<_> = (1..n_lanes).map(|l| sc.spawn(move || lane(l))).collect();
-            let mut all = vec![lane(0)];
-            all.extend(helpers.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(MmError::Engine("the load helper panicked".into())))));
-            all
-        });
+        kv.before_wait();
+        let Lanes { rings: [r0, r1], helper } = &mut self.lanes;
+        // Every way out of a lane, the ring waits for what is still in flight (an error or a
+        // panic can leave reads queued): no read lands in the arena after this returns, and the
+        // ring starts the next load empty.
+        let run = |l: usize, ring: &mut Ring| {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane(l, ring)))
+                .unwrap_or_else(|_| Err(MmError::Engine("a load lane panicked".into())));
+            ring.drain();
+            r
+        };
+        let lanes: Vec<Result<LaneOut>> = if n_lanes == 1 {
+            vec![run(0, r0)]
+        } else {
+            let mut second = None;
+            let first = helper.in_place_scope(|sc| {
+                sc.spawn(|_| second = Some(run(1, r1)));
+                run(0, r0)
+            });
+            vec![first, second.unwrap_or_else(|| Err(MmError::Engine("the load helper did not run".into())))]
+        };
         for (l, r) in lanes.into_iter().enumerate() {
             let (out, w) = r?;
             // This thread's lane: the time the caller itself sat waiting for the disk.

@@ -117,12 +117,24 @@ impl Ring {
     }
 }
 
+impl Ring {
+    /// Waits for every op still in flight, whatever its tag, and forgets their outcomes: a
+    /// ring kept between batches starts the next one empty, and nothing writes into a
+    /// buffer after this returns.
+    pub fn drain(&mut self) {
+        while !self.ops.is_empty() {
+            // Only a ring the kernel no longer serves fails here (EINTR is retried).
+            if self.reap(true).is_err() {
+                break;
+            }
+        }
+        self.tags.clear();
+    }
+}
+
 impl Drop for Ring {
     fn drop(&mut self) {
         // Buffers may be freed right after us: never leave the kernel writing into them.
-        let tags: Vec<u32> = self.tags.keys().copied().collect();
-        for t in tags {
-            let _ = self.wait(t);
-        }
+        self.drain();
     }
 }

@@ -151,6 +151,9 @@ impl KvContext for SessionKv<'_> {
         let ct = self.0.kv.geom.chunk_tokens;
         Some((0..self.0.kv.n_chunks()).map(|c| a.density(c * ct..(c + 1) * ct)).collect())
     }
+    fn before_wait(&self) {
+        self.0.pool.rest();
+    }
 }
 
 /// The fault path's recompute (mm's [`mm::FaultRecompute`]): a chunk with no valid record is

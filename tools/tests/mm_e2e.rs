@@ -187,6 +187,42 @@ fn a_context_longer_than_the_staging_arena_reads_back_exactly() {
     mm.delete(4).unwrap();
 }
 
+/// The load lanes keep their rings and helper thread between loads: a load whose reads fail
+/// half way (a store file cut short behind mm's back, some reads still in flight) must leave
+/// them empty, so the next load of another context reads back exactly.
+#[test]
+fn a_load_that_fails_mid_read_leaves_the_lanes_ready_for_the_next() {
+    const LONG: usize = 30 * CT;
+    let s = setup();
+    let Some(mut mm) = manager(&s, Policy::VllmSq, &[KvFormat::Int8], 1.0, None) else { return };
+    let (mut a, mut b) = (session(&s, false), session(&s, false));
+    hold(&mut mm, 1, &mut a, &s.ids[..LONG]).unwrap();
+    hold(&mut mm, 2, &mut b, &s.ids[LONG..2 * LONG]).unwrap();
+    let tok = s.ids[2 * LONG];
+    let (reference, _) = next_logits(&mut mm, 2, &mut b, tok, Strategy::Planned);
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    assert_eq!(mm.context_bytes(1) + mm.context_bytes(2), 0);
+    mm.set_budget(1 << 30).unwrap();
+
+    // Context 1's records end half way: its later reads come back short.
+    let path = mm.store().dir().join(format!("ctx-{:016x}.kv", 1));
+    let e = mm.store().entry(1, 15).unwrap();
+    let (cut, _) = mm.store().layer_extent(&e, 0);
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(cut).unwrap();
+    let r = mm.begin(1, &mut SessionKv(&mut a), Strategy::AllRead);
+    assert!(r.is_err(), "reads past the end of a cut store file fail the load: {r:?}");
+
+    for _ in 0..3 {
+        let (got, r) = next_logits(&mut mm, 2, &mut b, tok, Strategy::AllRead);
+        assert_eq!((r.read, r.unreadable), (LONG / CT, 0), "{r:?}");
+        assert_eq!(got, reference, "a load after a failed one read other bytes");
+        mm.flush();
+        mm.set_budget(0).unwrap();
+        mm.set_budget(1 << 30).unwrap();
+    }
+}
+
 #[test]
 fn compressed_levels_survive_eviction_and_recompute_stays_close() {
     let s = setup();
