@@ -28,6 +28,10 @@ use crate::proto::{Call, CallStats, ErrorCode, Event};
 pub(super) struct Job {
     owner: Owner,
     call: Call,
+    /// The call's prompt as tokens (special tokens parsed only in a raw prompt), encoded on
+    /// the caller's thread when it was queued: not on the worker, between other calls' steps
+    /// (empty for a stateless call, whose history is encoded when its context is chosen).
+    prompt_ids: Vec<u32>,
     received: Instant,
     /// When it first waited for memory (see `admit`).
     memory_since: Option<Instant>,
@@ -145,6 +149,10 @@ impl Service {
         if call.stop.len() > 16 || call.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
             return Err(refuse(ErrorCode::BadRequest, "stop: at most 16 non-empty strings of at most 256 bytes"));
         }
+        let prompt_ids = match history {
+            Some(_) => Vec::new(),
+            None => self.model.tokenizer.encode(&call.prompt, false, call.raw).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?,
+        };
         let (tx, rx) = mpsc::channel();
         let mut q = lock(&self.queue);
         if q.len() >= self.cfg.max_queue {
@@ -157,7 +165,16 @@ impl Service {
                 format!("uid {uid} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later"),
             ));
         }
-        q.push_back(Job { owner: owner.clone(), call, received: Instant::now(), memory_since: None, events: tx, cancel, history });
+        q.push_back(Job {
+            owner: owner.clone(),
+            call,
+            prompt_ids,
+            received: Instant::now(),
+            memory_since: None,
+            events: tx,
+            cancel,
+            history,
+        });
         self.queued.notify_one();
         Ok(rx)
     }
@@ -456,7 +473,7 @@ impl Service {
         let stateless = given.is_some();
         let mut ids = match given {
             Some(ids) => ids,
-            None => self.native_ids(c, s, saved)?,
+            None => self.native_ids(job, s, saved)?,
         };
         if ids.is_empty() {
             return Err(refuse(ErrorCode::BadRequest, "the call adds no tokens (an empty raw prompt)"));
@@ -540,26 +557,26 @@ impl Service {
     /// A native call's new tokens: pending text (a system prompt), the end of the last
     /// assistant turn, then the prompt as a user turn (markup parsed for special tokens, the
     /// user's text not: an app cannot forge turns) or raw.
-    fn native_ids(&self, c: &Call, s: &Session, saved: &Saved) -> Result<Vec<u32>, Refusal> {
+    fn native_ids(&self, job: &Job, s: &Session, saved: &Saved) -> Result<Vec<u32>, Refusal> {
         let tk = &self.model.tokenizer;
-        let enc = |t: &str, special: bool| tk.encode(t, false, special).map_err(|e| refuse(ErrorCode::Failed, e.to_string()));
+        let turns = &self.turns.ids;
         let mut ids = Vec::new();
         if s.n_past() == 0 && tk.add_bos {
             ids.extend(tk.bos);
         }
         if !saved.pending.is_empty() {
-            ids.extend(enc(&saved.pending, true)?);
+            ids.extend(tk.encode(&saved.pending, false, true).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?);
         }
         if saved.open_turn {
-            ids.extend(enc(&self.turns.close_assistant, true)?);
+            ids.extend_from_slice(&turns.close_assistant);
         }
-        if c.raw {
-            ids.extend(enc(&c.prompt, true)?);
+        if job.call.raw {
+            ids.extend_from_slice(&job.prompt_ids);
         } else {
             let first = s.n_past() == 0 && saved.pending.is_empty();
-            ids.extend(enc(if first { &self.turns.first_open } else { &self.turns.open }, true)?);
-            ids.extend(enc(&c.prompt, false)?);
-            ids.extend(enc(&self.turns.close_user, true)?);
+            ids.extend_from_slice(if first { &turns.first_open } else { &turns.open });
+            ids.extend_from_slice(&job.prompt_ids);
+            ids.extend_from_slice(&turns.close_user);
         }
         Ok(ids)
     }

@@ -17,6 +17,17 @@ pub(super) struct Turns {
     pub(super) close_user: String,
     /// After an assistant message.
     pub(super) close_assistant: String,
+    /// The four above as tokens (special tokens parsed), encoded once: a call's turn is
+    /// assembled from them without the tokenizer.
+    pub(super) ids: TurnIds,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct TurnIds {
+    pub(super) first_open: Vec<u32>,
+    pub(super) open: Vec<u32>,
+    pub(super) close_user: Vec<u32>,
+    pub(super) close_assistant: Vec<u32>,
 }
 
 impl Turns {
@@ -43,7 +54,14 @@ impl Turns {
         if !lead.is_empty() || close_user2 != close_user {
             bail!("chat template writes turns in a way llmsd cannot continue");
         }
-        Ok(Self { first_open, open, close_user, close_assistant })
+        let enc = |t: &str| model.tokenizer.encode(t, false, true).map_err(|e| anyhow!("chat template markup {t:?}: {e}"));
+        let ids = TurnIds {
+            first_open: enc(&first_open)?,
+            open: enc(&open)?,
+            close_user: enc(&close_user)?,
+            close_assistant: enc(&close_assistant)?,
+        };
+        Ok(Self { first_open, open, close_user, close_assistant, ids })
     }
 
     pub(super) fn system(model: &Model, text: &str) -> Result<String> {
