@@ -57,8 +57,8 @@ pub trait KvContext {
     /// Information density of each chunk (LLMS eq. 1), if the engine observes attention.
     fn densities(&self) -> Option<Vec<f64>>;
     /// mm is about to wait for the disk with nothing for the engine to do: threads the engine
-    /// keeps spinning for its next job should park instead, or they take the cores the load's
-    /// lanes check and copy on (a load right after a forward pass ran 2x slower, docs/mm.md).
+    /// keeps spinning for its next job should park now, not spin on the cores the load's lanes
+    /// check and copy on (docs/mm.md "Small loads").
     fn before_wait(&self) {}
 }
 
