@@ -154,42 +154,156 @@ pub fn perplexity_kv(
     mut top1: Option<&mut Vec<u32>>,
 ) -> Result<(Perplexity, f64), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
+    let mut s = kv_session(model, pool, ctx, plan, chunk_tokens);
+    let (mut nll, mut count, mut bytes) = (0.0f64, 0usize, Bytes::default());
+    for win in &wins {
+        kv_window(&mut s, win, plan, chunk_tokens, choose, &mut |i, row| {
+            nll += neg_log_prob(row, win[i + 1]);
+            count += 1;
+            if let Some(t) = top1.as_deref_mut() {
+                t.push(crate::sampler::argmax(row));
+            }
+        })?;
+        bytes.add(&s);
+    }
+    Ok((Perplexity { ppl: (nll / count as f64).exp(), scored: count }, bytes.ratio()))
+}
+
+/// What [`kl_kv`] measures: the plan's perplexity and the base level's (int8) on the same
+/// windows, and the mean KL divergence of the plan's next-token distribution from int8's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvKl {
+    pub ppl: Perplexity,
+    pub int8: Perplexity,
+    /// Mean over scored positions of KL(p_int8 || p_plan), in nats.
+    pub kl: f64,
+    /// Average KV bytes of the plan's full chunks relative to int8.
+    pub bytes: f64,
+}
+
+/// [`perplexity_kv`] beside the int8 cache, window by window: the KL divergence of `plan`'s
+/// next-token distributions from int8's (llama.cpp's `--kl-divergence`). It sees what a
+/// perplexity difference on a few thousand tokens cannot: a perplexity difference is the mean
+/// of a signed per-token change whose spread, not the levels, sets it at these sizes
+/// (docs/kv.md), while KL is a mean of non-negative terms. Holds one window of int8
+/// log-probabilities (scored positions x vocabulary) at a time.
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+#[allow(clippy::too_many_arguments)]
+pub fn kl_kv(
+    model: &Arc<Model>,
+    pool: Arc<ThreadPool>,
+    ids: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    plan: KvPlan,
+    chunk_tokens: usize,
+    choose: &LevelChooser,
+) -> Result<KvKl, ModelError> {
+    let wins = windows(model, ids, ctx, max_windows)?;
+    let base = KvPlan::Uniform(KvFormat::Int8);
+    let mut sb = kv_session(model, Arc::clone(&pool), ctx, base, chunk_tokens);
+    let mut s = kv_session(model, pool, ctx, plan, chunk_tokens);
+    let vocab = model.config.vocab;
+    let mut logp = vec![0.0f32; (ctx - 1 - ctx / 2) * vocab];
+    let (mut nll, mut nll_base, mut kl, mut count, mut bytes) = (0.0f64, 0.0f64, 0.0f64, 0usize, Bytes::default());
+    for win in &wins {
+        kv_window(&mut sb, win, base, chunk_tokens, choose, &mut |i, row| {
+            let lse = log_sum_exp(row);
+            for (o, &v) in logp[(i - ctx / 2) * vocab..][..vocab].iter_mut().zip(row) {
+                *o = (f64::from(v) - lse) as f32;
+            }
+            nll_base += lse - f64::from(row[win[i + 1] as usize]);
+        })?;
+        kv_window(&mut s, win, plan, chunk_tokens, choose, &mut |i, row| {
+            let lse = log_sum_exp(row);
+            nll += lse - f64::from(row[win[i + 1] as usize]);
+            let p = &logp[(i - ctx / 2) * vocab..][..vocab];
+            // Both log-probabilities rounded alike (int8's are kept as f32): equal rows give 0.
+            kl += p
+                .iter()
+                .zip(row)
+                .map(|(&lp, &v)| f64::from(lp).exp() * (f64::from(lp) - f64::from((f64::from(v) - lse) as f32)))
+                .sum::<f64>();
+            count += 1;
+        })?;
+        bytes.add(&s);
+    }
+    let n = count.max(1) as f64;
+    Ok(KvKl {
+        ppl: Perplexity { ppl: (nll / n).exp(), scored: count },
+        int8: Perplexity { ppl: (nll_base / n).exp(), scored: count },
+        kl: kl / n,
+        bytes: bytes.ratio(),
+    })
+}
+
+/// `ln sum exp(row)` in f64.
+fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max)
+}
+
+/// A session holding its cache as `plan` says (f16 for a uniform f16 plan, int8 otherwise; the
+/// attention observer on for the mix).
+fn kv_session(model: &Arc<Model>, pool: Arc<ThreadPool>, ctx: usize, plan: KvPlan, chunk_tokens: usize) -> Session {
     let base = match plan {
         KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
         _ => KvFormat::Int8,
     };
     let opts =
         SessionOptions { capacity: ctx, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)), sliding_window: None };
-    let mut s = Session::with_options(Arc::clone(model), pool, opts);
-    let g = s.kv.geom;
-    let sizes = [KvFormat::Int8, KvFormat::Q4, KvFormat::Q2].map(|f| g.chunk_bytes(f) as f64);
-    let vocab = model.config.vocab;
-    let (mut nll, mut count) = (0.0f64, 0usize);
-    let (mut bytes_sum, mut bytes_n) = (0.0f64, 0usize);
-    for win in &wins {
-        s.truncate(0);
-        if let Some(a) = &mut s.attention {
-            *a = AttentionStats::default();
+    Session::with_options(Arc::clone(model), pool, opts)
+}
+
+/// Runs one window through `s` a chunk at a time, lowering every full chunk as `plan` says
+/// before the next is computed; `row(i, logits)` gets the logits at each scored position `i`
+/// (the second half of the window, as llama.cpp scores it).
+fn kv_window(
+    s: &mut Session,
+    win: &[u32],
+    plan: KvPlan,
+    chunk_tokens: usize,
+    choose: &LevelChooser,
+    row: &mut dyn FnMut(usize, &[f32]),
+) -> Result<(), ModelError> {
+    let ctx = win.len();
+    let vocab = s.model.config.vocab;
+    s.truncate(0);
+    if let Some(a) = &mut s.attention {
+        *a = AttentionStats::default();
+    }
+    for start in (0..ctx).step_by(chunk_tokens) {
+        let end = (start + chunk_tokens).min(ctx);
+        let logits = s.eval(&win[start..end], Logits::All)?.to_vec();
+        for i in start.max(ctx / 2)..end.min(ctx - 1) {
+            row(i, &logits[(i - start) * vocab..(i - start + 1) * vocab]);
         }
-        for start in (0..ctx).step_by(chunk_tokens) {
-            let end = (start + chunk_tokens).min(ctx);
-            let logits = s.eval(&win[start..end], Logits::All)?.to_vec();
-            for i in start.max(ctx / 2)..end.min(ctx - 1) {
-                let row = &logits[(i - start) * vocab..(i - start + 1) * vocab];
-                nll += neg_log_prob(row, win[i + 1]);
-                count += 1;
-                if let Some(t) = top1.as_deref_mut() {
-                    t.push(crate::sampler::argmax(row));
-                }
-            }
-            lower(&mut s, plan, end / chunk_tokens, chunk_tokens, choose)?;
-        }
-        for c in 0..ctx / chunk_tokens {
-            bytes_sum += g.chunk_bytes(s.kv.format(c)) as f64 / sizes[0];
-            bytes_n += 1;
+        lower(s, plan, end / chunk_tokens, chunk_tokens, choose)?;
+    }
+    Ok(())
+}
+
+/// The average size of full chunks over windows, relative to int8.
+#[derive(Default)]
+struct Bytes {
+    sum: f64,
+    n: usize,
+}
+
+impl Bytes {
+    #[allow(clippy::cast_precision_loss)]
+    fn add(&mut self, s: &Session) {
+        let g = s.kv.geom;
+        let int8 = g.chunk_bytes(KvFormat::Int8) as f64;
+        for c in 0..s.kv.n_chunks().min(s.n_past() / g.chunk_tokens) {
+            self.sum += g.chunk_bytes(s.kv.format(c)) as f64 / int8;
+            self.n += 1;
         }
     }
-    Ok((Perplexity { ppl: (nll / count as f64).exp(), scored: count }, bytes_sum / bytes_n.max(1) as f64))
+    #[allow(clippy::cast_precision_loss)]
+    fn ratio(&self) -> f64 {
+        self.sum / self.n.max(1) as f64
+    }
 }
 
 /// Lowers the first `full` chunks of `s` as `plan` says (levels only go down).

@@ -155,6 +155,21 @@ fn perplexity_with_a_compressed_kv_reports_its_size() {
 }
 
 #[test]
+fn perplexity_kl_against_int8_orders_the_levels() {
+    let f = fixture("gpl-3.txt");
+    let kl = |kv: &str| json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", kv, "--kl", "--json"]);
+    let (int8, k4, k3) = (kl("int8"), kl("k4v4"), kl("k3v3"));
+    // The same cache as the reference: the same distributions, so nothing diverges.
+    assert_eq!(int8["kl_vs_int8"].as_f64(), Some(0.0), "{int8}");
+    assert_eq!(int8["ppl"], int8["int8_ppl"]);
+    assert_eq!(k4["int8_ppl"], int8["int8_ppl"], "the reference is int8 on the same windows");
+    let (d4, d3) = (k4["kl_vs_int8"].as_f64().unwrap(), k3["kl_vs_int8"].as_f64().unwrap());
+    assert!(0.0 < d4 && d4 < d3, "fewer bits diverge more: k4v4 {d4}, k3v3 {d3}");
+    let out = llms(&["perplexity", "--text-file", s(&f), "--kl"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--kv"));
+}
+
+#[test]
 fn bench_at_depth_with_an_int8_cache() {
     let v = json_ok(&["bench", "--kv", "int8", "-d", "64", "--pp", "8", "--tg", "2", "--reps", "1", "--json"]);
     assert_eq!(v["kv"], "int8");

@@ -190,6 +190,12 @@ pub struct PerplexityArgs {
     /// The levels a mix chooses from, the base first (with --kv mix:R).
     #[arg(long, value_delimiter = ',', default_value = "int8,q4,q2")]
     pub kv_levels: Vec<String>,
+    /// With --kv: also run the int8 cache on the same windows and report the mean KL
+    /// divergence of --kv's next-token distributions from int8's (nats per scored token) and
+    /// int8's perplexity. It resolves levels whose perplexities differ by less than a run of a
+    /// few thousand tokens does (docs/kv.md). Twice the time.
+    #[arg(long)]
+    pub kl: bool,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -198,7 +204,10 @@ pub struct PerplexityArgs {
 
 impl PerplexityArgs {
     pub fn run(self) -> Result<()> {
-        let Self { text_file, ctx, chunks, kv, chunk_tokens, kv_levels, json, m } = self;
+        let Self { text_file, ctx, chunks, kv, chunk_tokens, kv_levels, kl, json, m } = self;
+        if kl && kv.is_none() {
+            bail!("--kl compares a --kv plan with int8: give --kv");
+        }
         let levels: Vec<::engine::kv::KvFormat> = kv_levels
             .iter()
             .map(|l| ::engine::kv::KvFormat::parse(l).with_context(|| format!("--kv-levels: {l:?} is not a KV format")))
@@ -222,6 +231,7 @@ impl PerplexityArgs {
             println!("sparsity {}: per-site levels {}", sp.target, sp.describe());
         }
         let mut uses = None;
+        let mut vs_int8 = None;
         let (r, ratio) = match kv {
             None if sp.is_some() => {
                 let (r, u) = ::engine::eval::perplexity_channel_use(&model, pool, &ids, ctx, chunks, sp)?;
@@ -239,8 +249,14 @@ impl PerplexityArgs {
                 // The mix's levels are mm's policy (eq. 2-3), over --kv-levels.
                 let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
                 let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
-                let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
-                (r, Some(ratio))
+                if kl {
+                    let k = ::engine::eval::kl_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose)?;
+                    vs_int8 = Some((k.kl, k.int8.ppl));
+                    (k.ppl, Some(k.bytes))
+                } else {
+                    let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
+                    (r, Some(ratio))
+                }
             }
         };
         // What a per-channel hot cache could serve: the most used channels' columns kept
@@ -252,6 +268,10 @@ impl PerplexityArgs {
             if let Some(x) = ratio {
                 v["kv_bytes_vs_int8"] = json!(x);
             }
+            if let Some((kl, p)) = vs_int8 {
+                v["kl_vs_int8"] = json!(kl);
+                v["int8_ppl"] = json!(p);
+            }
             if let Some((read, hits)) = cache {
                 v["layer_bytes_read_share"] = json!(read);
                 v["hot_cache_hit_rate"] = CACHE_SHARES.iter().zip(hits).map(|(c, h)| (format!("{c}"), json!(h))).collect();
@@ -261,6 +281,12 @@ impl PerplexityArgs {
             println!("perplexity {:.4} over {} scored tokens (ctx {ctx})", r.ppl, r.scored);
             if let Some(x) = ratio {
                 println!("KV bytes of full chunks: {:.3} x int8", x);
+            }
+            if let Some((kl, p)) = vs_int8 {
+                println!(
+                    "vs int8 on the same windows: perplexity {p:.4} ({:+.2}%), KL divergence {kl:.5} nats/token",
+                    100.0 * (r.ppl / p - 1.0)
+                );
             }
             if let Some((read, hits)) = cache {
                 let hits: Vec<String> =
