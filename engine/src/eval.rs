@@ -19,9 +19,7 @@ pub struct Perplexity {
 
 /// `-ln p(target)` under the softmax of one row of logits (log-sum-exp in f64).
 fn neg_log_prob(row: &[f32], target: u32) -> f64 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let lse = row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max);
-    lse - f64::from(row[target as usize])
+    log_sum_exp(row) - f64::from(row[target as usize])
 }
 
 /// The windows llama.cpp's perplexity scores: consecutive non-overlapping runs of `ctx`
@@ -212,7 +210,7 @@ pub fn kl_kv(
             for (o, &v) in logp[(i - ctx / 2) * vocab..][..vocab].iter_mut().zip(row) {
                 *o = (f64::from(v) - lse) as f32;
             }
-            nll_base += lse - f64::from(row[win[i + 1] as usize]);
+            nll_base += lse - f64::from(row[win[i + 1] as usize]); // neg_log_prob, its lse reused
         })?;
         kv_window(&mut s, win, plan, chunk_tokens, choose, &mut |i, row| {
             let lse = log_sum_exp(row);
