@@ -66,9 +66,9 @@ fn main() {
         // With the outliers; their share is the difference.
         time(4, &mut || chunk_scores(&q, HD, k4(outliers), &visible, 0.125, &mut scores, T, 0));
         time(5, &mut || {
-            black_box(kv::split_v_params(&vblk, T, &mut scales));
+            black_box(kv::split_v_params(&vblk, 3, T, &mut scales));
         });
-        let codes = kv::split_v_params(&vblk, T, &mut scales);
+        let codes = kv::split_v_params(&vblk, 3, T, &mut scales);
         let v3 = KvRows::Token { codes, scales: &scales, bits: 3, levels: kv::split_v_levels(3) };
         time(6, &mut || chunk_values(&probs, T, 0, v3, &visible, HD, &mut out));
     }

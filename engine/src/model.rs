@@ -1331,7 +1331,7 @@ impl<'a> LayerBlocks<'a> {
                 kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step, outliers }
             }
             f if f.split() => {
-                let codes = crate::kv::split_v_params(bytes, ct, &mut s.scales);
+                let codes = crate::kv::split_v_params(bytes, f.v_bits(), ct, &mut s.scales);
                 kernels::KvRows::Token { codes, scales: &s.scales, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }
             }
             f if !self.up_front(f) => {

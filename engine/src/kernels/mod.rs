@@ -1050,7 +1050,7 @@ mod tests {
                 assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{f:?} scores: {a} vs {b}");
             }
             let mut scales = vec![0.0; 16];
-            let vcodes = kv::split_v_params(&vb, 16, &mut scales);
+            let vcodes = kv::split_v_params(&vb, f.bits(), 16, &mut scales);
             let v_rows = KvRows::Token { codes: vcodes, scales: &scales, bits: f.bits(), levels: kv::split_v_levels(f.bits()) };
             let (mut ox, mut oy) = (vec![0.0; 3 * 64], vec![0.0; 3 * 64]);
             chunk_values(&x, 40, 16, v_rows, &visible, 64, &mut ox);
