@@ -67,9 +67,12 @@ fn raw_http(sock: &Path, request: &[u8], wait: Duration) -> String {
 
 fn settings(port: u16, tokens: &Path) -> String {
     // int8 only: no lossy level, so a continued context's greedy output equals a fresh one's.
-    // A 2 MiB budget evicts; max_queue = 2 makes a burst of calls meet 429.
+    // A 2 MiB budget evicts; max_queue = 2 makes a burst of calls meet 429; max_batch = 1 makes
+    // a call that comes while another runs wait in the queue (batched, the stop scenario's
+    // "queued" call could join the running one's batch before the stop and be answered 200:
+    // it did in release builds).
     format!(
-        "levels = [\"int8\"]\nbudget = \"2MiB\"\nmax_context_tokens = 512\nmax_queue = 2\nio_timeout_s = 2\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"
+        "levels = [\"int8\"]\nbudget = \"2MiB\"\nmax_context_tokens = 512\nmax_queue = 2\nmax_batch = 1\nio_timeout_s = 2\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"
     )
 }
 
