@@ -129,33 +129,44 @@ impl KvPlan {
 /// now (the memory manager's policy, `mm::levels`, passed in by tools: the engine knows none).
 pub type LevelChooser = dyn Fn(&[f64], &[KvFormat]) -> Vec<KvFormat>;
 
-/// Perplexity (llama.cpp's method, as [`perplexity`]) with the KV cache compressed as `plan`
-/// says: each window is fed one chunk at a time, and every full chunk is lowered to its level
-/// before the next is computed, so later tokens attend to compressed chunks. For the mix,
-/// densities come from the attention observer and levels only ever go down. Returns the
-/// perplexity and the average KV bytes of the full chunks relative to int8. For the mix,
-/// `choose(densities, held)` picks the levels of chunks that hold `held` now (the policy is the
-/// memory manager's, `mm::levels`).
+/// How a measurement holds its KV cache: `plan`, chunks of `chunk_tokens`, and for the mix the
+/// levels `choose` picks (the memory manager's policy, `mm::levels`, passed in by tools).
+#[derive(Clone, Copy)]
+pub struct KvRun<'a> {
+    pub plan: KvPlan,
+    pub chunk_tokens: usize,
+    pub choose: &'a LevelChooser,
+}
+
+impl std::fmt::Debug for KvRun<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRun").field("plan", &self.plan).field("chunk_tokens", &self.chunk_tokens).finish_non_exhaustive()
+    }
+}
+
+/// Perplexity (llama.cpp's method, as [`perplexity`]) with the KV cache compressed as `run`'s
+/// plan says: each window is fed one chunk at a time, and every full chunk is lowered to its
+/// level before the next is computed, so later tokens attend to compressed chunks. For the mix,
+/// densities come from the attention observer, `choose(densities, held)` picks the levels of
+/// chunks that hold `held` now, and levels only ever go down. Returns the perplexity and the
+/// average KV bytes of the full chunks relative to int8.
 /// `top1`, when given, receives the most likely token at every scored position (to compare
 /// plans' greedy choices).
 #[allow(clippy::cast_precision_loss)]
-#[allow(clippy::too_many_arguments)]
 pub fn perplexity_kv(
     model: &Arc<Model>,
     pool: Arc<ThreadPool>,
     ids: &[u32],
     ctx: usize,
     max_windows: usize,
-    plan: KvPlan,
-    chunk_tokens: usize,
-    choose: &LevelChooser,
+    run: KvRun,
     mut top1: Option<&mut Vec<u32>>,
 ) -> Result<(Perplexity, f64), ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
-    let mut s = kv_session(model, pool, ctx, plan, chunk_tokens);
+    let mut s = kv_session(model, pool, ctx, run);
     let (mut nll, mut count, mut bytes) = (0.0f64, 0usize, Bytes::default());
     for win in &wins {
-        kv_window(&mut s, win, plan, chunk_tokens, choose, &mut |i, row| {
+        kv_window(&mut s, win, run, &mut |i, row| {
             nll += neg_log_prob(row, win[i + 1]);
             count += 1;
             if let Some(t) = top1.as_deref_mut() {
@@ -186,33 +197,30 @@ pub struct KvKl {
 /// (docs/kv.md), while KL is a mean of non-negative terms. Holds one window of int8
 /// log-probabilities (scored positions x vocabulary) at a time.
 #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
-#[allow(clippy::too_many_arguments)]
 pub fn kl_kv(
     model: &Arc<Model>,
     pool: Arc<ThreadPool>,
     ids: &[u32],
     ctx: usize,
     max_windows: usize,
-    plan: KvPlan,
-    chunk_tokens: usize,
-    choose: &LevelChooser,
+    run: KvRun,
 ) -> Result<KvKl, ModelError> {
     let wins = windows(model, ids, ctx, max_windows)?;
-    let base = KvPlan::Uniform(KvFormat::Int8);
-    let mut sb = kv_session(model, Arc::clone(&pool), ctx, base, chunk_tokens);
-    let mut s = kv_session(model, pool, ctx, plan, chunk_tokens);
+    let base = KvRun { plan: KvPlan::Uniform(KvFormat::Int8), ..run };
+    let mut sb = kv_session(model, Arc::clone(&pool), ctx, base);
+    let mut s = kv_session(model, pool, ctx, run);
     let vocab = model.config.vocab;
     let mut logp = vec![0.0f32; (ctx - 1 - ctx / 2) * vocab];
     let (mut nll, mut nll_base, mut kl, mut count, mut bytes) = (0.0f64, 0.0f64, 0.0f64, 0usize, Bytes::default());
     for win in &wins {
-        kv_window(&mut sb, win, base, chunk_tokens, choose, &mut |i, row| {
+        kv_window(&mut sb, win, base, &mut |i, row| {
             let lse = log_sum_exp(row);
             for (o, &v) in logp[(i - ctx / 2) * vocab..][..vocab].iter_mut().zip(row) {
                 *o = (f64::from(v) - lse) as f32;
             }
             nll_base += lse - f64::from(row[win[i + 1] as usize]); // neg_log_prob, its lse reused
         })?;
-        kv_window(&mut s, win, plan, chunk_tokens, choose, &mut |i, row| {
+        kv_window(&mut s, win, run, &mut |i, row| {
             let lse = log_sum_exp(row);
             nll += lse - f64::from(row[win[i + 1] as usize]);
             let p = &logp[(i - ctx / 2) * vocab..][..vocab];
@@ -241,30 +249,28 @@ fn log_sum_exp(row: &[f32]) -> f64 {
     row.iter().map(|&v| f64::from(v - max).exp()).sum::<f64>().ln() + f64::from(max)
 }
 
-/// A session holding its cache as `plan` says (f16 for a uniform f16 plan, int8 otherwise; the
-/// attention observer on for the mix).
-fn kv_session(model: &Arc<Model>, pool: Arc<ThreadPool>, ctx: usize, plan: KvPlan, chunk_tokens: usize) -> Session {
-    let base = match plan {
+/// A session of `capacity` positions holding its cache as `run` says (f16 for a uniform f16
+/// plan, int8 otherwise; the attention observer on for the mix).
+fn kv_session(model: &Arc<Model>, pool: Arc<ThreadPool>, capacity: usize, run: KvRun) -> Session {
+    let base = match run.plan {
         KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
         _ => KvFormat::Int8,
     };
-    let opts =
-        SessionOptions { capacity: ctx, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)), sliding_window: None };
+    let opts = SessionOptions {
+        capacity,
+        chunk_tokens: run.chunk_tokens,
+        base,
+        observe_attention: matches!(run.plan, KvPlan::Mix(_)),
+        sliding_window: None,
+    };
     Session::with_options(Arc::clone(model), pool, opts)
 }
 
 /// Runs one window through `s` a chunk at a time, lowering every full chunk as `plan` says
 /// before the next is computed; `row(i, logits)` gets the logits at each scored position `i`
 /// (the second half of the window, as llama.cpp scores it).
-fn kv_window(
-    s: &mut Session,
-    win: &[u32],
-    plan: KvPlan,
-    chunk_tokens: usize,
-    choose: &LevelChooser,
-    row: &mut dyn FnMut(usize, &[f32]),
-) -> Result<(), ModelError> {
-    let ctx = win.len();
+fn kv_window(s: &mut Session, win: &[u32], run: KvRun, row: &mut dyn FnMut(usize, &[f32])) -> Result<(), ModelError> {
+    let (ctx, chunk_tokens) = (win.len(), run.chunk_tokens);
     let vocab = s.model.config.vocab;
     s.truncate(0);
     if let Some(a) = &mut s.attention {
@@ -276,7 +282,7 @@ fn kv_window(
         for i in start.max(ctx / 2)..end.min(ctx - 1) {
             row(i, &logits[(i - start) * vocab..(i - start + 1) * vocab]);
         }
-        lower(s, plan, end / chunk_tokens, chunk_tokens, choose)?;
+        lower(s, run, end / chunk_tokens)?;
     }
     Ok(())
 }
@@ -304,9 +310,10 @@ impl Bytes {
     }
 }
 
-/// Lowers the first `full` chunks of `s` as `plan` says (levels only go down).
-fn lower(s: &mut Session, plan: KvPlan, full: usize, chunk_tokens: usize, choose: &LevelChooser) -> Result<(), ModelError> {
-    match plan {
+/// Lowers the first `full` chunks of `s` as `run` says (levels only go down).
+fn lower(s: &mut Session, run: KvRun, full: usize) -> Result<(), ModelError> {
+    let chunk_tokens = run.chunk_tokens;
+    match run.plan {
         KvPlan::Uniform(f) => {
             for c in 0..full {
                 s.kv.set_format(c, f)?;
@@ -316,7 +323,7 @@ fn lower(s: &mut Session, plan: KvPlan, full: usize, chunk_tokens: usize, choose
             let a = s.attention.as_ref().expect("observer on for the mix");
             let d: Vec<f64> = (0..full).map(|c| a.density(c * chunk_tokens..(c + 1) * chunk_tokens)).collect();
             let held: Vec<KvFormat> = (0..full).map(|c| s.kv.format(c)).collect();
-            let lv = choose(&d, &held);
+            let lv = (run.choose)(&d, &held);
             for (c, &l) in lv.iter().enumerate() {
                 let cur = s.kv.format(c);
                 // Only down: fewer bits than the chunk holds now.
@@ -334,7 +341,6 @@ fn lower(s: &mut Session, plan: KvPlan, full: usize, chunk_tokens: usize, choose
 /// before the next is computed; generated tokens fill chunks that are lowered in turn). For
 /// each of up to `max_windows` windows of the text, the first `prompt` tokens are the prompt
 /// and `gen` tokens are generated; returns the generated ids per window.
-#[allow(clippy::too_many_arguments)]
 pub fn greedy_kv(
     model: &Arc<Model>,
     pool: Arc<ThreadPool>,
@@ -342,19 +348,11 @@ pub fn greedy_kv(
     prompt: usize,
     gen: usize,
     max_windows: usize,
-    plan: KvPlan,
-    chunk_tokens: usize,
-    choose: &LevelChooser,
+    run: KvRun,
 ) -> Result<Vec<Vec<u32>>, ModelError> {
     let wins = windows(model, ids, prompt, max_windows)?;
-    let base = match plan {
-        KvPlan::Uniform(KvFormat::F16) => KvFormat::F16,
-        _ => KvFormat::Int8,
-    };
-    let cap = prompt + gen;
-    let opts =
-        SessionOptions { capacity: cap, chunk_tokens, base, observe_attention: matches!(plan, KvPlan::Mix(_)), sliding_window: None };
-    let mut s = Session::with_options(Arc::clone(model), pool, opts);
+    let chunk_tokens = run.chunk_tokens;
+    let mut s = kv_session(model, pool, prompt + gen, run);
     let mut out = Vec::with_capacity(wins.len());
     for win in &wins {
         s.truncate(0);
@@ -365,7 +363,7 @@ pub fn greedy_kv(
         for start in (0..prompt).step_by(chunk_tokens) {
             let end = (start + chunk_tokens).min(prompt);
             next = crate::sampler::argmax(s.eval(&win[start..end], Logits::Last)?);
-            lower(&mut s, plan, end / chunk_tokens, chunk_tokens, choose)?;
+            lower(&mut s, run, end / chunk_tokens)?;
         }
         let mut toks = Vec::with_capacity(gen);
         for _ in 0..gen {
@@ -373,7 +371,7 @@ pub fn greedy_kv(
             next = crate::sampler::argmax(s.eval(&[next], Logits::Last)?);
             let n = s.n_past();
             if n.is_multiple_of(chunk_tokens) {
-                lower(&mut s, plan, n / chunk_tokens, chunk_tokens, choose)?;
+                lower(&mut s, run, n / chunk_tokens)?;
             }
         }
         out.push(toks);

@@ -139,7 +139,15 @@ pub fn ratio_by_quality(
         let choose = crate::kvmm::mix_chooser(model, CHUNK, ratio, levels);
         ids.iter()
             .map(|ids| {
-                let (p, _) = engine::eval::perplexity_kv(model, Arc::clone(pool), ids, CTX, windows, plan, CHUNK, &choose, None)?;
+                let (p, _) = engine::eval::perplexity_kv(
+                    model,
+                    Arc::clone(pool),
+                    ids,
+                    CTX,
+                    windows,
+                    engine::eval::KvRun { plan, chunk_tokens: CHUNK, choose: &choose },
+                    None,
+                )?;
                 Ok(p.ppl)
             })
             .collect()
@@ -940,7 +948,8 @@ pub fn peer_comparison(model: &Arc<engine::Model>, pool: &Arc<engine::ThreadPool
             let plan = engine::eval::KvPlan::parse(plan_name).with_context(|| format!("plan {plan_name:?}"))?;
             let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
             let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
-            let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, ctx, windows, plan, s.chunk_tokens, &choose, None)?;
+            let run = engine::eval::KvRun { plan, chunk_tokens: s.chunk_tokens, choose: &choose };
+            let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, ctx, windows, run, None)?;
             if p.scored != scored {
                 bail!("{name}: our windows score {} positions, llama.cpp's {scored}: not the same windows", p.scored);
             }
@@ -1027,17 +1036,8 @@ pub fn accuracy_vs_memory(
         let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
         let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
         let mut top = Vec::new();
-        let (p, bytes) = engine::eval::perplexity_kv(
-            model,
-            std::sync::Arc::clone(pool),
-            &ids,
-            s.ctx,
-            s.windows,
-            plan,
-            s.chunk_tokens,
-            &choose,
-            Some(&mut top),
-        )?;
+        let run = engine::eval::KvRun { plan, chunk_tokens: s.chunk_tokens, choose: &choose };
+        let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, s.ctx, s.windows, run, Some(&mut top))?;
         if reference.is_empty() {
             reference.clone_from(&top);
             ref_ppl = p.ppl;
@@ -1046,8 +1046,7 @@ pub fn accuracy_vs_memory(
         let agree = top.iter().zip(&reference).filter(|(a, b)| a == b).count() as f64 / reference.len().max(1) as f64;
         let (mut greedy_agreement, mut greedy_prefix) = (1.0, 1.0);
         if s.generate > 0 {
-            let runs =
-                engine::eval::greedy_kv(model, Arc::clone(pool), &ids, s.ctx / 2, s.generate, s.windows, plan, s.chunk_tokens, &choose)?;
+            let runs = engine::eval::greedy_kv(model, Arc::clone(pool), &ids, s.ctx / 2, s.generate, s.windows, run)?;
             if greedy_ref.is_empty() {
                 greedy_ref.clone_from(&runs);
             }

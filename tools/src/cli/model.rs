@@ -249,12 +249,13 @@ impl PerplexityArgs {
                 // The mix's levels are mm's policy (eq. 2-3), over --kv-levels.
                 let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
                 let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
+                let run = ::engine::eval::KvRun { plan, chunk_tokens, choose: &choose };
                 if kl {
-                    let k = ::engine::eval::kl_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose)?;
+                    let k = ::engine::eval::kl_kv(&model, pool, &ids, ctx, chunks, run)?;
                     vs_int8 = Some((k.kl, k.int8.ppl));
                     (k.ppl, Some(k.bytes))
                 } else {
-                    let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, plan, chunk_tokens, &choose, None)?;
+                    let (r, ratio) = ::engine::eval::perplexity_kv(&model, pool, &ids, ctx, chunks, run, None)?;
                     (r, Some(ratio))
                 }
             }
