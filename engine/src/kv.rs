@@ -1144,11 +1144,12 @@ fn split_v_header(t_cap: usize) -> usize {
 /// 0.02962, 2 bits 0.1115; the same to 0.0002 on both texts). The scale search minimizes each
 /// token's squared error, and its decoding is right on average (least-squares gain 1.000 over
 /// those values) but short of the value's energy by that error; attention sums many tokens'
-/// decodings, whose errors cancel while the shortfall does not. Multiplied back, the KL
-/// divergence from int8 of V at 3 bits (K at int8) fell from 0.0169 / 0.0168 to 0.0142 / 0.0142
-/// on heapq.py / GPL-3's first 8 windows, at 2 bits from 0.067 / 0.072 to 0.041 / 0.040; gains
-/// of 1.015 and 1.05 at 3 bits did less (docs/kv.md, "V decoded to its energy"). Encoding does
-/// not see it: the codes and scales are those of least squares.
+/// decodings, whose errors would cancel while the shortfall would not (the likely reason, not
+/// measured apart). Multiplied back, the KL divergence from int8 of V at 3 bits (K at int8)
+/// fell from 0.0169 / 0.0168 to 0.0142 / 0.0142 on heapq.py / GPL-3's first 8 windows, at 2
+/// bits from 0.067 / 0.072 to 0.041 / 0.040; gains of 1.015 and 1.05 at 3 bits did less
+/// (docs/kv.md, "V decoded to its energy"). Encoding does not see it: the codes and scales are
+/// those of least squares.
 const V_GAIN: [f32; 5] = [1.0, 1.0, 1.125_49, 1.030_53, 1.007_47];
 
 /// A split-level V block's per-token scales (`t_cap` of them) and its codes (`bits` wide, low
