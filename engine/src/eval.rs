@@ -19,7 +19,12 @@ pub struct Perplexity {
 
 /// `-ln p(target)` under the softmax of one row of logits (log-sum-exp in f64).
 fn neg_log_prob(row: &[f32], target: u32) -> f64 {
-    log_sum_exp(row) - f64::from(row[target as usize])
+    neg_log_prob_lse(log_sum_exp(row), row, target)
+}
+
+/// [`neg_log_prob`] with the row's log-sum-exp already computed (the KL reuses it).
+fn neg_log_prob_lse(lse: f64, row: &[f32], target: u32) -> f64 {
+    lse - f64::from(row[target as usize])
 }
 
 /// The windows llama.cpp's perplexity scores: consecutive non-overlapping runs of `ctx`
@@ -218,11 +223,11 @@ pub fn kl_kv(
             for (o, &v) in logp[(i - ctx / 2) * vocab..][..vocab].iter_mut().zip(row) {
                 *o = (f64::from(v) - lse) as f32;
             }
-            nll_base += lse - f64::from(row[win[i + 1] as usize]); // neg_log_prob, its lse reused
+            nll_base += neg_log_prob_lse(lse, row, win[i + 1]);
         })?;
         kv_window(&mut s, win, run, &mut |i, row| {
             let lse = log_sum_exp(row);
-            nll += lse - f64::from(row[win[i + 1] as usize]);
+            nll += neg_log_prob_lse(lse, row, win[i + 1]);
             let p = &logp[(i - ctx / 2) * vocab..][..vocab];
             // Both log-probabilities rounded alike (int8's are kept as f32): equal rows give 0.
             kl += p

@@ -1349,8 +1349,7 @@ mod tests {
                 let codes4 = split_v_params(&v4, 4, 16, &mut [0.0f32; 16]).to_vec();
                 let codes3 = split_v_params(&v3, 3, 16, &mut [0.0f32; 16]).to_vec();
                 // The encoder's scales (the decoder's, before the level's gain).
-                let scales: Vec<f32> =
-                    (0..16).map(|t| f16_at(&v4, 0) * V_SCALE_OF[usize::from(get_code(&v4[2..], t, V_EXP_BITS))]).collect();
+                let scales: Vec<f32> = (0..16).map(|t| stored_v_scale(&v4, t, 1.0)).collect();
                 assert_eq!(v4[..split_v_header(16)], v3[..split_v_header(16)], "the scales are kept");
                 let at = ((l * 2 + 1) * G.n_kv_heads + h) * per;
                 for t in 0..16 {
@@ -1641,6 +1640,12 @@ mod tests {
     /// The block parsers attention runs for every block read each field where the layout puts
     /// it, for every token count and head width (odd ones and partial exponent groups included):
     /// checked against the codes read one at a time.
+    /// Token `t`'s scale in a split V block read field by field: the f16 reference times `gain`,
+    /// times the token's exponent's step (the decoder's order of multiplication).
+    fn stored_v_scale(blk: &[u8], t: usize, gain: f32) -> f32 {
+        f16_at(blk, 0) * gain * V_SCALE_OF[usize::from(get_code(&blk[2..], t, V_EXP_BITS))]
+    }
+
     #[test]
     fn split_block_parameters_are_read_field_by_field() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
@@ -1651,7 +1656,7 @@ mod tests {
             let codes = split_v_params(&blk, bits, t_cap, &mut scales);
             assert_eq!(codes.len(), 8);
             for (t, &s) in scales[..t_cap].iter().enumerate() {
-                let want = f16_at(&blk, 0) * V_GAIN[bits] * V_SCALE_OF[usize::from(get_code(&blk[2..], t, V_EXP_BITS))];
+                let want = stored_v_scale(&blk, t, V_GAIN[bits]);
                 assert_eq!(s.to_bits(), want.to_bits(), "t_cap {t_cap} bits {bits} token {t}");
             }
             assert!(scales[t_cap].is_nan(), "written past t_cap");

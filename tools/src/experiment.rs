@@ -137,17 +137,10 @@ pub fn ratio_by_quality(
     let base_level = *levels.first().context("no levels")?;
     let ppl = |plan: engine::eval::KvPlan, ratio: f64| -> Result<Vec<f64>> {
         let choose = crate::kvmm::mix_chooser(model, CHUNK, ratio, levels);
+        let run = engine::eval::KvRun { plan, chunk_tokens: CHUNK, choose: &choose };
         ids.iter()
             .map(|ids| {
-                let (p, _) = engine::eval::perplexity_kv(
-                    model,
-                    Arc::clone(pool),
-                    ids,
-                    CTX,
-                    windows,
-                    engine::eval::KvRun { plan, chunk_tokens: CHUNK, choose: &choose },
-                    None,
-                )?;
+                let (p, _) = engine::eval::perplexity_kv(model, Arc::clone(pool), ids, CTX, windows, run, None)?;
                 Ok(p.ppl)
             })
             .collect()
