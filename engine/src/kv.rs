@@ -12,8 +12,9 @@
 //!                     codes [token][head_dim] at 4 or 2 bits             (x = s_t * (min_c + code * step_c))
 //! head block (Q4R/Q2R) = per token (step f16, min f16), codes [token][head_dim] at 4 or 2 bits,
 //!                     of the head vector rotated by H (x = H (min_t + code * step_t))
-//! K block (KbVb)    = reference step f16, zero point i8 [head_dim], step exponent u4 [head_dim],
-//!                     codes [token][head_dim] at b bits      (x = (code - z_c) * ref * 2^(-e_c/4))
+//! K block (KbVb)    = reference step f16, zero point i8 [head_dim] (quarter steps), step
+//!                     exponent u4 [head_dim], outliers, codes [token][head_dim] at b bits
+//!                                                            (x = (code - z_c/4) * ref * 2^(-e_c/6))
 //! V block (KbVb)    = scales [token] f16, codes [token][head_dim] at b bits, of the head vector
 //!                     rotated by H                           (x = H (s_t * level[code]))
 //! ```
@@ -35,8 +36,9 @@
 //! The split levels K4V4, K3V3, K2V2 and K4V3 (issue #27) quantize values too, K and V each the way
 //! it holds: K channel-wise over the chunk's tokens (its outlier channels keep their range from
 //! token to token, KIVI's finding), with parameters small enough for 16-token chunks (12 bits
-//! a channel: an i8 zero point and a 4-bit exponent below one f16 reference step); V per token
-//! after the rotation, on a Gaussian codebook (the rotated entries are near-Gaussian). K and V
+//! a channel: an i8 zero point in quarter steps and a 4-bit exponent below one f16 reference
+//! step); V per token after the rotation, on a Gaussian codebook (the rotated entries are
+//! near-Gaussian). K and V
 //! blocks differ in size, so a block's size and offset take K=0/V=1. k4v4 is 0.549x int8's
 //! bytes on the default model, k4v3 (K at 4 bits, V at 3: V loses less per bit taken) 0.489x,
 //! k3v3 0.428x, k2v2 0.307x. k4v4 and k4v3 share their K block: lowering one to the other
@@ -698,27 +700,51 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
 // Their heads are at most MAX_FAST_HD wide and a power of two (`rotation_fits`, which
 // `ChunkedKv::set_format` checks before making one).
 
-/// 2^(-e/4) for e in 0..4; larger exponents scale by powers of two (exact), so the step of
+/// 2^(-e/6) for e in 0..6; larger exponents scale by powers of two (exact), so the step of
 /// every exponent is the same f32 on every CPU.
-const QUARTER_POW: [f32; 4] = [1.0, 0.840_896_4, 0.707_106_77, 0.594_603_54];
+const SIXTH_POW: [f32; 6] = [1.0, 0.890_898_7, 0.793_700_5, 0.707_106_77, 0.629_960_54, 0.561_231];
 
-/// A K channel's step: the block's reference step scaled by 2^(-e/4), `e` in 0..16 (13.5x
-/// below the reference at most).
+/// A K channel's step: the block's reference step scaled by 2^(-e/6), `e` in 0..16 (5.66x
+/// below the reference at most). Steps 12% apart over 2.5 octaves spend the exponent's 4 bits
+/// where channels need them: at 2^(-e/4) (19% apart, 3.75 octaves) K alone lost 12% more
+/// (docs/kv.md, "K's parameters at the same 12 bits").
 fn k_step(reference: f32, e: u8) -> f32 {
     reference * K_STEP_SCALE[usize::from(e & 0xF)]
 }
 
-/// 2^(-e/4) for every exponent: `QUARTER_POW` over a power of two, exact, so a step is one
+/// 2^(-e/6) for every exponent: `SIXTH_POW` over a power of two, exact, so a step is one
 /// multiplication (attention derives every K block's steps when it reads the block).
 const K_STEP_SCALE: [f32; 16] = {
     let mut t = [0.0f32; 16];
     let mut e = 0;
     while e < 16 {
-        t[e] = QUARTER_POW[e % 4] / (1u32 << (e / 4)) as f32;
+        t[e] = SIXTH_POW[e % 6] / (1u32 << (e / 6)) as f32;
         e += 1;
     }
     t
 };
+
+/// A K channel's zero point is an i8 in units of its step: a quarter step (`x = (code - z/4) x
+/// step`), so a channel's grid can sit a quarter step off zero where whole steps made its range
+/// take up to a step more than it spans — unless the block's reference is stored negative:
+/// then whole steps, for a block with a channel whose middle lies too far from zero for a
+/// quarter-step zero point (+-32 steps) to reach with the steps the others need
+/// ([`write_split_k`] keeps whichever codes the block with less error).
+const K_ZERO_QUARTER: f32 = 0.25;
+
+/// How far (in steps) an i8 zero point in `unit` steps reaches.
+fn k_zero_reach(unit: f32) -> f32 {
+    127.0 * unit
+}
+
+/// A stored K reference: (the reference step, the zero points' unit).
+fn k_reference(stored: f32) -> (f32, f32) {
+    if stored.is_sign_negative() {
+        (-stored, 1.0)
+    } else {
+        (stored, K_ZERO_QUARTER)
+    }
+}
 
 /// The V codebooks, in units of a token's scale. 3 and 2 bits: the quantiles of a unit
 /// Gaussian (what a Walsh-Hadamard-rotated head vector's entries look like) at the middles of
@@ -820,7 +846,7 @@ fn split_k_outliers_at(hd: usize) -> usize {
 /// is `(code - zero[c]) x step[c]`, plus the correction of an outlier at `t x hd + c`
 /// ([`k_outlier_at`]). Attention reads K blocks in place with these.
 pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
-    let reference = f16_at(blk, 0);
+    let (reference, unit) = k_reference(f16_at(blk, 0));
     let at = split_k_outliers_at(hd);
     let (zeros, exps) = blk[2..at].split_at(hd);
     let (zero, step) = (&mut zero[..hd], &mut step[..hd]);
@@ -828,21 +854,21 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
     if hd.is_multiple_of(8) && crate::simd::has_avx2() {
         // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
         // `hd` floats.
-        unsafe { crate::kernels::k_params_avx2(reference, zeros, exps, &K_STEP_SCALE, zero, step) };
+        unsafe { crate::kernels::k_params_avx2(reference, zeros, unit, exps, &K_STEP_SCALE, zero, step) };
     } else {
-        k_params(reference, zeros, exps, zero, step);
+        k_params(reference, zeros, unit, exps, zero, step);
     }
     #[cfg(not(target_arch = "x86_64"))]
-    k_params(reference, zeros, exps, zero, step);
+    k_params(reference, zeros, unit, exps, zero, step);
     let end = split_k_header(t_cap, hd);
     (&blk[at..end], &blk[end..])
 }
 
 /// [`split_k_params`]'s zero points and steps (it runs for every K block attention reads:
 /// straight-line loops, no per-channel branch or bounds check).
-fn k_params(reference: f32, zeros: &[u8], exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
+fn k_params(reference: f32, zeros: &[u8], unit: f32, exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
     for (z, &b) in zero.iter_mut().zip(zeros) {
-        *z = f32::from(b as i8);
+        *z = f32::from(b as i8) * unit;
     }
     // Two channels' exponents a byte, low nibble first.
     let (pairs, odd) = step.split_at_mut(step.len() & !1);
@@ -937,7 +963,8 @@ fn f16_up(v: f32) -> f32 {
 }
 
 /// Encodes a K block of a split level: per channel over the block's tokens, an i8 zero point
-/// and a 4-bit step exponent below the block's f16 reference step; `x = (code - z_c) x step_c`.
+/// (quarter steps) and a 4-bit step exponent below the block's f16 reference step;
+/// `x = (code - z_c/4) x step_c`.
 /// Each channel's (exponent, zero point) is the one of its few candidates around the range's
 /// fit with the least squared error over the block (lowering is done once per chunk): at 2 and
 /// 3 bits a finer step that clips an extreme loses far less than one that spans the range
@@ -951,20 +978,38 @@ fn write_split_k(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
     let outliers = take_k_outliers(&mut inner, hd, n, k_outliers(t_cap, hd));
     let vals = &inner[..];
     let range = |c: usize| (0..n).map(|t| vals[t * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
-    // The reference: the coarsest step any channel needs, either to span its range or to
-    // reach its middle with a zero point in i8.
-    let mut reference = 0.0f32;
-    for c in 0..hd {
-        let (lo, hi) = if n == 0 { (0.0, 0.0) } else { range(c) };
-        reference = reference.max((hi - lo) / top).max((0.5 * (lo + hi)).abs() / (127.0 - top));
-    }
-    let reference = f16_up(reference);
-    put_f16(head, 0, reference);
-    if !reference.is_finite() {
+    // The reference for zero points in `unit` steps: the coarsest step any channel needs,
+    // either to span its range or to reach its middle with its zero point.
+    let reference = |unit: f32| {
+        let need =
+            (0..hd).map(|c| if n == 0 { (0.0, 0.0) } else { range(c) }).fold(0.0f32, |r, (lo, hi)| r.max(k_step_needed(lo, hi, top, unit)));
+        f16_up(need)
+    };
+    let quarter = reference(K_ZERO_QUARTER);
+    if !quarter.is_finite() {
+        put_f16(head, 0, quarter);
         return;
     }
-    if reference > 0.0 {
-        k_channels(bits, head, data, hd, n, vals, reference);
+    put_f16(head, 0, quarter);
+    if quarter > 0.0 {
+        let err = k_channels(bits, head, data, hd, n, vals, quarter, K_ZERO_QUARTER);
+        // A channel whose middle is too far from zero for a quarter-step zero point to reach
+        // with the step its range needs (or the finest there is): code the block with whole
+        // steps too and keep the better.
+        let finest = quarter * K_STEP_SCALE[15];
+        let far = (0..hd).any(|c| {
+            let (lo, hi) = range(c);
+            k_step_needed(lo, hi, top, K_ZERO_QUARTER) > ((hi - lo) / top).max(finest)
+        });
+        if far {
+            let whole = reference(1.0);
+            let (mut h2, mut d2) = (vec![0u8; head.len()], vec![0u8; data.len()]);
+            put_f16(&mut h2, 0, -whole);
+            if k_channels(bits, &mut h2, &mut d2, hd, n, vals, whole, 1.0) < err {
+                head.copy_from_slice(&h2);
+                data.copy_from_slice(&d2);
+            }
+        }
     }
     // Each outlier's correction from what its code decodes to (the reader's arithmetic).
     let (mut zero, mut step) = ([0.0f32; MAX_FAST_HD], [0.0f32; MAX_FAST_HD]);
@@ -1044,55 +1089,71 @@ fn take_k_outliers(vals: &mut [f32], hd: usize, n: usize, count: usize) -> Vec<(
     taken
 }
 
-/// Encodes the channels of a K block whose reference step is `reference` (finite, positive).
-fn k_channels(bits: usize, head: &mut [u8], data: &mut [u8], hd: usize, n: usize, vals: &[f32], reference: f32) {
+/// The step a K channel spanning `[lo, hi]` needs at the least: one that spans it in `top`
+/// steps and reaches its middle with a zero point in `unit` steps (the reference is the
+/// largest of these over the block's channels, so its own exponent, 0, fits every channel).
+fn k_step_needed(lo: f32, hi: f32, top: f32, unit: f32) -> f32 {
+    ((hi - lo) / top).max((0.5 * (lo + hi)).abs() / (k_zero_reach(unit) - 0.5 * top))
+}
+
+/// Encodes the channels of a K block whose reference step is `reference` (finite, positive)
+/// with zero points in `unit` steps; returns the codes' squared error (outliers aside).
+#[allow(clippy::too_many_arguments)]
+fn k_channels(bits: usize, head: &mut [u8], data: &mut [u8], hd: usize, n: usize, vals: &[f32], reference: f32, unit: f32) -> f32 {
     let top = ((1u32 << bits) - 1) as f32;
     let range = |c: usize| (0..n).map(|t| vals[t * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
-    let sse = |c: usize, step: f32, z: f32| -> f32 {
-        let inv = 1.0 / step;
+    // `zq` is the zero point in `unit` steps (what is stored).
+    let sse = |c: usize, step: f32, zq: f32| -> f32 {
+        let (inv, z) = (1.0 / step, zq * unit);
         (0..n)
             .map(|t| {
                 let x = vals[t * hd + c];
-                let q = ((x * inv).round() + z).clamp(0.0, top);
+                let q = (x * inv + z).round().clamp(0.0, top);
                 let d = x - (q - z) * step;
                 d * d
             })
             .sum()
     };
+    let reach = |zq: f32| (-128.0..=127.0).contains(&zq);
+    // The zero point (in units) that puts the middle of `[lo, hi]` at the middle code.
+    let centred = |mid: f32, step: f32| ((0.5 * top - mid / step) / unit).round();
+    let mut total = 0.0;
     for c in 0..hd {
         let (lo, hi) = range(c);
         let mid = 0.5 * (lo + hi);
         let fits = |e: u8| {
             let step = k_step(reference, e);
-            let z = (0.5 * top - mid / step).round();
-            (step * top >= hi - lo && (-128.0..=127.0).contains(&z)).then_some(z)
+            step * top >= hi - lo && reach(centred(mid, step))
         };
-        // The finest step that spans the range with a zero point in i8 (e = 0 always does).
-        let e0 = (0..16u8).rev().find(|&e| fits(e).is_some()).unwrap_or(0);
+        // The finest step that spans the range with its zero point in reach (e = 0 always
+        // does); around it, a step coarser and two finer (that clip an extreme), each with
+        // the centred zero point and a unit either side.
+        let e0 = (0..16u8).rev().find(|&e| fits(e)).unwrap_or(0);
         let mut best = (f32::INFINITY, 0u8, 0i8);
-        for e in e0.saturating_sub(1)..=(e0 + 1).min(15) {
+        for e in e0.saturating_sub(1)..=(e0 + 2).min(15) {
             let step = k_step(reference, e);
-            let zc = (0.5 * top - mid / step).round();
-            for z in [zc - 1.0, zc, zc + 1.0] {
-                if !(-128.0..=127.0).contains(&z) {
+            let zc = centred(mid, step);
+            for zq in [zc - 1.0, zc, zc + 1.0] {
+                if !reach(zq) {
                     continue;
                 }
-                let err = sse(c, step, z);
+                let err = sse(c, step, zq);
                 if err < best.0 {
-                    best = (err, e, z as i8);
+                    best = (err, e, zq as i8);
                 }
             }
         }
-        let (_, e, z) = best;
-        head[2 + c] = z as u8;
+        let (err, e, zq) = best;
+        total += err;
+        head[2 + c] = zq as u8;
         head[2 + hd + c / 2] |= e << (4 * (c % 2));
-        let step = k_step(reference, e);
-        let inv = 1.0 / step;
+        let (inv, z) = (1.0 / k_step(reference, e), f32::from(zq) * unit);
         for t in 0..n {
-            let q = ((vals[t * hd + c] * inv).round() + f32::from(z)).clamp(0.0, top);
+            let q = (vals[t * hd + c] * inv + z).round().clamp(0.0, top);
             put_code(data, t * hd + c, bits, q as u8);
         }
     }
+    total
 }
 
 fn read_split_k(bits: usize, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [f32]) {
@@ -1529,7 +1590,7 @@ mod tests {
 
     /// The split levels (K channel-wise from values, V rotated with a codebook): each K
     /// channel within its step of the value (the finest step of the exponent grid that spans
-    /// the channel's range and reaches its middle from an i8 zero point), each V token's error
+    /// the channel's range and reaches its middle with a zero point in reach), each V token's error
     /// norm within half the codebook's widest gap per rotated channel; 3-bit codes that cross
     /// bytes included. A channel far from zero (a bias, as some K channels have) is coded
     /// about its middle, not from zero.
@@ -1549,17 +1610,20 @@ mod tests {
             write_block_f32(f, 0, &mut blk, t, hd, t, &vals);
             let mut out = vec![0.0f32; t * hd];
             read_block_f32(f, 0, &blk, t, hd, t, &mut out);
-            let reference = f16_at(&blk, 0);
+            let (reference, unit) = k_reference(f16_at(&blk, 0));
+            let need = |c: usize| {
+                let (lo, hi) = (0..t).map(|k| vals[k * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+                k_step_needed(lo, hi, top, unit).max(reference * K_STEP_SCALE[15])
+            };
             for c in 0..hd {
-                let col: Vec<f32> = (0..t).map(|k| vals[k * hd + c]).collect();
-                let (lo, hi) = col.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
-                let need = ((hi - lo) / top).max((0.5 * (lo + hi)).abs() / (127.0 - top)).max(reference / 13.45);
-                let bound = need * 1.19 * 1.001;
-                let rms = ((0..t).map(|k| (out[k * hd + c] - col[k]).powi(2)).sum::<f32>() / t as f32).sqrt();
+                let bound = need(c) * K_STEP_SCALE[0] / K_STEP_SCALE[1] * 1.001;
+                let rms = ((0..t).map(|k| (out[k * hd + c] - vals[k * hd + c]).powi(2)).sum::<f32>() / t as f32).sqrt();
                 assert!(rms <= bound, "{f:?} K channel {c}: rms {rms} > {bound}");
             }
+            // Within half of a step that reaches it (coded from zero, its 20 would need steps
+            // of 20 / top: 1.3 at 4 bits, 6.7 at 2).
             assert!(
-                (0..t).all(|k| (out[k * hd + 9] - vals[k * hd + 9]).abs() < 0.2),
+                (0..t).all(|k| (out[k * hd + 9] - vals[k * hd + 9]).abs() <= 0.6 * need(9) && need(9) < 0.9),
                 "{f:?}: the biased channel is coded about its middle"
             );
             // V
@@ -1637,6 +1701,29 @@ mod tests {
         }
     }
 
+    /// A K block with a channel far from zero and every other channel narrow codes its zero
+    /// points in whole steps (a quarter-step zero point reaching that channel would make every
+    /// step 5x coarser than the narrow ones need); a block without one, in quarter steps.
+    #[test]
+    fn k_zero_points_take_whole_steps_only_where_a_middle_is_far() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        let (hd, t) = (64, 16);
+        for far in [false, true] {
+            let vals: Vec<f32> = (0..t * hd).map(|i| if far && i % hd == 9 { 20.0 } else { 0.0 } + rng.gen_range(-0.1..0.1)).collect();
+            for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
+                let mut blk = vec![0u8; KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: t }.head_block_bytes(f, 0)];
+                write_block_f32(f, 0, &mut blk, t, hd, t, &vals);
+                let (_, unit) = k_reference(f16_at(&blk, 0));
+                assert_eq!(unit, if far { 1.0 } else { K_ZERO_QUARTER }, "{f:?} far {far}");
+                let mut out = vec![0.0f32; t * hd];
+                read_block_f32(f, 0, &blk, t, hd, t, &mut out);
+                // Whole steps reach 20 with steps of 20 / 120 or finer; quarter ones would need 0.8.
+                let worst = out.iter().zip(&vals).map(|(o, v)| (o - v).abs()).fold(0.0f32, f32::max);
+                assert!(worst < 0.1, "{f:?} far {far}: worst error {worst}");
+            }
+        }
+    }
+
     /// The block parsers attention runs for every block read each field where the layout puts
     /// it, for every token count and head width (odd ones and partial exponent groups included):
     /// checked against the codes read one at a time.
@@ -1661,16 +1748,17 @@ mod tests {
             }
             assert!(scales[t_cap].is_nan(), "written past t_cap");
         }
-        for hd in [1, 5, 8, 63, 64] {
+        // A negative reference says whole-step zero points.
+        for (hd, stored, unit) in [1, 5, 8, 63, 64].into_iter().flat_map(|hd| [(hd, 0.25f32, 0.25f32), (hd, -0.25, 1.0)]) {
             let t_cap = 4;
             let hdr = split_k_header(t_cap, hd);
             let mut blk: Vec<u8> = (0..hdr + 8).map(|_| rng.gen()).collect();
-            blk[..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+            blk[..2].copy_from_slice(&f16::from_f32(stored).to_le_bytes());
             let (mut zero, mut step) = (vec![f32::NAN; hd + 1], vec![f32::NAN; hd + 1]);
             let (outliers, codes) = split_k_params(&blk, t_cap, hd, &mut zero, &mut step);
             assert_eq!((outliers.len(), codes.len()), (OUTLIER_BYTES * k_outliers(t_cap, hd), 8));
             for c in 0..hd {
-                assert_eq!(zero[c], f32::from(blk[2 + c] as i8), "hd {hd} zero {c}");
+                assert_eq!(zero[c], f32::from(blk[2 + c] as i8) * unit, "hd {hd} zero {c}");
                 let e = get_code(&blk[2 + hd..], c, 4);
                 assert_eq!(step[c].to_bits(), k_step(0.25, e).to_bits(), "hd {hd} step {c}");
             }

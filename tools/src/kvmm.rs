@@ -63,8 +63,9 @@ impl EngineCodec {
         // every format's block sizes are hashed too, so a change of size cannot be missed
         // (one was: layout 3's smaller split headers first shipped under layout 2's number);
         // layout 4: the split levels' 4-bit V codes refine the 3-bit ones, at the same sizes;
-        // layout 5: the same bytes, V decoded times its level's gain (kv.rs `V_GAIN`).
-        const LAYOUT: u64 = 5;
+        // layout 5: the same bytes, V decoded times its level's gain (kv.rs `V_GAIN`);
+        // layout 6: the same bytes, K's zero points in quarter steps and its steps 2^(-e/6).
+        const LAYOUT: u64 = 6;
         let sizes = KvFormat::ALL.iter().flat_map(|&f| [geom.head_block_bytes(f, 0) as u64, geom.head_block_bytes(f, 1) as u64]);
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for v in [

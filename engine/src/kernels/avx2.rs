@@ -536,24 +536,33 @@ unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4
 }
 
 /// A split-level K block's zero points and steps (`kv::split_k_params`), 8 channels at a time:
-/// each zero point an i8 converted, each step `reference x table[e]` for its exponent nibble —
-/// the same conversion and the same one multiplication as the scalar loop, so the same floats.
+/// each zero point an i8 converted and times `zero_unit` (a power of two: exact), each step
+/// `reference x table[e]` for its exponent nibble — the same conversions and multiplications
+/// as the scalar loop, so the same floats.
 ///
 /// # Safety
 /// Needs AVX2; `zero.len() == step.len()` a multiple of 8, `zeros` at least that many bytes and
 /// `exps` at least half as many.
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn k_params(reference: f32, zeros: &[u8], exps: &[u8], table: &[f32; 16], zero: &mut [f32], step: &mut [f32]) {
+pub(crate) unsafe fn k_params(
+    reference: f32,
+    zeros: &[u8],
+    zero_unit: f32,
+    exps: &[u8],
+    table: &[f32; 16],
+    zero: &mut [f32],
+    step: &mut [f32],
+) {
     let hd = zero.len();
     debug_assert!(hd.is_multiple_of(8) && step.len() == hd && zeros.len() >= hd && exps.len() >= hd / 2);
     let (lo, hi) = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
-    let r = _mm256_set1_ps(reference);
+    let (r, zu) = (_mm256_set1_ps(reference), _mm256_set1_ps(zero_unit));
     // Channel 2i's exponent is byte i's low nibble, 2i+1's its high one: in a little-endian
     // word of 4 bytes, channel k's is at bit 4k.
     let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     for c in (0..hd).step_by(8) {
         let z = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(zeros.as_ptr().add(c).cast())));
-        _mm256_storeu_ps(zero.as_mut_ptr().add(c), z);
+        _mm256_storeu_ps(zero.as_mut_ptr().add(c), _mm256_mul_ps(z, zu));
         let word = exps.as_ptr().add(c / 2).cast::<i32>().read_unaligned();
         let e = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(15));
         let top = _mm256_castsi256_ps(_mm256_slli_epi32(e, 28));
