@@ -12,9 +12,9 @@
 //!                     codes [token][head_dim] at 4 or 2 bits             (x = s_t * (min_c + code * step_c))
 //! head block (Q4R/Q2R) = per token (step f16, min f16), codes [token][head_dim] at 4 or 2 bits,
 //!                     of the head vector rotated by H (x = H (min_t + code * step_t))
-//! K block (KbVb)    = reference step f16, zero point i8 [head_dim] (quarter steps), step
-//!                     exponent u4 [head_dim], outliers, codes [token][head_dim] at b bits
-//!                                                            (x = (code - z_c/4) * ref * 2^(-e_c/6))
+//! K block (KbVb)    = reference step f16 (negative: whole-step zero points), zero point i8
+//!                     [head_dim] (quarter steps), step exponent u4 [head_dim], outliers,
+//!                     codes [token][head_dim] at b bits  (x = (code - z_c/4) * ref * 2^(-e_c/6))
 //! V block (KbVb)    = scales [token] f16, codes [token][head_dim] at b bits, of the head vector
 //!                     rotated by H                           (x = H (s_t * level[code]))
 //! ```
@@ -963,8 +963,8 @@ fn f16_up(v: f32) -> f32 {
 }
 
 /// Encodes a K block of a split level: per channel over the block's tokens, an i8 zero point
-/// (quarter steps) and a 4-bit step exponent below the block's f16 reference step;
-/// `x = (code - z_c/4) x step_c`.
+/// (quarter steps, or whole ones: [`K_ZERO_QUARTER`]) and a 4-bit step exponent below the
+/// block's f16 reference step; `x = (code - z_c/4) x step_c`.
 /// Each channel's (exponent, zero point) is the one of its few candidates around the range's
 /// fit with the least squared error over the block (lowering is done once per chunk): at 2 and
 /// 3 bits a finer step that clips an extreme loses far less than one that spans the range
@@ -986,11 +986,10 @@ fn write_split_k(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
         f16_up(need)
     };
     let quarter = reference(K_ZERO_QUARTER);
+    put_f16(head, 0, quarter);
     if !quarter.is_finite() {
-        put_f16(head, 0, quarter);
         return;
     }
-    put_f16(head, 0, quarter);
     if quarter > 0.0 {
         let err = k_channels(bits, head, data, hd, n, vals, quarter, K_ZERO_QUARTER);
         // A channel whose middle is too far from zero for a quarter-step zero point to reach
