@@ -977,34 +977,36 @@ fn write_split_k(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
     let mut inner = exact[..n * hd].to_vec();
     let outliers = take_k_outliers(&mut inner, hd, n, k_outliers(t_cap, hd));
     let vals = &inner[..];
-    let range = |c: usize| (0..n).map(|t| vals[t * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    // Each channel's [lo, hi] over the block's tokens: the reference, the zero points' unit and
+    // each channel's candidates all start from it.
+    let ranges: Vec<(f32, f32)> = (0..hd)
+        .map(|c| {
+            if n == 0 {
+                return (0.0, 0.0);
+            }
+            (0..n).map(|t| vals[t * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)))
+        })
+        .collect();
     // The reference for zero points in `unit` steps: the coarsest step any channel needs,
     // either to span its range or to reach its middle with its zero point.
-    let reference = |unit: f32| {
-        let need =
-            (0..hd).map(|c| if n == 0 { (0.0, 0.0) } else { range(c) }).fold(0.0f32, |r, (lo, hi)| r.max(k_step_needed(lo, hi, top, unit)));
-        f16_up(need)
-    };
+    let reference = |unit: f32| f16_up(ranges.iter().fold(0.0f32, |r, &(lo, hi)| r.max(k_step_needed(lo, hi, top, unit))));
     let quarter = reference(K_ZERO_QUARTER);
     put_f16(head, 0, quarter);
     if !quarter.is_finite() {
         return;
     }
     if quarter > 0.0 {
-        let err = k_channels(bits, head, data, hd, n, vals, quarter, K_ZERO_QUARTER);
+        let err = k_channels(bits, head, data, hd, vals, &ranges, quarter, K_ZERO_QUARTER);
         // A channel whose middle is too far from zero for a quarter-step zero point to reach
         // with the step its range needs (or the finest there is): code the block with whole
         // steps too and keep the better.
         let finest = quarter * K_STEP_SCALE[15];
-        let far = (0..hd).any(|c| {
-            let (lo, hi) = range(c);
-            k_step_needed(lo, hi, top, K_ZERO_QUARTER) > ((hi - lo) / top).max(finest)
-        });
+        let far = ranges.iter().any(|&(lo, hi)| k_step_needed(lo, hi, top, K_ZERO_QUARTER) > ((hi - lo) / top).max(finest));
         if far {
             let whole = reference(1.0);
             let (mut h2, mut d2) = (vec![0u8; head.len()], vec![0u8; data.len()]);
             put_f16(&mut h2, 0, -whole);
-            if k_channels(bits, &mut h2, &mut d2, hd, n, vals, whole, 1.0) < err {
+            if k_channels(bits, &mut h2, &mut d2, hd, vals, &ranges, whole, 1.0) < err {
                 head.copy_from_slice(&h2);
                 data.copy_from_slice(&d2);
             }
@@ -1095,12 +1097,22 @@ fn k_step_needed(lo: f32, hi: f32, top: f32, unit: f32) -> f32 {
     ((hi - lo) / top).max((0.5 * (lo + hi)).abs() / (k_zero_reach(unit) - 0.5 * top))
 }
 
-/// Encodes the channels of a K block whose reference step is `reference` (finite, positive)
-/// with zero points in `unit` steps; returns the codes' squared error (outliers aside).
+/// Encodes the channels of a K block (`vals`, `[token][hd]`; each channel's `ranges`) whose
+/// reference step is `reference` (finite, positive) with zero points in `unit` steps; returns
+/// the codes' squared error (outliers aside).
 #[allow(clippy::too_many_arguments)]
-fn k_channels(bits: usize, head: &mut [u8], data: &mut [u8], hd: usize, n: usize, vals: &[f32], reference: f32, unit: f32) -> f32 {
+fn k_channels(
+    bits: usize,
+    head: &mut [u8],
+    data: &mut [u8],
+    hd: usize,
+    vals: &[f32],
+    ranges: &[(f32, f32)],
+    reference: f32,
+    unit: f32,
+) -> f32 {
     let top = ((1u32 << bits) - 1) as f32;
-    let range = |c: usize| (0..n).map(|t| vals[t * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let n = vals.len() / hd;
     // `zq` is the zero point in `unit` steps (what is stored).
     let sse = |c: usize, step: f32, zq: f32| -> f32 {
         let (inv, z) = (1.0 / step, zq * unit);
@@ -1117,8 +1129,7 @@ fn k_channels(bits: usize, head: &mut [u8], data: &mut [u8], hd: usize, n: usize
     // The zero point (in units) that puts the middle of `[lo, hi]` at the middle code.
     let centred = |mid: f32, step: f32| ((0.5 * top - mid / step) / unit).round();
     let mut total = 0.0;
-    for c in 0..hd {
-        let (lo, hi) = range(c);
+    for (c, &(lo, hi)) in ranges.iter().enumerate() {
         let mid = 0.5 * (lo + hi);
         let fits = |e: u8| {
             let step = k_step(reference, e);
@@ -1723,15 +1734,15 @@ mod tests {
         }
     }
 
-    /// The block parsers attention runs for every block read each field where the layout puts
-    /// it, for every token count and head width (odd ones and partial exponent groups included):
-    /// checked against the codes read one at a time.
     /// Token `t`'s scale in a split V block read field by field: the f16 reference times `gain`,
     /// times the token's exponent's step (the decoder's order of multiplication).
     fn stored_v_scale(blk: &[u8], t: usize, gain: f32) -> f32 {
         f16_at(blk, 0) * gain * V_SCALE_OF[usize::from(get_code(&blk[2..], t, V_EXP_BITS))]
     }
 
+    /// The block parsers attention runs for every block read each field where the layout puts
+    /// it, for every token count and head width (odd ones and partial exponent groups included):
+    /// checked against the codes read one at a time.
     #[test]
     fn split_block_parameters_are_read_field_by_field() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
