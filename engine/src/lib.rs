@@ -19,6 +19,7 @@ pub mod kvcache;
 pub mod loader;
 pub mod model;
 pub mod pool;
+mod pretok;
 pub mod quant;
 pub mod repack;
 pub mod sampler;

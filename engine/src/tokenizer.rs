@@ -1,13 +1,14 @@
 //! GPT-2 style byte-level BPE from GGUF metadata, splitting text the way llama.cpp does:
-//! special tokens first (when asked), then the pre-tokenizer regexes of the model's `pre` type
-//! applied in sequence, then byte-level BPE merges by rank.
+//! special tokens first (when asked), then the pre-tokenizer patterns of the model's `pre` type
+//! applied in sequence (`pretok.rs`), then byte-level BPE merges by rank. Time is O(n log n)
+//! in the text's length and nothing recurses, whatever the text.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Mutex;
 
-use fancy_regex::Regex;
-
 use crate::gguf::{GgufFile, Value};
+use crate::pretok::{self, Split};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -61,17 +62,23 @@ fn byte_to_char_table() -> [char; 256] {
     table
 }
 
+/// Words up to this many bytes are cached (and looked up whole in the vocabulary).
+const MAX_CACHED_WORD: usize = 64;
+
 #[derive(Debug)]
 pub struct Tokenizer {
     tokens: Vec<String>,
     types: Vec<TokenType>,
     token_to_id: HashMap<String, u32>,
     /// (left, right) -> (rank, merged id)
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: rustc_hash::FxHashMap<(u32, u32), (u32, u32)>,
     byte_to_token: [Option<u32>; 256],
     char_to_byte: HashMap<char, u8>,
     byte_char: [char; 256],
-    regexes: Vec<Regex>,
+    /// Characters of the longest token (each stands for one byte of text).
+    longest_token: usize,
+    /// The pre-tokenizer's patterns, applied in order.
+    splits: &'static [Split],
     /// Special tokens matched in text, longest first (llama.cpp's order).
     specials: Vec<u32>,
     pub bos: Option<u32>,
@@ -79,19 +86,6 @@ pub struct Tokenizer {
     pub eot: Option<u32>,
     pub add_bos: bool,
     cache: Mutex<HashMap<String, Vec<u32>>>,
-}
-
-fn pre_regexes(pre: &str) -> Result<Vec<&'static str>, TokenizerError> {
-    const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
-    Ok(match pre {
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => vec![r"\p{N}", GPT2],
-        "gpt-2" | "gpt2" | "mpt" | "olmo" | "jais" => vec![GPT2],
-        "llama-bpe" | "llama3" | "falcon3" | "pixtral" => vec![
-            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        ],
-        "default" => vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
-        other => return Err(TokenizerError::Pre(other.to_string())),
-    })
 }
 
 impl Tokenizer {
@@ -126,7 +120,7 @@ impl Tokenizer {
         for (i, t) in tokens.iter().enumerate() {
             token_to_id.entry(t.clone()).or_insert(u32::try_from(i).expect("bounded above"));
         }
-        let mut merges = HashMap::new();
+        let mut merges = rustc_hash::FxHashMap::default();
         if let Some(list) = f.get("tokenizer.ggml.merges").and_then(Value::as_array) {
             for (rank, m) in list.iter().enumerate() {
                 let s = m.as_str().ok_or(TokenizerError::Metadata { key: "tokenizer.ggml.merges", what: "not strings".into() })?;
@@ -153,7 +147,7 @@ impl Tokenizer {
             char_to_byte.insert(c, b8);
             byte_to_token[b] = token_to_id.get(c.to_string().as_str()).copied();
         }
-        let regexes = pre_regexes(pre)?.into_iter().map(|r| Regex::new(r).expect("built-in pre-tokenizer regex compiles")).collect();
+        let splits = pretok::splits(pre).ok_or_else(|| TokenizerError::Pre(pre.to_string()))?;
         let mut specials: Vec<u32> = (0..tokens.len())
             .filter(|&i| matches!(types[i], TokenType::Control | TokenType::UserDefined | TokenType::Unknown) && !tokens[i].is_empty())
             .map(|i| u32::try_from(i).expect("bounded"))
@@ -162,6 +156,7 @@ impl Tokenizer {
         let id =
             |key: &str| f.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok()).filter(|&v| (v as usize) < tokens.len());
         let eot = token_to_id.get("<|im_end|>").or_else(|| token_to_id.get("<|eot_id|>")).copied();
+        let longest_token = tokens.iter().map(|t| t.chars().count()).max().unwrap_or(0);
         Ok(Self {
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
@@ -174,7 +169,8 @@ impl Tokenizer {
             byte_to_token,
             char_to_byte,
             byte_char,
-            regexes,
+            longest_token,
+            splits,
             specials,
             cache: Mutex::new(HashMap::new()),
         })
@@ -250,64 +246,103 @@ impl Tokenizer {
 
     fn encode_raw(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
         let mut pieces = vec![text];
-        for re in &self.regexes {
+        for &sp in self.splits {
             let mut next = Vec::with_capacity(pieces.len() * 2);
             for p in pieces {
-                let mut last = 0;
-                for m in re.find_iter(p) {
-                    let m = m.expect("pre-tokenizer regex cannot fail on valid UTF-8 within its backtrack limit");
-                    if m.start() > last {
-                        next.push(&p[last..m.start()]);
-                    }
-                    if m.end() > m.start() {
-                        next.push(&p[m.start()..m.end()]);
-                    }
-                    last = m.end();
-                }
-                if last < p.len() {
-                    next.push(&p[last..]);
-                }
+                pretok::split(sp, p, &mut next);
             }
             pieces = next;
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         for word in pieces {
-            if let Some(ids) = cache.get(word) {
-                out.extend_from_slice(ids);
-                continue;
+            // Only short words are cached: they repeat; a long one would pin its bytes (and
+            // a hostile text could fill the cache with megabytes).
+            let cacheable = word.len() <= MAX_CACHED_WORD;
+            if cacheable {
+                if let Some(ids) = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(word) {
+                    out.extend_from_slice(ids);
+                    continue;
+                }
             }
-            let ids = self.bpe(word)?;
-            out.extend_from_slice(&ids);
-            if cache.len() < 1 << 16 {
-                cache.insert(word.to_string(), ids);
+            let start = out.len();
+            self.bpe(word, out)?;
+            if cacheable {
+                let mut cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if cache.len() < 1 << 16 {
+                    cache.insert(word.to_string(), out[start..].to_vec());
+                }
             }
         }
         Ok(())
     }
 
-    fn bpe(&self, word: &str) -> Result<Vec<u32>, TokenizerError> {
-        let encoded: String = word.bytes().map(|b| self.byte_char[b as usize]).collect();
-        if let Some(&id) = self.token_to_id.get(&encoded) {
-            return Ok(vec![id]);
+    /// Byte-level BPE of one word: the pair of lowest merge rank is merged first, the leftmost
+    /// among equal ranks (GPT-2's rule), until no pair merges. A heap of candidate pairs over
+    /// a linked list of symbols makes this O(n log n) in the word's length (rescanning every
+    /// pair after each merge, as a plain loop does, is quadratic: 80,000 characters without a
+    /// space took 39 s). A popped pair is used only if both of its symbols are still the ones
+    /// it was made from.
+    fn bpe(&self, word: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+        // A word the vocabulary holds whole is that token (no longer than the longest token).
+        if word.len() <= self.longest_token {
+            let encoded: String = word.bytes().map(|b| self.byte_char[b as usize]).collect();
+            if let Some(&id) = self.token_to_id.get(&encoded) {
+                out.push(id);
+                return Ok(());
+            }
         }
-        let mut syms: Vec<u32> = Vec::with_capacity(word.len());
+        let n = word.len();
+        if n > u32::MAX as usize {
+            return Err(TokenizerError::NoToken(format!("a word of {n} bytes (at most 4 GiB)")));
+        }
+        let mut sym: Vec<u32> = Vec::with_capacity(n);
         for b in word.bytes() {
-            syms.push(self.byte_to_token[b as usize].ok_or_else(|| TokenizerError::NoToken(word.to_string()))?);
+            sym.push(self.byte_to_token[b as usize].ok_or_else(|| TokenizerError::NoToken(word.chars().take(64).collect()))?);
         }
-        loop {
-            let mut best: Option<(u32, usize, u32)> = None;
-            for i in 0..syms.len().saturating_sub(1) {
-                if let Some(&(rank, merged)) = self.merges.get(&(syms[i], syms[i + 1])) {
-                    if best.is_none_or(|(r, _, _)| rank < r) {
-                        best = Some((rank, i, merged));
-                    }
+        // Doubly linked list over positions; `NONE` ends it; a merged-away symbol is `DEAD`.
+        const NONE: usize = usize::MAX;
+        const DEAD: u32 = u32::MAX;
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
+        // (rank, left position, left symbol, right symbol): the smallest first.
+        let rank = |a: u32, b: u32| self.merges.get(&(a, b)).map(|&(r, _)| r);
+        // Heap keys: rank above, left position below — smallest first is lowest rank, then
+        // leftmost. A popped key is stale when its left symbol was merged away or its pair has
+        // changed; ranks are unique per pair, so an equal rank at the position is the same pair.
+        let key = |r: u32, l: usize| Reverse((u64::from(r) << 32) | l as u64);
+        let mut heap: BinaryHeap<Reverse<u64>> =
+            (0..n.saturating_sub(1)).filter_map(|i| rank(sym[i], sym[i + 1]).map(|r| key(r, i))).collect();
+        while let Some(Reverse(k)) = heap.pop() {
+            let (want, l) = ((k >> 32) as u32, (k & 0xffff_ffff) as usize);
+            let r = next[l];
+            if r == NONE || sym[l] == DEAD || sym[r] == DEAD {
+                continue;
+            }
+            let Some(&(got, merged)) = self.merges.get(&(sym[l], sym[r])) else { continue };
+            if got != want {
+                continue;
+            }
+            sym[l] = merged;
+            sym[r] = DEAD;
+            let rr = next[r];
+            next[l] = rr;
+            if rr != NONE {
+                prev[rr] = l;
+                if let Some(rk) = rank(merged, sym[rr]) {
+                    heap.push(key(rk, l));
                 }
             }
-            let Some((_, i, merged)) = best else { break };
-            syms[i] = merged;
-            syms.remove(i + 1);
+            if prev[l] != NONE {
+                if let Some(rk) = rank(sym[prev[l]], merged) {
+                    heap.push(key(rk, prev[l]));
+                }
+            }
         }
-        Ok(syms)
+        let mut i = 0;
+        while i != NONE && i < n {
+            out.push(sym[i]);
+            i = next[i];
+        }
+        Ok(())
     }
 
     /// The bytes a token stands for. Control tokens render as their text only with
@@ -376,5 +411,100 @@ impl Utf8Stream {
         let s = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+
+    /// The default model's tokenizer (the GGUF's metadata only; no weights are read).
+    fn tk() -> &'static Tokenizer {
+        static T: OnceLock<Tokenizer> = OnceLock::new();
+        T.get_or_init(|| {
+            let f = GgufFile::open(&llms_tests::model_path()).expect("the default model (make model)");
+            Tokenizer::from_gguf(&f).expect("its tokenizer")
+        })
+    }
+
+    /// The scalar reference of [`Tokenizer::bpe`] (its code before the heap): a word the
+    /// vocabulary holds whole is that token; else rescan every pair, merge the lowest rank
+    /// (leftmost among equals), repeat — quadratic, obviously right.
+    fn bpe_reference(t: &Tokenizer, word: &str) -> Vec<u32> {
+        let encoded: String = word.bytes().map(|b| t.byte_char[b as usize]).collect();
+        if let Some(&id) = t.token_to_id.get(&encoded) {
+            return vec![id];
+        }
+        let mut syms: Vec<u32> = word.bytes().map(|b| t.byte_to_token[b as usize].unwrap()).collect();
+        loop {
+            let mut best: Option<(u32, usize, u32)> = None;
+            for i in 0..syms.len().saturating_sub(1) {
+                if let Some(&(rank, merged)) = t.merges.get(&(syms[i], syms[i + 1])) {
+                    if best.is_none_or(|(r, _, _)| rank < r) {
+                        best = Some((rank, i, merged));
+                    }
+                }
+            }
+            let Some((_, i, merged)) = best else { break };
+            syms[i] = merged;
+            syms.remove(i + 1);
+        }
+        syms
+    }
+
+    fn bpe(t: &Tokenizer, word: &str) -> Vec<u32> {
+        let mut v = Vec::new();
+        t.bpe(word, &mut v).unwrap();
+        v
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+        /// Words from letters that merge a lot (and repeated pairs, where leftmost-first decides).
+        #[test]
+        fn heap_bpe_equals_the_reference(w in "[aestnrl ]{1,60}|[a-z]{1,200}|(ab){1,50}|a{1,300}") {
+            let t = tk();
+            prop_assert_eq!(bpe(t, &w), bpe_reference(t, &w));
+        }
+    }
+
+    /// Text no pre-tokenizer split: one word of 1 MB, runs of one character, every code point
+    /// below 256 and multi-byte characters — no panic, no stack overflow, and the ids spell the
+    /// text back exactly. (Invalid UTF-8 never reaches `encode`: it takes `&str`; the protocol
+    /// decoders refuse it, tools/tests/proto_hostile.rs.)
+    #[test]
+    fn hostile_text_tokenizes_and_round_trips() {
+        let t = tk();
+        let word: String = "abcdefghij".repeat(100_000);
+        let runs = ["a".repeat(300_000), " ".repeat(300_000), "\n".repeat(100_000), "é".repeat(100_000), "🦀".repeat(50_000)];
+        // Every code point below 256 whose bytes the vocabulary has (SmolLM2's lacks a few
+        // control bytes: a text holding one is refused with an error, as llama.cpp refuses it).
+        let has = |c: &char| c.to_string().bytes().all(|b| t.byte_to_token[b as usize].is_some());
+        let bytes: String = (0u32..256).filter_map(char::from_u32).filter(has).collect::<String>().repeat(100);
+        if let Some(c) = (0u32..256).filter_map(char::from_u32).find(|c| !has(c)) {
+            let text = format!("{}{c}", "x".repeat(100_000));
+            assert!(matches!(t.encode(&text, false, false), Err(TokenizerError::NoToken(_))));
+        }
+        let digits = "1234567890".repeat(50_000);
+        let specials = "<|im_start|>".repeat(20_000);
+        for text in [&word, &bytes, &digits, &specials].into_iter().chain(runs.iter()) {
+            for special in [false, true] {
+                let ids = t.encode(text, false, special).unwrap();
+                assert!(!ids.is_empty());
+                assert_eq!(t.decode(&ids, true), text.as_bytes(), "round trip of {}...", &text[..text.floor_char_boundary(16)]);
+            }
+        }
+    }
+
+    /// Long words are not kept in the cache (a hostile text could fill it with megabytes).
+    #[test]
+    fn the_cache_keeps_only_short_words() {
+        let t = tk();
+        let long = "q".repeat(10_000);
+        t.encode(&long, false, false).unwrap();
+        let cache = t.cache.lock().unwrap();
+        assert!(cache.keys().all(|k| k.len() <= MAX_CACHED_WORD));
     }
 }

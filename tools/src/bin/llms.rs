@@ -53,6 +53,8 @@ enum Cmd {
     /// Decoding several contexts in one forward pass per step (Session::decode_batch):
     /// aggregate tokens/s and step time per batch size, against one context at a time.
     BenchBatch(bench::BenchBatchArgs),
+    /// The tokenizer on hostile inputs (a 1 MB word, runs of one character) beside prose.
+    BenchTokenize(bench::BenchTokenizeArgs),
     /// Many apps at once: N clients each making M calls on its own context against llmsd
     /// (batched decoding, max_batch); aggregate decode tok/s, TTFT and inter-token latency.
     BenchServe(bench::BenchServeArgs),
@@ -115,6 +117,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchSwitch(a) => a.run(),
         Cmd::BenchHttp(a) => a.run(),
         Cmd::BenchBatch(a) => a.run(),
+        Cmd::BenchTokenize(a) => a.run(),
         Cmd::BenchServe(a) => a.run(),
         Cmd::Trace { cmd } => experiment::trace_cmd(cmd),
         Cmd::Report(a) => a.run(),

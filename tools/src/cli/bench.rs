@@ -546,3 +546,72 @@ fn bench_load(
     }
     Ok(())
 }
+
+/// `llms bench-tokenize`.
+#[derive(Args, Debug)]
+pub struct BenchTokenizeArgs {
+    /// Bytes of each input.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub bytes: usize,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub m: ModelArgs,
+}
+
+impl BenchTokenizeArgs {
+    /// The tokenizer on hostile inputs of `bytes` each (one word without a space, runs of one
+    /// character, digits, control tokens spelled out, the 80,000-character word) beside
+    /// ordinary prose of the same size: median ms over `reps`, and each as a ratio to the
+    /// prose's time per byte measured in the same run (1.0: as fast as ordinary text).
+    pub fn run(self) -> Result<()> {
+        let Self { bytes, reps, json, m } = self;
+        if !(1..=64 << 20).contains(&bytes) || reps == 0 {
+            bail!("--bytes in 1..=64M, --reps at least 1");
+        }
+        let (model, _) = load_model(&m)?;
+        let tk = &model.tokenizer;
+        let fill = |unit: &str| -> String { unit.repeat(bytes.div_ceil(unit.len())).chars().take(bytes).collect() };
+        let prose = read_text(Path::new(CALIB_TEXT)).unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".into());
+        let inputs: Vec<(&str, String)> = vec![
+            ("prose", fill(&prose)),
+            ("one word", fill("abcdefghij")),
+            ("80,000-character word", fill("abcdefghij").chars().take(80_000).collect()),
+            ("run of 'a'", fill("a")),
+            ("run of spaces", fill(" ")),
+            ("run of 'é'", fill("é")),
+            ("digits", fill("1234567890")),
+            ("<|im_start|> spelled", fill("<|im_start|>")),
+        ];
+        let mut rows = Vec::new();
+        for (name, text) in &inputs {
+            let mut t = Vec::new();
+            let mut n = 0;
+            for _ in 0..reps {
+                let t0 = std::time::Instant::now();
+                n = tk.encode(text, false, false)?.len();
+                t.push(t0.elapsed().as_secs_f64() * 1000.0);
+            }
+            rows.push((*name, text.len(), n, median(t)));
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let per_byte = |r: &(&str, usize, usize, f64)| r.3 / r.1 as f64;
+        let floor = per_byte(&rows[0]);
+        if json {
+            let v: Vec<_> = rows
+                .iter()
+                .map(|r| json!({"input": r.0, "bytes": r.1, "tokens": r.2, "ms": r.3, "per_byte_vs_prose": per_byte(r) / floor}))
+                .collect();
+            println!("{}", serde_json::to_string(&v)?);
+            return Ok(());
+        }
+        println!("tokenizing hostile inputs beside prose, medians of {reps}");
+        println!("{:<24} {:>10} {:>10} {:>10} {:>10}", "input", "bytes", "tokens", "ms", "vs prose");
+        for r in &rows {
+            println!("{:<24} {:>10} {:>10} {:>10.1} {:>10.2}", r.0, r.1, r.2, r.3, per_byte(r) / floor);
+        }
+        Ok(())
+    }
+}
