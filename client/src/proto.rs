@@ -126,6 +126,10 @@ pub struct CallStats {
     /// alone).
     #[serde(default)]
     pub batch_max: u32,
+    /// What the caller must know about its context before trusting this answer (it was
+    /// restored from its previous copy: the last call it acknowledged is not in it).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub notice: String,
 }
 
 /// One context as `list` and `stats` show it.
@@ -144,6 +148,10 @@ pub struct CtxInfo {
     /// service's `max_context_tokens`); empty when it can. It can still be deleted.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub unavailable: String,
+    /// What the owner must know about the context: it was restored from its previous copy
+    /// (its last acknowledged call is lost). Shown until the next call succeeds.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub notice: String,
 }
 
 /// Service-wide state, as `stats` shows it.
@@ -190,6 +198,9 @@ pub struct ServiceStats {
     /// in the budget.
     #[serde(default)]
     pub memory_waits: u64,
+    /// Connections the caller's uid holds open now (this one included), on both sockets.
+    #[serde(default)]
+    pub connections: u32,
 }
 
 /// A frame from the service.

@@ -188,6 +188,17 @@ impl Tokenizer {
         self.token_to_id.get(text).copied()
     }
 
+    /// Whether a token stands for plain text (a normal or byte token), not a control,
+    /// user-defined or unused one: text can spell the former but never forge the latter.
+    pub fn is_plain_text(&self, id: u32) -> bool {
+        matches!(self.types.get(id as usize), Some(TokenType::Normal | TokenType::Byte))
+    }
+
+    /// The token of one raw byte, if the vocabulary has one.
+    pub fn byte_token(&self, b: u8) -> Option<u32> {
+        self.byte_to_token[b as usize]
+    }
+
     /// Whether generation should stop at this token (end of generation).
     pub fn is_eog(&self, id: u32) -> bool {
         Some(id) == self.eos || Some(id) == self.eot

@@ -117,6 +117,8 @@ pub struct Config {
     /// Contexts the HTTP front keeps per app for stateless clients; at the limit the least
     /// recently used one it made is retired.
     pub http_contexts_per_app: usize,
+    /// A context the HTTP front made and no call used for this long is retired (seconds).
+    pub http_context_ttl_s: u64,
 }
 
 impl Default for Config {
@@ -164,6 +166,7 @@ impl Default for Config {
             http_tokens: None,
             app_names: std::collections::BTreeMap::new(),
             http_contexts_per_app: 8,
+            http_context_ttl_s: 7 * 86_400,
         }
     }
 }
@@ -299,11 +302,27 @@ impl Config {
 
     /// Checks every setting; the service refuses to start on the first bad one.
     pub fn validate(&self) -> Result<()> {
+        // Ranges the service cannot work outside of: refused at start with the reason, not
+        // discovered as a stall or an out-of-memory kill later.
         self.max_text_bytes_per_uid()?;
         self.durability()?;
         self.max_disk_bytes_per_uid()?;
-        if self.budget_bytes()? == 0 {
-            bail!("budget {:?} is zero: no context could hold a single chunk", self.budget);
+        let budget = self.budget_bytes()?;
+        if budget < MIN_BUDGET {
+            bail!("budget {:?} is under {} MiB: too small to hold a context's chunks", self.budget, MIN_BUDGET >> 20);
+        }
+        if let Some(ram) = physical_memory().filter(|&ram| budget as u64 > ram) {
+            bail!("budget {:?} is over this machine's memory ({} MiB)", self.budget, ram >> 20);
+        }
+        for (name, v, max) in [("io_timeout_s", self.io_timeout_s, 600), ("idle_timeout_s", self.idle_timeout_s, 86_400)] {
+            if !(1..=max).contains(&v) {
+                bail!("{name} {v} must be between 1 and {max} seconds");
+            }
+        }
+        if let Some(c) = &self.cgroup {
+            if !c.is_dir() {
+                bail!("cgroup {}: no such directory (the service's cgroup, e.g. /sys/fs/cgroup/llmsd)", c.display());
+            }
         }
         self.weights_budget()?;
         if self.weights_plan && self.weights_budget.is_none() {
@@ -353,6 +372,9 @@ impl Config {
             if let Some(bad) = names.iter().find(|n| n.as_str() != "*" && !(1..=64).contains(&n.len())) {
                 bail!("app_names {uid}: {bad:?} is not an app name");
             }
+        }
+        if self.http_context_ttl_s == 0 {
+            bail!("http_context_ttl_s must be at least 1");
         }
         if self.http_contexts_per_app == 0 {
             bail!("http_contexts_per_app must be at least 1");
@@ -405,6 +427,16 @@ fn size_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::E
         }
     }
     d.deserialize_any(SizeVisitor)
+}
+
+/// The smallest budget: a few chunks of the default model's KV at int8.
+const MIN_BUDGET: usize = 1 << 20;
+
+/// The machine's physical memory, if the kernel says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    Some(u64::try_from(pages).ok()?.saturating_mul(u64::try_from(size).ok()?)).filter(|&b| b > 0)
 }
 
 #[cfg(test)]

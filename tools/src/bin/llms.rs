@@ -55,6 +55,9 @@ enum Cmd {
     BenchBatch(bench::BenchBatchArgs),
     /// The tokenizer on hostile inputs (a 1 MB word, runs of one character) beside prose.
     BenchTokenize(bench::BenchTokenizeArgs),
+    /// What one app's hostile text costs the others: an app's short call alone and while
+    /// another sends a long word over HTTP.
+    BenchDoors(bench::BenchDoorsArgs),
     /// Many apps at once: N clients each making M calls on its own context against llmsd
     /// (batched decoding, max_batch); aggregate decode tok/s, TTFT and inter-token latency.
     BenchServe(bench::BenchServeArgs),
@@ -118,6 +121,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchHttp(a) => a.run(),
         Cmd::BenchBatch(a) => a.run(),
         Cmd::BenchTokenize(a) => a.run(),
+        Cmd::BenchDoors(a) => a.run(),
         Cmd::BenchServe(a) => a.run(),
         Cmd::Trace { cmd } => experiment::trace_cmd(cmd),
         Cmd::Report(a) => a.run(),

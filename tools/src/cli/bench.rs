@@ -615,3 +615,84 @@ impl BenchTokenizeArgs {
         Ok(())
     }
 }
+
+/// `llms bench-doors`.
+#[derive(Args, Debug)]
+pub struct BenchDoorsArgs {
+    /// Characters of the hostile app's word.
+    #[arg(long, default_value_t = 80_000)]
+    pub chars: usize,
+    #[arg(long, default_value_t = 7)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub s: ServiceBenchArgs,
+}
+
+impl BenchDoorsArgs {
+    /// One app's short call, alone and while another app sends a word of `chars` characters
+    /// over HTTP (sent just before the call): the medians over `reps` and their difference —
+    /// what a hostile app's text costs the others (issue 54's goal: at most 100 ms).
+    pub fn run(self) -> Result<()> {
+        use std::io::{Read, Write};
+        let Self { chars, reps, s } = self;
+        if !(1..=1_000_000).contains(&chars) || reps == 0 {
+            bail!("--chars in 1..=1000000, --reps at least 1");
+        }
+        let (dir, base, work) = s.setup("doors")?;
+        let state = work.join("state");
+        crate::loadbench::fresh_state(&state, &dir)?;
+        let cfg = crate::config::Config { socket: work.join("doors.sock"), state_dir: state, pressure: false, ..base };
+        let http = cfg.http_socket_path().context("the HTTP socket")?;
+        let local = crate::service::Local::start(cfg)?;
+        let word = "abcdefghij".repeat(chars.div_ceil(10))[..chars].to_string();
+        let body = json!({"messages": [{"role": "user", "content": word}], "max_tokens": 4}).to_string();
+        let hostile = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: hostile\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut c = crate::client::Client::connect(&local.socket, "victim")?;
+        let one = |c: &mut crate::client::Client| -> Result<f64> {
+            let ctx = c.new_ctx(None)?;
+            let call = crate::proto::Call {
+                ctx: ctx.clone(),
+                prompt: "Hi".into(),
+                max_tokens: 2,
+                temperature: 0.0,
+                seed: 0,
+                stop: Vec::new(),
+                raw: false,
+                top_p: None,
+            };
+            let t0 = std::time::Instant::now();
+            c.call(&call, &mut |_| {})?;
+            let t = t0.elapsed().as_secs_f64() * 1000.0;
+            c.del_ctx(&ctx)?;
+            Ok(t)
+        };
+        one(&mut c)?;
+        let (mut alone, mut during, mut hostile_status) = (Vec::new(), Vec::new(), String::new());
+        for _ in 0..reps {
+            alone.push(one(&mut c)?);
+            let mut h = std::os::unix::net::UnixStream::connect(&http)?;
+            h.write_all(hostile.as_bytes())?;
+            let answer = std::thread::spawn(move || {
+                let mut out = String::new();
+                let _ = h.read_to_string(&mut out);
+                out.get(9..12).unwrap_or("").to_string()
+            });
+            during.push(one(&mut c)?);
+            hostile_status = answer.join().map_err(|_| anyhow::anyhow!("the hostile client's thread panicked"))?;
+        }
+        drop(c);
+        local.stop()?;
+        let _ = std::fs::remove_dir_all(&work);
+        let (a, d) = (median(alone), median(during));
+        let v = json!({"chars": chars, "reps": reps, "victim_alone_ms": a, "victim_during_ms": d, "extra_ms": d - a, "hostile_status": hostile_status});
+        if s.json {
+            println!("{v}");
+        } else {
+            println!("another app's 2-token call: alone {a:.1} ms, while one app sends a {chars}-character word {d:.1} ms: +{:.1} ms (the word's answer: HTTP {hostile_status}; medians of {reps})", d - a);
+        }
+        Ok(())
+    }
+}

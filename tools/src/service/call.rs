@@ -116,16 +116,22 @@ impl Service {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(refuse(ErrorCode::ShuttingDown, "the service is stopping"));
         }
-        let uid = owner.uid;
         {
             let reg = lock(&self.registry);
-            self.check_disk(&reg, uid)?;
-            let named = if history.is_some() { history.as_ref().and_then(|h| h.pin.as_ref()) } else { Some(&call.ctx) };
+            self.check_disk(&reg, owner)?;
+            let pinned = history.as_ref().and_then(|h| h.pin.as_ref());
+            let named = if history.is_some() { pinned } else { Some(&call.ctx) };
             if let Some(ctx) = named {
                 match reg.get(ctx) {
                     Some(e) if e.saved.owner == *owner => {
                         if let Some(why) = &e.unavailable {
                             return Err(unavailable(ctx, why));
+                        }
+                        // A stateless client that names a context in a call is told so now
+                        // (it has the history; it may retry or drop the pin). A native call
+                        // on a busy context waits its turn, as documented.
+                        if pinned.is_some() && e.session.is_none() {
+                            return Err(refuse(ErrorCode::Busy, format!("context {ctx} is in a call")));
                         }
                     }
                     _ => return Err(not_found(ctx)),
@@ -138,7 +144,7 @@ impl Service {
             return Err(refuse(ErrorCode::BadRequest, "max_tokens must be at least 1"));
         }
         if call.max_tokens as usize + 2 > self.cfg.max_context_tokens / 2 {
-            return Err(refuse(ErrorCode::BadRequest, format!("max_tokens must be under {}", self.cfg.max_context_tokens / 2 - 2)));
+            return Err(refuse(ErrorCode::BadRequest, format!("max_tokens must be at most {}", self.cfg.max_context_tokens / 2 - 2)));
         }
         if !(call.temperature.is_finite() && (0.0..=10.0).contains(&call.temperature)) {
             return Err(refuse(ErrorCode::BadRequest, "temperature must be between 0 and 10"));
@@ -155,14 +161,16 @@ impl Service {
         };
         let (tx, rx) = mpsc::channel();
         let mut q = lock(&self.queue);
+        // Calls whose callers went away hold no place.
+        q.retain(|j| !j.cancel.load(Ordering::SeqCst));
         if q.len() >= self.cfg.max_queue {
             return Err(refuse(ErrorCode::TooMany, format!("{} calls are waiting, the maximum (max_queue); try later", q.len())));
         }
-        let theirs = q.iter().filter(|j| j.owner.uid == uid).count();
+        let theirs = q.iter().filter(|j| j.owner.shares_quota(owner)).count();
         if theirs >= self.cfg.max_queued_per_uid {
             return Err(refuse(
                 ErrorCode::TooMany,
-                format!("uid {uid} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later"),
+                format!("{} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later", owner.quota_name()),
             ));
         }
         q.push_back(Job {
@@ -176,6 +184,8 @@ impl Service {
             history,
         });
         self.queued.notify_one();
+        drop(q);
+        super::fault_point("enqueue", &owner.app);
         Ok(rx)
     }
 
@@ -221,7 +231,9 @@ impl Service {
                     // A uid holding half the batch yields to other uids' calls in line: one
                     // app's long calls cannot keep everyone else out of the model.
                     let share = self.cfg.max_batch.max(1).div_ceil(2);
-                    let full = |j: &Job| active.iter().filter(|a| a.job.owner.uid == j.owner.uid).count() >= share;
+                    let full = |j: &Job| active.iter().filter(|a| a.job.owner.shares_quota(&j.owner)).count() >= share;
+                    // A call whose caller went away before it started is dropped unanswered.
+                    q.retain(|j| !j.cancel.load(Ordering::SeqCst));
                     let pick = q.iter().position(|j| !in_batch(j) && !full(j)).or_else(|| q.iter().position(|j| !in_batch(j)));
                     if let Some(i) = pick {
                         break (i, q.remove(i).expect("in the queue"));
@@ -261,7 +273,7 @@ impl Service {
     fn estimate(&self, j: &Job) -> usize {
         const MARKUP: usize = 16;
         let (mm_id, positions) = match &j.history {
-            Some(h) => (u64::MAX, h.segments.iter().map(|s| s.text.len()).sum::<usize>()),
+            Some(h) => (u64::MAX, h.ids.len()),
             None => lock(&self.registry)
                 .get(&j.call.ctx)
                 .map_or((u64::MAX, 0), |e| (e.saved.mm_id, e.saved.tokens.len() + e.saved.pending.len() + j.call.prompt.len())),
@@ -293,7 +305,8 @@ impl Service {
                 error!(ctx = %named, "a call panicked outside the model: {what}");
                 *scratch = Scratch::default();
                 self.prom.failed();
-                let _ = events.send(Event::error(ErrorCode::Failed, format!("the call failed inside the service ({what})")));
+                // What panicked is for the log, not for a client (nor another app's).
+                let _ = events.send(Event::error(ErrorCode::Failed, "the call failed inside the service (its log says why)"));
                 None
             }
         }
@@ -313,6 +326,10 @@ impl Service {
                 (ctx, Some(ids), made)
             }
         };
+        // A context made for this call goes if anything below unwinds before the call owns it
+        // (the paths that return deal with it themselves).
+        let guard = Made { svc: self, owner: &job.owner, ctx: made.then(|| ctx.clone()) };
+        super::fault_point("begin", &job.owner.app);
         let taken = {
             let mut reg = lock(&self.registry);
             match reg.get_mut(&ctx) {
@@ -324,15 +341,9 @@ impl Service {
                 _ => Err(not_found(&ctx)),
             }
         };
-        let (mut s, before) = match taken {
-            Ok(t) => t,
-            Err(r) => {
-                if made {
-                    let _ = self.del_ctx(&job.owner, &ctx);
-                }
-                return Err(r);
-            }
-        };
+        // On a refusal the guard deletes a context made for the call.
+        let (mut s, before) = taken?;
+        guard.disarm();
         let mut saved = before.clone();
         s.set_scratch(std::mem::take(scratch));
         // A panic in the call (a bug, or data that got past validation) must not take the
@@ -384,7 +395,9 @@ impl Service {
         mut saved: Saved,
         r: Result<(String, CallStats), Refusal>,
     ) -> Result<(String, CallStats), Refusal> {
-        let r = r.and_then(|out| {
+        let r = r.and_then(|mut out| {
+            // Told once, in the first answer after it was restored: the context is right again.
+            out.1.notice = std::mem::take(&mut saved.notice);
             saved.tokens.clone_from(&s.tokens);
             if let Some(a) = &s.attention {
                 saved.attention_sum.clone_from(&a.sum);
@@ -449,7 +462,7 @@ impl Service {
         // Its memory goes (the session may be half-way through anything); its records stay.
         drop(s);
         let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).close(mm_id)));
-        let why = format!("damaged: a call failed inside the service ({what}); quarantined — delete it");
+        let why = "damaged: a call failed inside the service (its log says why); quarantined — delete it".to_string();
         error!(ctx, "call panicked; the context is quarantined and the service goes on: {what}");
         if let Some(e) = lock(&self.registry).get_mut(ctx) {
             e.unavailable = Some(why.clone());
@@ -531,6 +544,7 @@ impl Service {
         stats.read_chunks = u32::try_from(report.read).unwrap_or(u32::MAX);
         stats.recomputed_chunks = u32::try_from(report.recomputed).unwrap_or(u32::MAX);
         saved.pending.clear();
+        saved.pending_ids.clear();
         saved.open_turn = false;
         if let Err(e) = self.grow(s, mm_id, ids.len()) {
             let _ = lock(&self.mm).end(mm_id, &mut SessionKv(s));
@@ -564,7 +578,10 @@ impl Service {
         if s.n_past() == 0 && tk.add_bos {
             ids.extend(tk.bos);
         }
-        if !saved.pending.is_empty() {
+        if !saved.pending_ids.is_empty() {
+            ids.extend_from_slice(&saved.pending_ids);
+        } else if !saved.pending.is_empty() {
+            // A context file of an older build: its system prompt as it was encoded then.
             ids.extend(tk.encode(&saved.pending, false, true).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?);
         }
         if saved.open_turn {
@@ -797,6 +814,14 @@ impl Service {
             let (o, st) = (&mut a.out, &mut a.stats);
             if st.finish != "stop" {
                 o.text.push_str(&o.utf8.finish());
+            } else if a.job.history.is_some() {
+                // The client never sees the text from the stop string on, and sends back only
+                // what it saw: the context keeps the output tokens that lie wholly within that
+                // (the next request bridges the rest of a token cut in two), so it continues.
+                let n_out = (o.n_out as usize).min(a.s.n_past());
+                let first = a.s.n_past() - n_out;
+                let kept = kept_tokens(&self.model.tokenizer, &a.s.tokens[first..], o.text.as_bytes());
+                a.s.truncate(first + kept);
             }
             if matches!(how, Outcome::Done) && o.text.len() > o.sent && st.finish != "cancelled" {
                 let _ = a.job.events.send(Event::Token { text: o.text[o.sent..].to_string() });
@@ -848,6 +873,63 @@ impl Service {
     }
 }
 
+/// Cancels a call when dropped, unless disarmed: held by the caller's thread from before the
+/// call is queued until something else watches for the caller going away, so a caller that
+/// unwinds (a panic) never leaves its call queued or running for nobody.
+pub(super) struct CancelOnDrop(Option<Arc<AtomicBool>>);
+
+impl CancelOnDrop {
+    pub(super) fn new(flag: &Arc<AtomicBool>) -> Self {
+        Self(Some(Arc::clone(flag)))
+    }
+    pub(super) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Deletes a context made for a call unless disarmed: dropped while unwinding, it keeps a
+/// panicking call from leaving an empty context behind.
+struct Made<'a> {
+    svc: &'a Service,
+    owner: &'a Owner,
+    ctx: Option<String>,
+}
+
+impl Made<'_> {
+    fn disarm(mut self) {
+        self.ctx = None;
+    }
+}
+
+impl Drop for Made<'_> {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.ctx.take() {
+            let _ = self.svc.del_ctx(self.owner, &ctx);
+        }
+    }
+}
+
+/// How many of `ids` spell a prefix of `text` whole.
+fn kept_tokens(tk: &engine::Tokenizer, ids: &[u32], text: &[u8]) -> usize {
+    let mut at = Vec::new();
+    for (k, &t) in ids.iter().enumerate() {
+        let from = at.len();
+        tk.token_bytes(t, false, &mut at);
+        if at.len() > text.len() || at[from..] != text[from..at.len()] {
+            return k;
+        }
+    }
+    ids.len()
+}
+
 /// The largest char boundary of `s` at or before `i`.
 pub(super) fn floor_boundary(s: &str, mut i: usize) -> usize {
     while !s.is_char_boundary(i) {
@@ -866,7 +948,7 @@ fn unavailable(ctx: &str, why: &str) -> Refusal {
 }
 
 /// What a panic said, for the log and the caller.
-fn panic_message(p: &(dyn Any + Send)) -> String {
+pub(super) fn panic_message(p: &(dyn Any + Send)) -> String {
     let m = p.downcast_ref::<&str>().map(|s| (*s).to_string()).or_else(|| p.downcast_ref::<String>().cloned());
     format!("panic: {}", m.unwrap_or_else(|| "unknown".into()))
 }

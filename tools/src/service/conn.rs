@@ -14,6 +14,8 @@ use tracing::warn;
 
 use super::{lock, refuse, Owner, Service};
 use crate::proto::{self, Call, ErrorCode, Event, FrameError, Request};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use tracing::error;
 
 impl Service {
     /// Accepts connections until the service stops, one thread each, up to `max_connections`
@@ -36,19 +38,35 @@ impl Service {
                 continue;
             };
             let uid = cred.uid();
-            if let Err(why) = self.admit_connection(uid) {
-                let mut s = stream;
-                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = proto::write_frame(&mut s, &proto::encode(&Event::error(ErrorCode::TooMany, why)));
-                continue;
-            }
+            let slot = match self.admit_connection(Holder::Uid(uid)) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    let mut s = stream;
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = proto::write_frame(&mut s, &proto::encode(&Event::error(ErrorCode::TooMany, why)));
+                    continue;
+                }
+            };
             let svc = Arc::clone(self);
+            // The slot moves into the thread and is given back when it ends, however it ends
+            // (a panic included); if the thread cannot start, the closure is dropped with it.
             let spawned = std::thread::Builder::new().name("llmsd-conn".into()).spawn(move || {
-                svc.connection(stream, uid);
-                svc.release_connection(uid);
+                let _slot = slot;
+                let mut stream = stream;
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| svc.connection(&mut stream, uid))) {
+                    error!(
+                        uid,
+                        "a connection's handling panicked; it is closed and the service goes on: {}",
+                        super::call::panic_message(p.as_ref())
+                    );
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = send(
+                        &mut stream,
+                        &Event::error(ErrorCode::Failed, "the service failed handling this connection (its log says why); it is closed"),
+                    );
+                }
             });
             if let Err(e) = spawned {
-                self.release_connection(uid);
                 warn!("cannot start a connection thread: {e}");
             }
         }
@@ -80,35 +98,31 @@ impl Service {
         }
     }
 
-    /// Counts a new connection of `uid`, or says which limit it would break.
-    pub(super) fn admit_connection(&self, uid: u32) -> Result<(), String> {
-        let mut per_uid = lock(&self.uid_connections);
-        let total: usize = per_uid.values().sum();
+    /// Counts a new connection of `holder`, or says which limit it would break; the count is
+    /// given back when the returned slot is dropped.
+    pub(super) fn admit_connection(self: &Arc<Self>, holder: Holder) -> Result<Slot, String> {
+        let mut held = lock(&self.connections);
+        let total: usize = held.values().sum();
         if total >= self.cfg.max_connections {
             return Err(format!("too many connections: the service holds its maximum of {} (max_connections)", self.cfg.max_connections));
         }
-        let mine = per_uid.entry(uid).or_insert(0);
+        let mine = held.entry(holder.clone()).or_insert(0);
         if *mine >= self.cfg.max_connections_per_uid {
             return Err(format!(
-                "too many connections: uid {uid} holds its maximum of {} (max_connections_per_uid)",
+                "too many connections: {holder} holds its maximum of {} (max_connections_per_uid)",
                 self.cfg.max_connections_per_uid
             ));
         }
         *mine += 1;
-        Ok(())
+        Ok(Slot { svc: Arc::clone(self), holder })
     }
 
-    pub(super) fn release_connection(&self, uid: u32) {
-        let mut per_uid = lock(&self.uid_connections);
-        if let Some(n) = per_uid.get_mut(&uid) {
-            *n -= 1;
-            if *n == 0 {
-                per_uid.remove(&uid);
-            }
-        }
+    /// Connections `holder` holds now.
+    pub(super) fn connections_of(&self, holder: &Holder) -> usize {
+        lock(&self.connections).get(holder).copied().unwrap_or(0)
     }
 
-    fn connection(&self, mut stream: UnixStream, uid: u32) {
+    fn connection(&self, stream: &mut UnixStream, uid: u32) {
         let idle = Duration::from_secs(self.cfg.idle_timeout_s.max(1));
         let io = Duration::from_secs(self.cfg.io_timeout_s.max(1));
         let _ = stream.set_write_timeout(Some(io));
@@ -116,27 +130,29 @@ impl Service {
         loop {
             // Wait for a request as long as a client may idle; once it starts, the frame must
             // arrive within the I/O timeout (a slow sender cannot hold the thread forever).
-            if !readable(&stream, idle) {
+            if !readable(stream, idle) {
                 return;
             }
             if self.stopping.load(Ordering::SeqCst) {
-                let _ = send(&mut stream, &Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
+                let _ = send(stream, &Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
                 return;
             }
-            let body = match proto::read_frame(&mut Deadline { stream: &stream, until: Instant::now() + io }) {
+            let body = match proto::read_frame(&mut Deadline { stream, until: Instant::now() + io }) {
                 Ok(b) => b,
                 Err(FrameError::TooLarge(n)) => {
                     // The rest of the frame cannot be skipped safely: answer and hang up.
-                    let _ =
-                        send(&mut stream, &Event::error(ErrorCode::TooLarge, format!("frame of {n} bytes is over {}", proto::MAX_FRAME)));
+                    let _ = send(stream, &Event::error(ErrorCode::TooLarge, format!("frame of {n} bytes is over {}", proto::MAX_FRAME)));
                     return;
                 }
                 Err(_) => return,
             };
             let req = match proto::decode_request(&body) {
-                Ok(r) => r,
+                Ok(r) => {
+                    super::fault_point("native-request", &String::from_utf8_lossy(&body));
+                    r
+                }
                 Err(e) => {
-                    if send(&mut stream, &Event::error(ErrorCode::BadRequest, e.to_string())).is_err() {
+                    if send(stream, &Event::error(ErrorCode::BadRequest, e.to_string())).is_err() {
                         return;
                     }
                     continue;
@@ -167,14 +183,14 @@ impl Service {
                 (Request::Stats {}, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),
                 (Request::Call(call), Some(o)) => {
                     let o = o.clone();
-                    match self.stream_call(&mut stream, &o, call) {
+                    match self.stream_call(stream, &o, call) {
                         Ok(()) => continue,
                         Err(()) => return,
                     }
                 }
             };
             let ev = answer.unwrap_or_else(Event::from);
-            if send(&mut stream, &ev).is_err() {
+            if send(stream, &ev).is_err() {
                 return;
             }
         }
@@ -183,10 +199,14 @@ impl Service {
     /// Runs a call for a connection, streaming its events; `Err` when the client is gone.
     fn stream_call(&self, stream: &mut UnixStream, owner: &Owner, call: Call) -> Result<(), ()> {
         let cancel = Arc::new(AtomicBool::new(false));
+        // However this ends (the answer sent, the client gone, a panic), the call does not go
+        // on for nobody: after `done` the flag changes nothing.
+        let _cancel_on_drop = super::call::CancelOnDrop::new(&cancel);
         let rx = match self.submit(owner, call, Arc::clone(&cancel)) {
             Ok(rx) => rx,
             Err(r) => return send(stream, &r.into()).map_err(|_| ()),
         };
+        super::fault_point("native-stream", &owner.app);
         loop {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(ev) => {
@@ -208,6 +228,48 @@ impl Service {
                     }
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(()),
+            }
+        }
+    }
+}
+
+/// Who a connection counts against: a uid (the Unix sockets), or the app a TCP bearer token
+/// names (TCP peers have no uid; one app's connections must not hold another's).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) enum Holder {
+    Uid(u32),
+    App(String),
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Uid(u) => write!(f, "uid {u}"),
+            Self::App(a) => write!(f, "app {}", proto::quote(a)),
+        }
+    }
+}
+
+/// A counted connection; dropping it gives the count back (on every path out of a
+/// connection's handling, unwinding included).
+pub(super) struct Slot {
+    svc: Arc<Service>,
+    holder: Holder,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot").field("holder", &self.holder).finish()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut held = lock(&self.svc.connections);
+        if let Some(n) = held.get_mut(&self.holder) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.holder);
             }
         }
     }

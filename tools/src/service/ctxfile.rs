@@ -191,6 +191,7 @@ mod tests {
             owner: Owner { uid: 1000, app: "a".into() },
             tokens: vec![1, 2, 3],
             pending: String::new(),
+            pending_ids: Vec::new(),
             open_turn: false,
             keep: 0,
             calls: 1,
@@ -198,6 +199,7 @@ mod tests {
             attention_count: Vec::new(),
             auto: false,
             last_used: 0,
+            notice: String::new(),
         }
     }
 

@@ -13,6 +13,7 @@
 //! was. New contexts count against the app's `http_contexts_per_app`; the least recently used
 //! context the front made is retired first.
 
+use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use engine::Tokenizer;
@@ -50,7 +51,8 @@ pub(crate) struct ChatMessage {
 /// A stateless request's history, as the worker matches it.
 #[derive(Debug)]
 pub(super) struct History {
-    pub(super) segments: Vec<Segment>,
+    /// The rendering as tokens ([`encode_segments`]).
+    pub(super) ids: Vec<u32>,
     /// The context the client named (`X-LLMS-Context`), if any: only it is matched.
     pub(super) pin: Option<String>,
     pub(super) chosen: std::sync::mpsc::Sender<Chosen>,
@@ -64,6 +66,21 @@ pub(crate) struct Chosen {
     pub(crate) cached_tokens: u32,
     /// `continued`, `new` or `branched` (a partial match: a new context, fully prefilled).
     pub(crate) how: &'static str,
+    /// The context's notice for its owner (see `Saved::notice`), if any.
+    pub(crate) notice: String,
+}
+
+/// A system turn as segments: the template writes the markup; its content is the app's own
+/// text (never parsed for control tokens).
+fn system_turn(system: &impl Fn(&str) -> anyhow::Result<String>, content: &str) -> Result<Vec<Segment>, String> {
+    let marked = system("\u{1}").map_err(|e| e.to_string())?;
+    let (a, b) = marked.split_once('\u{1}').ok_or("the chat template drops the system prompt")?;
+    Ok(vec![Segment::markup(a), Segment::content(content), Segment::markup(b)])
+}
+
+/// A native context's system prompt as segments (see [`system_turn`]).
+pub(super) fn system_segments(model: &engine::Model, content: &str) -> Result<Vec<Segment>, String> {
+    system_turn(&|t: &str| Turns::system(model, t), content)
 }
 
 /// Renders chat messages into segments with the model's own turn pieces. `system` (and
@@ -82,12 +99,7 @@ pub(super) fn render_chat(
         i += 1;
     }
     if !sys.is_empty() {
-        // The template writes the system turn; its content is the app's own text.
-        let marked = system("\u{1}").map_err(|e| e.to_string())?;
-        let (a, b) = marked.split_once('\u{1}').ok_or("the chat template drops the system prompt")?;
-        out.push(Segment::markup(a));
-        out.push(Segment::content(&sys.join("\n\n")));
-        out.push(Segment::markup(b));
+        out.extend(system_turn(&system, &sys.join("\n\n"))?);
     }
     let rest = &msgs[i..];
     if rest.is_empty() {
@@ -125,37 +137,78 @@ pub(super) fn render_chat(
     Ok(out)
 }
 
-/// Encodes the segments' text from byte `from` of their concatenation.
-pub(super) fn encode_from(tk: &Tokenizer, segs: &[Segment], from: usize) -> Result<Vec<u32>, String> {
+/// The request's rendering as tokens: BOS where the model adds one, then each segment
+/// (control tokens parsed in markup only). Runs where the caller waits (the HTTP front's
+/// blocking pool), never on the worker: its time is the caller's.
+pub(crate) fn encode_segments(tk: &Tokenizer, segs: &[Segment]) -> Result<Vec<u32>, String> {
     let mut ids = Vec::new();
-    let mut at = 0;
+    if tk.add_bos {
+        ids.extend(tk.bos);
+    }
     for s in segs {
-        let end = at + s.text.len();
-        if end > from {
-            let t = &s.text[from.saturating_sub(at)..];
-            ids.extend(tk.encode(t, false, s.special).map_err(|e| e.to_string())?);
-        }
-        at = end;
+        ids.extend(tk.encode(&s.text, false, s.special).map_err(|e| e.to_string())?);
     }
     Ok(ids)
 }
 
-/// How many of `tokens` (from `skip`) spell a prefix of `text`, and the bytes they cover;
-/// the match ends on a character boundary of `text`.
-pub(super) fn matched(tk: &Tokenizer, tokens: &[u32], skip: usize, text: &[u8]) -> (usize, usize) {
-    let mut at = 0;
-    let mut buf = Vec::new();
-    let mut best = (0, 0);
-    for (i, &t) in tokens.iter().enumerate().skip(skip) {
-        buf.clear();
-        tk.token_bytes(t, true, &mut buf);
-        if text.len() < at + buf.len() || text[at..at + buf.len()] != buf[..] {
+/// Where a context's tokens and a request's agree from the start.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Common {
+    /// Context tokens and request tokens that spell the same prefix, ending where both have a
+    /// token boundary.
+    pub(super) ctx: usize,
+    pub(super) req: usize,
+    /// The context agrees whole and ends inside request token `req`: these are the rest of
+    /// that token's bytes (the context continues with them as byte tokens, then `req + 1..`).
+    pub(super) bridge: Vec<u8>,
+}
+
+/// The common prefix of a context's tokens `a` and a request's `b`, by what they spell:
+/// a control (or user-defined) token is a symbol of its own that only the same id matches —
+/// so text that spells `<|im_end|>` never matches the control token, and the reverse — and
+/// plain-text tokens compare by their bytes, so a reply the model sampled continues when the
+/// client sends it back as text that the tokenizer splits differently.
+pub(super) fn common_prefix(tk: &Tokenizer, a: &[u32], b: &[u32]) -> Common {
+    let (mut i, mut j, mut ai, mut bj) = (0, 0, 0, 0);
+    let (mut abuf, mut bbuf) = (Vec::new(), Vec::new());
+    let mut best = Common::default();
+    loop {
+        if ai == 0 && bj == 0 {
+            best.ctx = i;
+            best.req = j;
+        }
+        if i == a.len() || j == b.len() {
             break;
         }
-        at += buf.len();
-        if std::str::from_utf8(&text[..at]).is_ok() || at == text.len() {
-            best = (i + 1, at);
+        if ai == 0 && bj == 0 && a[i] == b[j] {
+            i += 1;
+            j += 1;
+            continue;
         }
+        if !tk.is_plain_text(a[i]) || !tk.is_plain_text(b[j]) {
+            break;
+        }
+        abuf.clear();
+        tk.token_bytes(a[i], false, &mut abuf);
+        bbuf.clear();
+        tk.token_bytes(b[j], false, &mut bbuf);
+        let n = (abuf.len() - ai).min(bbuf.len() - bj);
+        if abuf[ai..ai + n] != bbuf[bj..bj + n] {
+            break;
+        }
+        ai += n;
+        bj += n;
+        if ai == abuf.len() {
+            (i, ai) = (i + 1, 0);
+        }
+        if bj == bbuf.len() {
+            (j, bj) = (j + 1, 0);
+        }
+    }
+    if i == a.len() && ai == 0 && bj > 0 {
+        best.ctx = i;
+        best.req = j;
+        best.bridge = bbuf[bj..].to_vec();
     }
     best
 }
@@ -166,12 +219,13 @@ pub(super) fn now_ms() -> u64 {
 
 impl Service {
     /// Chooses the context a stateless request continues (or makes one) and the tokens it must
-    /// prefill. Runs on the worker, so no other call changes a context meanwhile.
+    /// prefill: of the caller's own contexts, the longest that the request continues whole;
+    /// else a new context (a branch when part of one matched). Runs on the worker, so no other
+    /// call changes a context meanwhile; its work is comparing tokens (the request was encoded
+    /// by its caller), at most one token's bytes turned into byte tokens.
     pub(super) fn resolve(&self, owner: &Owner, h: &History) -> Result<(Chosen, Vec<u32>), Refusal> {
         let tk = &self.model.tokenizer;
-        let text: String = h.segments.iter().map(|s| s.text.as_str()).collect();
-        let bos = usize::from(tk.add_bos && tk.bos.is_some());
-        let best = {
+        let (complete, partial) = {
             let reg = lock(&self.registry);
             if let Some(p) = &h.pin {
                 match reg.get(p) {
@@ -179,75 +233,110 @@ impl Service {
                         if let Some(why) = &e.unavailable {
                             return Err(refuse(ErrorCode::Failed, format!("context {p} is unavailable: {why}")));
                         }
+                        if e.session.is_none() {
+                            return Err(refuse(ErrorCode::Busy, format!("context {p} is in a call")));
+                        }
                     }
                     _ => return Err(not_found(p)),
                 }
             }
-            let mut best: Option<(usize, usize, String, usize, u64)> = None;
+            // (common prefix, last used, id, notice) of the best whole match and the best
+            // partial one.
+            let mut complete: Option<(Common, u64, String, String)> = None;
+            let mut partial: Option<(usize, String)> = None;
             for (id, e) in reg.iter() {
                 let s = &e.saved;
                 let usable = s.owner == *owner && e.unavailable.is_none() && e.session.is_some() && s.pending.is_empty();
                 if !usable || h.pin.as_ref().is_some_and(|p| p != id) {
                     continue;
                 }
-                let skip = usize::from(bos == 1 && s.tokens.first() == tk.bos.as_ref());
-                let (n, bytes) = matched(tk, &s.tokens, skip, text.as_bytes());
-                if n <= skip {
+                let c = common_prefix(tk, &s.tokens, &h.ids);
+                // BOS alone is no match.
+                let bos = usize::from(s.tokens.first().is_some_and(|t| Some(*t) == tk.bos));
+                if c.ctx <= bos {
                     continue;
                 }
-                let better = best.as_ref().is_none_or(|b| (n, s.last_used) > (b.0, b.4));
-                if better {
-                    best = Some((n, bytes, id.clone(), s.tokens.len(), s.last_used));
+                if c.ctx == s.tokens.len() {
+                    if complete.as_ref().is_none_or(|b| (c.ctx, s.last_used) > (b.0.ctx, b.1)) {
+                        complete = Some((c, s.last_used, id.clone(), s.notice.clone()));
+                    }
+                } else if partial.as_ref().is_none_or(|b| c.ctx > b.0) {
+                    partial = Some((c.ctx, id.clone()));
                 }
             }
-            best
+            (complete, partial)
         };
-        let fail = |e: String| refuse(ErrorCode::BadRequest, e);
-        if let Some((n, bytes, ctx, len, _)) = &best {
-            if n == len {
-                let ids = encode_from(tk, &h.segments, *bytes).map_err(fail)?;
-                if ids.is_empty() {
-                    return Err(refuse(ErrorCode::BadRequest, "the request adds nothing to its context: the last message must be new"));
-                }
-                let cached = u32::try_from(*n).unwrap_or(u32::MAX);
-                return Ok((Chosen { ctx: ctx.clone(), cached_tokens: cached, how: "continued" }, ids));
+        if let Some((c, _, ctx, notice)) = complete {
+            let mut ids: Vec<u32> = Vec::with_capacity(c.bridge.len() + h.ids.len() - c.req);
+            let from = if c.bridge.is_empty() { c.req } else { c.req + 1 };
+            for &b in &c.bridge {
+                ids.push(tk.byte_token(b).ok_or_else(|| refuse(ErrorCode::BadRequest, "a byte the vocabulary has no token for"))?);
             }
+            ids.extend_from_slice(&h.ids[from..]);
+            if ids.is_empty() {
+                return Err(refuse(ErrorCode::BadRequest, "the request adds nothing to its context: the last message must be new"));
+            }
+            let cached = u32::try_from(c.ctx).unwrap_or(u32::MAX);
+            return Ok((Chosen { ctx, cached_tokens: cached, how: "continued", notice }, ids));
         }
         // A new context (a branch when part of the request matched one).
         self.retire_for(owner)?;
         let ctx = self.new_ctx(owner, None, true)?;
-        let mut ids = Vec::new();
-        if bos == 1 {
-            ids.extend(tk.bos);
-        }
-        ids.extend(encode_from(tk, &h.segments, 0).map_err(fail)?);
-        let how = if best.is_some() { "branched" } else { "new" };
-        if let Some((n, _, from, _, _)) = best {
+        let how = if partial.is_some() { "branched" } else { "new" };
+        if let Some((n, from)) = partial {
             info!(ctx = %ctx, from = %from, common_tokens = n, "history diverges from its context: branched (the common prefix is prefilled again)");
         }
-        Ok((Chosen { ctx, cached_tokens: 0, how }, ids))
+        Ok((Chosen { ctx, cached_tokens: 0, how, notice: String::new() }, h.ids.clone()))
     }
 
-    /// Before the front makes a context for `owner`: at `http_contexts_per_app`, the least
-    /// recently used context it made for the app (not in a call) is deleted.
+    /// Before the front makes a context for `owner`: contexts the front made that no call used
+    /// for `http_context_ttl_s` go (any app's); at `http_contexts_per_app` the least recently
+    /// used of the owner's goes; when the service holds `max_contexts`, the least recently used
+    /// front-made context of the owner holding the most of them goes, so one app's
+    /// conversations never lock another app out. Contexts in a call and native ones stay.
     fn retire_for(&self, owner: &Owner) -> Result<(), Refusal> {
-        let victim = {
+        let ttl = self.cfg.http_context_ttl_s.saturating_mul(1000);
+        let now = now_ms();
+        let (expired, victim) = {
             let reg = lock(&self.registry);
-            let auto: Vec<_> = reg.iter().filter(|(_, e)| e.saved.owner == *owner && e.saved.auto).collect();
-            if auto.len() < self.cfg.http_contexts_per_app {
-                return Ok(());
-            }
-            auto.iter()
-                .filter(|(_, e)| e.session.is_some() || e.unavailable.is_some())
-                .min_by_key(|(_, e)| e.saved.last_used)
-                .map(|(id, _)| (*id).clone())
+            let idle = |e: &&super::registry::CtxEntry| e.saved.auto && (e.session.is_some() || e.unavailable.is_some());
+            let expired: Vec<(Owner, String)> = reg
+                .iter()
+                .filter(|(_, e)| idle(e) && now.saturating_sub(e.saved.last_used) > ttl)
+                .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
+                .collect();
+            let live = |e: &&super::registry::CtxEntry| !expired.iter().any(|(_, id)| *id == e.saved.ctx);
+            let lru = |of: &dyn Fn(&Owner) -> bool| {
+                reg.iter()
+                    .filter(|(_, e)| of(&e.saved.owner) && idle(e) && live(e))
+                    .min_by_key(|(_, e)| e.saved.last_used)
+                    .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
+            };
+            let mine = reg.values().filter(|e| e.saved.owner == *owner && e.saved.auto && live(e)).count();
+            let victim = if mine >= self.cfg.http_contexts_per_app {
+                Some(lru(&|o| o == owner).ok_or_else(|| refuse(ErrorCode::TooMany, "every context of this app is in a call"))?)
+            } else if reg.len() - expired.len() >= self.cfg.max_contexts {
+                // The owner with the most front-made contexts gives one up, if it has more
+                // than this one (else this one's own oldest goes, if it has any).
+                let mut per: HashMap<&Owner, usize> = HashMap::new();
+                for e in reg.values().filter(|e| idle(e) && live(e)) {
+                    *per.entry(&e.saved.owner).or_default() += 1;
+                }
+                let top = per.into_iter().max_by_key(|(_, n)| *n).filter(|(o, n)| *n > mine || *o == owner).map(|(o, _)| o.clone());
+                top.and_then(|o| lru(&|x| *x == o))
+            } else {
+                None
+            };
+            (expired, victim)
         };
-        match victim {
-            Some(id) => {
-                info!(ctx = %id, app = %owner.app, "retired: the least recently used of the app's contexts (http_contexts_per_app)");
-                self.del_ctx(owner, &id)
-            }
-            None => Err(refuse(ErrorCode::TooMany, "every context of this app is in a call")),
+        for (o, id) in expired {
+            info!(ctx = %id, app = %o.app, "retired: unused for longer than http_context_ttl_s");
+            let _ = self.del_ctx(&o, &id);
         }
+        if let Some((o, id)) = victim {
+            info!(ctx = %id, app = %o.app, for_app = %owner.app, "retired: the least recently used context of its app (http_contexts_per_app, max_contexts)");
+            self.del_ctx(&o, &id)?;
+        }
+        Ok(())
     }
 }

@@ -99,8 +99,9 @@ impl Prom {
         self.cached.inc_by(u64::from(tokens));
     }
 
-    /// The registry a scrape encodes: these instruments and the service's levels.
-    pub(super) fn registry(&self, svc: &Arc<Service>) -> Registry {
+    /// The registry a scrape encodes: these instruments and the service's levels, the
+    /// per-owner series only as far as `viewer` may see them.
+    pub(super) fn registry(&self, svc: &Arc<Service>, viewer: Viewer) -> Registry {
         let mut r = Registry::with_prefix("llms");
         r.register("calls", "Calls finished, by how they ended", self.calls.clone());
         r.register("failed_calls", "Calls that failed (an error answered)", self.failed_calls.clone());
@@ -129,14 +130,38 @@ impl Prom {
             self.pass.clone(),
         );
         r.register("http_requests", "HTTP requests answered, by endpoint and status", self.http.clone());
-        r.register_collector(Box::new(Levels(Arc::downgrade(svc))));
+        r.register_collector(Box::new(Levels(Arc::downgrade(svc), viewer)));
         r
+    }
+}
+
+/// Who is scraping: which owners' series (`contexts_per_app{uid,app}`) it may see. App names
+/// are the apps' own business: another uid sees only its own, a TCP token its own app's;
+/// the aggregates (no names) are for everyone who may connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Viewer {
+    /// Root or the service's own user (it can read the state directory anyway).
+    All,
+    Uid(u32),
+    App {
+        uid: u32,
+        app: String,
+    },
+}
+
+impl Viewer {
+    fn sees(&self, uid: u32, app: &str) -> bool {
+        match self {
+            Self::All => true,
+            Self::Uid(u) => *u == uid,
+            Self::App { uid: u, app: a } => *u == uid && a == app,
+        }
     }
 }
 
 /// The service's levels, read at each scrape.
 #[derive(Debug)]
-struct Levels(Weak<Service>);
+struct Levels(Weak<Service>, Viewer);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Owner {
@@ -155,7 +180,7 @@ impl Collector for Levels {
         let (per_owner, n_ctx) = {
             let reg = lock(&svc.registry);
             let mut m = std::collections::BTreeMap::<(u32, String), i64>::new();
-            for e in reg.values() {
+            for e in reg.values().filter(|e| self.1.sees(e.saved.owner.uid, &e.saved.owner.app)) {
                 *m.entry((e.saved.owner.uid, e.saved.owner.app.clone())).or_default() += 1;
             }
             (m, reg.len())

@@ -57,6 +57,24 @@ pub struct Owner {
     pub app: String,
 }
 
+impl Owner {
+    /// Whether `other` counts in the same per-uid limits as this owner (contexts, text, disk,
+    /// queue places, batch share): the same uid — and on TCP, where every peer is
+    /// [`NETWORK_UID`], the same app too (one token's app must not use up another's).
+    pub(crate) fn shares_quota(&self, other: &Owner) -> bool {
+        self.uid == other.uid && (self.uid != NETWORK_UID || self.app == other.app)
+    }
+
+    /// Who the per-uid limits name in a refusal.
+    pub(crate) fn quota_name(&self) -> String {
+        if self.uid == NETWORK_UID {
+            format!("app {} (TCP)", crate::proto::quote(&self.app))
+        } else {
+            format!("uid {}", self.uid)
+        }
+    }
+}
+
 /// An error for the client: a code and a message.
 #[derive(Debug)]
 struct Refusal(ErrorCode, String);
@@ -97,8 +115,8 @@ pub struct Service {
     queue: Mutex<VecDeque<Job>>,
     queued: Condvar,
     stopping: AtomicBool,
-    /// Open connections per uid.
-    uid_connections: Mutex<HashMap<u32, usize>>,
+    /// Open connections per holder (a uid, or an app on TCP).
+    connections: Mutex<HashMap<conn::Holder, usize>>,
     metrics: Mutex<Metrics>,
     /// What Prometheus scrapes (`GET /metrics`).
     prom: metrics::Prom,
@@ -218,7 +236,7 @@ impl Service {
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
             stopping: AtomicBool::new(false),
-            uid_connections: Mutex::new(HashMap::new()),
+            connections: Mutex::new(HashMap::new()),
             metrics: Mutex::new(Metrics::default()),
             prom: metrics::Prom::default(),
             pressure: Mutex::new("unknown".into()),
@@ -298,6 +316,22 @@ impl Service {
         let _ = UnixStream::connect(&self.cfg.socket);
     }
 }
+
+/// Fault injection for tests, in debug builds only: with `LLMS_FAULT_PANIC_AT=<stage>`, a
+/// request whose `trigger` (its app, or its text) contains `FAULT` panics at that stage of its
+/// handling (`native-request`, `native-stream`, `enqueue`, `begin` (on the worker, after a
+/// stateless call's context was chosen or made), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
+/// (tools/tests/doors.rs checks that every such panic gives back what it held).
+#[cfg(debug_assertions)]
+fn fault_point(stage: &str, trigger: &str) {
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if AT.get_or_init(|| std::env::var("LLMS_FAULT_PANIC_AT").ok()).as_deref() == Some(stage) && trigger.contains("FAULT") {
+        panic!("injected fault at {stage}");
+    }
+}
+
+#[cfg(not(debug_assertions))]
+fn fault_point(_: &str, _: &str) {}
 
 /// A service running in this process (benchmarks, trace replay), over a real socket.
 #[derive(Debug)]

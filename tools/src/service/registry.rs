@@ -27,6 +27,11 @@ pub(super) struct Saved {
     pub(super) tokens: Vec<u32>,
     /// Text not yet run (a system prompt waits for the first call).
     pub(super) pending: String,
+    /// `pending` as tokens, encoded when the context was made (on its caller's thread): the
+    /// template's markup with control tokens parsed, the app's text without — a system
+    /// prompt cannot forge a turn. Empty in files of older builds (then `pending` is encoded).
+    #[serde(default)]
+    pub(super) pending_ids: Vec<u32>,
     /// The last call was a chat turn whose end-of-turn text is not in the cache yet.
     pub(super) open_turn: bool,
     /// Tokens at the start kept when the context slides.
@@ -40,6 +45,10 @@ pub(super) struct Saved {
     /// When the context's last call ended, ms since the epoch.
     #[serde(default)]
     pub(super) last_used: u64,
+    /// Told to the owner in `list` and in its next answer, then cleared: the context was
+    /// restored from its previous copy at a start (its last acknowledged call is lost).
+    #[serde(default)]
+    pub(super) notice: String,
 }
 
 pub(super) struct CtxEntry {
@@ -99,12 +108,16 @@ impl Service {
             let Some(id) = name.strip_suffix(".json").filter(|s| valid_ctx_id(s)) else { continue };
             let saved = match ctxfile::read(&self.ctx_dir, id) {
                 ctxfile::Found::Current(s) => s,
-                ctxfile::Found::Previous(s, why) => {
-                    // Loud, never silent: the context goes back one call. The damaged file is
-                    // kept aside for whoever wants to look at it.
+                ctxfile::Found::Previous(mut s, why) => {
+                    // Loud, never silent: the context goes back one call, its owner is told
+                    // (list and its next answer), and the damaged file is kept aside for
+                    // whoever wants to look at it.
                     let aside = self.ctx_dir.join(format!("{id}.json.damaged"));
                     warn!(file = %path.display(), aside = %aside.display(), "context file damaged ({why}); its previous copy is used: its last call is lost");
                     std::fs::rename(&path, &aside).with_context(|| format!("setting {} aside", path.display()))?;
+                    s.notice = format!(
+                        "restored from its previous copy (the current one was damaged: {why}): the last call acknowledged before the service restarted is not in this context"
+                    );
                     ctxfile::write(&self.ctx_dir, &s).with_context(|| format!("rewriting {}", path.display()))?;
                     s
                 }
@@ -173,9 +186,19 @@ impl Service {
 
     pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>, auto: bool) -> Result<String, Refusal> {
         let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, format!("{e:#}"));
-        let pending = match system_prompt {
-            Some(p) => Turns::system(&self.model, p).map_err(fail)?,
-            None => String::new(),
+        let (pending, pending_ids) = match system_prompt {
+            Some(p) => {
+                let text = Turns::system(&self.model, p).map_err(fail)?;
+                let segs = super::history::system_segments(&self.model, p).map_err(|e| refuse(ErrorCode::Failed, e))?;
+                let mut ids = Vec::new();
+                for s in &segs {
+                    ids.extend(
+                        self.model.tokenizer.encode(&s.text, false, s.special).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?,
+                    );
+                }
+                (text, ids)
+            }
+            None => (String::new(), Vec::new()),
         };
         let mut reg = lock(&self.registry);
         if reg.len() >= self.cfg.max_contexts {
@@ -191,13 +214,13 @@ impl Service {
                 format!("app {} holds its maximum of {mine} contexts (max_contexts_per_app)", owner.app),
             ));
         }
-        let uid = owner.uid;
-        let theirs: Vec<&CtxEntry> = reg.values().filter(|e| e.saved.owner.uid == uid).collect();
+        let theirs: Vec<&CtxEntry> = reg.values().filter(|e| e.saved.owner.shares_quota(owner)).collect();
         if theirs.len() >= self.cfg.max_contexts_per_uid {
             return Err(refuse(
                 ErrorCode::TooMany,
                 format!(
-                    "uid {uid} holds its maximum of {} contexts over all its apps (max_contexts_per_uid)",
+                    "{} holds its maximum of {} contexts over all its apps (max_contexts_per_uid)",
+                    owner.quota_name(),
                     self.cfg.max_contexts_per_uid
                 ),
             ));
@@ -208,11 +231,11 @@ impl Service {
         if text > max_text {
             return Err(refuse(
                 ErrorCode::TooMany,
-                format!("uid {uid} would hold {text} bytes of text not yet run, over {max_text} (max_text_per_uid)"),
+                format!("{} would hold {text} bytes of text not yet run, over {max_text} (max_text_per_uid)", owner.quota_name()),
             ));
         }
         drop(theirs);
-        self.check_disk(&reg, uid)?;
+        self.check_disk(&reg, owner)?;
         let (id, mm_id) = new_ctx_id().map_err(fail)?;
         if reg.values().any(|e| e.saved.mm_id == mm_id) {
             return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
@@ -225,6 +248,7 @@ impl Service {
             owner: owner.clone(),
             tokens: Vec::new(),
             pending,
+            pending_ids,
             open_turn: false,
             keep: 0,
             calls: 0,
@@ -232,6 +256,7 @@ impl Service {
             attention_count: Vec::new(),
             auto,
             last_used: super::history::now_ms(),
+            notice: String::new(),
         };
         if let Err(e) = self.save(&saved) {
             let _ = lock(&self.mm).delete(mm_id);
@@ -280,15 +305,16 @@ impl Service {
             .sum()
     }
 
-    /// Refuses when `uid`'s contexts hold more records on flash than `max_disk_per_uid`.
-    pub(super) fn check_disk(&self, reg: &HashMap<String, CtxEntry>, uid: u32) -> Result<(), Refusal> {
+    /// Refuses when the contexts of `owner`'s quota hold more records on flash than
+    /// `max_disk_per_uid`.
+    pub(super) fn check_disk(&self, reg: &HashMap<String, CtxEntry>, owner: &Owner) -> Result<(), Refusal> {
         let max = self.cfg.max_disk_bytes_per_uid().map_err(|e| refuse(ErrorCode::Failed, format!("{e:#}")))? as u64;
         let mm = lock(&self.mm);
-        let used: u64 = reg.values().filter(|e| e.saved.owner.uid == uid).map(|e| self.flash_bytes(&mm, e.saved.mm_id)).sum();
+        let used: u64 = reg.values().filter(|e| e.saved.owner.shares_quota(owner)).map(|e| self.flash_bytes(&mm, e.saved.mm_id)).sum();
         if used > max {
             return Err(refuse(
                 ErrorCode::TooMany,
-                format!("uid {uid}'s contexts hold {used} bytes on flash, over {max} (max_disk_per_uid): delete some"),
+                format!("{}'s contexts hold {used} bytes on flash, over {max} (max_disk_per_uid): delete some", owner.quota_name()),
             ));
         }
         Ok(())
@@ -313,6 +339,7 @@ impl Service {
             calls: e.saved.calls,
             busy: e.session.is_none() && e.unavailable.is_none(),
             unavailable: e.unavailable.clone().unwrap_or_default(),
+            notice: e.saved.notice.clone(),
         }
     }
 
@@ -358,6 +385,7 @@ impl Service {
             write_failures: mm.write_failures().0,
             last_write_error: mm.write_failures().1,
             memory_waits: m.memory_waits,
+            connections: u32::try_from(self.connections_of(&super::conn::Holder::Uid(owner.uid))).unwrap_or(u32::MAX),
             pressure: lock(&self.pressure).clone(),
             mine,
         }

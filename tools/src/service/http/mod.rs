@@ -33,6 +33,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use super::conn::{Holder, Slot};
+use super::metrics::Viewer;
 use super::{Owner, Service};
 use crate::proto::ErrorCode;
 
@@ -163,6 +165,48 @@ enum Peer {
     Tcp,
 }
 
+/// A connection as its requests see it.
+#[derive(Debug)]
+struct Conn {
+    peer: Peer,
+    /// TCP: the app this connection serves and its slot among the app's connections, from
+    /// its first authenticated request (one connection serves one app).
+    app: std::sync::Mutex<Option<(String, Slot)>>,
+    /// TCP: its place among the connections not yet authenticated, until then.
+    waiting: Option<u64>,
+}
+
+/// TCP connections that have not authenticated yet. They hold no app's slot (so strangers
+/// cannot take a token holder's place); there are at most `max_connections` of them, and
+/// when another comes the oldest is closed (each also has `io_timeout_s` to send its headers).
+#[derive(Debug, Default)]
+struct Unauthenticated {
+    next: u64,
+    order: std::collections::VecDeque<(u64, Arc<tokio::sync::Notify>)>,
+}
+
+impl Front {
+    /// Takes a place for a new TCP connection, closing the oldest waiting one when full;
+    /// the notify fires when this one is to close.
+    fn wait_for_auth(&self) -> (u64, Arc<tokio::sync::Notify>) {
+        let mut u = super::lock(&self.unauthenticated);
+        while u.order.len() >= self.svc.cfg.max_connections.max(1) {
+            if let Some((_, kick)) = u.order.pop_front() {
+                kick.notify_one();
+            }
+        }
+        u.next += 1;
+        let id = u.next;
+        let kick = Arc::new(tokio::sync::Notify::new());
+        u.order.push_back((id, Arc::clone(&kick)));
+        (id, kick)
+    }
+
+    fn authenticated(&self, id: u64) {
+        super::lock(&self.unauthenticated).order.retain(|(i, _)| *i != id);
+    }
+}
+
 struct Front {
     svc: Arc<Service>,
     /// Connections being served (a stop waits for them).
@@ -172,7 +216,7 @@ struct Front {
     tokens: Tokens,
     /// The model's name in `/v1/models` and the `model` field.
     model_id: String,
-    registry: prometheus_client::registry::Registry,
+    unauthenticated: std::sync::Mutex<Unauthenticated>,
 }
 
 /// The running front; dropped when the service stops.
@@ -212,7 +256,6 @@ impl Service {
         }
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("llmsd-http").enable_all().build()?;
         let model_id = self.cfg.model.file_stem().map_or_else(|| "llms".into(), |s| s.to_string_lossy().into_owned());
-        let registry = self.prom.registry(self);
         let (stop, stopped) = watch::channel(false);
         let front = Arc::new(Front {
             svc: Arc::clone(self),
@@ -220,7 +263,7 @@ impl Service {
             stopped: stopped.clone(),
             tokens: l.tokens,
             model_id,
-            registry,
+            unauthenticated: std::sync::Mutex::new(Unauthenticated::default()),
         });
         let router = router(Arc::clone(&front));
         if let Some((u, path)) = l.unix {
@@ -253,10 +296,19 @@ fn router(front: Arc<Front>) -> Router {
         .with_state(front)
 }
 
-/// Counts every answer by endpoint and status (`llms_http_requests_total`).
+/// Counts every answer by endpoint and status (`llms_http_requests_total`), and answers a
+/// request whose handling panicked with a 500 that does not repeat the panic's text (the log
+/// has it); the connection's slot is given back as the connection ends.
 async fn count(State(front): State<Arc<Front>>, req: Request, next: Next) -> Response {
+    use futures_util::FutureExt;
     let endpoint = req.extensions().get::<MatchedPath>().map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
-    let r = next.run(req).await;
+    let r = match std::panic::AssertUnwindSafe(next.run(req)).catch_unwind().await {
+        Ok(r) => r,
+        Err(p) => {
+            tracing::error!(endpoint, "an HTTP request's handling panicked; answered 500: {}", super::call::panic_message(p.as_ref()));
+            error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the request failed inside the service (its log says why)")
+        }
+    };
     front.svc.prom.http.get_or_create(&super::metrics::HttpLabels { endpoint, status: r.status().as_u16() }).inc();
     r
 }
@@ -300,56 +352,111 @@ async fn accept_loop<L: Accept>(front: Arc<Front>, l: L, router: Router, mut sto
     }
 }
 
-/// Serves one connection on its own task, within the connection limits of `uid`.
+/// Serves one connection on its own task. A Unix peer's connection counts against its uid
+/// from the start; a TCP peer's waits among the unauthenticated ones until its first request
+/// shows a token, then counts against that token's app.
 fn serve<S>(front: &Arc<Front>, mut stream: S, router: &Router, peer: Peer, uid: u32)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let svc = Arc::clone(&front.svc);
-    if let Err(why) = svc.admit_connection(uid) {
-        tokio::spawn(async move {
-            let body = error_body("rate_limit_error", "too_many_connections", &why);
-            let head = format!(
-                "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-                body.len()
-            );
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                let _ = stream.write_all(head.as_bytes()).await;
-                let _ = stream.write_all(body.as_bytes()).await;
-            })
-            .await;
-        });
-        return;
-    }
+    let (slot, waiting) = match peer {
+        Peer::Unix { .. } => match svc.admit_connection(Holder::Uid(uid)) {
+            Ok(slot) => (Some(slot), None),
+            Err(why) => {
+                tokio::spawn(async move {
+                    let body = error_body("rate_limit_error", "too_many_connections", &why);
+                    let head = format!(
+                        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                        let _ = stream.write_all(head.as_bytes()).await;
+                        let _ = stream.write_all(body.as_bytes()).await;
+                    })
+                    .await;
+                });
+                return;
+            }
+        },
+        Peer::Tcp => (None, Some(front.wait_for_auth())),
+    };
     let io = Duration::from_secs(svc.cfg.io_timeout_s.max(1));
-    let app = router.clone().layer(Extension(peer));
+    let conn = Arc::new(Conn { peer, app: std::sync::Mutex::new(None), waiting: waiting.as_ref().map(|w| w.0) });
+    let app = router.clone().layer(Extension(Arc::clone(&conn)));
     let mut stopped = front.stopped.clone();
     let front = Arc::clone(front);
-    front.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     tokio::spawn(async move {
+        // Given back however the task ends (a panic included): the connection's slot, its
+        // place among the unauthenticated, its count among the active.
+        let _slot = slot;
+        let _active = Active::new(&front);
+        let _waiting = Waiting(&front, waiting.as_ref().map(|w| w.0));
+        let kicked = async {
+            match &waiting {
+                Some((_, kick)) => kick.notified().await,
+                None => std::future::pending().await,
+            }
+        };
         let service = hyper_util::service::TowerToHyperService::new(app);
-        let conn = hyper::server::conn::http1::Builder::new()
+        let http = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(io)
             .max_buf_size(64 * 1024)
             .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        let mut conn = std::pin::pin!(conn);
+        let mut http = std::pin::pin!(http);
         tokio::select! {
-            _ = conn.as_mut() => {}
+            _ = http.as_mut() => {}
+            // Still unauthenticated when the pool is full: the oldest goes.
+            () = kicked, if conn.app_name().is_none() => {}
             () = async { let _ = stopped.wait_for(|s| *s).await; } => {
                 // The request in flight is answered, then the connection closes.
-                conn.as_mut().graceful_shutdown();
-                let _ = conn.await;
+                http.as_mut().graceful_shutdown();
+                let _ = http.await;
             }
         }
-        svc.release_connection(uid);
-        front.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        drop(conn);
     });
 }
 
-/// The owner a request acts for, or the 401 that says why it has none.
-fn owner(front: &Front, peer: Peer, headers: &HeaderMap) -> Result<Owner, Response> {
-    match peer {
+impl Conn {
+    fn app_name(&self) -> Option<String> {
+        super::lock(&self.app).as_ref().map(|(a, _)| a.clone())
+    }
+}
+
+/// A connection counted among the front's active ones (a stop waits for them).
+struct Active(Arc<Front>);
+
+impl Active {
+    fn new(front: &Arc<Front>) -> Self {
+        front.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(Arc::clone(front))
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A TCP connection's place among the unauthenticated, given back when it ends.
+struct Waiting<'a>(&'a Front, Option<u64>);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.1 {
+            self.0.authenticated(id);
+        }
+    }
+}
+
+/// The owner a request acts for, or the answer that says why it has none. Called before
+/// anything reads a request's body. A TCP connection's first valid token binds it to the
+/// token's app and counts it against that app's connections.
+fn owner(front: &Front, conn: &Conn, headers: &HeaderMap) -> Result<Owner, Response> {
+    match conn.peer {
         Peer::Unix { uid } => {
             let app = match headers.get("x-llms-app") {
                 None => "default".to_string(),
@@ -365,15 +472,15 @@ fn owner(front: &Front, peer: Peer, headers: &HeaderMap) -> Result<Owner, Respon
                     }
                 },
             };
+            super::fault_point("http-auth", &app);
             front.svc.may_use_app(uid, &app).map_err(|why| error(StatusCode::FORBIDDEN, "permission_error", "app_not_granted", why))?;
             Ok(Owner { uid, app })
         }
         Peer::Tcp => {
             let token =
                 headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-            match token.and_then(|t| front.tokens.app(t)) {
-                Some(app) => Ok(Owner { uid: NETWORK_UID, app: app.to_string() }),
-                None => Err(error(
+            let Some(app) = token.and_then(|t| front.tokens.app(t)) else {
+                return Err(error(
                     StatusCode::UNAUTHORIZED,
                     "authentication_error",
                     "invalid_api_key",
@@ -382,8 +489,31 @@ fn owner(front: &Front, peer: Peer, headers: &HeaderMap) -> Result<Owner, Respon
                     } else {
                         "a bearer token is needed (Authorization: Bearer <token>)"
                     },
-                )),
+                ));
+            };
+            let mut bound = super::lock(&conn.app);
+            match &*bound {
+                Some((a, _)) if a == app => {}
+                Some((a, _)) => {
+                    return Err(error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "one_app_per_connection",
+                        format!("this connection serves app {}; open another one for {}", crate::proto::quote(a), crate::proto::quote(app)),
+                    ))
+                }
+                None => {
+                    let slot = front
+                        .svc
+                        .admit_connection(Holder::App(app.to_string()))
+                        .map_err(|why| error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "too_many_connections", why))?;
+                    *bound = Some((app.to_string(), slot));
+                    if let Some(id) = conn.waiting {
+                        front.authenticated(id);
+                    }
+                }
             }
+            Ok(Owner { uid: NETWORK_UID, app: app.to_string() })
         }
     }
 }
@@ -395,14 +525,20 @@ async fn health(State(front): State<Arc<Front>>) -> Response {
     axum::Json(serde_json::json!({"status": "ok"})).into_response()
 }
 
-async fn metrics(State(front): State<Arc<Front>>, Extension(peer): Extension<Peer>, headers: HeaderMap) -> Response {
-    if matches!(peer, Peer::Tcp) {
-        if let Err(r) = owner(&front, peer, &headers) {
-            return r;
-        }
-    }
+async fn metrics(State(front): State<Arc<Front>>, Extension(conn): Extension<Arc<Conn>>, headers: HeaderMap) -> Response {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let viewer = match conn.peer {
+        Peer::Unix { uid } if uid == 0 || uid == me => Viewer::All,
+        Peer::Unix { uid } => Viewer::Uid(uid),
+        Peer::Tcp => match owner(&front, &conn, &headers) {
+            Ok(o) => Viewer::App { uid: o.uid, app: o.app },
+            Err(r) => return r,
+        },
+    };
+    let registry = front.svc.prom.registry(&front.svc, viewer);
     let mut out = String::new();
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &front.registry) {
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &registry) {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "metrics", format!("encoding the metrics: {e}"));
     }
     let mut r = out.into_response();
@@ -411,12 +547,21 @@ async fn metrics(State(front): State<Arc<Front>>, Extension(peer): Extension<Pee
 }
 
 fn error_body(kind: &str, code: &str, message: &str) -> String {
-    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+    error_body_param(kind, code, None, message)
+}
+
+fn error_body_param(kind: &str, code: &str, param: Option<&str>, message: &str) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": param, "code": code}}).to_string()
 }
 
 /// An answer in OpenAI's error object.
 fn error(status: StatusCode, kind: &str, code: &str, message: impl AsRef<str>) -> Response {
-    let mut r = (status, error_body(kind, code, message.as_ref())).into_response();
+    error_param(status, kind, code, None, message)
+}
+
+/// An answer in OpenAI's error object that names the request field at fault.
+fn error_param(status: StatusCode, kind: &str, code: &str, param: Option<&str>, message: impl AsRef<str>) -> Response {
+    let mut r = (status, error_body_param(kind, code, param, message.as_ref())).into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
         r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -441,14 +586,31 @@ fn refused(code: ErrorCode, message: &str) -> Response {
     error(status, kind, c, message)
 }
 
-/// Reads a request body of at most [`MAX_BODY`] bytes.
-async fn body_bytes(body: Body) -> Result<axum::body::Bytes, Response> {
-    axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| {
+/// Reads a request body of at most [`MAX_BODY`] bytes, whole within `io_timeout_s`: a
+/// `Content-Length` over the limit is refused before any of it is read, and a body that
+/// stalls is answered 408 (a sender cannot hold a connection slot by trickling).
+async fn body_bytes(front: &Front, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, Response> {
+    let too_large = || {
         error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             "request_too_large",
             format!("the body is over {MAX_BODY} bytes (or broken off)"),
         )
-    })
+    };
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large());
+    }
+    let io = Duration::from_secs(front.svc.cfg.io_timeout_s.max(1));
+    match tokio::time::timeout(io, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(_)) => Err(too_large()),
+        Err(_) => Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!("the body did not arrive within {} s (io_timeout_s)", io.as_secs()),
+        )),
+    }
 }

@@ -19,9 +19,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::super::history::{render_chat, ChatMessage, Chosen, History, Segment};
+use super::super::history::{encode_segments, render_chat, ChatMessage, Chosen, History, Segment};
 use super::super::turns::Turns;
-use super::{body_bytes, error, owner, refused, Front, Peer};
+use super::super::Owner;
+use super::{body_bytes, error, error_param, owner, refused, Conn, Front};
 use crate::proto::{Call, CallStats, Event};
 
 #[derive(Debug, Deserialize)]
@@ -59,8 +60,8 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-/// What both endpoints take besides their input (unknown fields are ignored, as OpenAI's
-/// clients send many).
+/// What both endpoints take besides their input (every other field is checked by
+/// [`check_fields`] first: refused, or accepted only at a value that changes nothing).
 #[derive(Debug, Deserialize)]
 struct Params {
     #[serde(default)]
@@ -121,12 +122,66 @@ fn bad(message: impl AsRef<str>) -> Response {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request", message)
 }
 
-fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Response> {
-    serde_json::from_slice(b).map_err(|e| bad(format!("the body is not a valid request: {e}")))
+fn parse<T: serde::de::DeserializeOwned>(b: &[u8], kind: Kind) -> Result<T, Response> {
+    let v: Value = serde_json::from_slice(b).map_err(|e| bad(format!("the body is not a valid request: {e}")))?;
+    let Some(fields) = v.as_object() else { return Err(bad("the body is not a valid request: a JSON object is needed")) };
+    check_fields(fields, kind)?;
+    serde_json::from_value(v).map_err(|e| bad(format!("the body is not a valid request: {e}")))
 }
 
-pub(super) async fn models(State(front): State<Arc<Front>>, Extension(peer): Extension<Peer>, headers: HeaderMap) -> Response {
-    if let Err(r) = owner(&front, peer, &headers) {
+/// Fields this service implements, per endpoint (docs/http.md has the table).
+const IMPLEMENTED: &[&str] =
+    &["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs"];
+
+/// Every request field is implemented, or accepted at a value that asks for nothing this
+/// service lacks (`frequency_penalty: 0`, `tool_choice: "none"`, `user`), or refused with an
+/// error naming it: a client is never answered as if a feature it asked for had been applied.
+fn check_fields(fields: &serde_json::Map<String, Value>, kind: Kind) -> Result<(), Response> {
+    let refuse = |field: &str, why: &str| {
+        error_param(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "unsupported_parameter",
+            Some(field),
+            format!("{field}: {why} (docs/http.md lists the parameters this service takes)"),
+        )
+    };
+    for (k, v) in fields {
+        let input = match kind {
+            Kind::Chat => k == "messages",
+            Kind::Text => k == "prompt" || k == "echo",
+        };
+        if input || IMPLEMENTED.contains(&k.as_str()) {
+            continue;
+        }
+        let absent = v.is_null();
+        let zero = v.as_f64() == Some(0.0);
+        let empty = v.as_array().is_some_and(Vec::is_empty) || v.as_object().is_some_and(serde_json::Map::is_empty);
+        let neutral = match k.as_str() {
+            // Who the end user is (OpenAI's abuse monitoring): the service knows its uid and app.
+            "user" | "safety_identifier" | "prompt_cache_key" => true,
+            "frequency_penalty" | "presence_penalty" => absent || zero,
+            "logit_bias" | "metadata" | "tools" | "functions" => absent || empty,
+            "tool_choice" | "function_call" => absent || v == "none",
+            "parallel_tool_calls" => absent || v.is_boolean(),
+            "response_format" => absent || v.get("type").is_some_and(|t| t == "text"),
+            "top_logprobs" | "suffix" | "audio" | "prediction" | "reasoning_effort" | "web_search_options" | "service_tier" => {
+                absent || (k == "service_tier" && (v == "auto" || v == "default"))
+            }
+            "best_of" => absent || v.as_u64() == Some(1),
+            "modalities" => absent || v.as_array().is_some_and(|a| a.iter().all(|m| m == "text")),
+            "store" => absent || *v == Value::Bool(false),
+            _ => return Err(refuse(k, "this parameter is not known here")),
+        };
+        if !neutral {
+            return Err(refuse(k, "not supported by this service"));
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn models(State(front): State<Arc<Front>>, Extension(conn): Extension<Arc<Conn>>, headers: HeaderMap) -> Response {
+    if let Err(r) = owner(&front, &conn, &headers) {
         return r;
     }
     axum::Json(json!({
@@ -136,12 +191,21 @@ pub(super) async fn models(State(front): State<Arc<Front>>, Extension(peer): Ext
     .into_response()
 }
 
-pub(super) async fn chat(State(front): State<Arc<Front>>, Extension(peer): Extension<Peer>, headers: HeaderMap, body: Body) -> Response {
-    let b = match body_bytes(body).await {
+pub(super) async fn chat(
+    State(front): State<Arc<Front>>,
+    Extension(conn): Extension<Arc<Conn>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let owner = match owner(&front, &conn, &headers) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    let b = match body_bytes(&front, &headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let req: ChatRequest = match parse(&b) {
+    let req: ChatRequest = match parse(&b, Kind::Chat) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -170,20 +234,24 @@ pub(super) async fn chat(State(front): State<Arc<Front>>, Extension(peer): Exten
         Ok(s) => s,
         Err(e) => return bad(e),
     };
-    run(&front, peer, &headers, Kind::Chat, segments, req.params).await
+    run(&front, &owner, &headers, Kind::Chat, segments, req.params).await
 }
 
 pub(super) async fn completions(
     State(front): State<Arc<Front>>,
-    Extension(peer): Extension<Peer>,
+    Extension(conn): Extension<Arc<Conn>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let b = match body_bytes(body).await {
+    let owner = match owner(&front, &conn, &headers) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    let b = match body_bytes(&front, &headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let req: CompletionRequest = match parse(&b) {
+    let req: CompletionRequest = match parse(&b, Kind::Text) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -200,7 +268,7 @@ pub(super) async fn completions(
     }
     // As the native protocol's raw calls: control tokens written in the prompt are parsed.
     let segments = vec![Segment { text: prompt, special: true }];
-    run(&front, peer, &headers, Kind::Text, segments, req.params).await
+    run(&front, &owner, &headers, Kind::Text, segments, req.params).await
 }
 
 /// What the pump passes from the worker's channels to the answer.
@@ -209,11 +277,7 @@ enum Out {
     Ev(Event),
 }
 
-async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, segments: Vec<Segment>, p: Params) -> Response {
-    let owner = match owner(front, peer, headers) {
-        Ok(o) => o,
-        Err(r) => return r,
-    };
+async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind, segments: Vec<Segment>, p: Params) -> Response {
     if let Some(m) = p.model.as_deref().filter(|m| *m != front.model_id && *m != "default") {
         return error(
             StatusCode::NOT_FOUND,
@@ -239,7 +303,30 @@ async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, se
         Some(Stop::Many(v)) => v,
     };
     let svc = Arc::clone(&front.svc);
-    let limit = u32::try_from(svc.cfg.max_context_tokens / 2 - 3).unwrap_or(u32::MAX);
+    // The rendering is encoded here, on the blocking pool where this request waits, never on
+    // the worker every app shares (its time is this caller's; O(n log n) in its length).
+    let ids = {
+        let svc = Arc::clone(&svc);
+        match tokio::task::spawn_blocking(move || {
+            super::super::fault_point("http-tokenize", &segments.iter().map(|s| s.text.as_str()).collect::<String>());
+            encode_segments(&svc.model.tokenizer, &segments)
+        })
+        .await
+        {
+            Ok(Ok(ids)) => ids,
+            Ok(Err(e)) => return bad(e),
+            Err(e) => {
+                tracing::error!("encoding a request failed: {e}");
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "failed",
+                    "the request failed inside the service (its log says why)",
+                );
+            }
+        }
+    };
+    let limit = u32::try_from(svc.cfg.max_context_tokens / 2 - 2).unwrap_or(u32::MAX);
     let call = Call {
         ctx: String::new(),
         prompt: String::new(),
@@ -253,8 +340,10 @@ async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, se
     };
     let (chosen_tx, chosen_rx) = std::sync::mpsc::channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let history = History { segments, pin, chosen: chosen_tx };
-    let events = match svc.submit_history(&owner, call, history, Arc::clone(&cancel)) {
+    // Until the pump watches for the client going away, a panic here cancels the call.
+    let guard = super::super::call::CancelOnDrop::new(&cancel);
+    let history = History { ids, pin, chosen: chosen_tx };
+    let events = match svc.submit_history(owner, call, history, Arc::clone(&cancel)) {
         Ok(rx) => rx,
         Err(r) => return refused(r.0, &r.1),
     };
@@ -262,6 +351,7 @@ async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, se
     // when the client has gone (the answer dropped its receiver).
     let (tx, mut rx) = mpsc::channel::<Out>(64);
     tokio::task::spawn_blocking(move || pump(&chosen_rx, &events, &tx, &cancel));
+    guard.disarm();
     let chosen = match rx.recv().await {
         Some(Out::Chosen(c)) => c,
         Some(Out::Ev(Event::Error { code, message })) => return refused(code, &message),
@@ -269,6 +359,7 @@ async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, se
             return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer")
         }
     };
+    super::super::fault_point("http-answer", &owner.app);
     let id = format!("{}-{:024x}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, rand::random::<u128>() >> 32);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let answer = Answer { kind, id, created, model: front.model_id.clone(), cached: chosen.cached_tokens };
@@ -289,6 +380,13 @@ async fn run(front: &Arc<Front>, peer: Peer, headers: &HeaderMap, kind: Kind, se
         r.headers_mut().insert("x-llms-context", v);
     }
     r.headers_mut().insert("x-llms-context-match", HeaderValue::from_static(chosen.how));
+    if !chosen.notice.is_empty() {
+        // A header holds visible ASCII only: anything else in the reason becomes '?'.
+        let ascii: String = chosen.notice.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).collect();
+        if let Ok(v) = HeaderValue::from_str(&ascii) {
+            r.headers_mut().insert("x-llms-notice", v);
+        }
+    }
     r
 }
 
