@@ -308,6 +308,9 @@ impl Config {
         self.durability()?;
         self.max_disk_bytes_per_uid()?;
         let budget = self.budget_bytes()?;
+        if budget == 0 {
+            bail!("budget {:?} is zero: no context could hold a single chunk", self.budget);
+        }
         if budget < MIN_BUDGET {
             bail!("budget {:?} is under {} MiB: too small to hold a context's chunks", self.budget, MIN_BUDGET >> 20);
         }
