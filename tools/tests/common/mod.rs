@@ -9,6 +9,12 @@ use std::time::{Duration, Instant};
 use llms_tests::{model_path, require_kernel};
 use tools::client::Client;
 
+/// The llmsd the suites run: this build's, or `LLMS_TEST_LLMSD` (an older build, to see a
+/// test fail on the code before its fix).
+pub fn llmsd_bin() -> PathBuf {
+    std::env::var_os("LLMS_TEST_LLMSD").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_llmsd")), PathBuf::from)
+}
+
 pub struct Daemon {
     pub child: Child,
     pub socket: PathBuf,
@@ -46,14 +52,14 @@ impl Daemon {
         std::fs::write(&cfg, toml).unwrap();
         let log = dir.join(format!("{name}.log"));
         let mut cmd = match disk {
-            None => Command::new(env!("CARGO_BIN_EXE_llmsd")),
+            None => Command::new(llmsd_bin()),
             Some(img) => {
                 // unshare(1) and sh exec in place: the child's pid is llmsd's.
                 let mut c = Command::new("unshare");
                 c.args(["-m", "sh", "-c", "mount -o loop \"$0\" \"$1\" && exec \"$2\" \"$3\" \"$4\""])
                     .arg(img)
                     .arg(state.parent().unwrap())
-                    .arg(env!("CARGO_BIN_EXE_llmsd"));
+                    .arg(llmsd_bin());
                 c
             }
         };
@@ -112,7 +118,7 @@ pub fn refused_start(dir: &Path, name: &str, settings: &str) -> String {
     // A `model` line in `settings` replaces the default (TOML refuses a key twice).
     let model = if settings.contains("model =") { String::new() } else { format!("model = {:?}\n", model_path()) };
     std::fs::write(&cfg, format!("{model}load_profile = false\npressure = false\nthreads = 2\n{settings}\n")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_llmsd")).arg("--config").arg(&cfg).stdout(Stdio::null()).output().expect("llmsd runs");
+    let out = Command::new(llmsd_bin()).arg("--config").arg(&cfg).stdout(Stdio::null()).output().expect("llmsd runs");
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "{name}: llmsd started with {settings:?}: {err}");
     err
