@@ -16,7 +16,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{kernel_ok, refused_start, Daemon};
-use llms_tests::kernel_required;
 use serde_json::{json, Value};
 use tools::proto::{Call, ErrorCode};
 
@@ -33,6 +32,17 @@ fn tokens_file(dir: &Path) -> PathBuf {
     std::fs::write(&p, text).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     p
+}
+
+/// llmsd with `settings`, listening on loopback TCP `port` too, with [`TOKENS`].
+fn with_tcp(dir: &Path, name: &str, port: u16, settings: &str) -> Daemon {
+    let tokens = tokens_file(dir);
+    Daemon::start(
+        dir,
+        name,
+        &dir.join(format!("{name}-state")),
+        &format!("{settings}http = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"),
+    )
 }
 
 /// An HTTP request (`connection: close`) as bytes.
@@ -212,13 +222,7 @@ fn http_bodies_have_a_deadline_and_come_after_authentication() {
     }
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let tokens = tokens_file(dir.path());
-    let d = Daemon::start(
-        dir.path(),
-        "b",
-        &dir.path().join("state"),
-        &format!("io_timeout_s = 2\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"),
-    );
+    let d = with_tcp(dir.path(), "b", port, "io_timeout_s = 2\n");
     let http = dir.path().join("b.http.sock");
     // Headers that promise a body that never comes: 408 within io_timeout_s (a read timeout of
     // 30 s bounds the test; before, the connection was held for as long as the client liked).
@@ -253,15 +257,7 @@ fn strangers_and_other_apps_do_not_lock_out_a_tcp_app() {
     }
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let tokens = tokens_file(dir.path());
-    let d = Daemon::start(
-        dir.path(),
-        "s",
-        &dir.path().join("state"),
-        &format!(
-            "io_timeout_s = 30\nmax_connections = 64\nmax_connections_per_uid = 4\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"
-        ),
-    );
+    let d = with_tcp(dir.path(), "s", port, "io_timeout_s = 30\nmax_connections = 64\nmax_connections_per_uid = 4\n");
     let stalled: Vec<TcpStream> = (0..64)
         .map(|_| {
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -312,15 +308,8 @@ fn tcp_apps_have_their_own_context_quotas_and_contexts_expire() {
     }
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let tokens = tokens_file(dir.path());
-    let d = Daemon::start(
-        dir.path(),
-        "q",
-        &dir.path().join("state"),
-        &format!(
-            "max_contexts_per_uid = 4\nmax_contexts = 7\nhttp_contexts_per_app = 3\nhttp_context_ttl_s = 3\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"
-        ),
-    );
+    let d =
+        with_tcp(dir.path(), "q", port, "max_contexts_per_uid = 4\nmax_contexts = 7\nhttp_contexts_per_app = 3\nhttp_context_ttl_s = 3\n");
     let conv = |k: usize, app: usize| {
         let body = json!({"messages": [{"role": "system", "content": format!("Conversation {k}")}, {"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0});
         tcp_http(
@@ -354,23 +343,13 @@ fn metrics_show_each_caller_only_its_own_apps() {
     if !kernel_ok() {
         return;
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        let msg = "switching to another uid needs root";
-        assert!(!kernel_required(), "{msg}");
-        eprintln!("skipping: {msg}");
+    if !common::root_or_skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let port = free_port();
-    let tokens = tokens_file(dir.path());
-    let d = Daemon::start(
-        dir.path(),
-        "m",
-        &dir.path().join("state"),
-        &format!("socket_mode = \"0666\"\nhttp = \"127.0.0.1:{port}\"\nhttp_tokens = {tokens:?}\n"),
-    );
+    let d = with_tcp(dir.path(), "m", port, "socket_mode = \"0666\"\n");
     let mut c = d.client("root-secret-app");
     c.new_ctx(None).unwrap();
     let http = dir.path().join("m.http.sock");

@@ -205,11 +205,7 @@ fn other_uids_and_floods_over_http() {
     if !kernel_ok() {
         return;
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        let msg = "switching to another uid needs root";
-        assert!(!kernel_required(), "{msg}");
-        eprintln!("skipping: {msg}");
+    if !common::root_or_skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -1,12 +1,14 @@
 //! Persistent contexts for stateless clients. An OpenAI-style client resends its whole
 //! conversation at every call; the service renders it (the chat template's pieces, as the
-//! native path appends them) and continues the app's context whose text is the longest prefix
-//! of it, so only the new tokens are prefilled — wherever that context's chunks are.
+//! native path appends them), encodes it on the caller's thread, and continues the app's
+//! context whose tokens are the longest prefix of it, so only the new tokens are prefilled —
+//! wherever that context's chunks are.
 //!
-//! Matching is by text, not by token ids: a reply the model generated is held as the ids it
-//! sampled, and the client sends it back as text, which the tokenizer may split differently;
-//! comparing the bytes the context's tokens stand for with the request's text continues the
-//! context in that case too. A request that agrees with a context only in part (an edited
+//! Matching is by what tokens spell ([`common_prefix`]): a control token matches only itself
+//! (text that spells turn markup never matches real markup, so an app cannot forge a turn),
+//! and plain-text tokens compare by their bytes — a reply the model generated is held as the
+//! ids it sampled, and the client sends it back as text, which the tokenizer may split
+//! differently; it continues all the same. A request that agrees with a context only in part (an edited
 //! earlier message, or another conversation with the same system prompt) branches: a new
 //! context is made and the whole request is prefilled into it (the common prefix is
 //! re-prefilled; chunks are not shared between contexts), the matched context is left as it

@@ -108,6 +108,19 @@ impl Drop for Daemon {
     }
 }
 
+/// Whether this test runs as root (it switches to another uid); says why not, and fails under
+/// `LLMS_REQUIRE_KERNEL`.
+pub fn root_or_skip() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    let msg = "switching to another uid needs root";
+    assert!(!llms_tests::kernel_required(), "{msg}");
+    eprintln!("skipping: {msg}");
+    false
+}
+
 pub fn kernel_ok() -> bool {
     require_kernel("userfaultfd", uffd_handler::Pager::new()).is_some()
 }

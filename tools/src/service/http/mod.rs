@@ -5,9 +5,12 @@
 //!
 //! Identity: on the Unix socket the kernel's uid (SO_PEERCRED), as on the native socket, and
 //! the app the client names (`X-LLMS-App`, else `default`); on loopback TCP a bearer token
-//! from `http_tokens`, which names its app. TCP peers have no uid: they count as
-//! [`NETWORK_UID`] for the per-uid limits. Connections are limited as native ones are, headers
-//! must arrive within `io_timeout_s`, bodies are at most [`MAX_BODY`] bytes.
+//! from `http_tokens`, which names its app. TCP peers have no uid: their contexts belong to
+//! [`NETWORK_UID`] and the token's app, and the per-uid limits count per app there
+//! ([`Owner::shares_quota`]); a TCP connection counts against its app once a request shows the
+//! token, and waits among a bounded pool of unauthenticated connections until then. A request
+//! is authenticated before its body is read; headers must arrive within `io_timeout_s` and the
+//! body within `io_timeout_s` after; bodies are at most [`MAX_BODY`] bytes.
 
 // Handlers return their error answers as `Err(Response)`: built once per failed request, so
 // boxing them would buy nothing.

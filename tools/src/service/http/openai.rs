@@ -180,6 +180,20 @@ fn check_fields(fields: &serde_json::Map<String, Value>, kind: Kind) -> Result<(
     Ok(())
 }
 
+/// Who is asking (before anything reads the body), then the body within its deadline, then
+/// the request it holds with every field checked.
+async fn request<T: serde::de::DeserializeOwned>(
+    front: &Front,
+    conn: &Conn,
+    headers: &HeaderMap,
+    body: Body,
+    kind: Kind,
+) -> Result<(Owner, T), Response> {
+    let owner = owner(front, conn, headers)?;
+    let b = body_bytes(front, headers, body).await?;
+    Ok((owner, parse(&b, kind)?))
+}
+
 pub(super) async fn models(State(front): State<Arc<Front>>, Extension(conn): Extension<Arc<Conn>>, headers: HeaderMap) -> Response {
     if let Err(r) = owner(&front, &conn, &headers) {
         return r;
@@ -197,15 +211,7 @@ pub(super) async fn chat(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let owner = match owner(&front, &conn, &headers) {
-        Ok(o) => o,
-        Err(r) => return r,
-    };
-    let b = match body_bytes(&front, &headers, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let req: ChatRequest = match parse(&b, Kind::Chat) {
+    let (owner, req): (Owner, ChatRequest) = match request(&front, &conn, &headers, body, Kind::Chat).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -243,15 +249,7 @@ pub(super) async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let owner = match owner(&front, &conn, &headers) {
-        Ok(o) => o,
-        Err(r) => return r,
-    };
-    let b = match body_bytes(&front, &headers, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let req: CompletionRequest = match parse(&b, Kind::Text) {
+    let (owner, req): (Owner, CompletionRequest) = match request(&front, &conn, &headers, body, Kind::Text).await {
         Ok(r) => r,
         Err(r) => return r,
     };
