@@ -66,15 +66,15 @@ lint:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 
 # The real clients the HTTP front is tested against (openai, prometheus_client; pinned in
-# tools/tests/py/requirements.txt), in a venv under target/ (Debian's python3-venv when missing).
+# llmsd/tests/py/requirements.txt), in a venv under target/ (Debian's python3-venv when missing).
 PYENV := target/py/.installed
 pyenv: $(PYENV)
-$(PYENV): tools/tests/py/requirements.txt
+$(PYENV): llmsd/tests/py/requirements.txt
 	@python3 -c "import ensurepip, venv" 2>/dev/null || { \
 		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends python3-venv || \
 		{ $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y --no-install-recommends python3-venv; }; }
 	rm -rf target/py && python3 -m venv target/py
-	target/py/bin/pip install --quiet --disable-pip-version-check -r tools/tests/py/requirements.txt
+	target/py/bin/pip install --quiet --disable-pip-version-check -r llmsd/tests/py/requirements.txt
 	touch $@
 
 test: model deps lint pyenv

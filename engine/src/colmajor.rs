@@ -19,7 +19,6 @@
 
 use half::f16;
 
-use crate::pool::OutPtr;
 use crate::quant::{q4_block, GgmlType, QK};
 use crate::repack::Blocks;
 
@@ -32,9 +31,9 @@ pub struct ColWeight {
     pub rows: usize,
     pub cols: usize,
     /// Rows rounded up to a whole tile; padding rows have zero codes and scales.
-    rows_p: usize,
-    at: Placement,
-    data: Blocks<u8>,
+    pub(crate) rows_p: usize,
+    pub(crate) at: Placement,
+    pub(crate) data: Blocks<u8>,
 }
 
 /// Where a channel-major matrix's parts lie in its bytes: block `b`'s scales (`d` of every
@@ -200,18 +199,18 @@ impl ColWeight {
 /// per token and block of 32 channels, the active channels and the block's input sum.
 #[derive(Debug, Default)]
 pub struct ActiveSet {
-    n: usize,
-    nb: usize,
+    pub(crate) n: usize,
+    pub(crate) nb: usize,
     /// Active channel numbers within their block, token-major then block-major.
     idx: Vec<u8>,
     /// `idx[start[t * nb + b]..start[t * nb + b + 1]]` are token `t`'s active channels of block `b`.
     start: Vec<u32>,
     /// Σ x over each (token, block).
-    sums: Vec<f32>,
+    pub(crate) sums: Vec<f32>,
     /// Each (token, block)'s scale: `x ≈ scale * x8`.
-    scales: Vec<f32>,
+    pub(crate) scales: Vec<f32>,
     /// The inputs quantized to 8 bits per block, token-major.
-    x8: Vec<i8>,
+    pub(crate) x8: Vec<i8>,
 }
 
 impl ActiveSet {
@@ -245,90 +244,10 @@ impl ActiveSet {
     pub fn active(&self) -> usize {
         self.idx.len()
     }
-    fn block(&self, t: usize, b: usize) -> &[u8] {
+    pub(crate) fn block(&self, t: usize, b: usize) -> &[u8] {
         let i = t * self.nb + b;
         &self.idx[self.start[i] as usize..self.start[i + 1] as usize]
     }
-}
-
-/// Computes `out[t * ldo + r] = W[r] · x_t` for the rows of tiles `t0..t1` and every token of
-/// `a`, reading only the active channels' columns. Threads may run disjoint tile ranges at once.
-/// For batches: each tile's codes are reused by every token. One token is better served by
-/// [`matvec_tiles`], which reads memory in order.
-pub fn matmul_col(w: &ColWeight, a: &ActiveSet, out: OutPtr, ldo: usize, t0: usize, t1: usize) {
-    assert_eq!(a.nb * QK, w.cols, "activation width does not match the weight");
-    assert!(t1 <= w.tiles());
-    // Tokens inside: a tile's column codes, read once from memory, serve every token.
-    for tile in t0..t1 {
-        for t in 0..a.n {
-            let mut y = [0.0f32; TILE];
-            tile_any(w, a, t, tile, &mut y);
-            let r0 = tile * TILE;
-            for (i, &v) in y.iter().enumerate().take(w.rows.saturating_sub(r0)) {
-                out.write(t * ldo + r0 + i, v);
-            }
-        }
-    }
-}
-
-/// Computes token `t`'s rows of tiles `t0..t1`, `out[r] = W[r] · x_t` (rows past the matrix
-/// are not written): the columns are read front to back over those rows, a few at a time, so
-/// memory is read in order — one token reuses nothing, so the order is what counts. Each row
-/// sums its blocks in the order the row-major kernels do: the same result, bit for bit.
-/// Threads may run disjoint tile ranges at once.
-pub fn matvec_tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize, out: OutPtr) {
-    assert_eq!(a.nb * QK, w.cols, "activation width does not match the weight");
-    assert!(t1 <= w.tiles() && t0 <= t1 && t < a.n);
-    thread_local! {
-        static BUF: std::cell::RefCell<(Vec<f32>, Vec<i32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-    }
-    BUF.with(|buf| {
-        let (y, acc) = &mut *buf.borrow_mut();
-        y.clear();
-        y.resize((t1 - t0) * TILE, 0.0);
-        #[cfg(target_arch = "x86_64")]
-        let done = if crate::simd::has_avx2() {
-            acc.resize((t1 - t0) * TILE, 0);
-            // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
-            unsafe { avx2::tiles(w, a, t, t0, t1, y, acc) };
-            true
-        } else {
-            false
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let done = {
-            let _ = acc; // the AVX2 kernel's accumulators
-            false
-        };
-        if !done {
-            // Tile by tile (the same bits as the column-ordered AVX2 pass).
-            for tile in t0..t1 {
-                let mut part = [0.0; TILE];
-                tile_any(w, a, t, tile, &mut part);
-                y[(tile - t0) * TILE..(tile - t0 + 1) * TILE].copy_from_slice(&part);
-            }
-        }
-        for (i, &v) in y.iter().enumerate().take(w.rows.saturating_sub(t0 * TILE)) {
-            out.write(t0 * TILE + i, v);
-        }
-    });
-}
-
-/// One tile with the CPU's vector kernel, or the reference.
-fn tile_any(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2() {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
-        unsafe { avx2::tile(w, a, t, tile, y) };
-        return;
-    }
-    #[cfg(target_arch = "aarch64")]
-    if crate::simd::has_neon() {
-        // SAFETY: NEON in use (checked at run time).
-        unsafe { neon::tile(w, a, t, tile, y) };
-        return;
-    }
-    tile_ref(w, a, t, tile, y);
 }
 
 /// Portable version of one tile, the reference for the vector kernels: their float operations
@@ -358,250 +277,14 @@ pub fn tile_ref(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f3
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    #![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
-    use std::arch::x86_64::*;
-
-    use super::{ActiveSet, ColWeight, QK, TILE};
-
-    /// Adds `s16` (4 vectors of i16 row sums as [`pair`] leaves them) to the i32 sums of a
-    /// tile's 64 rows at `acc`, in row order.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn flush(s16: &[__m256i; 4], acc: *mut i32) {
-        // s16[0]: rows 0..8 | 16..24, s16[1]: 8..16 | 24..32, s16[2..4] the same + 32.
-        for (h, s) in s16.iter().enumerate() {
-            let (lo, hi) = (_mm256_castsi256_si128(*s), _mm256_extracti128_si256(*s, 1));
-            for (half, r) in [(lo, 4 * (h / 2) + h % 2), (hi, 4 * (h / 2) + h % 2 + 2)] {
-                let p = acc.add(8 * r).cast::<__m256i>();
-                _mm256_storeu_si256(p, _mm256_add_epi32(_mm256_loadu_si256(p), _mm256_cvtepi16_epi32(half)));
-            }
-        }
-    }
-
-    /// One pair of columns at `pj`, `pk` (a tile's 32 bytes each) times their inputs `xs`,
-    /// added to `s16`: per 128-bit lane, unpacklo takes rows 0..8 (16..24 in the upper lane)
-    /// of the tile's 32, unpackhi rows 8..16 (24..32); low nibbles then high ones.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn pair(pj: *const u8, pk: *const u8, xs: __m256i, s16: &mut [__m256i; 4]) {
-        let mask = _mm256_set1_epi8(0x0F);
-        let vj = _mm256_loadu_si256(pj.cast());
-        let vk = _mm256_loadu_si256(pk.cast());
-        let (lj, lk) = (_mm256_and_si256(vj, mask), _mm256_and_si256(vk, mask));
-        let hj = _mm256_and_si256(_mm256_srli_epi16(vj, 4), mask);
-        let hk = _mm256_and_si256(_mm256_srli_epi16(vk, 4), mask);
-        let parts =
-            [_mm256_unpacklo_epi8(lj, lk), _mm256_unpackhi_epi8(lj, lk), _mm256_unpacklo_epi8(hj, hk), _mm256_unpackhi_epi8(hj, hk)];
-        for (s, p) in s16.iter_mut().zip(parts) {
-            *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(p, xs));
-        }
-    }
-
-    /// Both inputs of a pair broadcast as byte pairs; a lone last channel pairs with itself
-    /// times zero.
-    #[inline]
-    unsafe fn pair_inputs(xb: *const i8, pair: &[u8]) -> (usize, usize, __m256i) {
-        let j = usize::from(pair[0]);
-        let (k, xk) = match pair.get(1) {
-            Some(&k) => (usize::from(k), *xb.add(usize::from(k))),
-            None => (j, 0),
-        };
-        (j, k, _mm256_set1_epi16(i16::from_le_bytes([(*xb.add(j)).cast_unsigned(), xk.cast_unsigned()])))
-    }
-
-    /// Blocks fetched ahead: a block of 576 rows is 11.5 KB, two cover memory latency.
-    const AHEAD: usize = 2;
-
-    /// [`super::matvec_tiles`]: for each block and each group of up to 16 active columns,
-    /// the tiles in order, so each column is read front to back and only 16 are in flight.
-    /// `y` and `acc` hold the rows of tiles `t0..t1`.
-    ///
-    /// # Safety
-    /// Needs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tiles(w: &ColWeight, a: &ActiveSet, t: usize, t0: usize, t1: usize, y: &mut [f32], acc: &mut [i32]) {
-        let (at, rp) = (w.at, w.rows_p);
-        let (r0, r1) = (t0 * TILE, t1 * TILE);
-        let data = w.data.as_ptr();
-        let x8 = a.x8.as_ptr().add(t * w.cols);
-        let nb = a.nb;
-        let fetch = |b: usize| {
-            // The columns are many short runs, which the hardware prefetchers do not follow:
-            // fetch a later active block's lines while this one computes.
-            if b < nb && !a.block(t, b).is_empty() {
-                let base = at.scales + b * at.scale_stride;
-                for (start, len) in [(base + 2 * r0, 2 * (r1 - r0)), (base + 2 * rp + 2 * r0, 2 * (r1 - r0))] {
-                    for off in (start & !63..start + len).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(data.add(off).cast());
-                    }
-                }
-                for &j in a.block(t, b) {
-                    let col = at.codes + b * at.block_stride + usize::from(j) * at.col_stride + r0 / 2;
-                    for off in (col & !63..col + (r1 - r0) / 2).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(data.add(off).cast());
-                    }
-                }
-            }
-        };
-        for b in 0..AHEAD.min(nb) {
-            fetch(b);
-        }
-        for b in 0..nb {
-            fetch(b + AHEAD);
-            let act = a.block(t, b);
-            if act.is_empty() {
-                continue;
-            }
-            acc.fill(0);
-            let base = data.add(at.scales + b * at.scale_stride);
-            let cols = data.add(at.codes + b * at.block_stride);
-            let xb = x8.add(b * QK);
-            // i16 sums hold at most 8 pairs: 8 * 2 * 15 * 127 < 2^15.
-            for group in act.chunks(16) {
-                let mut pairs = [(std::ptr::null::<u8>(), std::ptr::null::<u8>(), _mm256_setzero_si256()); 8];
-                for (p, pr) in pairs.iter_mut().zip(group.chunks(2)) {
-                    let (j, k, xs) = pair_inputs(xb, pr);
-                    *p = (cols.add(j * at.col_stride), cols.add(k * at.col_stride), xs);
-                }
-                let pairs = &pairs[..group.len().div_ceil(2)];
-                for tile in t0..t1 {
-                    let mut s16 = [_mm256_setzero_si256(); 4];
-                    for &(pj, pk, xs) in pairs {
-                        pair(pj.add(tile * TILE / 2), pk.add(tile * TILE / 2), xs, &mut s16);
-                    }
-                    flush(&s16, acc.as_mut_ptr().add((tile - t0) * TILE));
-                }
-            }
-            let sum = _mm256_set1_ps(a.sums[t * a.nb + b]);
-            let scale = _mm256_set1_ps(a.scales[t * a.nb + b]);
-            let (ds, ms) = (base.add(2 * r0), base.add(2 * rp + 2 * r0));
-            for r in (0..r1 - r0).step_by(8) {
-                let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(ds.add(2 * r).cast())), scale);
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(2 * r).cast()));
-                let yp = y.as_mut_ptr().add(r);
-                let dot = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(r).cast()));
-                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot, _mm256_loadu_ps(yp))));
-            }
-        }
-    }
-
-    /// # Safety
-    /// Needs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
-        let (at, rp) = (w.at, w.rows_p);
-        let data = w.data.as_ptr();
-        let x8 = a.x8.as_ptr().add(t * w.cols);
-        let mut yv = [_mm256_setzero_ps(); 8];
-        let mut acc = [0i32; TILE];
-        for b in 0..a.nb {
-            let act = a.block(t, b);
-            if act.is_empty() {
-                continue;
-            }
-            acc.fill(0);
-            let base = data.add(at.scales + b * at.scale_stride);
-            let cols = data.add(at.codes + b * at.block_stride + tile * TILE / 2);
-            let xb = x8.add(b * QK);
-            for group in act.chunks(16) {
-                let mut s16 = [_mm256_setzero_si256(); 4];
-                for pr in group.chunks(2) {
-                    let (j, k, xs) = pair_inputs(xb, pr);
-                    pair(cols.add(j * at.col_stride), cols.add(k * at.col_stride), xs, &mut s16);
-                }
-                flush(&s16, acc.as_mut_ptr());
-            }
-            let sum = _mm256_set1_ps(a.sums[t * a.nb + b]);
-            let scale = _mm256_set1_ps(a.scales[t * a.nb + b]);
-            let ds = base.add(2 * tile * TILE);
-            let ms = base.add(2 * rp + 2 * tile * TILE);
-            for (k, yk) in yv.iter_mut().enumerate() {
-                let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(ds.add(16 * k).cast())), scale);
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(ms.add(16 * k).cast()));
-                let dot = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(8 * k).cast()));
-                *yk = _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot, *yk));
-            }
-        }
-        for (k, v) in yv.iter().enumerate() {
-            _mm256_storeu_ps(y.as_mut_ptr().add(8 * k), *v);
-        }
-    }
-}
-
-#[cfg(target_arch = "aarch64")]
-mod neon {
-    // Needs NEON (checked by the dispatcher); memory contracts where the pointers are read.
-    #![allow(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
-    use std::arch::aarch64::*;
-
-    use super::{ActiveSet, ColWeight, QK, TILE};
-
-    /// One tile of 64 rows for token `t`: each active column's 32 bytes widened to i16 codes
-    /// (rows 0-15, 16-31 from the low nibbles, 32-63 from the high ones), multiplied by the
-    /// column's input and added in i16 for up to 16 columns (16 * 15 * 127 < 2^15), then in
-    /// i32; the floats combine as the reference's do.
-    ///
-    /// # Safety
-    /// Needs NEON.
-    pub(super) unsafe fn tile(w: &ColWeight, a: &ActiveSet, t: usize, tile: usize, y: &mut [f32; TILE]) {
-        let (at, rp) = (w.at, w.rows_p);
-        let data = w.data.as_ptr();
-        let x8 = a.x8.as_ptr().add(t * w.cols);
-        let mask = vdupq_n_u8(0x0F);
-        let mut yv = [vdupq_n_f32(0.0); TILE / 4];
-        for b in 0..a.nb {
-            let act = a.block(t, b);
-            if act.is_empty() {
-                continue;
-            }
-            let mut acc = [vdupq_n_s32(0); TILE / 4];
-            let base = data.add(at.scales + b * at.scale_stride);
-            let cols = data.add(at.codes + b * at.block_stride + tile * TILE / 2);
-            let xb = x8.add(b * QK);
-            for group in act.chunks(16) {
-                let mut s16 = [vdupq_n_s16(0); TILE / 8];
-                for &j in group {
-                    let x = i16::from(*xb.add(usize::from(j)));
-                    // SAFETY: column j's run holds this tile's 32 bytes (ColWeight's layout).
-                    let p = cols.add(usize::from(j) * at.col_stride);
-                    let (v0, v1) = (vld1q_u8(p), vld1q_u8(p.add(16)));
-                    let q = [vandq_u8(v0, mask), vandq_u8(v1, mask), vshrq_n_u8(v0, 4), vshrq_n_u8(v1, 4)];
-                    for (k, qk) in q.iter().enumerate() {
-                        let lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(*qk)));
-                        let hi = vreinterpretq_s16_u16(vmovl_high_u8(*qk));
-                        s16[2 * k] = vmlaq_n_s16(s16[2 * k], lo, x);
-                        s16[2 * k + 1] = vmlaq_n_s16(s16[2 * k + 1], hi, x);
-                    }
-                }
-                for (k, s) in s16.iter().enumerate() {
-                    acc[2 * k] = vaddw_s16(acc[2 * k], vget_low_s16(*s));
-                    acc[2 * k + 1] = vaddw_high_s16(acc[2 * k + 1], *s);
-                }
-            }
-            let sum = vdupq_n_f32(a.sums[t * a.nb + b]);
-            let scale = vdupq_n_f32(a.scales[t * a.nb + b]);
-            let (ds, ms) = (base.add(2 * tile * TILE).cast::<u16>(), base.add(2 * rp + 2 * tile * TILE).cast::<u16>());
-            for (c, yc) in yv.iter_mut().enumerate() {
-                // SAFETY: the block's scales hold every padded row's d and m.
-                let d = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(ds.add(4 * c)))), scale);
-                let m = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(ms.add(4 * c))));
-                *yc = vfmaq_f32(vfmaq_f32(*yc, d, vcvtq_f32_s32(acc[c])), m, sum);
-            }
-        }
-        for (c, v) in yv.iter().enumerate() {
-            vst1q_f32(y.as_mut_ptr().add(4 * c), *v);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
     use super::*;
+    use crate::kernels::colmajor::{matmul_col, matvec_tiles};
+    use crate::pool::OutPtr;
     use crate::quant::dequantize_row;
 
     fn random_q4(ty: GgmlType, rows: usize, cols: usize, rng: &mut StdRng) -> Vec<u8> {

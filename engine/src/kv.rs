@@ -841,32 +841,46 @@ fn split_k_outliers_at(hd: usize) -> usize {
     2 + hd + hd.div_ceil(2)
 }
 
-/// A split-level K block's per-channel zero points and steps (`head_dim` each), its outliers
-/// and its codes (`bits` wide, low bits first, `[token][head_dim]`): channel `c` of token `t`
-/// is `(code - zero[c]) x step[c]`, plus the correction of an outlier at `t x hd + c`
-/// ([`k_outlier_at`]). Attention reads K blocks in place with these.
-pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
-    let (reference, unit) = k_reference(f16_at(blk, 0));
-    let at = split_k_outliers_at(hd);
-    let (zeros, exps) = blk[2..at].split_at(hd);
-    let (zero, step) = (&mut zero[..hd], &mut step[..hd]);
-    #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && crate::simd::has_avx2() {
-        // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
-        // `hd` floats.
-        unsafe { crate::kernels::k_params_avx2(reference, zeros, unit, exps, &K_STEP_SCALE, zero, step) };
-    } else {
-        k_params(reference, zeros, unit, exps, zero, step);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    k_params(reference, zeros, unit, exps, zero, step);
-    let end = split_k_header(t_cap, hd);
-    (&blk[at..end], &blk[end..])
+/// A split-level K block's fields: its reference step, the zero points' unit, the zero points
+/// (`hd` bytes), the exponents (`hd / 2` bytes, two channels a byte, low nibble first), the
+/// outliers and the codes (`bits` wide, low bits first, `[token][head_dim]`).
+#[derive(Debug)]
+pub struct SplitK<'a> {
+    pub reference: f32,
+    pub zero_unit: f32,
+    pub zeros: &'a [u8],
+    pub exps: &'a [u8],
+    pub outliers: &'a [u8],
+    pub codes: &'a [u8],
 }
 
-/// [`split_k_params`]'s zero points and steps (it runs for every K block attention reads:
-/// straight-line loops, no per-channel branch or bounds check).
-fn k_params(reference: f32, zeros: &[u8], unit: f32, exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
+/// 2^(-e/6) for every exponent nibble: a channel's step is `reference x K_STEP_SCALE[e]`.
+pub fn k_step_scale() -> &'static [f32; 16] {
+    &K_STEP_SCALE
+}
+
+/// A split-level K block's fields, read in place.
+pub fn split_k_fields(blk: &[u8], t_cap: usize, hd: usize) -> SplitK<'_> {
+    let (reference, zero_unit) = k_reference(f16_at(blk, 0));
+    let at = split_k_outliers_at(hd);
+    let (zeros, exps) = blk[2..at].split_at(hd);
+    let end = split_k_header(t_cap, hd);
+    SplitK { reference, zero_unit, zeros, exps, outliers: &blk[at..end], codes: &blk[end..] }
+}
+
+/// A split-level K block's per-channel zero points and steps (`head_dim` each), its outliers
+/// and its codes: channel `c` of token `t` is `(code - zero[c]) x step[c]`, plus the
+/// correction of an outlier at `t x hd + c` ([`k_outlier_at`]). The scalar reference;
+/// attention reads K blocks in place with `kernels::split_k_params`, the same floats.
+pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
+    let f = split_k_fields(blk, t_cap, hd);
+    k_params(f.reference, f.zeros, f.zero_unit, f.exps, &mut zero[..hd], &mut step[..hd]);
+    (f.outliers, f.codes)
+}
+
+/// [`split_k_params`]'s zero points and steps (it runs for every K block attention reads where
+/// no vector kernel does: straight-line loops, no per-channel branch or bounds check).
+pub fn k_params(reference: f32, zeros: &[u8], unit: f32, exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
     for (z, &b) in zero.iter_mut().zip(zeros) {
         *z = f32::from(b as i8) * unit;
     }
@@ -1773,6 +1787,12 @@ mod tests {
                 assert_eq!(step[c].to_bits(), k_step(0.25, e).to_bits(), "hd {hd} step {c}");
             }
             assert!(zero[hd].is_nan() && step[hd].is_nan(), "written past hd");
+            // Attention's vector path gives the same bits.
+            let (mut vz, mut vs) = (vec![f32::NAN; hd + 1], vec![f32::NAN; hd + 1]);
+            assert_eq!(crate::kernels::split_k_params(&blk, t_cap, hd, &mut vz, &mut vs), (outliers, codes));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&vz), bits(&zero), "hd {hd}");
+            assert_eq!(bits(&vs), bits(&step), "hd {hd}");
         }
     }
 

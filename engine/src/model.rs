@@ -1063,7 +1063,7 @@ fn matmul_channel_major(
             for u in a..b {
                 let (w, r0) = (cws[u / parts], starts[u / parts]);
                 let (p, tiles) = (u % parts, w.tiles());
-                crate::colmajor::matvec_tiles(w, active, 0, p * tiles / parts, (p + 1) * tiles / parts, outp.offset(r0));
+                crate::kernels::colmajor::matvec_tiles(w, active, 0, p * tiles / parts, (p + 1) * tiles / parts, outp.offset(r0));
             }
         });
         return;
@@ -1080,7 +1080,7 @@ fn matmul_channel_major(
         for ((w, &u0), &r0) in cws.iter().zip(&units).zip(&starts) {
             let (lo, hi) = (a.max(u0), b.min(u0 + w.tiles()));
             if lo < hi {
-                crate::colmajor::matmul_col(w, active, outp.offset(r0), ldo, lo - u0, hi - u0);
+                crate::kernels::colmajor::matmul_col(w, active, outp.offset(r0), ldo, lo - u0, hi - u0);
             }
         }
     });
@@ -1327,7 +1327,7 @@ impl<'a> LayerBlocks<'a> {
             KvFormat::F16 => kernels::KvRows::F16(bytes),
             KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
             f if f.split() && kvsel == 0 => {
-                let (outliers, codes) = crate::kv::split_k_params(bytes, ct, hd, &mut s.zero, &mut s.step);
+                let (outliers, codes) = crate::kernels::split_k_params(bytes, ct, hd, &mut s.zero, &mut s.step);
                 kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step, outliers }
             }
             f if f.split() => {

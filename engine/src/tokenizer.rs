@@ -484,7 +484,7 @@ mod tests {
     /// Text no pre-tokenizer split: one word of 1 MB, runs of one character, every code point
     /// below 256 and multi-byte characters — no panic, no stack overflow, and the ids spell the
     /// text back exactly. (Invalid UTF-8 never reaches `encode`: it takes `&str`; the protocol
-    /// decoders refuse it, tools/tests/proto_hostile.rs.)
+    /// decoders refuse it, client/tests/proto_hostile.rs.)
     #[test]
     fn hostile_text_tokenizes_and_round_trips() {
         let t = tk();

@@ -7,11 +7,11 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let mut r = data;
-    while let Ok(body) = tools::proto::read_frame(&mut r) {
-        assert!(body.len() <= tools::proto::MAX_FRAME);
-        if let Ok(req) = tools::proto::decode_request(&body) {
+    while let Ok(body) = llms_client::proto::read_frame(&mut r) {
+        assert!(body.len() <= llms_client::proto::MAX_FRAME);
+        if let Ok(req) = llms_client::proto::decode_request(&body) {
             // Whatever decodes re-encodes to the same request.
-            let again = tools::proto::decode_request(&tools::proto::encode(&req)).expect("re-decodes");
+            let again = llms_client::proto::decode_request(&llms_client::proto::encode(&req)).expect("re-decodes");
             assert_eq!(again, req);
         }
     }

@@ -24,12 +24,12 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use crate::config::Config;
 use crate::figure::{ensure_font, Figure, Panel, Series, COLORS};
 use crate::replay::{replay_paced, summarize, Pace, Summary};
-use crate::service::Local;
-use crate::stats::median;
 use crate::trace::{generate, GenParams, Pattern};
+use llmsd::config::Config;
+use llmsd::service::Local;
+use llmsd::stats::median;
 
 /// Each baseline's own best configuration on this engine (same store, budget and trace):
 /// `llms` with the base configuration's levels and global ratio (the experiments set them:
@@ -136,7 +136,7 @@ pub fn ratio_by_quality(
     }
     let base_level = *levels.first().context("no levels")?;
     let ppl = |plan: engine::eval::KvPlan, ratio: f64| -> Result<Vec<f64>> {
-        let choose = crate::kvmm::mix_chooser(model, CHUNK, ratio, levels);
+        let choose = llmsd::kvmm::mix_chooser(model, CHUNK, ratio, levels);
         let run = engine::eval::KvRun { plan, chunk_tokens: CHUNK, choose: &choose };
         ids.iter()
             .map(|ids| {
@@ -466,7 +466,7 @@ pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRu
             x_of(r.length)
         } else {
             #[allow(clippy::cast_precision_loss)]
-            crate::size::parse_bytes(&r.budget).map_or(0.0, |b| b as f64 / f64::from(1 << 20))
+            llmsd::size::parse_bytes(&r.budget).map_or(0.0, |b| b as f64 / f64::from(1 << 20))
         }
     };
     let fixed = if by_length {
@@ -613,7 +613,7 @@ pub fn chunk_size(base: &Config, s: &ChunkSize, work: &Path, profiles: &Path, lo
         let threads = if base.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { base.threads };
         let pool = Arc::new(engine::ThreadPool::new(threads));
         for &ct in &s.chunk_tokens {
-            crate::loadbench::load_or_measure(profiles, &model, &pool, ct, false)?;
+            llmsd::profile::load_or_measure(profiles, &model, &pool, ct, false)?;
         }
     }
     let p = trace_params(s.contexts, s.calls_per_context, &s.pattern, 1.0, s.scale, s.seed, &s.corpus)?;
@@ -708,25 +708,25 @@ pub fn inference(
     dir: &Path,
     log: &mut dyn FnMut(&InferenceRow),
 ) -> Result<Vec<InferenceRow>> {
-    use crate::kvmm::SessionKv;
     use engine::kv::KvFormat;
     use engine::model::SessionOptions;
     use engine::{Logits, Session};
+    use llmsd::kvmm::SessionKv;
     let ct = s.chunk_tokens;
     if s.reps == 0 || s.decode == 0 || ct == 0 {
         bail!("reps, decode and chunk_tokens must be at least 1");
     }
     let mut out = Vec::new();
     for &len in &s.lengths {
-        let toks = crate::loadbench::synthetic_tokens(model, len);
+        let toks = llmsd::profile::synthetic_tokens(model, len);
         let cap = len + s.decode + ct;
         if len == 0 || cap > model.config.ctx_len {
             bail!("length {len} + {} decoded tokens must fit the model's context length {}", s.decode, model.config.ctx_len);
         }
         let opts = SessionOptions { capacity: cap, chunk_tokens: ct, base: KvFormat::Int8, observe_attention: false, sliding_window: None };
         let run = dir.join(format!("inference-{}-{len}", std::process::id()));
-        let cfg = crate::loadbench::mm_config(mm::Policy::Llms, &[KvFormat::Int8], 1.0, cap.div_ceil(ct) + 1);
-        let mut mgr = crate::loadbench::manager(&run, model, ct, cfg, None)?;
+        let cfg = llmsd::profile::mm_config(mm::Policy::Llms, &[KvFormat::Int8], 1.0, cap.div_ceil(ct) + 1);
+        let mut mgr = llmsd::profile::manager(&run, model, ct, cfg, None)?;
         let mut times: [(Vec<f64>, Vec<f64>); 2] = Default::default();
         let mut outputs: [Vec<u32>; 2] = Default::default();
         for rep in 0..s.reps {
@@ -940,7 +940,7 @@ pub fn peer_comparison(model: &Arc<engine::Model>, pool: &Arc<engine::ThreadPool
         for plan_name in &plans {
             let plan = engine::eval::KvPlan::parse(plan_name).with_context(|| format!("plan {plan_name:?}"))?;
             let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-            let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
+            let choose = llmsd::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
             let run = engine::eval::KvRun { plan, chunk_tokens: s.chunk_tokens, choose: &choose };
             let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, ctx, windows, run, None)?;
             if p.scored != scored {
@@ -1027,7 +1027,7 @@ pub fn accuracy_vs_memory(
         let plan = engine::eval::KvPlan::parse(name)
             .with_context(|| format!("plan {name:?}: a KV format (f16, int8, q4, q2, q4r, q2r, k4v4, k3v3, k2v2, k4v3) or mix:R"))?;
         let ratio = if let engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-        let choose = crate::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
+        let choose = llmsd::kvmm::mix_chooser(model, s.chunk_tokens, ratio, &levels);
         let mut top = Vec::new();
         let run = engine::eval::KvRun { plan, chunk_tokens: s.chunk_tokens, choose: &choose };
         let (p, bytes) = engine::eval::perplexity_kv(model, Arc::clone(pool), &ids, s.ctx, s.windows, run, Some(&mut top))?;

@@ -221,7 +221,7 @@ where
 /// Where and when a figure was measured, for its JSON: the report prints it under the figure,
 /// so a page regenerated later does not pass old figures off as the current commit's.
 pub fn measured() -> String {
-    format!("{}, {}", crate::report::machine(), crate::report::today())
+    format!("{}, {}", crate::provenance::machine(), crate::provenance::today())
 }
 
 pub fn command_line() -> String {

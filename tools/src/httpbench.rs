@@ -25,11 +25,11 @@ use hyper::body::Bytes;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::client::Client;
-use crate::config::Config;
-use crate::proto::Call;
-use crate::service::Local;
-use crate::stats::median;
+use llmsd::client::Client;
+use llmsd::config::Config;
+use llmsd::proto::Call;
+use llmsd::service::Local;
+use llmsd::stats::median;
 
 /// The conversation: turns, and tokens per user message and per reply (at most).
 #[derive(Debug, Clone, Copy)]

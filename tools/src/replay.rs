@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use crate::client::Client;
-use crate::proto::Call;
-use crate::stats::percentile;
 use crate::trace::{Header, Record};
+use llmsd::client::Client;
+use llmsd::proto::Call;
+use llmsd::stats::percentile;
 
 /// What one call of the trace saw.
 #[derive(Debug, Clone, Serialize)]

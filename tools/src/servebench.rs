@@ -17,11 +17,11 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde::Serialize;
 
-use crate::client::Client;
-use crate::config::Config;
-use crate::proto::Call;
-use crate::service::Local;
-use crate::stats::percentile;
+use llmsd::client::Client;
+use llmsd::config::Config;
+use llmsd::proto::Call;
+use llmsd::service::Local;
+use llmsd::stats::percentile;
 
 /// What the clients do.
 #[derive(Debug, Clone, Copy, Serialize)]

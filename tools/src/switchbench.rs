@@ -7,11 +7,11 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::client::Client;
-use crate::config::Config;
-use crate::proto::{Call, CallStats};
-use crate::service::Local;
-use crate::stats::median;
+use llmsd::client::Client;
+use llmsd::config::Config;
+use llmsd::proto::{Call, CallStats};
+use llmsd::service::Local;
+use llmsd::stats::median;
 
 /// One scenario's medians.
 #[derive(Debug, Clone, Serialize)]

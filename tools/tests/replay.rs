@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use llms_tests::{fixture, model_path, require_kernel};
-use tools::config::Config;
-use tools::service::Local;
+use llmsd::config::Config;
+use llmsd::service::Local;
 use tools::trace::{generate, GenParams, Pattern};
 
 #[test]

@@ -1,5 +1,5 @@
 /*
- * The C library against a live llmsd (run by tools/tests/llmsd.rs, which builds and starts
+ * The C library against a live llmsd (run by llmsd/tests/llmsd.rs, which builds and starts
  * both): argument errors, a two-turn conversation whose streamed pieces make its output,
  * llmsd's errors as status codes, cancelling from the callback and from another thread (the
  * handle reconnects after), listing, deleting. Prints "N passed, 0 failed" or fails with a

@@ -12,6 +12,8 @@ use super::{KvRows, OutPtr};
 use crate::quant::{GgmlType, Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
+pub(crate) mod colmajor;
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -535,7 +537,7 @@ unsafe fn widen32<const SIGNED: bool>((a, b): (__m128i, __m128i)) -> [__m256i; 4
     [w(a), w(_mm_unpackhi_epi64(a, a)), w(b), w(_mm_unpackhi_epi64(b, b))]
 }
 
-/// A split-level K block's zero points and steps (`kv::split_k_params`), 8 channels at a time:
+/// A split-level K block's zero points and steps (`kernels::split_k_params`), 8 channels at a time:
 /// each zero point an i8 converted and times `zero_unit` (a power of two: exact), each step
 /// `reference x table[e]` for its exponent nibble — the same conversions and multiplications
 /// as the scalar loop, so the same floats.

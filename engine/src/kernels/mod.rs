@@ -810,10 +810,27 @@ macro_rules! with_rows {
     };
 }
 
+/// A split-level K block's zero points and steps, outliers and codes, as
+/// [`crate::kv::split_k_params`] gives them (the same floats), 8 channels at a time where the
+/// CPU has AVX2: attention derives them for every K block it reads.
+pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
+    let f = crate::kv::split_k_fields(blk, t_cap, hd);
+    let (zero, step) = (&mut zero[..hd], &mut step[..hd]);
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && crate::simd::has_avx2() {
+        // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
+        // `hd` floats.
+        unsafe { avx2::k_params(f.reference, f.zeros, f.zero_unit, f.exps, crate::kv::k_step_scale(), zero, step) };
+        return (f.outliers, f.codes);
+    }
+    crate::kv::k_params(f.reference, f.zeros, f.zero_unit, f.exps, zero, step);
+    (f.outliers, f.codes)
+}
+
+pub mod colmajor;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-#[cfg(target_arch = "x86_64")]
-pub(crate) use avx2::k_params as k_params_avx2;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 

@@ -14,6 +14,8 @@ use super::{KvRows, OutPtr};
 use crate::quant::{Q8Acts, Q8KActs};
 use crate::repack::{Packed, PackedWeight, ROWS};
 
+pub(crate) mod colmajor;
+
 /// How four-byte dot products accumulate into i32 lanes: lane `i` of the result adds
 /// `sum_j w[4i + j] * x[4i + j]`.
 trait Dot {

@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use super::*;
-use crate::stats::median;
+use llmsd::stats::median;
 
 /// `llms profile`.
 #[derive(Args, Debug)]
@@ -381,14 +381,14 @@ impl ServiceBenchArgs {
     /// What a run starts from: the state directory (its load profile measured first, so every
     /// run plans with it), a configuration with the model and threads, and a fresh work
     /// directory under the state directory for the runs' stores.
-    fn setup(&self, name: &str) -> Result<(PathBuf, crate::config::Config, PathBuf)> {
-        let dir = self.state_dir.clone().unwrap_or_else(crate::loadbench::state_dir);
+    fn setup(&self, name: &str) -> Result<(PathBuf, llmsd::config::Config, PathBuf)> {
+        let dir = self.state_dir.clone().unwrap_or_else(llmsd::profile::state_dir);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let (model, pool) = load(&self.m)?;
-        crate::loadbench::load_or_measure(&dir, &model, &pool, 16, self.json)?;
+        llmsd::profile::load_or_measure(&dir, &model, &pool, 16, self.json)?;
         drop((model, pool));
         let base =
-            crate::config::Config { model: model_path(&self.m), threads: self.m.threads.unwrap_or(0), ..crate::config::Config::default() };
+            llmsd::config::Config { model: model_path(&self.m), threads: self.m.threads.unwrap_or(0), ..llmsd::config::Config::default() };
         let work = dir.join(format!("bench-{name}-{}", std::process::id()));
         Ok((dir, base, work))
     }
@@ -434,10 +434,10 @@ fn bench_uffd(reps: usize, json: bool) -> Result<()> {
 fn profile_cmd(m: &ModelArgs, chunk_tokens: usize, state_dir: Option<PathBuf>, json: bool) -> Result<()> {
     check_chunk_tokens(chunk_tokens)?;
     let (model, pool) = load(m)?;
-    let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
-    let p = crate::loadbench::measure_profile(&dir, &model, &pool, chunk_tokens)?;
-    let codec = crate::kvmm::EngineCodec::new(&model, chunk_tokens);
-    let path = crate::loadbench::profile_path(&dir, &codec);
+    let dir = state_dir.unwrap_or_else(llmsd::profile::state_dir);
+    let p = llmsd::profile::measure_profile(&dir, &model, &pool, chunk_tokens)?;
+    let codec = llmsd::kvmm::EngineCodec::new(&model, chunk_tokens);
+    let path = llmsd::profile::profile_path(&dir, &codec);
     p.save(&path)?;
     if json {
         println!("{}", serde_json::to_string(&json!({"path": path, "profile": p}))?);
@@ -458,7 +458,7 @@ fn bench_load(
     json: bool,
     staging: usize,
 ) -> Result<()> {
-    use crate::loadbench as lb;
+    use llmsd::profile as lb;
     use mm::Strategy;
     check_chunk_tokens(chunk_tokens)?;
     if reps == 0 || reps > 1000 {
@@ -497,12 +497,12 @@ fn bench_load(
             // The floor is taken both right before and right after the read load: on a shared
             // VM's disk two back-to-back reads of the same records can differ by 1.5x, and one
             // position only would favour one side.
-            let before = lb::read_bandwidth(mm.store(), id, all)?;
+            let before = crate::loadbench::read_bandwidth(mm.store(), id, all)?;
             let r = lb::timed_load(&mut mm, id, &mut s, all, Strategy::AllRead)?;
             read.push(r.seconds);
             bytes = r.read_bytes;
             floor.push(bytes as f64 / before);
-            floor.push(bytes as f64 / lb::read_bandwidth(mm.store(), id, all)?);
+            floor.push(bytes as f64 / crate::loadbench::read_bandwidth(mm.store(), id, all)?);
             rec.push(lb::timed_load(&mut mm, id, &mut s, all, Strategy::AllRecompute)?.seconds);
             let r = lb::timed_load(&mut mm, id, &mut s, all, Strategy::Planned)?;
             plan.push(r.seconds);
@@ -641,19 +641,19 @@ impl BenchDoorsArgs {
         let (dir, base, work) = s.setup("doors")?;
         let state = work.join("state");
         crate::loadbench::fresh_state(&state, &dir)?;
-        let cfg = crate::config::Config { socket: work.join("doors.sock"), state_dir: state, pressure: false, ..base };
+        let cfg = llmsd::config::Config { socket: work.join("doors.sock"), state_dir: state, pressure: false, ..base };
         let http = cfg.http_socket_path().context("the HTTP socket")?;
-        let local = crate::service::Local::start(cfg)?;
+        let local = llmsd::service::Local::start(cfg)?;
         let word = "abcdefghij".repeat(chars.div_ceil(10))[..chars].to_string();
         let body = json!({"messages": [{"role": "user", "content": word}], "max_tokens": 4}).to_string();
         let hostile = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: hostile\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         );
-        let mut c = crate::client::Client::connect(&local.socket, "victim")?;
-        let one = |c: &mut crate::client::Client| -> Result<f64> {
+        let mut c = llmsd::client::Client::connect(&local.socket, "victim")?;
+        let one = |c: &mut llmsd::client::Client| -> Result<f64> {
             let ctx = c.new_ctx(None)?;
-            let call = crate::proto::Call {
+            let call = llmsd::proto::Call {
                 ctx: ctx.clone(),
                 prompt: "Hi".into(),
                 max_tokens: 2,

@@ -19,14 +19,14 @@ pub struct DoctorArgs {
 impl DoctorArgs {
     pub fn run(self) -> Result<()> {
         let Self { json, state_dir } = self;
-        let contexts = state_dir.as_deref().map(crate::service::check_state_dir).transpose()?;
+        let contexts = state_dir.as_deref().map(llmsd::service::check_state_dir).transpose()?;
         doctor(json, state_dir.as_deref(), contexts.as_deref());
         Ok(())
     }
 }
 
 /// One line per facility: present/usable, and the fix when not.
-fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[crate::service::ContextCheck]>) {
+fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[llmsd::service::ContextCheck]>) {
     let mut checks = Vec::new();
     match uffd_handler::Pager::new() {
         Ok(p) => {

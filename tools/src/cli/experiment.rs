@@ -240,7 +240,7 @@ pub struct MaxArgs {
 /// 16-token chunks measured (or found) in the state directory, and a work directory under it.
 struct ExpEnv {
     corpus: Vec<PathBuf>,
-    base: crate::config::Config,
+    base: llmsd::config::Config,
     profiles: PathBuf,
     work: PathBuf,
     /// How the llms ratio was chosen (for captions).
@@ -256,15 +256,15 @@ impl ExpEnv {
             bail!("--calls-per-context must be at least 2: the first call of a context is not a switch");
         }
         let corpus = if t.corpus.is_empty() { crate::trace::default_corpus() } else { t.corpus.clone() };
-        let profiles = t.state_dir.clone().unwrap_or_else(crate::loadbench::state_dir);
+        let profiles = t.state_dir.clone().unwrap_or_else(llmsd::profile::state_dir);
         std::fs::create_dir_all(&profiles).with_context(|| format!("creating {}", profiles.display()))?;
         let (model, pool) = load(&t.m)?;
-        crate::loadbench::load_or_measure(&profiles, &model, &pool, 16, false)?;
-        let mut base = crate::config::Config {
+        llmsd::profile::load_or_measure(&profiles, &model, &pool, 16, false)?;
+        let mut base = llmsd::config::Config {
             model: model_path(&t.m),
             threads: t.m.threads.unwrap_or(0),
             levels: t.llms_levels.clone(),
-            ..crate::config::Config::default()
+            ..llmsd::config::Config::default()
         };
         let levels = base.level_formats()?;
         let ratio_by;
@@ -464,7 +464,7 @@ pub fn experiment_cmd(cmd: ExperimentCmd) -> Result<()> {
             env.done(runs.and_then(|r| ex::write_call_rate(&t.out_dir, "call_rate", &s, &r)))?;
         }
         ExperimentCmd::Inference { lengths, decode, reps, chunk_tokens, out_dir, state_dir, m } => {
-            let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
+            let dir = state_dir.unwrap_or_else(llmsd::profile::state_dir);
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let (model, pool) = load(&m)?;
             let s = ex::Inference { lengths, decode, reps, chunk_tokens };
@@ -631,14 +631,14 @@ pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
             let socket = match socket {
                 Some(s) => s,
                 None => {
-                    let dir = state_dir.unwrap_or_else(crate::loadbench::state_dir);
+                    let dir = state_dir.unwrap_or_else(llmsd::profile::state_dir);
                     std::fs::create_dir_all(&dir)?;
                     let (model, pool) = load(&m)?;
-                    crate::loadbench::load_or_measure(&dir, &model, &pool, chunk_tokens, json)?;
+                    llmsd::profile::load_or_measure(&dir, &model, &pool, chunk_tokens, json)?;
                     drop((model, pool));
                     let w = dir.join(format!("replay-{}", std::process::id()));
                     crate::loadbench::fresh_state(&w, &dir)?;
-                    let cfg = crate::config::Config {
+                    let cfg = llmsd::config::Config {
                         model: model_path(&m),
                         threads: m.threads.unwrap_or(0),
                         socket: w.join("llmsd.sock"),
@@ -651,10 +651,10 @@ pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
                         max_context_tokens,
                         ablate,
                         pressure: false,
-                        durability: durability.unwrap_or_else(|| crate::config::Config::default().durability),
-                        ..crate::config::Config::default()
+                        durability: durability.unwrap_or_else(|| llmsd::config::Config::default().durability),
+                        ..llmsd::config::Config::default()
                     };
-                    let l = crate::service::Local::start(cfg)?;
+                    let l = llmsd::service::Local::start(cfg)?;
                     let s = l.socket.clone();
                     local = Some(l);
                     work = Some(w);
@@ -697,7 +697,7 @@ pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
                     );
                 }
             });
-            let stopped = local.map(crate::service::Local::stop);
+            let stopped = local.map(llmsd::service::Local::stop);
             if let Some(w) = work {
                 let _ = std::fs::remove_dir_all(w);
             }

@@ -23,7 +23,7 @@ use ::engine::{Model, ThreadPool};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::weights::plan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
+use llmsd::weights::plan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
 
 pub(crate) const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -43,7 +43,7 @@ pub struct ModelArgs {
     /// Weight budget with paged weights: bytes (48M) or a share of the weight bytes (50%)
     /// [default: 100%]
     #[arg(long, global = true)]
-    weights_budget: Option<crate::weights::Budget>,
+    weights_budget: Option<llmsd::weights::Budget>,
     /// The weight image [default: next to the model, MODEL.llms-weights; built when missing
     /// or stale]
     #[arg(long, global = true)]
@@ -91,7 +91,7 @@ pub enum WeightsMode {
 }
 
 /// The paged weights of the model `load` loaded, if any (for their statistics).
-pub(crate) static PAGED: std::sync::OnceLock<Arc<crate::weights::PagedWeights>> = std::sync::OnceLock::new();
+pub(crate) static PAGED: std::sync::OnceLock<Arc<llmsd::weights::PagedWeights>> = std::sync::OnceLock::new();
 
 #[derive(Args, Debug, Clone)]
 pub struct DaemonArgs {
@@ -104,9 +104,9 @@ pub struct DaemonArgs {
 }
 
 impl DaemonArgs {
-    fn connect(&self) -> Result<crate::client::Client> {
-        let socket = self.socket.clone().unwrap_or_else(crate::client::default_socket);
-        crate::client::Client::connect(&socket, &self.app)
+    fn connect(&self) -> Result<llmsd::client::Client> {
+        let socket = self.socket.clone().unwrap_or_else(llmsd::client::default_socket);
+        llmsd::client::Client::connect(&socket, &self.app)
     }
 }
 
@@ -183,7 +183,7 @@ pub(crate) fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>,
     let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
     let sp = m
         .sparsity
-        .map(|t| crate::weights::sparsity::calibrated(&model, &pool, &model_path(m), &crate::loadbench::state_dir(), t, &text))
+        .map(|t| llmsd::weights::sparsity::calibrated(&model, &pool, &model_path(m), &llmsd::profile::state_dir(), t, &text))
         .transpose()?;
     Ok((model, pool, sp))
 }
@@ -212,12 +212,12 @@ pub(crate) fn valid_threads(m: &ModelArgs) -> Result<usize> {
 
 /// What the weight planner plans with: `levels` (calibrated on --calib-text) up to
 /// --max-sparsity.
-pub(crate) fn plan_setup(m: &ModelArgs, levels: &[f32]) -> crate::weights::plan::PlanSetup {
-    crate::weights::plan::PlanSetup {
+pub(crate) fn plan_setup(m: &ModelArgs, levels: &[f32]) -> llmsd::weights::plan::PlanSetup {
+    llmsd::weights::plan::PlanSetup {
         levels: levels.to_vec(),
         max_sparsity: m.max_sparsity.unwrap_or(0.5),
         calib_text: m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT)),
-        state_dir: crate::loadbench::state_dir(),
+        state_dir: llmsd::profile::state_dir(),
         threads: threads_of(m),
     }
 }
@@ -225,7 +225,7 @@ pub(crate) fn plan_setup(m: &ModelArgs, levels: &[f32]) -> crate::weights::plan:
 /// The weight planner's inputs for this model: `levels` profiled (calibrated on
 /// --calib-text), bandwidths measured now.
 pub(crate) fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightplan::PlanInputs, Vec<(f32, Sparsity)>)> {
-    crate::weights::plan::inputs(&existing_model(m)?, &plan_setup(m, levels))
+    llmsd::weights::plan::inputs(&existing_model(m)?, &plan_setup(m, levels))
 }
 
 /// `--weights-plan`: the plan for the budget picks the sparsity and the image's group size.
@@ -235,9 +235,9 @@ pub(crate) fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>
     }
     let path = existing_model(m)?;
     let threads = valid_threads(m)?;
-    let budget = m.weights_budget.unwrap_or(crate::weights::Budget::Percent(100.0));
-    let p = crate::weights::plan::load_planned(&path, budget, m.weights_image.clone(), !m.no_preload, &plan_setup(m, &PLAN_LEVELS))?;
-    eprintln!("llms: {}", crate::weights::plan::describe(&p.plan));
+    let budget = m.weights_budget.unwrap_or(llmsd::weights::Budget::Percent(100.0));
+    let p = llmsd::weights::plan::load_planned(&path, budget, m.weights_image.clone(), !m.no_preload, &plan_setup(m, &PLAN_LEVELS))?;
+    eprintln!("llms: {}", llmsd::weights::plan::describe(&p.plan));
     let _ = PAGED.set(p.weights);
     Ok((p.model, Arc::new(ThreadPool::new(threads)), p.sparsity))
 }
@@ -257,18 +257,18 @@ pub(crate) fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)>
     };
     // Paged weights with sparsity read by active channel: a channel-major image.
     let image_format = if paged && (format == ::engine::WeightFormat::ChannelMajor || (m.weight_format.is_none() && m.sparsity.is_some())) {
-        ::engine::weights::ImageFormat::ChannelMajor { span: m.weights_span.unwrap_or(crate::weights::DEFAULT_SPAN) }
+        ::engine::weights::ImageFormat::ChannelMajor { span: m.weights_span.unwrap_or(llmsd::weights::DEFAULT_SPAN) }
     } else {
         ::engine::weights::ImageFormat::Packed
     };
     let model = if paged {
-        let opts = crate::weights::PagedOptions {
-            budget: m.weights_budget.unwrap_or(crate::weights::Budget::Percent(100.0)),
+        let opts = llmsd::weights::PagedOptions {
+            budget: m.weights_budget.unwrap_or(llmsd::weights::Budget::Percent(100.0)),
             image: m.weights_image.clone(),
             preload: !m.no_preload,
             format: image_format,
         };
-        let (model, pw) = crate::weights::load_paged(&path, &opts)?;
+        let (model, pw) = llmsd::weights::load_paged(&path, &opts)?;
         let _ = PAGED.set(pw);
         model
     } else {
@@ -338,5 +338,5 @@ pub(crate) fn check_chunk_tokens(ct: usize) -> Result<()> {
 }
 
 pub(crate) fn staging_arg(s: &str) -> Result<usize, String> {
-    crate::size::parse_bytes(s).map_err(|e| e.to_string())
+    llmsd::size::parse_bytes(s).map_err(|e| e.to_string())
 }

@@ -215,7 +215,7 @@ impl PerplexityArgs {
         if levels.first() != Some(&::engine::kv::KvFormat::Int8) {
             bail!("--kv-levels: the base level int8 comes first");
         }
-        crate::config::check_level_count(&levels).context("--kv-levels")?;
+        llmsd::config::check_level_count(&levels).context("--kv-levels")?;
         let (model, pool, sp) = load_sparse(&m)?;
         if ctx < 8 || ctx > model.config.ctx_len {
             bail!("--ctx must be between 8 and the model's context length {}", model.config.ctx_len);
@@ -248,7 +248,7 @@ impl PerplexityArgs {
                 }
                 // The mix's levels are mm's policy (eq. 2-3), over --kv-levels.
                 let ratio = if let ::engine::eval::KvPlan::Mix(r) = plan { r } else { 1.0 };
-                let choose = crate::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
+                let choose = llmsd::kvmm::mix_chooser(&model, chunk_tokens, ratio, &levels);
                 let run = ::engine::eval::KvRun { plan, chunk_tokens, choose: &choose };
                 if kl {
                     let k = ::engine::eval::kl_kv(&model, pool, &ids, ctx, chunks, run)?;
@@ -588,7 +588,7 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
             }
         }
     }
-    let med = crate::stats::median;
+    let med = llmsd::stats::median;
     let paired = |rates: &[Vec<f64>], i: usize| med(rates[i].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
     // The pool's statistics come from runs of their own, so the timed ones carry no probes.
     let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);

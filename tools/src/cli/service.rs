@@ -79,7 +79,7 @@ pub fn ctx_cmd(cmd: CtxCmd) -> Result<()> {
         CtxCmd::New { system, d } => println!("{}", d.connect()?.new_ctx(system.as_deref())?),
         CtxCmd::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, json, stats, d } => {
             let mut c = d.connect()?;
-            let call = crate::proto::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, top_p: None };
+            let call = llmsd::proto::Call { ctx, prompt, max_tokens, temperature, seed, stop, raw, top_p: None };
             let mut out = std::io::stdout().lock();
             let (text, st) = c.call(&call, &mut |t| {
                 if !json {
@@ -109,7 +109,7 @@ pub fn ctx_cmd(cmd: CtxCmd) -> Result<()> {
     Ok(())
 }
 
-fn call_line(st: &crate::proto::CallStats) -> String {
+fn call_line(st: &llmsd::proto::CallStats) -> String {
     format!(
         "[switch {:.1} ms ({} missing: {} read, {} recomputed), queue {:.1} ms, ttft {:.1} ms, prefill {} tok {:.1} ms, decode {} tok {:.1} ms, {}]",
         st.switch_ms,
@@ -126,7 +126,7 @@ fn call_line(st: &crate::proto::CallStats) -> String {
     )
 }
 
-fn print_contexts(v: &[crate::proto::CtxInfo]) {
+fn print_contexts(v: &[llmsd::proto::CtxInfo]) {
     println!("{:<34} {:>7} {:>7} {:>12} {:>12} {:>6}  levels", "context", "tokens", "chunks", "resident_KiB", "flash_KiB", "calls");
     for c in v {
         let lv: Vec<String> = c.levels.iter().map(|(k, n)| format!("{k}:{n}")).collect();
@@ -199,7 +199,7 @@ pub(crate) fn chat_daemon(d: &DaemonArgs, ctx: &str, max_tokens: usize, temperat
         ctx.to_string()
     };
     chat_turns(&mut |line| {
-        let call = crate::proto::Call {
+        let call = llmsd::proto::Call {
             ctx: ctx.clone(),
             prompt: line.to_string(),
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),

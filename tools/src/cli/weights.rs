@@ -104,7 +104,7 @@ fn bench_weights(
         let text = m.calib_text.clone().unwrap_or_else(|| PathBuf::from(CALIB_TEXT));
         for &s in levels {
             let sp = (s > 0.0)
-                .then(|| crate::weights::sparsity::calibrated(&model, &pool, &path, &crate::loadbench::state_dir(), s, &text))
+                .then(|| llmsd::weights::sparsity::calibrated(&model, &pool, &path, &llmsd::profile::state_dir(), s, &text))
                 .transpose()?;
             sparsity.push((s, sp));
         }
@@ -113,12 +113,12 @@ fn bench_weights(
     if let Some(pl) = plan_levels {
         let (inputs, thresholds) = plan_inputs(m, pl)?;
         for &b in &budgets {
-            let plan = inputs.plan(crate::weights::plan::budget_bytes(crate::weights::Budget::Percent(b), &inputs))?;
+            let plan = inputs.plan(llmsd::weights::plan::budget_bytes(llmsd::weights::Budget::Percent(b), &inputs))?;
             let sp = thresholds.iter().find(|(l, _)| *l == plan.sparsity).and_then(|(_, sp)| sp.clone());
-            plans.push((crate::weights::PlanState { inputs: inputs.clone(), plan }, sp));
+            plans.push((llmsd::weights::PlanState { inputs: inputs.clone(), plan }, sp));
         }
     }
-    let o = crate::weights::bench::BenchOptions {
+    let o = crate::weightbench::BenchOptions {
         budgets,
         tg,
         reps,
@@ -129,7 +129,7 @@ fn bench_weights(
         sparsity,
         plans,
     };
-    let rows = crate::weights::bench::run(&path, &o)?;
+    let rows = crate::weightbench::run(&path, &o)?;
     if json {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
@@ -191,7 +191,7 @@ fn plan_weights(m: &ModelArgs, budgets: &[f64], levels: &[f32], json: bool) -> R
     let (inputs, _) = plan_inputs(m, levels)?;
     let plans: Vec<_> = budgets
         .iter()
-        .map(|&b| inputs.plan(crate::weights::plan::budget_bytes(crate::weights::Budget::Percent(b), &inputs)))
+        .map(|&b| inputs.plan(llmsd::weights::plan::budget_bytes(llmsd::weights::Budget::Percent(b), &inputs)))
         .collect::<Result<_, _>>()?;
     if json {
         println!("{}", json!({"bandwidths": inputs.bw, "levels": inputs.levels, "plans": plans}));

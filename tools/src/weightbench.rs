@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use engine::weights::ImageFormat;
 use engine::Model;
 
-use super::{load_paged, Budget, PagedOptions, PagedWeights, PlanState, DEFAULT_SPAN};
+use llmsd::weights::{load_paged, Budget, PagedOptions, PagedWeights, PlanState, DEFAULT_SPAN};
 
 /// One row of `llms bench-weights`.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -123,8 +123,12 @@ pub fn run(model_path: &Path, o: &BenchOptions) -> Result<Vec<BenchRow>> {
     for (st, sp) in &o.plans {
         let p = &st.plan;
         for preload in [true, false].into_iter().filter(|&pre| pre || (o.no_preload_too && p.budget < st.inputs.all_weight_bytes())) {
-            let opts =
-                PagedOptions { budget: Budget::Bytes(p.budget), image: o.image.clone(), preload, format: super::plan::image_format(p) };
+            let opts = PagedOptions {
+                budget: Budget::Bytes(p.budget),
+                image: o.image.clone(),
+                preload,
+                format: llmsd::weights::plan::image_format(p),
+            };
             let (m, pw) = load_paged(model_path, &opts)?;
             pw.set_plan(st.clone());
             let label = format!("{:.0}%", 100.0 * p.budget as f64 / st.inputs.all_weight_bytes() as f64);

@@ -16,8 +16,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{kernel_ok, refused_start, Daemon};
+use llmsd::proto::{Call, ErrorCode};
 use serde_json::{json, Value};
-use tools::proto::{Call, ErrorCode};
 
 const TOKENS: [(&str, &str); 3] =
     [("tcp-a", "tok-a-0123456789abcdef"), ("tcp-b", "tok-b-0123456789abcdef"), ("tcp-c", "tok-c-0123456789abcdef")];
@@ -133,7 +133,7 @@ fn a_megabyte_word_is_refused_cleanly_on_both_doors() {
     // The native protocol keeps a long prompt's end (its sliding window): an answer either
     // way, never a dead connection.
     if let Err(e) = c.call(&call(&ctx, &word, 4), &mut |_| {}) {
-        let e = e.downcast_ref::<tools::client::ServiceError>().expect("an answer, not a dead connection");
+        let e = e.downcast_ref::<llmsd::client::ServiceError>().expect("an answer, not a dead connection");
         assert!(matches!(e.code, ErrorCode::TooLong | ErrorCode::BadRequest), "{e:?}");
     }
     let (text, _) = c.call(&call(&ctx, "Hi", 4), &mut |_| {}).unwrap();
@@ -177,7 +177,7 @@ fn panics_anywhere_give_back_what_the_connection_held() {
                 assert!(!r.contains("panic") && !r.contains("injected"), "{stage}: the panic's text stays in the log: {r}");
             } else if stage == "native-request" {
                 // The bind itself panics (its frame names the app).
-                let e = tools::client::Client::connect(&d.socket, "FAULT-app").unwrap_err();
+                let e = llmsd::client::Client::connect(&d.socket, "FAULT-app").unwrap_err();
                 assert!(format!("{e:#}").contains("failed handling this connection"), "{stage} #{i}: {e:#}");
             } else {
                 let mut c = d.client("FAULT-app");

@@ -22,6 +22,7 @@ mod http;
 mod metrics;
 mod pressure;
 mod registry;
+mod slots;
 mod state_dir;
 mod turns;
 
@@ -116,7 +117,7 @@ pub struct Service {
     queued: Condvar,
     stopping: AtomicBool,
     /// Open connections per holder (a uid, or an app on TCP).
-    connections: Mutex<HashMap<conn::Holder, usize>>,
+    connections: Mutex<HashMap<slots::Holder, usize>>,
     metrics: Mutex<Metrics>,
     /// What Prometheus scrapes (`GET /metrics`).
     prom: metrics::Prom,
@@ -210,14 +211,14 @@ impl Service {
             );
         }
         let profile = if policy == Policy::Llms && cfg.load_profile && !cfg.ablations()?.pipeline {
-            Some(crate::loadbench::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
+            Some(crate::profile::load_or_measure(&cfg.state_dir, &model, &pool, cfg.chunk_tokens, false)?)
         } else {
             None
         };
         let max_chunks = cfg.max_context_tokens.div_ceil(cfg.chunk_tokens) + 1;
         let store_dir = cfg.state_dir.join("store");
         let mut mm =
-            crate::loadbench::manager_with(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile, cfg.durability()?)?;
+            crate::profile::manager_with(&store_dir, &model, cfg.chunk_tokens, cfg.mm_config(max_chunks)?, profile, cfg.durability()?)?;
         let budget = total;
         let weights_share = weights.as_ref().map_or(0, |w| usize::try_from(w.stats().budget).unwrap_or(usize::MAX));
         mm.set_budget(budget - weights_share)?;
@@ -321,7 +322,7 @@ impl Service {
 /// request whose `trigger` (its app, or its text) contains `FAULT` panics at that stage of its
 /// handling (`native-request`, `native-stream`, `enqueue`, `begin` (on the worker, after a
 /// stateless call's context was chosen or made), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
-/// (tools/tests/doors.rs checks that every such panic gives back what it held).
+/// (llmsd/tests/doors.rs checks that every such panic gives back what it held).
 #[cfg(debug_assertions)]
 fn fault_point(stage: &str, trigger: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
@@ -394,7 +395,7 @@ pub fn bind_socket(path: &Path, mode: u32) -> Result<UnixListener> {
 mod tests {
     use super::call::{floor_boundary, held_back};
     use super::conn::valid_app;
-    use super::registry::{new_ctx_id, valid_ctx_id};
+    use super::ctxfile::{new_ctx_id, valid_ctx_id};
 
     #[test]
     fn stop_strings_hold_back_only_their_prefixes() {

@@ -15,7 +15,6 @@
 //! was. New contexts count against the app's `http_contexts_per_app`; the least recently used
 //! context the front made is retired first.
 
-use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use engine::Tokenizer;
@@ -289,56 +288,5 @@ impl Service {
             info!(ctx = %ctx, from = %from, common_tokens = n, "history diverges from its context: branched (the common prefix is prefilled again)");
         }
         Ok((Chosen { ctx, cached_tokens: 0, how, notice: String::new() }, h.ids.clone()))
-    }
-
-    /// Before the front makes a context for `owner`: contexts the front made that no call used
-    /// for `http_context_ttl_s` go (any app's); at `http_contexts_per_app` the least recently
-    /// used of the owner's goes; when the service holds `max_contexts`, the least recently used
-    /// front-made context of the owner holding the most of them goes, so one app's
-    /// conversations never lock another app out. Contexts in a call and native ones stay.
-    fn retire_for(&self, owner: &Owner) -> Result<(), Refusal> {
-        let ttl = self.cfg.http_context_ttl_s.saturating_mul(1000);
-        let now = now_ms();
-        let (expired, victim) = {
-            let reg = lock(&self.registry);
-            let idle = |e: &&super::registry::CtxEntry| e.saved.auto && (e.session.is_some() || e.unavailable.is_some());
-            let expired: Vec<(Owner, String)> = reg
-                .iter()
-                .filter(|(_, e)| idle(e) && now.saturating_sub(e.saved.last_used) > ttl)
-                .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
-                .collect();
-            let live = |e: &&super::registry::CtxEntry| !expired.iter().any(|(_, id)| *id == e.saved.ctx);
-            let lru = |of: &dyn Fn(&Owner) -> bool| {
-                reg.iter()
-                    .filter(|(_, e)| of(&e.saved.owner) && idle(e) && live(e))
-                    .min_by_key(|(_, e)| e.saved.last_used)
-                    .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
-            };
-            let mine = reg.values().filter(|e| e.saved.owner == *owner && e.saved.auto && live(e)).count();
-            let victim = if mine >= self.cfg.http_contexts_per_app {
-                Some(lru(&|o| o == owner).ok_or_else(|| refuse(ErrorCode::TooMany, "every context of this app is in a call"))?)
-            } else if reg.len() - expired.len() >= self.cfg.max_contexts {
-                // The owner with the most front-made contexts gives one up, if it has more
-                // than this one (else this one's own oldest goes, if it has any).
-                let mut per: HashMap<&Owner, usize> = HashMap::new();
-                for e in reg.values().filter(|e| idle(e) && live(e)) {
-                    *per.entry(&e.saved.owner).or_default() += 1;
-                }
-                let top = per.into_iter().max_by_key(|(_, n)| *n).filter(|(o, n)| *n > mine || *o == owner).map(|(o, _)| o.clone());
-                top.and_then(|o| lru(&|x| *x == o))
-            } else {
-                None
-            };
-            (expired, victim)
-        };
-        for (o, id) in expired {
-            info!(ctx = %id, app = %o.app, "retired: unused for longer than http_context_ttl_s");
-            let _ = self.del_ctx(&o, &id);
-        }
-        if let Some((o, id)) = victim {
-            info!(ctx = %id, app = %o.app, for_app = %owner.app, "retired: the least recently used context of its app (http_contexts_per_app, max_contexts)");
-            self.del_ctx(&o, &id)?;
-        }
-        Ok(())
     }
 }

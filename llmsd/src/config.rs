@@ -127,7 +127,7 @@ impl Default for Config {
             model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
             socket: crate::client::default_socket(),
             socket_mode: "0660".into(),
-            state_dir: crate::loadbench::state_dir(),
+            state_dir: crate::profile::state_dir(),
             budget: "256MiB".into(),
             weights_budget: None,
             weights_image: None,
@@ -286,7 +286,7 @@ impl Config {
             levels.truncate(1);
             ratio = 1.0;
         }
-        let mut c = crate::loadbench::mm_config(self.policy()?, &levels, ratio, max_chunks);
+        let mut c = crate::profile::mm_config(self.policy()?, &levels, ratio, max_chunks);
         c.features = mm::Features { lctru: !a.lctru, aot: !a.aot };
         Ok(c)
     }

@@ -10,8 +10,8 @@ use std::time::Duration;
 mod common;
 
 use common::{kernel_ok, Daemon};
-use tools::client::Client;
-use tools::proto::{Call, CallStats};
+use llmsd::client::Client;
+use llmsd::proto::{Call, CallStats};
 
 /// Raw text continued greedily: long answers (no end of turn), each context its own text.
 const TEXTS: [&str; 4] = [
@@ -235,9 +235,9 @@ fn one_uid_cannot_keep_others_out_of_the_batch() {
         std::thread::sleep(Duration::from_millis(10));
     }
     // uid 65534 through the CLI: a context and a short call, queued behind root's third.
-    let llms = env!("CARGO_BIN_EXE_llms");
+    let llms = common::llms_bin();
     let as_nobody = |args: &[&str]| {
-        let out = Command::new(llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
+        let out = Command::new(&llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };

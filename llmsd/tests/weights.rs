@@ -11,8 +11,8 @@ use engine::sparsity::{Sparsity, SITES};
 use engine::weights::{ImageFormat, WeightMemory};
 use engine::{Logits, Model, Session, ThreadPool, WeightFormat};
 use llms_tests::{fixture, model_path, require_kernel};
+use llmsd::weights::{load_paged, Budget, PagedOptions, PagedWeights, SLOT};
 use mm::weights::{Fingerprint, ImageInfo, WeightError, WeightOptions, WeightPager};
-use tools::weights::{load_paged, Budget, PagedOptions, PagedWeights, SLOT};
 
 const PROMPT_TOKENS: usize = 40;
 const DECODE: usize = 12;
@@ -146,7 +146,7 @@ fn channel_major_paged_weights_give_the_resident_logits() {
     let want_dense = run_sparse(&cm, None);
     let want_sparse = run_sparse(&cm, Some(Arc::clone(&sp)));
     assert!(!same_bits(&want_dense, &want_sparse), "the thresholds zero nothing");
-    let format = ImageFormat::ChannelMajor { span: tools::weights::DEFAULT_SPAN };
+    let format = ImageFormat::ChannelMajor { span: llmsd::weights::DEFAULT_SPAN };
     let mut named = Vec::new();
     for (budget, preload) in [(100.0, true), (40.0, true), (25.0, false)] {
         for (sp, want) in [(None, &want_dense), (Some(Arc::clone(&sp)), &want_sparse)] {
@@ -160,9 +160,9 @@ fn channel_major_paged_weights_give_the_resident_logits() {
             assert!(samples > 10);
             // Embedding rows are faulted in before the pager next accounts them: a prompt's
             // worth at most, each row (612 bytes) on one slot or across two.
-            let slack = 2 * (PROMPT_TOKENS as u64 + 1) * tools::weights::SPARSE_SLOT as u64;
+            let slack = 2 * (PROMPT_TOKENS as u64 + 1) * llmsd::weights::SPARSE_SLOT as u64;
             assert!(peak as u64 <= s.budget + slack, "{budget}%: Rss peaked at {peak}, budget {}: {s:?}", s.budget);
-            assert!(s.resident_bytes <= s.budget + tools::weights::SPARSE_SLOT as u64, "{budget}%: {s:?}");
+            assert!(s.resident_bytes <= s.budget + llmsd::weights::SPARSE_SLOT as u64, "{budget}%: {s:?}");
             if budget < 100.0 {
                 assert!(s.evicted_slots > 0, "{budget}%: nothing evicted");
             }
@@ -184,7 +184,7 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     if !uffd_ok() {
         return;
     }
-    use tools::weights::plan::{budget_bytes, PlanSetup, SPANS};
+    use llmsd::weights::plan::{budget_bytes, PlanSetup, SPANS};
     let state = tempfile::tempdir().unwrap();
     let setup = PlanSetup {
         levels: vec![0.0, 0.5],
@@ -193,9 +193,9 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
         state_dir: state.path().into(),
         threads: 2,
     };
-    let (mut inputs, levels) = tools::weights::plan::inputs(&model_path(), &setup).unwrap();
+    let (mut inputs, levels) = llmsd::weights::plan::inputs(&model_path(), &setup).unwrap();
     assert_eq!(levels.len(), 1, "levels above --max-sparsity are not even calibrated");
-    assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == tools::weights::plan::READ_SIZES.len());
+    assert!(inputs.bw.mem > 0.0 && inputs.bw.flash.len() == llmsd::weights::plan::READ_SIZES.len());
     assert!(inputs.packed_mem > 0.0 && inputs.bw.install > 0.0, "{inputs:?}");
     let budget = budget_bytes(Budget::Percent(60.0), &inputs);
     // Streaming the packed image, when its kernels are predicted fast enough to win.
@@ -218,7 +218,7 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
     let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned.img")), preload: true, format };
     let (model, pw) = load_paged(&model_path(), &opts).unwrap();
     assert_eq!(model.image_span(), plan.span);
-    pw.set_plan(tools::weights::PlanState { inputs, plan: plan.clone() });
+    pw.set_plan(llmsd::weights::PlanState { inputs, plan: plan.clone() });
     let cm = Arc::new(Model::load_as(&model_path(), WeightFormat::ChannelMajor).unwrap());
     let want = run(&cm);
     assert!(same_bits(&run(&model), &want), "planned paging changed the logits");
@@ -258,13 +258,13 @@ fn planned_weights_hold_the_plan_and_replan_when_the_budget_changes() {
 
     // A packed plan pages the packed image (resident logits bit for bit) and re-plans as one.
     let (inputs, plan) = packed;
-    let format = tools::weights::plan::image_format(&plan);
+    let format = llmsd::weights::plan::image_format(&plan);
     assert_eq!(format, ImageFormat::Packed);
     let opts = PagedOptions { budget: Budget::Bytes(budget), image: Some(image_dir().join("planned-packed.img")), preload: true, format };
     let (model, pw) = load_paged(&model_path(), &opts).unwrap();
     assert!(!pw.is_sparse());
     assert_eq!(pw.preload_precision(10, 10), None, "reading ahead by layer order predicts nothing");
-    pw.set_plan(tools::weights::PlanState { inputs, plan: plan.clone() });
+    pw.set_plan(llmsd::weights::PlanState { inputs, plan: plan.clone() });
     assert!(same_bits(&run(&model), resident_logits()), "packed planned paging changed the logits");
     pw.set_budget(smaller).unwrap();
     let re = pw.plan().unwrap();
@@ -366,7 +366,7 @@ fn stale_truncated_and_damaged_images_are_refused() {
     let gguf = copy_model(dir.path());
     let img = dir.path().join("m.img");
     let fp = Fingerprint::of(&gguf).unwrap();
-    tools::weights::build(&gguf, &img, fp, ImageFormat::Packed).unwrap();
+    llmsd::weights::build(&gguf, &img, fp, ImageFormat::Packed).unwrap();
     assert!(WeightPager::open(&img, fp, opts(1 << 24)).is_ok());
 
     // The model file changes (one byte of the last tensor's data): the image is stale.
@@ -431,7 +431,7 @@ fn modified_image_data_poisons_the_slot_not_the_logits() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("m.img");
     let gguf = model_path();
-    tools::weights::build(&gguf, &img, Fingerprint::of(&gguf).unwrap(), ImageFormat::Packed).unwrap();
+    llmsd::weights::build(&gguf, &img, Fingerprint::of(&gguf).unwrap(), ImageFormat::Packed).unwrap();
     // One byte of layer 0's q projection, rewritten in place (the trailer still describes the
     // original: as if the flash copy were modified behind our back).
     let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();

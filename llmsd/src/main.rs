@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use tools::config::Config;
-use tools::service::{bind_socket, HttpListeners, Service};
+use llmsd::config::Config;
+use llmsd::service::{bind_socket, HttpListeners, Service};
 
 #[derive(Parser, Debug)]
 #[command(name = "llmsd", version, about = "LLMS: the LLM system service")]

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{kernel_ok, refused_start, Daemon};
-use tools::client::{Client, ServiceError};
-use tools::proto::{self, Call, CallStats, ErrorCode, Event, Request};
+use llmsd::client::{Client, ServiceError};
+use llmsd::proto::{self, Call, CallStats, ErrorCode, Event, Request};
 
 const PROMPTS: [&str; 6] = [
     "Name three colours of the rainbow.",
@@ -268,9 +268,9 @@ fn apps_and_users_cannot_reach_each_other() {
         d.stop();
         return;
     }
-    let llms = env!("CARGO_BIN_EXE_llms");
+    let llms = common::llms_bin();
     let as_nobody = |args: &[&str]| {
-        let out = Command::new(llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
+        let out = Command::new(&llms).args(args).env("LLMS_SOCKET", &d.socket).uid(65534).gid(65534).output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (ok, out, err) = as_nobody(&["ctx", "list", "--app", "alpha", "--json"]);
@@ -284,12 +284,12 @@ fn apps_and_users_cannot_reach_each_other() {
     let d = Daemon::start(dir.path(), "closed", &dir.path().join("state2"), "");
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o660);
-    let (ok, _, err) = as_nobody_at(llms, &d.socket);
+    let (ok, _, err) = as_nobody_at(&llms, &d.socket);
     assert!(!ok && err.contains("ermission denied"), "{err}");
     d.stop();
 }
 
-fn as_nobody_at(llms: &str, socket: &Path) -> (bool, String, String) {
+fn as_nobody_at(llms: &Path, socket: &Path) -> (bool, String, String) {
     let out = Command::new(llms).args(["ctx", "list"]).env("LLMS_SOCKET", socket).uid(65534).gid(65534).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
@@ -922,7 +922,7 @@ fn damaged_context_files_are_caught_never_continued() {
         b[20] ^= 0x10;
         std::fs::write(&f, b).unwrap();
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_llms")).args(["doctor", "--json", "--state-dir"]).arg(&state).output().unwrap();
+    let out = Command::new(common::llms_bin()).args(["doctor", "--json", "--state-dir"]).arg(&state).output().unwrap();
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let status =
         |id: &str| report.as_array().unwrap().iter().find(|c| c["facility"] == format!("context {id}")).map(|c| c["status"].clone());
@@ -1162,12 +1162,18 @@ fn levels_a_model_cannot_hold_are_refused_at_start() {
     if !kernel_ok() {
         return;
     }
-    use tools::synth::{Shape, WType};
     let dir = tempfile::tempdir().unwrap();
     // The default model's shape, small, with heads of 48 channels: not a power of two.
-    let shape = Shape { dim: 96, layers: 2, heads: 2, kv_heads: 2, ffn: 128, ..tools::synth::preset("smollm2-135m").unwrap() };
     let m = dir.path().join("hd48.gguf");
-    tools::synth::write(&shape, WType::F32, 1, &llms_tests::model_path(), &m).unwrap();
+    let out = Command::new(common::llms_bin())
+        .args(["synth", "--like", "smollm2-135m", "--dim", "96", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--ffn", "128"])
+        .args(["--type", "f32", "--seed", "1", "--tokenizer-from"])
+        .arg(llms_tests::model_path())
+        .arg("--out")
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let at = |name: &str| {
         format!("model = {m:?}\nsocket = {:?}\nstate_dir = {:?}\n", dir.path().join(format!("{name}.sock")), dir.path().join(name))
     };

@@ -1,8 +1,8 @@
 //! The frame reader and request decoder on hostile bytes (the fuzz target's property, run on
 //! random inputs and corruptions of valid frames in every `make test`).
 
+use llms_client::proto::{self, Call, Request};
 use proptest::prelude::*;
-use tools::proto::{self, Call, Request};
 
 fn valid_frames() -> Vec<u8> {
     let reqs = [

@@ -7,9 +7,9 @@ use engine::kv::KvFormat;
 use engine::model::SessionOptions;
 use engine::{Logits, Model, Session, ThreadPool};
 use llms_tests::{fixture, model_path, require_kernel};
+use llmsd::kvmm::{code, EngineCodec, SessionKv};
+use llmsd::profile::hold;
 use mm::{Linear, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
-use tools::kvmm::{code, EngineCodec, SessionKv};
-use tools::loadbench::hold;
 
 const CT: usize = 16;
 const N: usize = 200; // 12 full chunks and a partial one
@@ -308,7 +308,7 @@ fn a_fault_on_a_chunk_without_a_record_recomputes_it() {
     let s = setup();
     let levels = [KvFormat::Int8, KvFormat::Q4];
     let Some(mut mm) = manager(&s, Policy::Llms, &levels, 1.0, None) else { return };
-    let rec = Arc::new(tools::kvmm::EngineRecompute::new(Arc::clone(&s.model), CT, KvFormat::Int8));
+    let rec = Arc::new(llmsd::kvmm::EngineRecompute::new(Arc::clone(&s.model), CT, KvFormat::Int8));
     mm.set_fault_recompute(Some(rec.clone()));
     let mut sess = session(&s, false);
     hold(&mut mm, 1, &mut sess, &s.ids[..N]).unwrap();

@@ -8,48 +8,14 @@ use anyhow::{Context as _, Result};
 use engine::model::AttentionStats;
 use engine::Session;
 use mm::Manager;
-use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::ctxfile;
+use super::ctxfile::{self, new_ctx_id, valid_ctx_id, Saved};
+use super::history::now_ms;
 use super::turns::Turns;
 use super::{lock, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::SessionKv;
 use crate::proto::{CtxInfo, ErrorCode, ServiceStats};
-
-/// What a context keeps on disk besides its KV records: enough to continue it after a restart.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct Saved {
-    pub(super) version: u32,
-    pub(super) ctx: String,
-    pub(super) mm_id: u64,
-    pub(super) owner: Owner,
-    pub(super) tokens: Vec<u32>,
-    /// Text not yet run (a system prompt waits for the first call).
-    pub(super) pending: String,
-    /// `pending` as tokens, encoded when the context was made (on its caller's thread): the
-    /// template's markup with control tokens parsed, the app's text without — a system
-    /// prompt cannot forge a turn. Empty in files of older builds (then `pending` is encoded).
-    #[serde(default)]
-    pub(super) pending_ids: Vec<u32>,
-    /// The last call was a chat turn whose end-of-turn text is not in the cache yet.
-    pub(super) open_turn: bool,
-    /// Tokens at the start kept when the context slides.
-    pub(super) keep: usize,
-    pub(super) calls: u64,
-    pub(super) attention_sum: Vec<f64>,
-    pub(super) attention_count: Vec<u64>,
-    /// Made by the HTTP front for a stateless client (retired least recently used first).
-    #[serde(default)]
-    pub(super) auto: bool,
-    /// When the context's last call ended, ms since the epoch.
-    #[serde(default)]
-    pub(super) last_used: u64,
-    /// Told to the owner in `list` and in its next answer, then cleared: the context was
-    /// restored from its previous copy at a start (its last acknowledged call is lost).
-    #[serde(default)]
-    pub(super) notice: String,
-}
 
 pub(super) struct CtxEntry {
     pub(super) saved: Saved,
@@ -64,20 +30,6 @@ impl CtxEntry {
     fn usable(saved: Saved, session: Session) -> Self {
         Self { saved, session: Some(session), unavailable: None }
     }
-}
-
-/// A new unguessable context id: 128 bits from the kernel's random source.
-pub(super) fn new_ctx_id() -> Result<(String, u64)> {
-    use std::io::Read;
-    let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).context("reading /dev/urandom")?;
-    let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    let mm_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) | 1;
-    Ok((id, mm_id))
-}
-
-pub(super) fn valid_ctx_id(s: &str) -> bool {
-    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 impl Service {
@@ -385,9 +337,62 @@ impl Service {
             write_failures: mm.write_failures().0,
             last_write_error: mm.write_failures().1,
             memory_waits: m.memory_waits,
-            connections: u32::try_from(self.connections_of(&super::conn::Holder::Uid(owner.uid))).unwrap_or(u32::MAX),
+            connections: u32::try_from(self.connections_of(&super::slots::Holder::Uid(owner.uid))).unwrap_or(u32::MAX),
             pressure: lock(&self.pressure).clone(),
             mine,
         }
+    }
+}
+
+impl Service {
+    /// Before the front makes a context for `owner`: contexts the front made that no call used
+    /// for `http_context_ttl_s` go (any app's); at `http_contexts_per_app` the least recently
+    /// used of the owner's goes; when the service holds `max_contexts`, the least recently used
+    /// front-made context of the owner holding the most of them goes, so one app's
+    /// conversations never lock another app out. Contexts in a call and native ones stay.
+    pub(super) fn retire_for(&self, owner: &Owner) -> Result<(), Refusal> {
+        let ttl = self.cfg.http_context_ttl_s.saturating_mul(1000);
+        let now = now_ms();
+        let (expired, victim) = {
+            let reg = lock(&self.registry);
+            let idle = |e: &&CtxEntry| e.saved.auto && (e.session.is_some() || e.unavailable.is_some());
+            let expired: Vec<(Owner, String)> = reg
+                .iter()
+                .filter(|(_, e)| idle(e) && now.saturating_sub(e.saved.last_used) > ttl)
+                .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
+                .collect();
+            let live = |e: &&CtxEntry| !expired.iter().any(|(_, id)| *id == e.saved.ctx);
+            let lru = |of: &dyn Fn(&Owner) -> bool| {
+                reg.iter()
+                    .filter(|(_, e)| of(&e.saved.owner) && idle(e) && live(e))
+                    .min_by_key(|(_, e)| e.saved.last_used)
+                    .map(|(id, e)| (e.saved.owner.clone(), id.clone()))
+            };
+            let mine = reg.values().filter(|e| e.saved.owner == *owner && e.saved.auto && live(e)).count();
+            let victim = if mine >= self.cfg.http_contexts_per_app {
+                Some(lru(&|o| o == owner).ok_or_else(|| refuse(ErrorCode::TooMany, "every context of this app is in a call"))?)
+            } else if reg.len() - expired.len() >= self.cfg.max_contexts {
+                // The owner with the most front-made contexts gives one up, if it has more
+                // than this one (else this one's own oldest goes, if it has any).
+                let mut per: HashMap<&Owner, usize> = HashMap::new();
+                for e in reg.values().filter(|e| idle(e) && live(e)) {
+                    *per.entry(&e.saved.owner).or_default() += 1;
+                }
+                let top = per.into_iter().max_by_key(|(_, n)| *n).filter(|(o, n)| *n > mine || *o == owner).map(|(o, _)| o.clone());
+                top.and_then(|o| lru(&|x| *x == o))
+            } else {
+                None
+            };
+            (expired, victim)
+        };
+        for (o, id) in expired {
+            info!(ctx = %id, app = %o.app, "retired: unused for longer than http_context_ttl_s");
+            let _ = self.del_ctx(&o, &id);
+        }
+        if let Some((o, id)) = victim {
+            info!(ctx = %id, app = %o.app, for_app = %owner.app, "retired: the least recently used context of its app (http_contexts_per_app, max_contexts)");
+            self.del_ctx(&o, &id)?;
+        }
+        Ok(())
     }
 }

@@ -1,6 +1,6 @@
 """llmsd's HTTP front driven by the real `openai` and `prometheus_client` packages.
 
-Run by tools/tests/http.rs against a live llmsd (levels = ["int8"]: no lossy compression, so
+Run by llmsd/tests/http.rs against a live llmsd (levels = ["int8"]: no lossy compression, so
 a continued context's greedy output can be compared with a fresh context's):
 
     openai_client.py main    HTTP_SOCKET TCP_URL TOKEN_A TOKEN_B STATE_JSON

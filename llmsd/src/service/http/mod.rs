@@ -36,8 +36,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::conn::{Holder, Slot};
 use super::metrics::Viewer;
+use super::slots::{Holder, Slot};
 use super::{Owner, Service};
 use crate::proto::ErrorCode;
 

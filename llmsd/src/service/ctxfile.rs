@@ -12,16 +12,64 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
-use serde::Serialize;
+use anyhow::{Context as _, Result};
+use serde::{Deserialize, Serialize};
 
-use super::registry::Saved;
+use super::Owner;
 
 /// The format this build writes.
 pub(super) const VERSION: u32 = 2;
 const TRAILER: &str = "\n#crc32c ";
 /// A context file is small (its tokens and a little text); a larger one is not ours.
 const MAX_FILE: u64 = 64 << 20;
+
+/// What a context keeps on disk besides its KV records: enough to continue it after a restart.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(super) struct Saved {
+    pub(super) version: u32,
+    pub(super) ctx: String,
+    pub(super) mm_id: u64,
+    pub(super) owner: Owner,
+    pub(super) tokens: Vec<u32>,
+    /// Text not yet run (a system prompt waits for the first call).
+    pub(super) pending: String,
+    /// `pending` as tokens, encoded when the context was made (on its caller's thread): the
+    /// template's markup with control tokens parsed, the app's text without — a system
+    /// prompt cannot forge a turn. Empty in files of older builds (then `pending` is encoded).
+    #[serde(default)]
+    pub(super) pending_ids: Vec<u32>,
+    /// The last call was a chat turn whose end-of-turn text is not in the cache yet.
+    pub(super) open_turn: bool,
+    /// Tokens at the start kept when the context slides.
+    pub(super) keep: usize,
+    pub(super) calls: u64,
+    pub(super) attention_sum: Vec<f64>,
+    pub(super) attention_count: Vec<u64>,
+    /// Made by the HTTP front for a stateless client (retired least recently used first).
+    #[serde(default)]
+    pub(super) auto: bool,
+    /// When the context's last call ended, ms since the epoch.
+    #[serde(default)]
+    pub(super) last_used: u64,
+    /// Told to the owner in `list` and in its next answer, then cleared: the context was
+    /// restored from its previous copy at a start (its last acknowledged call is lost).
+    #[serde(default)]
+    pub(super) notice: String,
+}
+
+/// A new unguessable context id: 128 bits from the kernel's random source.
+pub(super) fn new_ctx_id() -> Result<(String, u64)> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).context("reading /dev/urandom")?;
+    let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    let mm_id = u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) | 1;
+    Ok((id, mm_id))
+}
+
+pub(super) fn valid_ctx_id(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
 
 fn path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{id}.json"))
@@ -156,7 +204,7 @@ pub fn check_state_dir(state_dir: &Path) -> Result<Vec<ContextCheck>> {
     let mut ids: Vec<String> = std::fs::read_dir(&dir)?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter_map(|n| n.strip_suffix(".json").or_else(|| n.strip_suffix(".json.prev")).map(str::to_string))
-        .filter(|id| super::registry::valid_ctx_id(id))
+        .filter(|id| valid_ctx_id(id))
         .collect();
     ids.sort();
     ids.dedup();

@@ -1,5 +1,5 @@
 //! llmsd's OpenAI-compatible HTTP front end to end: the real `openai` and `prometheus_client`
-//! Python packages (tools/tests/py, installed into target/py by `make pyenv`) against the real
+//! Python packages (llmsd/tests/py, installed into target/py by `make pyenv`) against the real
 //! daemon, a conversation continued across a restart, `curl -N` reading the event stream, and
 //! hostile HTTP (oversized bodies, headers that never end, bad settings).
 
@@ -234,7 +234,7 @@ fn other_uids_and_floods_over_http() {
     assert!(first.contains("chat.completion"), "{first}");
     let other = curl_as_nobody(&http, "another-app", &[], body);
     assert!(other.contains("app_not_granted") && other.contains("nobody-app"), "{other}");
-    let native = Command::new(env!("CARGO_BIN_EXE_llms"))
+    let native = Command::new(common::llms_bin())
         .args(["ctx", "list", "--app", "another-app"])
         .env("LLMS_SOCKET", &d.socket)
         .uid(65534)

@@ -2,9 +2,8 @@
 //! once, served by mm's weight pager (mm::weights) under a budget, and handed to the engine as
 //! plain memory. The rooms: [`plan`] feeds mm's planner (`mm::weightplan`, ActiveFlow's cost
 //! model) with this model and machine, [`sparsity`] keeps calibrated Top-K thresholds between
-//! runs, [`mod@bench`] measures decode speed resident and paged (`llms bench-weights`).
+//! runs (`llms bench-weights`, in the tools crate, measures decode speed resident and paged).
 
-pub mod bench;
 pub mod plan;
 pub mod sparsity;
 

@@ -19,8 +19,8 @@ use engine::{Sampler, SamplerConfig, Session, Utf8Stream};
 use mm::Strategy;
 use tracing::{error, info, warn};
 
+use super::ctxfile::Saved;
 use super::history::History;
-use super::registry::Saved;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::SessionKv;
 use crate::proto::{Call, CallStats, ErrorCode, Event};
@@ -955,7 +955,7 @@ pub(super) fn panic_message(p: &(dyn Any + Send)) -> String {
 
 /// Fault injection for tests, in debug builds only: a forward pass that feeds the token
 /// `LLMS_FAULT_PANIC_TOKEN` panics, standing for context data that makes the model panic
-/// (tools/tests/batching.rs).
+/// (llmsd/tests/batching.rs).
 #[cfg(debug_assertions)]
 fn injected_fault(pieces: &[&[u32]]) {
     static TOKEN: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();

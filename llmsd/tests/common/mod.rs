@@ -7,12 +7,23 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use llms_tests::{model_path, require_kernel};
-use tools::client::Client;
+use llmsd::client::Client;
 
 /// The llmsd the suites run: this build's, or `LLMS_TEST_LLMSD` (an older build, to see a
 /// test fail on the code before its fix).
 pub fn llmsd_bin() -> PathBuf {
     std::env::var_os("LLMS_TEST_LLMSD").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_llmsd")), PathBuf::from)
+}
+
+/// The `llms` CLI (the tools crate's binary, which the suites use as a client: `ctx`, `doctor`,
+/// `synth`): `LLMS_TEST_LLMS`, else the one cargo built beside this package's llmsd.
+pub fn llms_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMS_TEST_LLMS") {
+        return p.into();
+    }
+    let p = Path::new(env!("CARGO_BIN_EXE_llmsd")).with_file_name("llms");
+    assert!(p.exists(), "{} is missing: these suites run the llms CLI; `cargo test --workspace` (make test) builds it", p.display());
+    p
 }
 
 pub struct Daemon {
