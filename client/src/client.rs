@@ -10,7 +10,7 @@ use crate::proto::{self, Call, CallStats, CtxInfo, ErrorCode, Event, Request, Se
 /// The socket llmsd listens on unless told: `$LLMS_SOCKET`, else `$XDG_RUNTIME_DIR/llms/llmsd.sock`
 /// when that directory is set, else `/run/llms/llmsd.sock`.
 pub fn default_socket() -> PathBuf {
-    if let Some(p) = std::env::var_os("LLMS_SOCKET") {
+    if let Some(p) = std::env::var_os("LLMS_SOCKET").filter(|v| !v.is_empty()) {
         return p.into();
     }
     match std::env::var_os("XDG_RUNTIME_DIR") {

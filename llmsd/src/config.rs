@@ -121,6 +121,16 @@ pub struct Config {
     pub http_context_ttl_s: u64,
 }
 
+/// The KV levels contexts are kept at, the base first: the split levels with k4v3 (docs/kv.md).
+/// Every command that mixes levels defaults to these (`llms perplexity --kv mix:R`, the
+/// experiments, the benches), so a figure measured without flags measures the service.
+pub const DEFAULT_LEVELS: [&str; 4] = ["int8", "k4v4", "k4v3", "k3v3"];
+/// The global ratio over [`DEFAULT_LEVELS`]: the most compressed within 1% of int8's perplexity
+/// on the accuracy texts (docs/kv.md; it was 0.75 over int8, q4, q2).
+pub const DEFAULT_RATIO: f64 = 0.6;
+/// Tokens per KV chunk.
+pub const DEFAULT_CHUNK_TOKENS: usize = 16;
+
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -137,11 +147,9 @@ impl Default for Config {
             pressure: true,
             cgroup: None,
             policy: "llms".into(),
-            chunk_tokens: 16,
-            // The split levels with k4v3, at the most compressed ratio within 1% of int8's
-            // perplexity on the accuracy texts (docs/kv.md; it was 0.75 over int8, q4, q2).
-            levels: vec!["int8".into(), "k4v4".into(), "k4v3".into(), "k3v3".into()],
-            ratio: 0.6,
+            chunk_tokens: DEFAULT_CHUNK_TOKENS,
+            levels: DEFAULT_LEVELS.iter().map(|&l| l.into()).collect(),
+            ratio: DEFAULT_RATIO,
             ablate: Vec::new(),
             max_contexts_per_app: 16,
             max_contexts: 256,

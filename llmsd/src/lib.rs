@@ -15,3 +15,39 @@ pub mod weights;
 
 // The protocol and the client live in `llms_client` (shared with the C library and the CLI).
 pub use llms_client::{client, proto};
+
+/// An error and its causes on one line, each said once: a message that already quotes its cause
+/// (`cannot open x: No such file or directory` over that same `io::Error`) is not followed by
+/// the cause again, as `{:#}` would.
+pub fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if t.is_empty() || out.contains(&t) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&t);
+    }
+    out
+}
+
+/// A path from the environment variable `name`, when it is set and not empty (an empty value
+/// means unset, as shells write `LLMS_MODEL= cmd`).
+pub fn env_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os(name).filter(|v| !v.is_empty()).map(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let quoted = anyhow::Error::new(std::io::Error::other(format!("cannot open /nope: {io}"))).context("tokenizer source /nope");
+        assert_eq!(super::describe(&quoted), "tokenizer source /nope: cannot open /nope: No such file or directory (os error 2)");
+        let chained = anyhow::Error::new(io).context("reading /x").context("loading");
+        assert_eq!(super::describe(&chained), "loading: reading /x: No such file or directory (os error 2)");
+    }
+}

@@ -51,7 +51,7 @@ struct Cli {
     policy: Option<String>,
     #[arg(long)]
     chunk_tokens: Option<usize>,
-    /// Compression levels, the base first: e.g. int8,q4,q2.
+    /// Compression levels, the base first [default: int8,k4v4,k4v3,k3v3].
     #[arg(long, value_delimiter = ',')]
     levels: Option<Vec<String>>,
     /// Global compression ratio (KV bytes relative to the base level).
@@ -86,8 +86,8 @@ fn config(cli: Cli) -> Result<(Config, bool)> {
         None => Config::default(),
     };
     if c.model == Config::default().model {
-        if let Some(m) = std::env::var_os("LLMS_MODEL") {
-            c.model = m.into();
+        if let Some(m) = llmsd::env_path("LLMS_MODEL") {
+            c.model = m;
         }
     }
     macro_rules! set {
@@ -145,7 +145,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run() {
-        eprintln!("llmsd: error: {e:#}");
+        eprintln!("llmsd: error: {}", llmsd::describe(&e));
         std::process::exit(1);
     }
 }

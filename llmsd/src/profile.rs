@@ -18,8 +18,8 @@ use crate::stats::median;
 /// Where swap stores and profiles live unless told: `$LLMS_STATE_DIR`, else
 /// `$XDG_STATE_HOME/llms`, else `~/.local/state/llms`. Not a tmpfs: the store must be on flash.
 pub fn state_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LLMS_STATE_DIR") {
-        return d.into();
+    if let Some(d) = crate::env_path("LLMS_STATE_DIR") {
+        return d;
     }
     if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
         return PathBuf::from(d).join("llms");

@@ -405,7 +405,7 @@ impl Service {
             }
             saved.calls += 1;
             saved.last_used = super::history::now_ms();
-            self.save(&saved).map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {e:#}")))?;
+            self.save(&saved).map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {}", crate::describe(&e))))?;
             Ok(out)
         });
         let (session, saved, unusable) = match &r {

@@ -137,7 +137,7 @@ impl Service {
     }
 
     pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>, auto: bool) -> Result<String, Refusal> {
-        let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, format!("{e:#}"));
+        let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, crate::describe(&e));
         let (pending, pending_ids) = match system_prompt {
             Some(p) => {
                 let text = Turns::system(&self.model, p).map_err(fail)?;
@@ -260,7 +260,7 @@ impl Service {
     /// Refuses when the contexts of `owner`'s quota hold more records on flash than
     /// `max_disk_per_uid`.
     pub(super) fn check_disk(&self, reg: &HashMap<String, CtxEntry>, owner: &Owner) -> Result<(), Refusal> {
-        let max = self.cfg.max_disk_bytes_per_uid().map_err(|e| refuse(ErrorCode::Failed, format!("{e:#}")))? as u64;
+        let max = self.cfg.max_disk_bytes_per_uid().map_err(|e| refuse(ErrorCode::Failed, crate::describe(&e)))? as u64;
         let mm = lock(&self.mm);
         let used: u64 = reg.values().filter(|e| e.saved.owner.shares_quota(owner)).map(|e| self.flash_bytes(&mm, e.saved.mm_id)).sum();
         if used > max {

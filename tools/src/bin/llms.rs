@@ -101,7 +101,7 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("llms: error: {e:#}");
+        eprintln!("llms: error: {}", llmsd::describe(&e));
         std::process::exit(1);
     }
 }

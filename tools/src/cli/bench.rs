@@ -14,7 +14,7 @@ use llmsd::stats::median;
 /// `llms profile`.
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
     pub chunk_tokens: usize,
     /// Where the swap store and profiles live [default: $LLMS_STATE_DIR, else ~/.local/state/llms]
     #[arg(long)]
@@ -41,7 +41,7 @@ pub struct BenchLoadArgs {
     pub tokens: Vec<usize>,
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
     pub chunk_tokens: usize,
     #[arg(long)]
     pub state_dir: Option<PathBuf>,

@@ -54,13 +54,13 @@ pub struct TraceExp {
     /// Where the load profiles are (measured there if missing); runs use fresh stores under it.
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// The llms policy's KV levels, the base first (docs/kv.md).
-    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2"]))]
+    /// The llms policy's KV levels, the base first (docs/kv.md), the service's unless told.
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&llmsd::config::DEFAULT_LEVELS))]
     llms_levels: Vec<String>,
     /// The llms policy's global ratio (x the base's bytes): a number in (0, 1], or `quality`:
     /// the most compressed ratio whose perplexity is within --quality-tolerance of the base
-    /// level's on every --accuracy-text (found before the runs, printed and used).
-    #[arg(long, default_value = "0.5")]
+    /// level's on every --accuracy-text (found before the runs, printed and used), the service's unless told.
+    #[arg(long, default_value_t = llmsd::config::DEFAULT_RATIO.to_string())]
     llms_ratio: String,
     /// With --llms-ratio quality: the perplexity allowed above the base level's, in percent.
     #[arg(long, default_value_t = 1.0)]
@@ -75,6 +75,15 @@ pub struct TraceExp {
     m: ModelArgs,
 }
 
+/// Fig. 12's plans unless told: the service's levels each alone, and their mix at the service's
+/// ratio and at 0.5.
+fn default_plans() -> Vec<String> {
+    let mut p = strings(&llmsd::config::DEFAULT_LEVELS);
+    p.push(format!("mix:{}", llmsd::config::DEFAULT_RATIO));
+    p.push("mix:0.5".into());
+    p
+}
+
 /// The KV accuracy texts (docs/kv.md): the quality search's and Fig. 12's llama.cpp comparison's.
 const ACCURACY_TEXTS: [&str; 2] = ["tests/fixtures/gpl-3.txt", "tests/fixtures/heapq.py.txt"];
 /// llama.cpp's KV perplexities on them (`make fixtures` writes it).
@@ -84,13 +93,15 @@ const DEFAULT_PEER: &str = "tests/fixtures/llama_cpp.json";
 pub enum ExperimentCmd {
     /// Fig. 12: perplexity, teacher-forced and free-running greedy agreement vs KV memory.
     AccuracyVsMemory {
-        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2", "mix:0.75", "mix:0.5", "mix:0.375"]))]
+        /// What to measure: formats and mixes; unless told, the service's levels each alone, and
+        /// mixed at the service's ratio and at 0.5.
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = default_plans())]
         plans: Vec<String>,
         #[arg(long, default_value_t = 512)]
         ctx: usize,
         #[arg(long, default_value_t = 8)]
         windows: usize,
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
         chunk_tokens: usize,
         /// Tokens generated greedily after a prompt of ctx/2 tokens per window (0: skip).
         #[arg(long, default_value_t = 64)]
@@ -98,8 +109,9 @@ pub enum ExperimentCmd {
         /// Text files [default: /usr/share/common-licenses/*].
         #[arg(long)]
         corpus: Vec<PathBuf>,
-        /// The levels the mix plans choose from, the base (int8) first (docs/kv.md).
-        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&["int8", "q4", "q2"]))]
+        /// The levels the mix plans choose from, the base (int8) first (docs/kv.md), the service's unless
+        /// told.
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&llmsd::config::DEFAULT_LEVELS))]
         levels: Vec<String>,
         /// llama.cpp's perplexities with its own KV cache types (`kv_perplexity` in the JSON
         /// `make fixtures` writes): the plans run again on --peer-texts with the same windows,
@@ -206,7 +218,7 @@ pub enum ExperimentCmd {
         decode: usize,
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
         chunk_tokens: usize,
         #[arg(long, default_value = "docs/results")]
         out_dir: PathBuf,
@@ -562,11 +574,13 @@ pub enum TraceCmd {
         policy: String,
         #[arg(long, default_value = "64MiB")]
         budget: String,
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
         chunk_tokens: usize,
-        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = ["int8".to_string(), "q4".to_string(), "q2".to_string()])]
+        /// The llms policy's levels, the service's unless told.
+        #[arg(long, value_delimiter = ',', num_args = 1.., default_values_t = strings(&llmsd::config::DEFAULT_LEVELS))]
         levels: Vec<String>,
-        #[arg(long, default_value_t = 0.5)]
+        /// The llms policy's ratio, the service's unless told.
+        #[arg(long, default_value_t = llmsd::config::DEFAULT_RATIO)]
         ratio: f64,
         #[arg(long, default_value_t = 2048)]
         max_context_tokens: usize,

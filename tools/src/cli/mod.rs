@@ -139,8 +139,8 @@ pub(crate) fn model_path(m: &ModelArgs) -> PathBuf {
 /// `$LLMS_MODEL`, else the default model here or next to the repository the binary was
 /// built in.
 pub(crate) fn default_model() -> PathBuf {
-    if let Some(p) = std::env::var_os("LLMS_MODEL") {
-        return PathBuf::from(p);
+    if let Some(p) = llmsd::env_path("LLMS_MODEL") {
+        return p;
     }
     let local = PathBuf::from(DEFAULT_MODEL);
     if local.exists() {

@@ -185,10 +185,10 @@ pub struct PerplexityArgs {
     #[arg(long)]
     pub kv: Option<String>,
     /// Tokens per KV chunk (with --kv).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = llmsd::config::DEFAULT_CHUNK_TOKENS)]
     pub chunk_tokens: usize,
-    /// The levels a mix chooses from, the base first (with --kv mix:R).
-    #[arg(long, value_delimiter = ',', default_value = "int8,q4,q2")]
+    /// The levels a mix chooses from, the base first (with --kv mix:R), the service's unless told.
+    #[arg(long, value_delimiter = ',', default_values_t = super::strings(&llmsd::config::DEFAULT_LEVELS))]
     pub kv_levels: Vec<String>,
     /// With --kv: also run the int8 cache on the same windows and report the mean KL
     /// divergence of --kv's next-token distributions from int8's (nats per scored token) and
