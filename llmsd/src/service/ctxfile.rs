@@ -116,6 +116,19 @@ fn decode(bytes: &[u8]) -> Result<Saved, String> {
     Ok(saved)
 }
 
+/// A context file's bytes checked as a start reads them (the fuzz target `context_file`): the
+/// context's id, or why the file would not be continued. A file that decodes writes back to the
+/// same bytes.
+pub fn check_context_file(bytes: &[u8]) -> Result<String, String> {
+    let saved = decode(bytes)?;
+    if saved.version == VERSION {
+        let again = encode(&saved).map_err(|e| e.to_string())?;
+        let back = decode(&again)?;
+        assert_eq!(encode(&back).map_err(|e| e.to_string())?, again, "a context file does not survive a rewrite");
+    }
+    Ok(saved.ctx)
+}
+
 fn read_one(p: &Path, id: &str) -> Result<Saved, String> {
     let meta = std::fs::metadata(p).map_err(|e| e.to_string())?;
     if meta.len() > MAX_FILE {

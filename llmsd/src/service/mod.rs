@@ -46,7 +46,7 @@ use crate::config::Config;
 use crate::kvmm::EngineRecompute;
 use crate::proto::{ErrorCode, Event};
 use call::Job;
-pub use ctxfile::{check_state_dir, ContextCheck};
+pub use ctxfile::{check_context_file, check_state_dir, ContextCheck};
 pub use http::{Listeners as HttpListeners, NETWORK_UID};
 use registry::CtxEntry;
 use turns::Turns;
