@@ -3,9 +3,7 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
-
-use crate::proto::{self, Call, CallStats, CtxInfo, ErrorCode, Event, Request, ServiceStats};
+use crate::proto::{self, Call, CallStats, CtxInfo, ErrorCode, Event, FrameError, Request, ServiceStats};
 
 /// The socket llmsd listens on unless told: `$LLMS_SOCKET`, else `$XDG_RUNTIME_DIR/llms/llmsd.sock`
 /// when that directory is set, else `/run/llms/llmsd.sock`.
@@ -27,6 +25,46 @@ pub struct ServiceError {
     pub message: String,
 }
 
+/// Why a client operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting to llmsd at {} (is it running? `llmsd --socket PATH`)", path.display())]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The connection broke, or a frame could not be read or written.
+    #[error("{what} llmsd")]
+    Frame {
+        what: &'static str,
+        #[source]
+        source: FrameError,
+    },
+    /// The service answered with an error.
+    #[error(transparent)]
+    Service(#[from] ServiceError),
+    /// The service answered something this request does not expect (a protocol mismatch).
+    #[error("unexpected answer to {op}: {event}")]
+    Unexpected { op: &'static str, event: String },
+}
+
+impl ClientError {
+    /// The service's answer, when the service answered with an error.
+    pub fn service(&self) -> Option<&ServiceError> {
+        match self {
+            Self::Service(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn unexpected(op: &'static str, e: &Event) -> Self {
+        Self::Unexpected { op, event: format!("{e:?}") }
+    }
+}
+
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
 /// A bound connection.
 #[derive(Debug)]
 pub struct Client {
@@ -38,12 +76,11 @@ pub struct Client {
 impl Client {
     /// Connects to `socket` and binds as `app`.
     pub fn connect(socket: &Path, app: &str) -> Result<Self> {
-        let stream = UnixStream::connect(socket)
-            .with_context(|| format!("connecting to llmsd at {} (is it running? `llmsd --socket PATH`)", socket.display()))?;
+        let stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect { path: socket.into(), source })?;
         let mut c = Self { stream, uid: 0, app: app.into() };
         match c.request(&Request::Bind { app: app.into(), version: proto::VERSION })? {
             Event::Bound { uid, .. } => c.uid = uid,
-            e => bail!("unexpected answer to bind: {e:?}"),
+            e => return Err(ClientError::unexpected("bind", &e)),
         }
         Ok(c)
     }
@@ -61,12 +98,13 @@ impl Client {
     }
 
     fn send(&mut self, req: &Request) -> Result<()> {
-        proto::write_frame(&mut self.stream, &proto::encode(req)).context("sending to llmsd")
+        proto::write_frame(&mut self.stream, &proto::encode(req)).map_err(|source| ClientError::Frame { what: "sending to", source })
     }
 
     fn next(&mut self) -> Result<Event> {
-        let body = proto::read_frame(&mut self.stream).context("reading from llmsd")?;
-        match proto::decode_event(&body)? {
+        let read = |source| ClientError::Frame { what: "reading from", source };
+        let body = proto::read_frame(&mut self.stream).map_err(read)?;
+        match proto::decode_event(&body).map_err(read)? {
             Event::Error { code, message } => Err(ServiceError { code, message }.into()),
             e => Ok(e),
         }
@@ -75,7 +113,7 @@ impl Client {
     pub fn new_ctx(&mut self, system_prompt: Option<&str>) -> Result<String> {
         match self.request(&Request::NewCtx { system_prompt: system_prompt.map(Into::into) })? {
             Event::Created { ctx } => Ok(ctx),
-            e => Err(anyhow!("unexpected answer to new_ctx: {e:?}")),
+            e => Err(ClientError::unexpected("new_ctx", &e)),
         }
     }
 
@@ -86,7 +124,7 @@ impl Client {
             match self.next()? {
                 Event::Token { text } => on_token(&text),
                 Event::Done { text, stats } => return Ok((text, stats)),
-                e => bail!("unexpected event during a call: {e:?}"),
+                e => return Err(ClientError::unexpected("call", &e)),
             }
         }
     }
@@ -94,21 +132,21 @@ impl Client {
     pub fn del_ctx(&mut self, ctx: &str) -> Result<()> {
         match self.request(&Request::DelCtx { ctx: ctx.into() })? {
             Event::Deleted { .. } => Ok(()),
-            e => Err(anyhow!("unexpected answer to del_ctx: {e:?}")),
+            e => Err(ClientError::unexpected("del_ctx", &e)),
         }
     }
 
     pub fn list(&mut self) -> Result<Vec<CtxInfo>> {
         match self.request(&Request::List {})? {
             Event::List { contexts } => Ok(contexts),
-            e => Err(anyhow!("unexpected answer to list: {e:?}")),
+            e => Err(ClientError::unexpected("list", &e)),
         }
     }
 
     pub fn stats(&mut self) -> Result<ServiceStats> {
         match self.request(&Request::Stats {})? {
             Event::Stats { stats } => Ok(*stats),
-            e => Err(anyhow!("unexpected answer to stats: {e:?}")),
+            e => Err(ClientError::unexpected("stats", &e)),
         }
     }
 }

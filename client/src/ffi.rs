@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use crate::client::{Client, ServiceError};
+use crate::client::{Client, ClientError};
+use crate::proto::FrameError;
 use crate::proto::{Call, ErrorCode};
 
 /// What a function of the library returns: `LLMS_OK`, or why it failed (the thread's
@@ -94,10 +95,25 @@ fn fail(status: LlmsStatus, msg: &str) -> LlmsStatus {
     status
 }
 
+/// An error and its causes on one line.
+fn describe(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cause = c.source();
+    }
+    s
+}
+
 /// The status of a failed client operation, with its message recorded.
-fn status_of(e: &anyhow::Error) -> LlmsStatus {
+fn status_of(e: &ClientError) -> LlmsStatus {
     use LlmsStatus::*;
-    let status = match e.downcast_ref::<ServiceError>() {
+    let status = match e.service() {
         Some(s) => match s.code {
             ErrorCode::BadRequest => LlmsErrBadRequest,
             ErrorCode::TooLarge => LlmsErrTooLarge,
@@ -110,10 +126,12 @@ fn status_of(e: &anyhow::Error) -> LlmsStatus {
             ErrorCode::ShuttingDown => LlmsErrShuttingDown,
             ErrorCode::TooLong => LlmsErrTooLong,
         },
-        None if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some() || c.to_string().contains("connection closed")) => LlmsErrIo,
-        None => LlmsErrProtocol,
+        None => match e {
+            ClientError::Connect { .. } | ClientError::Frame { source: FrameError::Io(_) | FrameError::Closed, .. } => LlmsErrIo,
+            _ => LlmsErrProtocol,
+        },
     };
-    fail(status, &format!("{e:#}"))
+    fail(status, &describe(e))
 }
 
 /// A C string argument as UTF-8 (`None`: NULL or not UTF-8).
@@ -139,12 +157,12 @@ fn guard(f: impl FnOnce() -> LlmsStatus) -> LlmsStatus {
 impl LlmsClient {
     /// Runs `op` on the connection, reconnecting first if the last one broke; a broken
     /// connection is dropped so the next request starts afresh.
-    fn with(&self, op: impl FnOnce(&mut Client) -> anyhow::Result<()>) -> LlmsStatus {
+    fn with(&self, op: impl FnOnce(&mut Client) -> Result<(), ClientError>) -> LlmsStatus {
         let mut conn = self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if conn.is_none() {
             match Client::connect(&self.socket, &self.app) {
                 Ok(c) => *conn = Some(c),
-                Err(e) => return fail(LlmsStatus::LlmsErrConnect, &format!("{e:#}")),
+                Err(e) => return fail(LlmsStatus::LlmsErrConnect, &describe(&e)),
             }
         }
         match op(conn.as_mut().expect("connected above")) {

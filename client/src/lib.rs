@@ -11,4 +11,4 @@ pub mod client;
 pub mod ffi;
 pub mod proto;
 
-pub use client::{default_socket, Client, ServiceError};
+pub use client::{default_socket, Client, ClientError, ServiceError};

@@ -425,7 +425,7 @@ fn decode_rows<const BITS: usize>(data: &[u8], blk: &[u8], lo: &[f32], step: &[f
 /// `code * step` <= 15 x 255: the sum fits) packed little-endian. x86_64 with AVX2 runs
 /// [`decode_rows_to_int8_avx2`] instead (this loop took ~4x its share of a q4 decode profile
 /// there, perf); elsewhere (aarch64) it is what runs, its speed not measured on ARM.
-fn decode_rows_to_int8<const BITS: usize, const PER: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
+pub(crate) fn decode_rows_to_int8<const BITS: usize, const PER: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
     const MAXB: usize = MAX_FAST_HD / 2;
     let row = hd / PER;
     let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
@@ -459,67 +459,6 @@ fn decode_rows_to_int8<const BITS: usize, const PER: usize>(blk: &[u8], t_cap: u
     }
 }
 
-/// [`decode_rows_to_int8`] in AVX2, 32 channels at a time (16 bytes of 4-bit codes or 8 of
-/// 2-bit ones): the codes unpacked in channel order, widened to i16, `lo + code * step`, then
-/// packed back to bytes with saturation and clamped to -127. Integer arithmetic: the same
-/// bytes as the portable loop (tested).
-///
-/// # Safety
-/// The CPU must have AVX2; `hd` is a multiple of 32 and the block holds `n` rows.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn decode_rows_to_int8_avx2<const BITS: usize>(blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) {
-    use std::arch::x86_64::*;
-    let params = &blk[t_cap * 2..t_cap * 2 + hd * 2];
-    let (mut lo, mut step) = ([0i16; MAX_FAST_HD], [0i16; MAX_FAST_HD]);
-    for c in 0..hd {
-        lo[c] = i16::from(params[2 * c] as i8);
-        step[c] = i16::from(params[2 * c + 1]);
-    }
-    out[..n * 2].copy_from_slice(&blk[..n * 2]);
-    let data = &blk[t_cap * 2 + hd * 2..];
-    let row = hd * BITS / 8;
-    assert!(hd.is_multiple_of(32) && data.len() >= n * row && out.len() >= t_cap * 2 + n * hd);
-    let low = _mm_set1_epi8(if BITS == 4 { 0x0F } else { 0x03 });
-    let floor = _mm256_set1_epi8(-127);
-    // SAFETY: every pointer below stays inside `data`, `out`, `lo` and `step`, as the assert
-    // above bounds them (row t's 16- or 8-byte groups end at (t + 1) * row; its 32-channel
-    // stores at t_cap * 2 + (t + 1) * hd; a parameter group at hd <= MAX_FAST_HD).
-    unsafe {
-        for t in 0..n {
-            let src = data.as_ptr().add(t * row);
-            let dst = out.as_mut_ptr().add(t_cap * 2 + t * hd);
-            for g in 0..hd / 32 {
-                // Channels 32g..32g+16 and 32g+16..32g+32 as bytes in channel order.
-                let (c0, c1) = if BITS == 4 {
-                    let b = _mm_loadu_si128(src.add(g * 16).cast());
-                    let l = _mm_and_si128(b, low);
-                    let h = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-                    (_mm_unpacklo_epi8(l, h), _mm_unpackhi_epi8(l, h))
-                } else {
-                    let b = _mm_loadl_epi64(src.add(g * 8).cast());
-                    let k0 = _mm_and_si128(b, low);
-                    let k1 = _mm_and_si128(_mm_srli_epi16(b, 2), low);
-                    let k2 = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-                    let k3 = _mm_and_si128(_mm_srli_epi16(b, 6), low);
-                    let (p01, p23) = (_mm_unpacklo_epi8(k0, k1), _mm_unpacklo_epi8(k2, k3));
-                    (_mm_unpacklo_epi16(p01, p23), _mm_unpackhi_epi16(p01, p23))
-                };
-                let at = g * 32;
-                let v = |c: __m128i, off: usize| {
-                    let code = _mm256_cvtepu8_epi16(c);
-                    let s = _mm256_loadu_si256(step.as_ptr().add(at + off).cast());
-                    let l = _mm256_loadu_si256(lo.as_ptr().add(at + off).cast());
-                    _mm256_add_epi16(l, _mm256_mullo_epi16(code, s))
-                };
-                // packs works per 128-bit lane ([a0..7 b0..7 | a8..15 b8..15]): reorder quarters.
-                let packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(v(c0, 0), v(c1, 16)), 0b11_01_10_00);
-                _mm256_storeu_si256(dst.add(at).cast(), _mm256_max_epi8(packed, floor));
-            }
-        }
-    }
-}
-
 /// Whether [`decode_block_to_int8`] takes blocks of this format and head width.
 pub fn decodes_to_int8(f: KvFormat, hd: usize) -> bool {
     matches!(f, KvFormat::Q4 | KvFormat::Q2) && hd.is_multiple_of(8 / f.bits()) && hd <= MAX_FAST_HD
@@ -531,22 +470,11 @@ pub fn decodes_to_int8(f: KvFormat, hd: usize) -> bool {
 /// with the int8 kernel, giving the bits [`read_block_f32`] would (`scale x code` either way)
 /// from a quarter of the bytes an f32 decode writes and reads: the decoded blocks of a whole
 /// context are made again at every token, so their size is the cost. Returns `false` (nothing
-/// written) for another format or a head the byte-at-a-time path does not take.
+/// written) for another format or a head the byte-at-a-time path does not take. The scalar
+/// reference; attention decodes with `kernels::decode_block_to_int8`, the same bytes.
 pub fn decode_block_to_int8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n: usize, out: &mut [u8]) -> bool {
     if !decodes_to_int8(f, hd) || n > t_cap {
         return false;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2() && hd.is_multiple_of(32) {
-        // SAFETY: the CPU has AVX2; hd is a multiple of 32; the block's sizes are asserted.
-        unsafe {
-            if f.bits() == 4 {
-                decode_rows_to_int8_avx2::<4>(blk, t_cap, hd, n, out);
-            } else {
-                decode_rows_to_int8_avx2::<2>(blk, t_cap, hd, n, out);
-            }
-        }
-        return true;
     }
     if f.bits() == 4 {
         decode_rows_to_int8::<4, 2>(blk, t_cap, hd, n, out);
@@ -558,7 +486,7 @@ pub fn decode_block_to_int8(f: KvFormat, blk: &[u8], t_cap: usize, hd: usize, n:
 
 /// Widest head the byte-at-a-time decoder handles with its stack tables (Llama-family heads are
 /// 64-128 wide).
-const MAX_FAST_HD: usize = 256;
+pub(crate) const MAX_FAST_HD: usize = 256;
 
 /// Decodes `n` tokens of an Int8/Q4/Q2 head block to per-token scales and int8 codes (a
 /// Q4R/Q2R block is decoded and quantized to int8 per token).
@@ -1493,6 +1421,10 @@ mod tests {
                     }
                     let mut int8 = vec![0u8; t_cap * 2 + t_cap * hd];
                     assert!(decode_block_to_int8(f, &blk, t_cap, hd, n, &mut int8));
+                    // Attention's vector path writes the same bytes.
+                    let mut fast = vec![0u8; int8.len()];
+                    assert!(crate::kernels::decode_block_to_int8(f, &blk, t_cap, hd, n, &mut fast));
+                    assert_eq!(fast[..t_cap * 2 + n * hd], int8[..t_cap * 2 + n * hd], "{f:?} hd {hd} n {n}");
                     let (mut a, mut b) = (vec![f32::NAN; n * hd], vec![f32::NAN; n * hd]);
                     read_block_f32(f, 0, &blk, t_cap, hd, n, &mut a);
                     read_block_f32(KvFormat::Int8, 0, &int8, t_cap, hd, n, &mut b);

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use engine::kv::{KvFormat, KvGeometry};
 use engine::model::{Model, Session, SessionOptions};
 use engine::{Logits, ThreadPool};
-use mm::{Codec, Format, KvContext};
+use mm::{Codec, EngineError, Format, KvContext};
 
 /// mm's code for an engine format (its index in `KvFormat::ALL`).
 pub fn code(f: KvFormat) -> Format {
@@ -127,26 +127,26 @@ impl KvContext for SessionKv<'_> {
     fn format(&self, chunk: usize) -> Format {
         code(self.0.kv.format(chunk))
     }
-    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, f: Format) -> Result<(), String> {
+    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, f: Format) -> Result<(), EngineError> {
         // SAFETY: the caller's contract is attach_as's.
-        unsafe { self.0.kv.attach_as(chunk, ptr, len, format(f)) }.map_err(|e| e.to_string())
+        unsafe { self.0.kv.attach_as(chunk, ptr, len, format(f)) }.map_err(EngineError::new)
     }
-    unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError> {
         // SAFETY: as attach.
-        unsafe { self.0.kv.attach(chunk, ptr, len) }.map_err(|e| e.to_string())
+        unsafe { self.0.kv.attach(chunk, ptr, len) }.map_err(EngineError::new)
     }
-    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError> {
         // SAFETY: as attach.
-        unsafe { self.0.kv.push_external(ptr, len) }.map_err(|e| e.to_string())
+        unsafe { self.0.kv.push_external(ptr, len) }.map_err(EngineError::new)
     }
-    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), String> {
-        self.0.kv.set_format(chunk, format(to)).map_err(|e| e.to_string())
+    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), EngineError> {
+        self.0.kv.set_format(chunk, format(to)).map_err(EngineError::new)
     }
-    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), String> {
+    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), EngineError> {
         let ct = self.0.kv.geom.chunk_tokens;
         let n = self.0.tokens.len();
         let positions: Vec<usize> = chunks.iter().flat_map(|&c| c * ct..((c + 1) * ct).min(n)).collect();
-        self.0.recompute(&positions, before_layer).map_err(|e| e.to_string())
+        self.0.recompute(&positions, before_layer).map_err(EngineError::new)
     }
     fn densities(&self) -> Option<Vec<f64>> {
         let a = self.0.attention.as_ref()?;
@@ -201,17 +201,17 @@ impl EngineRecompute {
 }
 
 impl mm::FaultRecompute for EngineRecompute {
-    fn recompute(&self, want: &mm::RecordMeta, out: &mut [u8]) -> Result<usize, String> {
+    fn recompute(&self, want: &mm::RecordMeta, out: &mut [u8]) -> Result<usize, EngineError> {
         let toks = self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&want.context).cloned();
-        let toks = toks.ok_or_else(|| format!("context {} has no tokens to recompute from", want.context))?;
+        let toks = toks.ok_or_else(|| EngineError::new(format!("context {} has no tokens to recompute from", want.context)))?;
         let c = want.chunk as usize;
         let end = c * self.chunk_tokens + want.tokens as usize;
         if want.tokens == 0 || end > toks.len() {
-            return Err(format!("chunk {c} ({} tokens) is past the context's {} tokens", want.tokens, toks.len()));
+            return Err(EngineError::new(format!("chunk {c} ({} tokens) is past the context's {} tokens", want.tokens, toks.len())));
         }
         // The chunk's K/V depend on every token before it: recompute only what it names.
         if mm::prefix_hashes(&toks[..end], self.chunk_tokens).get(c) != Some(&want.prefix_hash) {
-            return Err(format!("chunk {c}: the context's tokens are not the ones it was computed from"));
+            return Err(EngineError::new(format!("chunk {c}: the context's tokens are not the ones it was computed from")));
         }
         let opts = SessionOptions {
             capacity: end,
@@ -221,14 +221,15 @@ impl mm::FaultRecompute for EngineRecompute {
             sliding_window: None,
         };
         let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);
-        s.set_sparsity(self.sparsity.clone()).map_err(|e| e.to_string())?;
-        s.eval(&toks[..end], Logits::None).map_err(|e| e.to_string())?;
+        s.set_sparsity(self.sparsity.clone()).map_err(EngineError::new)?;
+        s.eval(&toks[..end], Logits::None).map_err(EngineError::new)?;
         let f = format(want.format);
         if f != self.base {
-            s.kv.set_format(c, f).map_err(|e| e.to_string())?;
+            s.kv.set_format(c, f).map_err(EngineError::new)?;
         }
         let bytes = s.kv.chunk(c);
-        let dst = out.get_mut(..bytes.len()).ok_or_else(|| format!("chunk {c}: {} bytes do not fit the slot", bytes.len()))?;
+        let dst =
+            out.get_mut(..bytes.len()).ok_or_else(|| EngineError::new(format!("chunk {c}: {} bytes do not fit the slot", bytes.len())))?;
         dst.copy_from_slice(bytes);
         Ok(bytes.len())
     }

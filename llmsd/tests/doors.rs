@@ -133,7 +133,7 @@ fn a_megabyte_word_is_refused_cleanly_on_both_doors() {
     // The native protocol keeps a long prompt's end (its sliding window): an answer either
     // way, never a dead connection.
     if let Err(e) = c.call(&call(&ctx, &word, 4), &mut |_| {}) {
-        let e = e.downcast_ref::<llmsd::client::ServiceError>().expect("an answer, not a dead connection");
+        let e = e.service().expect("an answer, not a dead connection");
         assert!(matches!(e.code, ErrorCode::TooLong | ErrorCode::BadRequest), "{e:?}");
     }
     let (text, _) = c.call(&call(&ctx, "Hi", 4), &mut |_| {}).unwrap();

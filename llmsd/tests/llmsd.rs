@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{kernel_ok, refused_start, Daemon};
-use llmsd::client::{Client, ServiceError};
+use llmsd::client::{Client, ClientError};
 use llmsd::proto::{self, Call, CallStats, ErrorCode, Event, Request};
 
 const PROMPTS: [&str; 6] = [
@@ -233,8 +233,8 @@ fn walk(p: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn code_of(e: &anyhow::Error) -> Option<ErrorCode> {
-    e.downcast_ref::<ServiceError>().map(|s| s.code)
+fn code_of(e: &ClientError) -> Option<ErrorCode> {
+    e.service().map(|s| s.code)
 }
 
 #[test]
@@ -953,8 +953,8 @@ struct Known {
 
 /// Whether an error is the service's answer (the connection lives) rather than a dead
 /// connection.
-fn answered(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<ServiceError>().is_some()
+fn answered(e: &ClientError) -> bool {
+    e.service().is_some()
 }
 
 /// One soak client: calls (and every seventh turn replaces) its context until `until`,
@@ -979,27 +979,33 @@ fn soak_client(socket: &Path, k: usize, until: Instant) -> Result<(usize, Known,
     let mut n = 0usize;
     while Instant::now() < until {
         n += 1;
-        let outcome: Result<(), anyhow::Error> = match me.clone() {
+        let outcome: Result<(), ClientError> = match me.clone() {
             None => c.new_ctx(None).map(|id| me = Some(Known { ctx: id, tokens: 0 })),
             // Churn: the context goes (a new one comes at the next turn).
             Some(m) if n.is_multiple_of(7) => c.del_ctx(&m.ctx).map(|()| me = None),
             Some(m) => {
                 let call = Call { ctx: m.ctx.clone(), prompt: PROMPTS[(k + n) % PROMPTS.len()].into(), max_tokens: 6, ..base_call() };
-                c.call(&call, &mut |_| {}).and_then(|(_, st)| {
-                    let want = i64::from(m.tokens) - i64::from(st.slid_tokens) + i64::from(st.prompt_tokens) + i64::from(st.output_tokens);
-                    if i64::from(st.context_tokens) != want {
-                        anyhow::bail!("client {k}: {} tokens after a call, {want} expected from the last one: {st:?}", st.context_tokens);
+                match c.call(&call, &mut |_| {}) {
+                    Ok((_, st)) => {
+                        let want =
+                            i64::from(m.tokens) - i64::from(st.slid_tokens) + i64::from(st.prompt_tokens) + i64::from(st.output_tokens);
+                        if i64::from(st.context_tokens) != want {
+                            return Err(format!(
+                                "client {k}: {} tokens after a call, {want} expected from the last one: {st:?}",
+                                st.context_tokens
+                            ));
+                        }
+                        me = Some(Known { ctx: m.ctx.clone(), tokens: st.context_tokens });
+                        acked += 1;
+                        Ok(())
                     }
-                    me = Some(Known { ctx: m.ctx.clone(), tokens: st.context_tokens });
-                    acked += 1;
-                    Ok(())
-                })
+                    Err(e) => Err(e),
+                }
             }
         };
         match outcome {
             Ok(()) => {}
             Err(e) if answered(&e) => failed += 1,
-            Err(e) if format!("{e}").starts_with("client ") => return Err(format!("{e:#}")),
             Err(_) => {
                 // The connection died (the service was killed): reconnect; what was
                 // acknowledged must be there. An answer that never came may or may not have

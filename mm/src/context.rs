@@ -23,6 +23,18 @@ pub trait Codec: Send + Sync {
     fn fingerprint(&self) -> u64;
 }
 
+/// What the engine side of mm's traits reports when it cannot do what mm asked (a chunk it
+/// cannot take, a recompute that failed): the engine's own error, its causes kept.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct EngineError(Box<dyn std::error::Error + Send + Sync>);
+
+impl EngineError {
+    pub fn new(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self(e.into())
+    }
+}
+
 /// One context's KV cache as the engine holds it, for the duration of a call into mm.
 pub trait KvContext {
     /// The format new chunks are written in.
@@ -37,23 +49,23 @@ pub trait KvContext {
     /// # Safety
     /// `ptr` is valid for `len` bytes for as long as it is attached and nothing else writes
     /// it meanwhile.
-    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), String>;
+    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), EngineError>;
     /// Copies `chunk` into memory the caller manages (used for chunks the engine created on
     /// its own heap).
     ///
     /// # Safety
     /// As [`KvContext::attach`].
-    unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), String>;
+    unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError>;
     /// Appends an empty chunk in the base format backed by `ptr`.
     ///
     /// # Safety
     /// As [`KvContext::attach`].
-    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), String>;
+    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError>;
     /// Converts `chunk` to `to` in its memory.
-    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), String>;
+    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), EngineError>;
     /// Recomputes the K/V of the given chunks (attached, in the base format) from their
     /// tokens, layer by layer; `before_layer(l)` runs before layer `l`.
-    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), String>;
+    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), EngineError>;
     /// Information density of each chunk (LLMS eq. 1), if the engine observes attention.
     fn densities(&self) -> Option<Vec<f64>>;
     /// mm is about to wait for the disk with nothing for the engine to do: threads the engine
@@ -68,7 +80,7 @@ pub trait KvContext {
 pub trait FaultRecompute: Send + Sync {
     /// Writes the chunk `want` names (context, chunk, format, tokens, prefix hash) into `out`
     /// and returns its length; an error when it cannot (the slot is then poisoned).
-    fn recompute(&self, want: &crate::RecordMeta, out: &mut [u8]) -> Result<usize, String>;
+    fn recompute(&self, want: &crate::RecordMeta, out: &mut [u8]) -> Result<usize, EngineError>;
 }
 
 /// FNV-1a over token ids: the hash of a chunk's prefix names the tokens its K/V came from.

@@ -21,7 +21,7 @@ pub mod store;
 pub mod weightplan;
 pub mod weights;
 
-pub use context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
+pub use context::{prefix_hashes, Codec, EngineError, FaultRecompute, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};
 pub use manager::{ChunkInfo, Features, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, Strategy};
 pub use planner::{plan, plan_forced, Linear, Plan};

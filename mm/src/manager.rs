@@ -93,7 +93,7 @@ pub enum MmError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("engine: {0}")]
-    Engine(String),
+    Engine(#[from] crate::EngineError),
     #[error("no context {0}")]
     NoContext(u64),
     #[error("context {0} already exists")]
@@ -383,7 +383,7 @@ impl std::fmt::Debug for Manager {
     }
 }
 
-fn engine(e: String) -> MmError {
+fn engine(e: crate::EngineError) -> MmError {
     MmError::Engine(e)
 }
 
@@ -554,7 +554,10 @@ impl Manager {
             return Err(MmError::TooLong { ctx, need: n, max: self.cfg.max_chunks.max(1) });
         }
         if kv.n_chunks() != 0 {
-            return Err(engine(format!("context {ctx}: restore wants a cache without chunks, it has {}", kv.n_chunks())));
+            return Err(engine(crate::EngineError::new(format!(
+                "context {ctx}: restore wants a cache without chunks, it has {}",
+                kv.n_chunks()
+            ))));
         }
         self.create(ctx)?;
         let region = Arc::clone(&self.ctx(ctx)?.region);
@@ -885,7 +888,7 @@ impl Manager {
         // ring starts the next load empty.
         let run = |l: usize, ring: &mut Ring| {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lane(l, ring)))
-                .unwrap_or_else(|_| Err(MmError::Engine("a load lane panicked".into())));
+                .unwrap_or_else(|_| Err(MmError::Engine(crate::EngineError::new("a load lane panicked"))));
             ring.drain();
             r
         };
@@ -897,7 +900,7 @@ impl Manager {
                 sc.spawn(|_| second = Some(run(1, r1)));
                 run(0, r0)
             });
-            vec![first, second.unwrap_or_else(|| Err(MmError::Engine("the load helper did not run".into())))]
+            vec![first, second.unwrap_or_else(|| Err(MmError::Engine(crate::EngineError::new("the load helper did not run"))))]
         };
         for (l, r) in lanes.into_iter().enumerate() {
             let (out, w) = r?;

@@ -61,6 +61,10 @@ pub struct Header {
     pub layer_off: [u32; MAX_LAYERS],
 }
 
+// The record layout on flash: 48 bytes of u64-aligned fields, 8 u32s, the layer offsets. A
+// field added or reordered changes every record; `VERSION` must change with it.
+const _: () = assert!(size_of::<Header>() == 48 + 8 * 4 + 4 * MAX_LAYERS);
+
 impl Header {
     fn crc(&self) -> u32 {
         let mut h = *self;

@@ -92,23 +92,23 @@ impl KvContext for FakeKv {
     fn format(&self, chunk: usize) -> Format {
         self.chunks[chunk].2
     }
-    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), String> {
+    unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), mm::EngineError> {
         self.chunks[chunk] = (ptr, len, format);
         Ok(())
     }
-    unsafe fn adopt(&mut self, _chunk: usize, _ptr: NonNull<u8>, _len: usize) -> Result<(), String> {
-        Err("the fake engine never allocates chunks itself".into())
+    unsafe fn adopt(&mut self, _chunk: usize, _ptr: NonNull<u8>, _len: usize) -> Result<(), mm::EngineError> {
+        Err(mm::EngineError::new("the fake engine never allocates chunks itself"))
     }
-    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), String> {
+    unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), mm::EngineError> {
         self.chunks.push((ptr, len, 0));
         Ok(())
     }
-    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), String> {
+    fn convert(&mut self, chunk: usize, to: Format) -> Result<(), mm::EngineError> {
         self.chunks[chunk].2 = to;
         self.write(chunk);
         Ok(())
     }
-    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), String> {
+    fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), mm::EngineError> {
         for l in 0..2 {
             before_layer(l);
         }

@@ -106,7 +106,7 @@ pub struct DaemonArgs {
 impl DaemonArgs {
     fn connect(&self) -> Result<llmsd::client::Client> {
         let socket = self.socket.clone().unwrap_or_else(llmsd::client::default_socket);
-        llmsd::client::Client::connect(&socket, &self.app)
+        Ok(llmsd::client::Client::connect(&socket, &self.app)?)
     }
 }
 

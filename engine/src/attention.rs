@@ -1,0 +1,747 @@
+//! Attention over a context's chunked KV cache, read in place in each chunk's format (f16,
+//! int8, the reduced and the split levels): `attention` for a batch of query rows of one
+//! context (prefill), `attend_spans` for one query row of each of several contexts (a decode
+//! step), split over the thread pool by spans of chunks. Reduced blocks are decoded once per
+//! span (to int8 when exact, else to f32) where their kernels cannot read them in place.
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use half::f16;
+
+use crate::kernels::{self, OutPtr};
+use crate::kv::KvFormat;
+use crate::kvcache::ChunkedKv;
+use crate::loader::Config;
+use crate::pool::ThreadPool;
+
+/// Attention received per position: the sum of probabilities over (row, head, layer) and the
+/// number of (row, head, layer) triples that could see the position.
+#[derive(Debug, Default, Clone)]
+pub struct AttentionStats {
+    pub sum: Vec<f64>,
+    pub count: Vec<u64>,
+}
+
+impl AttentionStats {
+    /// Adds attention rows (`probs[i * ld ..][..limits[i]]`, one row per query of one head
+    /// of one layer): every position a row can see gets its probability and one count.
+    pub fn add_rows(&mut self, probs: &[f32], ld: usize, limits: &[usize]) {
+        for (i, &lim) in limits.iter().enumerate() {
+            if self.sum.len() < lim {
+                self.sum.resize(lim, 0.0);
+                self.count.resize(lim, 0);
+            }
+            for (p, &a) in probs[i * ld..i * ld + lim].iter().enumerate() {
+                self.sum[p] += f64::from(a);
+                self.count[p] += 1;
+            }
+        }
+    }
+
+    /// Information density of a range of positions (LLMS eq. 1): each token's received
+    /// attention averaged over the rows that see it, the heads and the layers; then averaged
+    /// over the tokens of the range.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn density(&self, range: std::ops::Range<usize>) -> f64 {
+        let toks: Vec<f64> =
+            range.filter(|&p| p < self.count.len() && self.count[p] > 0).map(|p| self.sum[p] / self.count[p] as f64).collect();
+        if toks.is_empty() {
+            0.0
+        } else {
+            toks.iter().sum::<f64>() / toks.len() as f64
+        }
+    }
+}
+
+/// Where a reduced chunk's blocks are decoded to.
+enum Dst<'a> {
+    Int8(&'a mut [u8]),
+    F32(&'a mut [f32]),
+}
+
+/// Attention computes queries in tiles of this many tokens; a pass with at most one tile per
+/// context (decoding) runs [`attend_spans`].
+pub(crate) const TILE: usize = 8;
+
+/// Whether chunks of format `f` are decoded before attention's jobs start: the reduced levels
+/// that are not read in place, except Q4/Q2 when each job decodes the blocks it reads
+/// (`in_job`).
+fn up_front(f: KvFormat, in_job: bool, hd: usize) -> bool {
+    !(f.is_base() || f.split() || in_job && crate::kv::decodes_to_int8(f, hd))
+}
+
+/// Decodes the chunks of layer `layer` that attention over `positions` reads and cannot read
+/// in place ([`up_front`]) into `dec8` (int8 blocks) and `dec32` (f32), spread over the pool;
+/// returns each chunk's slot in them (empty when there is none).
+#[allow(clippy::too_many_arguments)]
+fn decode_up_front(
+    pool: &ThreadPool,
+    c: &Config,
+    kv: &ChunkedKv,
+    layer: usize,
+    positions: &[usize],
+    in_job: bool,
+    dec8: &mut Vec<u8>,
+    dec32: &mut Vec<f32>,
+) -> Vec<usize> {
+    let (hd, ct) = (c.head_dim, kv.geom.chunk_tokens);
+    let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
+    let last = seen.div_ceil(ct);
+    let reduced = |ch: &usize| up_front(kv.format(*ch), in_job, hd);
+    if !(0..last).any(|ch| reduced(&ch)) {
+        return Vec::new();
+    }
+    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
+    let blocks = 2 * c.n_kv_heads;
+    let to8 = |ch: &usize| crate::kv::decodes_to_int8(kv.format(*ch), hd);
+    let mut slot_of = vec![usize::MAX; last];
+    let (mut n8, mut n32) = (0, 0);
+    for (ch, slot) in slot_of.iter_mut().enumerate().filter(|(ch, _)| reduced(ch)) {
+        if to8(&ch) {
+            (*slot, n8) = (n8, n8 + 1);
+        } else {
+            (*slot, n32) = (n32, n32 + 1);
+        }
+    }
+    dec8.resize(n8 * blocks * blk8, 0);
+    dec32.resize(n32 * blocks * ct * hd, 0.0);
+    let items8 = (0..last).filter(reduced).filter(to8).zip(dec8.chunks_exact_mut(blocks * blk8).map(Dst::Int8));
+    let items32 = (0..last).filter(reduced).filter(|ch| !to8(ch)).zip(dec32.chunks_exact_mut(blocks * ct * hd).map(Dst::F32));
+    pool.scatter("kv decode", items8.chain(items32).collect(), &|(ch, mut dst)| {
+        let f = kv.format(ch);
+        let n_c = ct.min(seen - ch * ct);
+        for b in 0..blocks {
+            let kvsel = b / c.n_kv_heads;
+            let off = kv.geom.block_offset(f, layer, kvsel, b % c.n_kv_heads);
+            let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
+            match &mut dst {
+                Dst::Int8(d) => {
+                    kernels::decode_block_to_int8(f, src, ct, hd, n_c, &mut d[b * blk8..(b + 1) * blk8]);
+                }
+                Dst::F32(d) => crate::kv::read_block_f32(f, kvsel, src, ct, hd, n_c, &mut d[b * ct * hd..(b + 1) * ct * hd]),
+            }
+        }
+    });
+    slot_of
+}
+
+/// Decoding attention splits the context into spans of this many tokens (rounded to whole
+/// chunks): a job is one KV head's whole GQA group over one span. A fixed length, not a
+/// share of the threads, so the bits do not depend on the thread count.
+const SPAN_TOKENS: usize = 128;
+
+/// How one layer's chunks are read by attention: base-format and split-level blocks in place,
+/// Q4/Q2 decoded to int8 by the job that reads them (`in_job`) or up front, rotated levels
+/// decoded up front to f32 (`slot_of` indexes `dec8` / `dec32` in blocks of [kvsel][kv head]).
+struct LayerBlocks<'a> {
+    kv: &'a ChunkedKv,
+    layer: usize,
+    hd: usize,
+    n_kv_heads: usize,
+    in_job: bool,
+    slot_of: &'a [usize],
+    dec8: &'a [u8],
+    dec32: &'a [f32],
+}
+
+/// A job's buffers for [`LayerBlocks::rows`]: a Q4/Q2 block decoded to int8, a split K
+/// block's channel zero points and steps, a split V block's token scales.
+#[derive(Default)]
+struct BlockScratch {
+    own8: Vec<u8>,
+    zero: Vec<f32>,
+    step: Vec<f32>,
+    scales: Vec<f32>,
+}
+
+impl BlockScratch {
+    fn new(b: &LayerBlocks) -> Self {
+        let mut s = Self::default();
+        s.fit(b);
+        s
+    }
+    fn fit(&mut self, b: &LayerBlocks) {
+        let blk8 = if b.in_job { b.kv.geom.head_block_bytes(KvFormat::Int8, 0) } else { 0 };
+        self.own8.resize(blk8, 0);
+        self.zero.resize(b.hd, 0.0);
+        self.step.resize(b.hd, 0.0);
+        self.scales.resize(b.kv.geom.chunk_tokens, 0.0);
+    }
+}
+
+thread_local! {
+    /// Each thread's buffers for decoding attention's jobs (a decoded token runs ~100 jobs a
+    /// layer at 4k: allocating them per job showed), and the calling thread's scores and span
+    /// outputs.
+    static SPAN_JOB: std::cell::RefCell<(BlockScratch, Vec<usize>)> = std::cell::RefCell::default();
+    static SPAN_BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` with this thread's job buffers, fitted to `lb` and `nq` queries.
+fn with_span_job<R>(lb: &LayerBlocks, nq: usize, f: impl FnOnce(&mut BlockScratch, &mut [usize]) -> R) -> R {
+    SPAN_JOB.with(|cell| {
+        let g = &mut *cell.borrow_mut();
+        g.0.fit(lb);
+        g.1.resize(nq, 0);
+        f(&mut g.0, &mut g.1)
+    })
+}
+
+impl<'a> LayerBlocks<'a> {
+    /// Whether chunks of format `f` are decoded before the jobs start.
+    fn up_front(&self, f: KvFormat) -> bool {
+        up_front(f, self.in_job, self.hd)
+    }
+
+    /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
+    /// first `n_c` tokens are read.
+    fn rows<'b>(&'b self, ch: usize, kvsel: usize, kvh: usize, n_c: usize, s: &'b mut BlockScratch) -> kernels::KvRows<'b>
+    where
+        'a: 'b,
+    {
+        let (kv, hd, ct) = (self.kv, self.hd, self.kv.geom.chunk_tokens);
+        let f = kv.format(ch);
+        let off = kv.geom.block_offset(f, self.layer, kvsel, kvh);
+        let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
+        match f {
+            KvFormat::F16 => kernels::KvRows::F16(bytes),
+            KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
+            f if f.split() && kvsel == 0 => {
+                let (outliers, codes) = crate::kernels::split_k_params(bytes, ct, hd, &mut s.zero, &mut s.step);
+                kernels::KvRows::Channel { codes, bits: f.bits(), zero: &s.zero, step: &s.step, outliers }
+            }
+            f if f.split() => {
+                let codes = crate::kv::split_v_params(bytes, f.v_bits(), ct, &mut s.scales);
+                kernels::KvRows::Token { codes, scales: &s.scales, bits: f.v_bits(), levels: crate::kv::split_v_levels(f.v_bits()) }
+            }
+            f if !self.up_front(f) => {
+                kernels::decode_block_to_int8(f, bytes, ct, hd, n_c, &mut s.own8);
+                kernels::KvRows::Int8 { blk: &s.own8, t_cap: ct }
+            }
+            f => {
+                let blocks = 2 * self.n_kv_heads;
+                let b = self.slot_of.get(ch).copied().expect("reduced chunks are decoded above") * blocks + kvsel * self.n_kv_heads + kvh;
+                if crate::kv::decodes_to_int8(f, hd) {
+                    let blk8 = kv.geom.head_block_bytes(KvFormat::Int8, 0);
+                    kernels::KvRows::Int8 { blk: &self.dec8[b * blk8..(b + 1) * blk8], t_cap: ct }
+                } else {
+                    kernels::KvRows::F32(&self.dec32[b * ct * hd..(b + 1) * ct * hd])
+                }
+            }
+        }
+    }
+}
+
+/// Causal grouped-query attention of the batch's queries (at `positions`) over the chunked
+/// cache. Base-format and split-level blocks are read in place (a split level's V in the
+/// rotated domain, its share of the output rotated back once per query). Other reduced ones
+/// are decoded — Q4/Q2 to int8 blocks, Q4R/Q2R to f32 — by each job into an L1 buffer when one
+/// tile is computed, and otherwise once for the layer before the jobs start (a 128-token
+/// prefill has 16 tiles, and decoding per job made attention over Q4 chunks twice as slow as
+/// over int8).
+///
+/// Many tokens (prefill): a job is a tile of up to 8 tokens and a set of query heads sharing
+/// one KV head; each chunk's K (then V) block is read once per job and reused by every query in
+/// it; with enough jobs a set is the whole GQA group. One tile (decoding): [`attend_spans`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    pool: &ThreadPool,
+    c: &Config,
+    kv: &ChunkedKv,
+    layer: usize,
+    qkv: &[f32],
+    ld: usize,
+    positions: &[usize],
+    out: &mut [f32],
+    observer: Option<&mut AttentionStats>,
+) {
+    let n = positions.len();
+    let obs = observer.map(std::sync::Mutex::new);
+    if n <= TILE {
+        attend_spans(pool, c, layer, ld, &mut [Decoding { kv, qkv, positions, out, obs: obs.as_ref() }]);
+        return;
+    }
+    let (hd, nh) = (c.head_dim, c.n_heads);
+    let group = c.n_heads / c.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let ct = kv.geom.chunk_tokens;
+    let tiles = n.div_ceil(TILE);
+    let per_job = if c.n_kv_heads * tiles >= 2 * pool.threads() { group } else { 1 };
+    let sets = nh / per_job;
+    // Reduced chunks decoded up front, once for the layer (per job, a block was decoded by
+    // every tile and every head set that reads it: 16x for a 128-token prefill). Q4/Q2 blocks
+    // become int8 blocks (exact: they hold int8 codes), read by the int8 kernel; rotated
+    // levels become f32. Every reduced chunk of the context is decoded again at each token, so
+    // the decoded bytes are the cost: int8 writes and reads a quarter of f32's. The buffers are
+    // kept per thread, so decoding a token does not map fresh pages every layer.
+    thread_local! {
+        static DECODED: std::cell::RefCell<(Vec<u8>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    let slot_of = decode_up_front(pool, c, kv, layer, positions, false, &mut dec8, &mut dec32);
+    let lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: false, slot_of: &slot_of, dec8: &dec8, dec32: &dec32 };
+    let outp = OutPtr::new(out);
+    pool.for_chunks("attention tiles", sets * tiles, 1, &|a, b| {
+        let mut scores = Vec::new();
+        let mut q = vec![0.0f32; TILE * per_job * hd];
+        let mut o = vec![0.0f32; TILE * per_job * hd];
+        let mut limits = vec![0usize; TILE * per_job];
+        let mut visible = vec![0usize; TILE * per_job];
+        let mut scratch = BlockScratch::new(&lb);
+        // Split-level V rows are summed apart, in the rotated domain, and rotated back once
+        // per query (H is linear). Each span's share is summed apart (`po`, `pr`) and added in
+        // span order, as decoding does (`attend_spans`): a position gets the same bits whether
+        // it was prefilled or decoded, so recomputing a decoded token is exact.
+        let mut o_rot = vec![0.0f32; TILE * per_job * hd];
+        let (mut po, mut pr) = (vec![0.0f32; TILE * per_job * hd], vec![0.0f32; TILE * per_job * hd]);
+        let span = (SPAN_TOKENS / ct).max(1);
+        for job in a..b {
+            let (set, tile) = (job % sets, job / sets);
+            let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
+            let h0 = set * per_job;
+            let kvh = h0 / group;
+            let nq = (t1 - t0) * per_job;
+            for t in t0..t1 {
+                for j in 0..per_job {
+                    let qi = (t - t0) * per_job + j;
+                    round_query(&qkv[t * ld + (h0 + j) * hd..][..hd], &mut q[qi * hd..(qi + 1) * hd]);
+                    limits[qi] = positions[t] + 1;
+                }
+            }
+            let p_max = limits[..nq].iter().copied().max().unwrap_or(0);
+            scores.clear();
+            scores.resize(nq * p_max, 0.0);
+            let n_chunks = p_max.div_ceil(ct);
+            for kvsel in [0usize, 1] {
+                if kvsel == 1 {
+                    for (i, &lim) in limits[..nq].iter().enumerate() {
+                        kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
+                    }
+                    po[..nq * hd].fill(0.0);
+                    pr[..nq * hd].fill(0.0);
+                }
+                let mut rotated = false;
+                for ch in 0..n_chunks {
+                    let col0 = ch * ct;
+                    let n_c = ct.min(p_max - col0);
+                    for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
+                        *v = lim.saturating_sub(col0).min(n_c);
+                    }
+                    let rows = lb.rows(ch, kvsel, kvh, n_c, &mut scratch);
+                    if kvsel == 0 {
+                        kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
+                    } else {
+                        rotated |= matches!(rows, kernels::KvRows::Token { .. });
+                        let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut pr } else { &mut po };
+                        kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
+                        if (ch + 1) % span == 0 || ch + 1 == n_chunks {
+                            for (total, part) in [(&mut o, &mut po), (&mut o_rot, &mut pr)] {
+                                if ch < span {
+                                    total[..nq * hd].copy_from_slice(&part[..nq * hd]);
+                                } else {
+                                    total[..nq * hd].iter_mut().zip(&part[..nq * hd]).for_each(|(a, &b)| *a += b);
+                                }
+                                part[..nq * hd].fill(0.0);
+                            }
+                        }
+                    }
+                }
+                if rotated {
+                    for (oq, rq) in o[..nq * hd].chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
+                        add_rotated_back(oq, rq);
+                    }
+                }
+            }
+            if let Some(obs) = &obs {
+                obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&scores, p_max, &limits[..nq]);
+            }
+            for t in t0..t1 {
+                for j in 0..per_job {
+                    let (h, qi) = (h0 + j, (t - t0) * per_job + j);
+                    for (i, &v) in o[qi * hd..(qi + 1) * hd].iter().enumerate() {
+                        outp.write(t * nh * hd + h * hd + i, v);
+                    }
+                }
+            }
+        }
+    });
+    DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
+}
+
+/// A query rounded to f16, as llama.cpp does before its f16 K·Q product.
+fn round_query(src: &[f32], dst: &mut [f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(v).to_f32();
+    }
+}
+
+/// `o += H r`: a split level's share of the output, summed in the rotated domain, rotated back.
+fn add_rotated_back(o: &mut [f32], r: &mut [f32]) {
+    crate::kv::fwht(r);
+    for (a, &b) in o.iter_mut().zip(r.iter()) {
+        *a += b;
+    }
+}
+
+/// One context's share of a pass that computes at most one tile ([`TILE`]) of its tokens: a
+/// decode step's token, or a short piece of a prompt. `qkv` and `out` are its rows.
+pub(crate) struct Decoding<'a, 'o> {
+    pub(crate) kv: &'a ChunkedKv,
+    pub(crate) qkv: &'a [f32],
+    pub(crate) positions: &'a [usize],
+    pub(crate) out: &'a mut [f32],
+    pub(crate) obs: Option<&'a std::sync::Mutex<&'o mut AttentionStats>>,
+}
+
+/// How [`attend_spans`] lays out one context: its queries, spans, and where its pieces of the
+/// shared buffers start.
+struct SpanPlan {
+    /// Queries of one KV head (tokens x the GQA group), their longest row, chunks and spans.
+    nq: usize,
+    p_max: usize,
+    n_chunks: usize,
+    spans: usize,
+    /// Tokens in a chunk, chunks in a span, tokens in a span.
+    ct: usize,
+    span: usize,
+    st: usize,
+    rotated: bool,
+    /// Offsets in the queries, limits, scores and span outputs.
+    q0: usize,
+    l0: usize,
+    sc0: usize,
+    pa0: usize,
+}
+
+/// Attention for passes of at most one tile per context (decode steps, alone or batched):
+/// split-K over each context, as flash-decoding does. A job is one KV head's whole GQA group
+/// over one span of [`SPAN_TOKENS`] of one context: each K and V row is unpacked once for all
+/// the group's query heads (one head a job read every row three times on this model, and a
+/// split level's unpacking and step table three times), and a long context gives every thread
+/// work. Three passes: the scores of each span; each query's softmax over its whole row
+/// (gathered from the spans, so it is the one softmax of every other path); each span's share
+/// of the output, which are then added in span order (the only arithmetic that differs from
+/// one job over the whole context, and only past the first span). A context of one span runs
+/// all three in one job (the same operations on the same rows, so the same bits).
+///
+/// Every context of a batch runs in the same three pool operations (or one, when each has one
+/// span): with a pass per context, a batch of four 150-token contexts was twelve operations
+/// of 3-6 jobs a layer, each a barrier with an idle thread at its end.
+pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usize, ctxs: &mut [Decoding]) {
+    let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Chunks read neither in place nor by the job (rotated legacy levels): decoded first.
+    let decoded: Vec<(Vec<usize>, Vec<u8>, Vec<f32>)> = ctxs
+        .iter()
+        .map(|d| {
+            let (mut d8, mut d32) = (Vec::new(), Vec::new());
+            let slot_of = decode_up_front(pool, c, d.kv, layer, d.positions, true, &mut d8, &mut d32);
+            (slot_of, d8, d32)
+        })
+        .collect();
+    let lbs: Vec<LayerBlocks> = ctxs
+        .iter()
+        .zip(&decoded)
+        .map(|(d, (slot_of, d8, d32))| LayerBlocks { kv: d.kv, layer, hd, n_kv_heads: nkv, in_job: true, slot_of, dec8: d8, dec32: d32 })
+        .collect();
+    let (mut nq_all, mut sc_all, mut pa_all) = (0, 0, 0);
+    let plans: Vec<SpanPlan> = ctxs
+        .iter()
+        .map(|d| {
+            // A KV head's queries, token-major: query `qi` is token `qi / group`, head
+            // `qi % group` of the group.
+            let nq = d.positions.len() * group;
+            let ct = d.kv.geom.chunk_tokens;
+            let p_max = d.positions.iter().copied().max().map_or(0, |p| p + 1);
+            let n_chunks = p_max.div_ceil(ct);
+            let span = (SPAN_TOKENS / ct).max(1);
+            let spans = n_chunks.div_ceil(span);
+            let st = span * ct;
+            let rotated = (0..n_chunks).any(|ch| d.kv.format(ch).split());
+            let p =
+                SpanPlan { nq, p_max, n_chunks, spans, ct, span, st, rotated, q0: nq_all * nkv * hd, l0: nq_all, sc0: sc_all, pa0: pa_all };
+            nq_all += nq;
+            sc_all += nkv * spans * nq * st;
+            pa_all += nkv * spans * 2 * nq * hd;
+            p
+        })
+        .collect();
+    let mut q = vec![0.0f32; nq_all * nkv * hd];
+    let mut limits = vec![0usize; nq_all];
+    for (d, p) in ctxs.iter().zip(&plans) {
+        for (qi, dst) in q[p.q0..p.q0 + nkv * p.nq * hd].chunks_exact_mut(hd).enumerate() {
+            let (kvh, qi) = (qi / p.nq, qi % p.nq);
+            let (t, h) = (qi / group, kvh * group + qi % group);
+            round_query(&d.qkv[t * ld + h * hd..][..hd], dst);
+        }
+        for (qi, l) in limits[p.l0..p.l0 + p.nq].iter_mut().enumerate() {
+            *l = d.positions[qi / group] + 1;
+        }
+    }
+    // Scores and span outputs in job order ([context][kv head][span]), one disjoint piece a
+    // job. Every score read is written first (each span's chunks cover its columns up to
+    // every query's limit); the outputs are sums, so they start at zero.
+    let (mut scores, mut parts) = SPAN_BUFS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    scores.resize(sc_all, 0.0);
+    parts.clear();
+    parts.resize(pa_all, 0.0);
+    // The chunks of span `s` of context `i`: (chunk, its tokens up to `p_max`, its first
+    // column in the span).
+    let span_chunks = |i: usize, s: usize| {
+        let p = &plans[i];
+        (s * p.span..((s + 1) * p.span).min(p.n_chunks)).map(move |ch| (ch, p.ct.min(p.p_max - ch * p.ct), ch * p.ct - s * p.st))
+    };
+    // How many of chunk `ch`'s `n_c` tokens each query of context `i` sees.
+    let see = |i: usize, ch: usize, n_c: usize, visible: &mut [usize]| {
+        let p = &plans[i];
+        for (v, &lim) in visible.iter_mut().zip(&limits[p.l0..p.l0 + p.nq]) {
+            *v = lim.saturating_sub(ch * p.ct).min(n_c);
+        }
+    };
+    let job_scores = |i: usize, kvh: usize, s: usize, sc: &mut [f32]| {
+        let (p, lb) = (&plans[i], &lbs[i]);
+        with_span_job(lb, p.nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(i, s) {
+                see(i, ch, n_c, visible);
+                let rows = lb.rows(ch, 0, kvh, n_c, scratch);
+                let q = &q[p.q0 + kvh * p.nq * hd..p.q0 + (kvh + 1) * p.nq * hd];
+                kernels::chunk_scores(q, hd, rows, visible, scale, sc, p.st, col0);
+            }
+        });
+    };
+    let job_values = |i: usize, kvh: usize, s: usize, probs: &[f32], part: &mut [f32]| {
+        let (p, lb) = (&plans[i], &lbs[i]);
+        let (o, o_rot) = part.split_at_mut(p.nq * hd);
+        with_span_job(lb, p.nq, |scratch, visible| {
+            for (ch, n_c, col0) in span_chunks(i, s) {
+                see(i, ch, n_c, visible);
+                let rows = lb.rows(ch, 1, kvh, n_c, scratch);
+                let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };
+                kernels::chunk_values(probs, p.st, col0, rows, visible, hd, acc);
+            }
+        });
+    };
+    let observe = |i: usize, probs: &[f32], lim: usize| {
+        if let Some(obs) = ctxs[i].obs {
+            obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(probs, lim, &[lim]);
+        }
+    };
+    {
+        // Pass 1: every span's scores; a one-span context's whole job.
+        let mut items = Vec::new();
+        let (mut sc_rest, mut pa_rest) = (&mut scores[..], &mut parts[..]);
+        for (i, p) in plans.iter().enumerate() {
+            for kvh in 0..nkv {
+                for s in 0..p.spans {
+                    let (sc, r) = std::mem::take(&mut sc_rest).split_at_mut(p.nq * p.st);
+                    sc_rest = r;
+                    let (pa, r) = std::mem::take(&mut pa_rest).split_at_mut(2 * p.nq * hd);
+                    pa_rest = r;
+                    items.push((i, kvh, s, sc, pa));
+                }
+            }
+        }
+        pool.scatter("attention span scores", items, &|(i, kvh, s, sc, part)| {
+            job_scores(i, kvh, s, sc);
+            let p = &plans[i];
+            if p.spans > 1 {
+                return;
+            }
+            for (qi, &lim) in limits[p.l0..p.l0 + p.nq].iter().enumerate() {
+                let row = &mut sc[qi * p.st..qi * p.st + lim];
+                kernels::softmax_f16(row);
+                observe(i, row, lim);
+            }
+            job_values(i, kvh, 0, sc, part);
+            if p.rotated {
+                let (o, o_rot) = part.split_at_mut(p.nq * hd);
+                for (oq, rq) in o.chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
+                    add_rotated_back(oq, rq);
+                }
+            }
+        });
+    }
+    if plans.iter().any(|p| p.spans > 1) {
+        // Pass 2: each query's softmax over its whole row, gathered from its spans.
+        let mut items = Vec::new();
+        let mut sc_rest = &mut scores[..];
+        for (i, p) in plans.iter().enumerate() {
+            for _ in 0..nkv {
+                let (sc, r) = std::mem::take(&mut sc_rest).split_at_mut(p.spans * p.nq * p.st);
+                sc_rest = r;
+                if p.spans > 1 {
+                    items.push((i, sc));
+                }
+            }
+        }
+        pool.scatter("attention softmax", items, &|(i, sc)| {
+            let p = &plans[i];
+            let (nq, st) = (p.nq, p.st);
+            let mut row = vec![0.0f32; p.p_max];
+            for (qi, &lim) in limits[p.l0..p.l0 + nq].iter().enumerate() {
+                let piece = |s: usize| (s * st, ((s + 1) * st).min(lim), (s * nq + qi) * st);
+                for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
+                    row[lo..hi].copy_from_slice(&sc[at..at + hi - lo]);
+                }
+                kernels::softmax_f16(&mut row[..lim]);
+                for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
+                    sc[at..at + hi - lo].copy_from_slice(&row[lo..hi]);
+                }
+                observe(i, &row[..lim], lim);
+            }
+        });
+        // Pass 3: every span's share of the output.
+        let probs_all = &scores;
+        let mut items = Vec::new();
+        let mut pa_rest = &mut parts[..];
+        for (i, p) in plans.iter().enumerate() {
+            for kvh in 0..nkv {
+                for s in 0..p.spans {
+                    let (pa, r) = std::mem::take(&mut pa_rest).split_at_mut(2 * p.nq * hd);
+                    pa_rest = r;
+                    if p.spans > 1 {
+                        items.push((i, kvh, s, pa));
+                    }
+                }
+            }
+        }
+        pool.scatter("attention span values", items, &|(i, kvh, s, part)| {
+            let p = &plans[i];
+            let at = p.sc0 + ((kvh * p.spans + s) * p.nq) * p.st;
+            job_values(i, kvh, s, &probs_all[at..at + p.nq * p.st], part);
+        });
+    }
+    // The spans' shares added in span order, rotated back, into each context's output.
+    let (mut o, mut o_rot) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+    for (d, p) in ctxs.iter_mut().zip(&plans) {
+        let parts = &parts[p.pa0..p.pa0 + nkv * p.spans * 2 * p.nq * hd];
+        for kvh in 0..nkv {
+            for qi in 0..p.nq {
+                let (t, h) = (qi / group, kvh * group + qi % group);
+                let dst = &mut d.out[t * nh * hd + h * hd..][..hd];
+                let mut spans = parts[kvh * p.spans * 2 * p.nq * hd..].chunks_exact(2 * p.nq * hd).take(p.spans);
+                if p.spans == 1 {
+                    // Summed and rotated back by its job.
+                    dst.copy_from_slice(&spans.next().expect("one span")[qi * hd..(qi + 1) * hd]);
+                    continue;
+                }
+                for (s, part) in spans.enumerate() {
+                    let (po, pr) = (&part[qi * hd..(qi + 1) * hd], &part[(p.nq + qi) * hd..(p.nq + qi + 1) * hd]);
+                    if s == 0 {
+                        o.copy_from_slice(po);
+                        o_rot.copy_from_slice(pr);
+                    } else {
+                        o.iter_mut().zip(po).for_each(|(a, &b)| *a += b);
+                        o_rot.iter_mut().zip(pr).for_each(|(a, &b)| *a += b);
+                    }
+                }
+                if p.rotated {
+                    add_rotated_back(&mut o, &mut o_rot);
+                }
+                dst.copy_from_slice(&o);
+            }
+        }
+    }
+    SPAN_BUFS.with(|b| *b.borrow_mut() = (scores, parts));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvGeometry;
+    use rand::{Rng, SeedableRng};
+
+    /// Attention over chunks in every format equals a plain f32 attention over their
+    /// dequantized values (same f16 rounding of Q and of the probabilities).
+    #[test]
+    fn attention_over_mixed_formats_equals_dequantized_reference() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let c = Config {
+            arch: "llama".into(),
+            n_layers: 2,
+            dim: 6 * 64,
+            ffn_dim: 8,
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 64,
+            vocab: 8,
+            ctx_len: 512,
+            rope_base: 10000.0,
+            rope_dims: 64,
+            rope_neox: false,
+            rope_freq_scale: 1.0,
+            rope_factors: None,
+            norm_eps: 1e-5,
+        };
+        // 300 tokens: decoding attention's spans (SPAN_TOKENS) cover them in three pieces.
+        let (kvd, n) = (c.kv_dim(), 300);
+        let geom = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
+        let mut kv = ChunkedKv::new(geom, 512, KvFormat::Int8);
+        kv.ensure(n).unwrap();
+        for layer in 0..2 {
+            for pos in 0..n {
+                let k: Vec<f32> = (0..kvd).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..kvd).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                kv.write(layer, pos, &k, &v);
+            }
+        }
+        // Every span mixes formats; the last chunk stays int8 (partial); the split levels are
+        // read in place, V rotated back.
+        let formats = [
+            KvFormat::Q4,
+            KvFormat::F16,
+            KvFormat::K4V4,
+            KvFormat::Q2,
+            KvFormat::K3V3,
+            KvFormat::Q4R,
+            KvFormat::Int8,
+            KvFormat::K2V2,
+            KvFormat::K4V3,
+        ];
+        for i in 0..n / 16 {
+            kv.set_format(i, formats[i % formats.len()]).unwrap();
+        }
+        // Two tiles (reduced chunks decoded once for the layer); one token and a tile of
+        // scattered positions (split over spans, Q4/Q2 decoded by each job); one token and a
+        // tile within the first span (its three passes run as one job).
+        for positions in [(n - 9..n).collect::<Vec<usize>>(), vec![n - 1], vec![5, 130, 131, 299, 200], vec![100], vec![3, 60, 127]] {
+            let ld = c.dim + 2 * kvd;
+            let qkv: Vec<f32> = (0..positions.len() * ld).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut out = vec![0.0; positions.len() * c.dim];
+            let mut stats = AttentionStats::default();
+            attention(&ThreadPool::new(2), &c, &kv, 1, &qkv, ld, &positions, &mut out, Some(&mut stats));
+            // Reference: dequantize every chunk, then textbook attention.
+            let deq = |kvsel: usize, pos: usize, h: usize| -> Vec<f32> {
+                let ch = pos / 16;
+                let f = kv.format(ch);
+                let mut blk = vec![0.0; 16 * 64];
+                let off = geom.block_offset(f, 1, kvsel, h);
+                crate::kv::read_block_f32(f, kvsel, &kv.chunk(ch)[off..], 16, 64, 16, &mut blk);
+                blk[(pos % 16) * 64..(pos % 16 + 1) * 64].to_vec()
+            };
+            for (t, &pos) in positions.iter().enumerate() {
+                for h in 0..c.n_heads {
+                    let q: Vec<f32> = qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                    let mut sc: Vec<f32> =
+                        (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
+                    kernels::softmax_f16(&mut sc);
+                    let mut want = vec![0.0f32; 64];
+                    for (p, &w) in sc.iter().enumerate() {
+                        for (o, x) in want.iter_mut().zip(deq(1, p, h / 3)) {
+                            *o += w * x;
+                        }
+                    }
+                    for (d, &w) in want.iter().enumerate() {
+                        let got = out[t * c.dim + h * 64 + d];
+                        assert!((got - w).abs() < 1e-4, "pos {pos} head {h} dim {d}: {got} vs {w}");
+                    }
+                }
+            }
+            for p in [0, 6, 131, 132, 299] {
+                let rows = positions.iter().filter(|&&q| q >= p).count() as u64 * 6;
+                let got = stats.count.get(p).copied().unwrap_or(0);
+                assert_eq!(got, rows, "position {p}: every query row of every head that sees it");
+            }
+        }
+    }
+}
