@@ -188,7 +188,6 @@ fn real_memory_pressure_moves_headroom_and_level() {
     let during = src.sample(1000).unwrap();
     child.stdin.take().unwrap().write_all(b"\n").unwrap();
     child.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(200));
     // The machine is shared: other processes' memory moves too. Wait (bounded) for
     // MemAvailable to come back near the baseline before taking the "after" sample, so the
     // check below is about the classifier, not about what a neighbour allocated meanwhile.

@@ -174,16 +174,11 @@ fn a_call_cancelled_in_a_batch_leaves_and_the_others_go_on() {
     assert_eq!(text, again);
     // The cancelled call kept what it made, far less than its 400 tokens.
     let mut q = d.client("quitter");
-    let mut tokens = 0;
-    for _ in 0..100 {
+    let tokens = llms_tests::wait_until("the cancelled call to end", Duration::from_secs(60), || {
         let list = q.list().unwrap();
         let i = list.iter().find(|i| i.ctx == qctx).unwrap();
-        tokens = i.tokens;
-        if !i.busy {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        (!i.busy).then_some(i.tokens)
+    });
     assert!(tokens > 10 && tokens < 300, "the cancelled context holds {tokens} tokens");
     // A call that adds no tokens is refused before it can reach a shared pass.
     let err = q.call(&raw(&qctx, "", 8), &mut |_| {}).unwrap_err();
@@ -231,9 +226,7 @@ fn one_uid_cannot_keep_others_out_of_the_batch() {
     rx.recv().unwrap();
     let queued = root_call(300, tx);
     let mut c = d.client("watch");
-    while c.stats().unwrap().queue == 0 {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    llms_tests::wait_until("root's third call to queue", Duration::from_secs(60), || (c.stats().unwrap().queue > 0).then_some(()));
     // uid 65534 through the CLI: a context and a short call, queued behind root's third.
     let llms = common::llms_bin();
     let as_nobody = |args: &[&str]| {
@@ -257,8 +250,9 @@ fn one_uid_cannot_keep_others_out_of_the_batch() {
 /// A forward pass that panics with several calls in it fails only the call whose data made it
 /// panic: each call's piece runs again alone, the guilty one panics again and its context is
 /// quarantined, and the others go on, answering what they answer with no fault at all. (The
-/// panic is injected: llmsd's debug build panics on a pass feeding `LLMS_FAULT_PANIC_TOKEN`,
-/// standing for a context whose data crashes the model.)
+/// panic is injected: llmsd's debug build panics after a pass that fed `LLMS_FAULT_PANIC_TOKEN`
+/// has written every call's K/V, standing for a context whose data crashes the model; without
+/// the rollback of the innocent call's positions, its answer differs.)
 #[test]
 #[cfg_attr(not(debug_assertions), ignore = "the fault is injected in debug builds only (make test runs them)")]
 fn a_pass_that_panics_fails_only_the_call_that_made_it() {

@@ -199,15 +199,9 @@ fn panics_anywhere_give_back_what_the_connection_held() {
         let (text, _) = c.call(&call(&ctx, "Hi", 3), &mut |_| {}).unwrap();
         assert!(!text.is_empty(), "{stage}: the service goes on");
         // Connections of panicked requests may take a moment to be dropped by their threads.
-        let mut held = 0;
-        for _ in 0..200 {
-            held = c.stats().unwrap().connections;
-            if held == 1 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert_eq!(held, 1, "{stage}: every panicked connection gave its slot back");
+        llms_tests::wait_until(&format!("{stage}: every panicked connection to give its slot back"), Duration::from_secs(30), || {
+            (c.stats().unwrap().connections == 1).then_some(())
+        });
         drop(c);
         d.stop();
     }

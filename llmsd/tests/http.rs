@@ -145,7 +145,8 @@ fn openai_clients_continue_persistent_contexts() {
             raw_http(&http, req.as_bytes(), Duration::from_secs(60))
         }
     });
-    std::thread::sleep(Duration::from_millis(200));
+    let mut watch = d.client("watch");
+    llms_tests::wait_until("the second call to queue", Duration::from_secs(60), || (watch.stats().unwrap().queue > 0).then_some(()));
     // SAFETY: plain kill(2) on our child.
     unsafe { libc::kill(i32::try_from(d.child.id()).unwrap(), libc::SIGTERM) };
     let mut rest = Vec::new();
@@ -244,12 +245,16 @@ fn other_uids_and_floods_over_http() {
     assert!(!native.status.success() && String::from_utf8_lossy(&native.stderr).contains("app_names"), "{native:?}");
     // A flood: past max_connections_per_uid, 429 and closed; the others are still served.
     let held: Vec<UnixStream> = (0..4).map(|_| UnixStream::connect(&http).unwrap()).collect();
-    std::thread::sleep(Duration::from_millis(200));
-    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", Duration::from_secs(10));
+    // (The service counts a connection when it accepts it: a probe may come before the four.)
+    let health = || raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
+    let r = llms_tests::wait_until("the fifth connection to be refused", Duration::from_secs(30), || {
+        Some(health()).filter(|r| !r.starts_with("HTTP/1.1 200"))
+    });
     assert!(r.starts_with("HTTP/1.1 429") && r.contains("max_connections_per_uid"), "{r}");
     drop(held);
-    std::thread::sleep(Duration::from_millis(200));
-    let r = raw_http(&http, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
+    let r = llms_tests::wait_until("the held connections to be given back", Duration::from_secs(30), || {
+        Some(health()).filter(|r| !r.starts_with("HTTP/1.1 429"))
+    });
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     d.stop();
 }

@@ -161,7 +161,11 @@ fn channel_major_paged_weights_give_the_resident_logits() {
             // Embedding rows are faulted in before the pager next accounts them: a prompt's
             // worth at most, each row (612 bytes) on one slot or across two.
             let slack = 2 * (PROMPT_TOKENS as u64 + 1) * llmsd::weights::SPARSE_SLOT as u64;
-            assert!(peak as u64 <= s.budget + slack, "{budget}%: Rss peaked at {peak}, budget {}: {s:?}", s.budget);
+            assert!(
+                peak > 0 && peak as u64 <= s.budget + slack,
+                "{budget}%: Rss peaked at {peak} (0: never read), budget {}: {s:?}",
+                s.budget
+            );
             assert!(s.resident_bytes <= s.budget + llmsd::weights::SPARSE_SLOT as u64, "{budget}%: {s:?}");
             if budget < 100.0 {
                 assert!(s.evicted_slots > 0, "{budget}%: nothing evicted");

@@ -68,3 +68,19 @@ pub fn require_kernel<T, E: std::fmt::Display>(feature: &str, probe: Result<T, E
 pub fn kernel_required() -> bool {
     std::env::var("LLMS_REQUIRE_KERNEL").as_deref() == Ok("1")
 }
+
+/// Waits for an event: polls `probe` (short pauses, growing to 50 ms) until it gives a value,
+/// and fails the test naming `what` if `limit` passes first. Tests wait on events this way,
+/// never by sleeping for a guessed time: a slow machine only makes them slower, not wrong.
+pub fn wait_until<T>(what: &str, limit: std::time::Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let t = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(1);
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(t.elapsed() < limit, "waited {limit:?} for {what}");
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(50));
+    }
+}

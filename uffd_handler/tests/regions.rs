@@ -468,7 +468,7 @@ fn integrity_under_concurrent_faults_writes_and_evictions() {
 fn dropping_the_pager_with_threads_blocked_on_faults_does_not_hang() {
     let Some(p) = pager() else { return };
     let src = Arc::new(PatternSource { delay: Some(Duration::from_millis(200)), ..Default::default() });
-    let r = Arc::new(p.region(SLOT, 4, src).unwrap());
+    let r = Arc::new(p.region(SLOT, 4, src.clone()).unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     for s in 0..3 {
         let (r, tx) = (Arc::clone(&r), tx.clone());
@@ -477,7 +477,8 @@ fn dropping_the_pager_with_threads_blocked_on_faults_does_not_hang() {
             tx.send(s).unwrap();
         });
     }
-    std::thread::sleep(Duration::from_millis(20));
+    // Drop the pager while a fill is running (the source sleeps 200 ms in it).
+    llms_tests::wait_until("a fault to reach the source", Duration::from_secs(60), || (src.calls.load(Ordering::SeqCst) > 0).then_some(()));
     drop(p);
     for _ in 0..3 {
         rx.recv_timeout(Duration::from_secs(60)).expect("a faulting thread was left blocked");

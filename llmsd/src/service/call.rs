@@ -652,8 +652,9 @@ impl Service {
                     active.iter_mut().enumerate().filter(|(i, _)| rows.binary_search(i).is_ok()).map(|(_, a)| &mut a.s).collect();
                 let refs: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
                 catch_unwind(AssertUnwindSafe(|| {
+                    let r = Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len);
                     injected_fault(&refs);
-                    Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len)
+                    r
                 }))
             };
             let pass_ms = ms(t0.elapsed());
@@ -688,8 +689,9 @@ impl Service {
                         s.truncate(from[k]);
                         let piece = [pieces[k].as_slice()];
                         let r = catch_unwind(AssertUnwindSafe(|| {
+                            let r = Session::step_batch(&mut [s], &piece, scratch).map(<[f32]>::len);
                             injected_fault(&piece);
-                            Session::step_batch(&mut [s], &piece, scratch).map(<[f32]>::len)
+                            r
                         }));
                         match r {
                             Ok(Ok(len)) => self.take_rows(active, &[i], &pieces[k..=k], &scratch.logits()[..len], n, &mut ended),
@@ -953,9 +955,10 @@ pub(super) fn panic_message(p: &(dyn Any + Send)) -> String {
     format!("panic: {}", m.unwrap_or_else(|| "unknown".into()))
 }
 
-/// Fault injection for tests, in debug builds only: a forward pass that feeds the token
-/// `LLMS_FAULT_PANIC_TOKEN` panics, standing for context data that makes the model panic
-/// (llmsd/tests/batching.rs).
+/// Fault injection for tests, in debug builds only: a forward pass that fed the token
+/// `LLMS_FAULT_PANIC_TOKEN` panics once it has run — every call's K/V written and positions
+/// advanced, so the rollback has something to undo — standing for context data that makes the
+/// model panic (llmsd/tests/batching.rs).
 #[cfg(debug_assertions)]
 fn injected_fault(pieces: &[&[u32]]) {
     static TOKEN: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();

@@ -4,7 +4,7 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use llms_tests::{model_path, require_kernel};
 use llmsd::client::Client;
@@ -78,14 +78,16 @@ impl Daemon {
         let child =
             cmd.arg("--config").arg(&cfg).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().expect("llmsd starts");
         let mut d = Self { child, socket, log };
-        let t = Instant::now();
-        while UnixStream::connect(&d.socket).is_err() {
-            if let Some(st) = d.child.try_wait().unwrap() {
-                panic!("llmsd exited ({st}): {}", std::fs::read_to_string(&d.log).unwrap_or_default());
-            }
-            assert!(t.elapsed() < Duration::from_secs(120), "llmsd did not start: {}", d.log_text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        llms_tests::wait_until(
+            &format!("llmsd to listen on {} (log: {})", d.socket.display(), d.log.display()),
+            Duration::from_secs(120),
+            || {
+                if let Some(st) = d.child.try_wait().unwrap() {
+                    panic!("llmsd exited ({st}): {}", std::fs::read_to_string(&d.log).unwrap_or_default());
+                }
+                UnixStream::connect(&d.socket).is_ok().then_some(())
+            },
+        );
         d
     }
 
