@@ -5,7 +5,7 @@
 //! the choice changes speed, never results: `LLMS_SIMD=scalar` (or [`set_scalar`]) runs the
 //! references, and a model gives the same logits, bit for bit, on x86 and ARM.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::LazyLock;
 
 /// The vector extensions in use, after `LLMS_SIMD` has had its say.
@@ -48,21 +48,81 @@ static ISA: LazyLock<Isa> = LazyLock::new(|| {
     }
 });
 
-/// Set by [`set_scalar`]: the vector kernels off for the whole process.
-static SCALAR: AtomicBool = AtomicBool::new(false);
+/// A set of kernels: the scalar references, an ISA's base vector kernels, or those with its
+/// optional dot-product extension (VNNI on x86_64, `sdot` on aarch64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelSet {
+    Scalar,
+    Avx2,
+    Vnni,
+    Neon,
+    NeonDot,
+}
 
-/// Turns the vector kernels off (`true`) or back on for the whole process, for comparing the
-/// kernel sets in one run (tests, benchmarks). Not for use while other threads compute.
+impl KernelSet {
+    pub const ALL: [Self; 5] = [Self::Scalar, Self::Avx2, Self::Vnni, Self::Neon, Self::NeonDot];
+
+    /// Its name, as `simd_name` reports it and `LLMS_KERNEL_SETS` asks for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Vnni => "avx2+vnni",
+            Self::Neon => "neon",
+            Self::NeonDot => "neon+dotprod",
+        }
+    }
+
+    /// What it caps the detected ISA to: 0 none, 1 the base vectors, 2 everything.
+    fn cap(self) -> u8 {
+        match self {
+            Self::Scalar => 0,
+            Self::Avx2 | Self::Neon => 1,
+            Self::Vnni | Self::NeonDot => 2,
+        }
+    }
+}
+
+/// The sets this CPU runs (after `LLMS_SIMD`), the scalar references first.
+pub fn offered() -> Vec<KernelSet> {
+    let i = *ISA;
+    let mut v = vec![KernelSet::Scalar];
+    if i.avx2 {
+        v.push(KernelSet::Avx2);
+    }
+    if i.vnni {
+        v.push(KernelSet::Vnni);
+    }
+    if i.neon {
+        v.push(KernelSet::Neon);
+    }
+    if i.dotprod {
+        v.push(KernelSet::NeonDot);
+    }
+    v
+}
+
+/// The cap [`use_set`] put on the detected ISA (2: none).
+static CAP: AtomicU8 = AtomicU8::new(2);
+
+/// Runs `set`'s kernels for the whole process (one of [`offered`]), for comparing the kernel
+/// sets in one run (tests, benchmarks). Not for use while other threads compute.
+pub fn use_set(set: KernelSet) {
+    assert!(offered().contains(&set), "kernel set {} is not offered here", set.name());
+    CAP.store(set.cap(), Ordering::Relaxed);
+}
+
+/// The vector kernels off (`true`, the scalar references) or back to the best set.
 pub fn set_scalar(on: bool) {
-    SCALAR.store(on, Ordering::Relaxed);
+    CAP.store(if on { 0 } else { 2 }, Ordering::Relaxed);
 }
 
 #[inline]
 fn isa() -> Isa {
-    if SCALAR.load(Ordering::Relaxed) {
-        Isa::default()
-    } else {
-        *ISA
+    match CAP.load(Ordering::Relaxed) {
+        0 => Isa::default(),
+        1 => Isa { vnni: false, dotprod: false, ..*ISA },
+        _ => *ISA,
     }
 }
 

@@ -41,23 +41,39 @@ fn run(m: &Arc<Model>, pool: &Arc<ThreadPool>, toks: &[u32]) -> Vec<f32> {
     all
 }
 
+/// Every kernel set the CPU offers gives the scalar references' logits. `LLMS_KERNEL_SETS`
+/// (comma-separated names: avx2, avx2+vnni, neon, neon+dotprod) lists sets the run must cover:
+/// one the CPU lacks is a skip, and under `LLMS_REQUIRE_KERNEL=1` a failure (`make test` asks
+/// for avx2 on x86_64, `make test-arm64-ci` for neon and neon+dotprod under qemu).
 #[test]
 fn logits_are_the_same_bits_with_vector_and_scalar_kernels() {
+    use engine::simd::{offered, use_set, KernelSet};
+    let offered = offered();
+    let asked = std::env::var("LLMS_KERNEL_SETS").unwrap_or_default();
+    for name in asked.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let set = KernelSet::ALL.iter().find(|s| s.name() == name);
+        assert!(set.is_some(), "LLMS_KERNEL_SETS: unknown kernel set {name:?}");
+        let why = format!("this CPU (with LLMS_SIMD={:?}) offers {:?}", std::env::var("LLMS_SIMD").unwrap_or_default(), offered);
+        llms_tests::require_kernel(&format!("kernel set {name}"), if offered.contains(set.unwrap()) { Ok(()) } else { Err(why) });
+    }
     let m = Arc::new(Model::load(&model_path()).unwrap());
     let pool = Arc::new(ThreadPool::new(2));
     let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
     let toks = m.tokenizer.encode(&text, false, false).unwrap()[..179].to_vec();
-    let kernels = engine::simd::simd_name();
-    let vector = run(&m, &pool, &toks);
     // Process-wide: no other test in this binary computes meanwhile.
-    engine::simd::set_scalar(true);
+    use_set(KernelSet::Scalar);
     let scalar = run(&m, &pool, &toks);
-    engine::simd::set_scalar(false);
-    assert_eq!(vector.len(), scalar.len());
-    let differ = vector.iter().zip(&scalar).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-    let worst = vector.iter().zip(&scalar).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    assert_eq!(differ, 0, "{kernels} vs scalar: {differ} of {} logits differ (by up to {worst})", vector.len());
-    eprintln!("{kernels} and scalar kernels: {} logits, all the same bits", vector.len());
+    let mut vector = scalar.clone();
+    for &set in &offered[1..] {
+        use_set(set);
+        assert_eq!(engine::simd::simd_name(), set.name());
+        vector = run(&m, &pool, &toks);
+        assert_eq!(vector.len(), scalar.len());
+        let differ = vector.iter().zip(&scalar).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let worst = vector.iter().zip(&scalar).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert_eq!(differ, 0, "{} vs scalar: {differ} of {} logits differ (by up to {worst})", set.name(), vector.len());
+        eprintln!("{} and scalar kernels: {} logits, all the same bits", set.name(), vector.len());
+    }
     // `make test-arm64` compares this digest of the run on x86_64 with the one under
     // emulated aarch64: the same bits across architectures too.
     if let Some(path) = std::env::var_os("LLMS_LOGITS_DIGEST") {
