@@ -104,6 +104,45 @@ if PHASE == "main":
     t = a.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     check(t.object == "text_completion" and t.choices[0].text, f"a completion: {t}")
 
+    # 4b. The sampling parameters, as the client sends them. Each call from an app of its own
+    # (a fresh context), so no answer continues another.
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    fresh_app = iter(range(1000))
+    def ask(**kw):
+        kw.setdefault("max_tokens", 24)
+        return unix_client(f"py-p{next(fresh_app)}").chat.completions.create(model=MODEL, messages=q, **kw)
+    greedy = ask(temperature=0)
+    g = greedy.choices[0].message.content
+    check(len(g.split()) > 2, f"a greedy answer of some words: {g!r}")
+    # stop: the answer ends before the first stop string, reason "stop".
+    cut = g.split()[2]
+    r = ask(temperature=0, stop=[cut, "never-said"])
+    check(r.choices[0].message.content == g[:g.index(cut)] and r.choices[0].finish_reason == "stop",
+          f"stop at {cut!r}: {r.choices[0].message.content!r} of {g!r}, {r.choices[0].finish_reason}")
+    # max_tokens and max_completion_tokens: exactly that many, reason "length".
+    r = ask(temperature=0, max_tokens=3)
+    check(r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length", f"max_tokens 3: {r.usage} {r.choices[0]}")
+    r = unix_client("py-mct").chat.completions.create(model=MODEL, messages=q, temperature=0, max_completion_tokens=2)
+    check(r.usage.completion_tokens == 2, f"max_completion_tokens 2: {r.usage}")
+    e = expect_error(openai.BadRequestError, 400, "invalid_request", lambda: ask(max_tokens=10**9))
+    check("at most" in e.message, f"the limit is named: {e.message}")
+    # seed: the same seed samples the same answer; different seeds do not all agree.
+    hot = dict(temperature=1.2, top_p=1.0, max_tokens=24)
+    a7, b7 = ask(seed=7, **hot).choices[0].message.content, ask(seed=7, **hot).choices[0].message.content
+    check(a7 == b7, f"seed 7 twice: {a7!r} vs {b7!r}")
+    others = {ask(seed=s, **hot).choices[0].message.content for s in (8, 9, 10)}
+    check(len(others | {a7}) > 1, f"four seeds at temperature 1.2 all gave {a7!r}")
+    # temperature 0 is greedy; top_p that keeps only the likeliest token is greedy at any temperature.
+    check(ask(temperature=1.5, top_p=1e-9, seed=3).choices[0].message.content == g, "top_p ~0 keeps the likeliest token")
+    # Fields not implemented are refused by name (or accepted at a neutral value).
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                         ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("n", 2),
+                         ("logprobs", True), ("frequency_penalty", 0.5), ("made_up_field", 1)]:
+        e = expect_error(openai.BadRequestError, 400, "unsupported_parameter", lambda: ask(temperature=0, extra_body={field: value}))
+        check(e.param == field, f"{field}: the error names it: {e.param!r} {e.message}")
+    r = ask(temperature=0, extra_body={"frequency_penalty": 0, "tool_choice": "none", "user": "u1", "n": 1, "logprobs": False})
+    check(r.choices[0].message.content == g, "neutral values change nothing")
+
     # 5. Errors: OpenAI's error object with the right status.
     r = raw("POST", "/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
     check(r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", f"bad JSON: {r.status_code} {r.text}")

@@ -284,11 +284,14 @@ async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind,
             format!("model {} is not served here (this service serves {})", crate::proto::quote(m), front.model_id),
         );
     }
+    let unsupported = |field: &str, why: &str| {
+        error_param(StatusCode::BAD_REQUEST, "invalid_request_error", "unsupported_parameter", Some(field), format!("{field}: {why}"))
+    };
     if p.n.is_some_and(|n| n != 1) {
-        return bad("n: one choice per request");
+        return unsupported("n", "one choice per request");
     }
     if p.logprobs.as_ref().is_some_and(|l| !l.is_null() && *l != Value::Bool(false)) {
-        return bad("logprobs are not supported");
+        return unsupported("logprobs", "not supported by this service");
     }
     let pin = match headers.get("x-llms-context").map(HeaderValue::to_str) {
         None => None,
