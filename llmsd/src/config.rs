@@ -441,10 +441,11 @@ fn size_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::E
 }
 
 /// The smallest budget: a few chunks of the default model's KV at int8.
-const MIN_BUDGET: usize = 1 << 20;
+pub const MIN_BUDGET: usize = 1 << 20;
 
 /// The machine's physical memory, if the kernel says.
-fn physical_memory() -> Option<u64> {
+/// The machine's physical memory, bytes (the most a budget may be).
+pub fn physical_memory() -> Option<u64> {
     // SAFETY: sysconf has no preconditions.
     let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     Some(u64::try_from(pages).ok()?.saturating_mul(u64::try_from(size).ok()?)).filter(|&b| b > 0)

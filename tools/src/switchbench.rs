@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use llmsd::client::Client;
@@ -25,8 +25,11 @@ pub struct Row {
     pub recomputed_chunks: f64,
 }
 
-/// A budget nothing reaches.
-const UNLIMITED: usize = 1 << 40;
+/// A budget nothing here reaches: the machine's memory, the most llmsd accepts (a larger one is
+/// refused since budgets are checked against it).
+fn unlimited() -> usize {
+    llmsd::config::physical_memory().map_or(1 << 34, |b| usize::try_from(b).unwrap_or(usize::MAX))
+}
 
 fn call(c: &mut Client, ctx: &str, prompt: &str) -> Result<CallStats> {
     let call =
@@ -69,7 +72,7 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
         };
         // Two contexts of n tokens, built with memory to spare.
         let text = text_of(&base.model, n)?;
-        let r = Local::start(cfg(UNLIMITED, "llms"))?;
+        let r = Local::start(cfg(unlimited(), "llms"))?;
         let mut c = Client::connect(&r.socket, "bench")?;
         let ids = [c.new_ctx(None)?, c.new_ctx(None)?];
         for id in &ids {
@@ -79,11 +82,21 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
         let size = usize::try_from(size).unwrap_or(usize::MAX);
         drop(c);
         r.stop()?;
+        // The eviction scenarios' budgets are a context and a share of one: llmsd takes none
+        // under its floor.
+        let floor = llmsd::config::MIN_BUDGET;
+        if size + size / 8 < floor {
+            bail!(
+                "--tokens {n}: a context of {} KiB is too small to evict from (a budget is at least {} KiB); use more tokens",
+                size >> 10,
+                floor >> 10
+            );
+        }
         // Each scenario restarts the service over the same store with its budget and
         // alternates calls between the two contexts: each switch finds the other context's
         // memory gone (fully), half gone (partly), or still there (resident).
         let scenarios: [(&'static str, usize, &str); 4] = [
-            ("resident", UNLIMITED, "llms"),
+            ("resident", unlimited(), "llms"),
             ("partly evicted", size + size / 2, "llms"),
             ("fully evicted", size + size / 8, "llms"),
             ("recompute all (lmk)", size + size / 8, "lmk"),

@@ -129,8 +129,10 @@ pub struct Service {
     /// Top-K sparsity every session computes with (a weight plan chose it), if any.
     sparsity: Option<Arc<engine::sparsity::Sparsity>>,
     ctx_dir: PathBuf,
-    /// The state directory's lock, held while the service lives ([`state_dir::claim`]).
-    _state_lock: std::fs::File,
+    /// The state directory's lock ([`state_dir::claim`]), held until `serve` returns: a
+    /// service stopped in a process that goes on (the benches restart one over the same
+    /// state) gives the directory up then, whoever still holds an `Arc` of it.
+    state_lock: Mutex<Option<std::fs::File>>,
 }
 
 impl std::fmt::Debug for Service {
@@ -246,7 +248,7 @@ impl Service {
             weights_share,
             sparsity,
             ctx_dir,
-            _state_lock: state_lock,
+            state_lock: Mutex::new(Some(state_lock)),
         };
         svc.restore()?;
         Ok(Arc::new(svc))
@@ -307,6 +309,12 @@ impl Service {
                  from their contexts' tokens at the next start; every acknowledged call is on flash"
             ),
         }
+        drop(mm);
+        // Nothing writes the state any more (requests are refused once stopping; a registry
+        // change under way finishes first): the directory is free for the next service.
+        let registry = lock(&self.registry);
+        lock(&self.state_lock).take();
+        drop(registry);
         Ok(())
     }
 
