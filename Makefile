@@ -9,7 +9,6 @@ MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-# (fuzz targets below)
 .PHONY: fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
 
 all: build
@@ -144,13 +143,14 @@ check-cross:
 # Fuzzing every parser of untrusted input (fuzz/README.md): libFuzzer through libfuzzer-sys,
 # built with the stable toolchain's coverage instrumentation (no nightly, no cargo-fuzz).
 # fuzz-smoke runs each target for seconds (CI); fuzz for FUZZ_SECONDS each (5 min unless told).
+# fuzz/Cargo.lock pins the versions; cargo adds what a change of the crates needs.
 FUZZ_TARGETS := gguf_parse llmsd_frame tokenizer context_file config swap_store weight_trailer http_front native_front
 FUZZ_RUSTFLAGS := -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 	-Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 	-Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions -Coverflow-checks
 FUZZ_SECONDS ?= 300
 fuzz-build: model
-	cd fuzz && RUSTFLAGS="$(FUZZ_RUSTFLAGS)" $(CARGO) build --release --locked \
+	cd fuzz && RUSTFLAGS="$(FUZZ_RUSTFLAGS)" $(CARGO) build --release \
 		--target $$(rustc -vV | sed -n 's/^host: //p') --target-dir ../target/fuzz
 fuzz-smoke: fuzz-build
 	fuzz/run 10 $(FUZZ_TARGETS)
