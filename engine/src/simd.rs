@@ -2,7 +2,7 @@
 //! and the format modules below it) asks here before it runs; nothing here knows a format.
 //!
 //! Every vector kernel computes its scalar reference's float operations in the same order, so
-//! the choice changes speed, never results: `LLMS_SIMD=scalar` (or [`set_scalar`]) runs the
+//! the choice changes speed, never results: `LLMS_SIMD=scalar` (or [`use_set`]) runs the
 //! references, and a model gives the same logits, bit for bit, on x86 and ARM.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -110,11 +110,6 @@ static CAP: AtomicU8 = AtomicU8::new(2);
 pub fn use_set(set: KernelSet) {
     assert!(offered().contains(&set), "kernel set {} is not offered here", set.name());
     CAP.store(set.cap(), Ordering::Relaxed);
-}
-
-/// The vector kernels off (`true`, the scalar references) or back to the best set.
-pub fn set_scalar(on: bool) {
-    CAP.store(if on { 0 } else { 2 }, Ordering::Relaxed);
 }
 
 #[inline]
