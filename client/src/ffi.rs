@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::client::{Client, ClientError};
+use crate::describe;
 use crate::proto::FrameError;
 use crate::proto::{Call, ErrorCode};
 
@@ -93,21 +94,6 @@ fn set_error(msg: &str) {
 fn fail(status: LlmsStatus, msg: &str) -> LlmsStatus {
     set_error(msg);
     status
-}
-
-/// An error and its causes on one line.
-fn describe(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cause = c.source();
-    }
-    s
 }
 
 /// The status of a failed client operation, with its message recorded.

@@ -12,3 +12,22 @@ pub mod ffi;
 pub mod proto;
 
 pub use client::{default_socket, Client, ClientError, ServiceError};
+
+/// An error and its causes on one line, each said once: a message that already quotes its cause
+/// (`cannot open x: No such file or directory` over that same `io::Error`) is not followed by
+/// the cause again, as printing the whole chain would.
+pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let t = cause.to_string();
+        if !t.is_empty() && !out.contains(&t) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&t);
+        }
+        next = cause.source();
+    }
+    out
+}

@@ -16,22 +16,10 @@ pub mod weights;
 // The protocol and the client live in `llms_client` (shared with the C library and the CLI).
 pub use llms_client::{client, proto};
 
-/// An error and its causes on one line, each said once: a message that already quotes its cause
-/// (`cannot open x: No such file or directory` over that same `io::Error`) is not followed by
-/// the cause again, as `{:#}` would.
+/// An error and its causes on one line, each said once ([`llms_client::describe`] over the
+/// context chain).
 pub fn describe(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let t = cause.to_string();
-        if t.is_empty() || out.contains(&t) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&t);
-    }
-    out
+    llms_client::describe(e.as_ref())
 }
 
 /// A path from the environment variable `name`, when it is set and not empty (an empty value
