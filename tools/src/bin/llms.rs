@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use tools::cli::experiment::{ExperimentCmd, TraceCmd};
 use tools::cli::pressure::PressureCmd;
 use tools::cli::service::CtxCmd;
-use tools::cli::{bench, doctor, experiment, model, pressure, service, weights};
+use tools::cli::{bench, doctor, experiment, model, pressure, record, service, weights};
 
 #[derive(Parser, Debug)]
 #[command(name = "llms", version, about = "LLMS: an LLM as a system service — command line")]
@@ -69,6 +69,10 @@ enum Cmd {
     /// Gathers the experiments' tables and plots into one page with the machine and the
     /// commands (docs/RESULTS.md).
     Report(experiment::ReportArgs),
+    /// Run a measuring command (`llms record --out F -- llms bench-serve ... --json`) and
+    /// store its JSON with the command line, the machine and the date: the file a figure in
+    /// the docs links to.
+    Record(record::RecordArgs),
     /// Experiments over traces (docs/traces.md): each writes a table and a plot.
     Experiment {
         #[command(subcommand)]
@@ -125,6 +129,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchServe(a) => a.run(),
         Cmd::Trace { cmd } => experiment::trace_cmd(cmd),
         Cmd::Report(a) => a.run(),
+        Cmd::Record(a) => a.run(),
         Cmd::Experiment { cmd } => experiment::experiment_cmd(cmd),
         Cmd::BenchWeights(a) => a.run(),
         Cmd::PlanWeights(a) => a.run(),

@@ -11,6 +11,7 @@ pub mod doctor;
 pub mod experiment;
 pub mod model;
 pub mod pressure;
+pub mod record;
 pub mod service;
 pub mod weights;
 
