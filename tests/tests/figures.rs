@@ -8,7 +8,13 @@
 //! first element of an array whose fields match. `ratio:PATH:PATH` divides two values; a
 //! trailing `*K` scales. The first number in the link's text is the figure; its sign and
 //! decimals are the precision it claims (`232 ms` matches 231.6; `7.23x` matches 7.2347).
-//! A space in a fragment is written `%20`.
+//! A space in a fragment is written `%20`, a comma inside a value `%2C`.
+//!
+//! And it fails on a figure written without its link: in README.md and the user docs (docs/,
+//! but not the notebook docs/notes/, whose entries are dated records of past runs, nor the
+//! pages `llms report` generates from stored results) a time or a rate (`ms`, `µs`, `tok/s`,
+//! `MB/s`, ...) or a signed percentage outside a link or a code span is an error. Settings are
+//! written as code (`--bounds 0.5 1`), measurements as links.
 
 use std::path::{Path, PathBuf};
 
@@ -20,14 +26,16 @@ fn lookup<'a>(v: &'a Value, path: &str) -> Result<&'a Value, String> {
     for seg in path.split('/').filter(|s| !s.is_empty()) {
         cur = if seg.contains('=') {
             let arr = cur.as_array().ok_or_else(|| format!("{seg}: not an array"))?;
-            let want: Vec<(&str, &str)> = seg.split(',').filter_map(|kv| kv.split_once('=')).collect();
+            // A comma inside a value is written %2C (a bare one separates the fields).
+            let want: Vec<(&str, String)> =
+                seg.split(',').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k, v.replace("%2C", ","))).collect();
             let field = |e: &Value, k: &str| match e.get(k) {
                 Some(Value::String(s)) => Some(s.clone()),
                 Some(x) => Some(x.to_string()),
                 None => None,
             };
             arr.iter()
-                .find(|e| want.iter().all(|(k, val)| field(e, k).as_deref() == Some(*val)))
+                .find(|e| want.iter().all(|(k, val)| field(e, k).as_deref() == Some(val.as_str())))
                 .ok_or_else(|| format!("no element with {seg}"))?
         } else if let Ok(i) = seg.parse::<usize>() {
             cur.get(i).ok_or_else(|| format!("no element {i}"))?
@@ -135,6 +143,91 @@ fn check(md_path: &Path, md: &str, root: &Path) -> Vec<String> {
     bad
 }
 
+/// The units a measured time or rate is written in.
+const UNITS: [&str; 9] = ["ms", "µs", "us", "tok/s", "MB/s", "GB/s", "MiB/s", "GiB/s", "ns"];
+
+/// `md` with fenced blocks, code spans and links blanked out: what is left is prose.
+fn prose(md: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for (n, line) in md.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        let mut s = String::new();
+        let mut rest = line;
+        // Code spans first (a link target may hold a backtick-free `|`), then links.
+        while let Some(i) = rest.find('`') {
+            s.push_str(&rest[..i]);
+            let after = &rest[i + 1..];
+            match after.find('`') {
+                Some(j) => {
+                    s.push_str(" CODE ");
+                    rest = &after[j + 1..];
+                }
+                None => {
+                    rest = after;
+                }
+            }
+        }
+        s.push_str(rest);
+        let mut t = String::new();
+        let mut rest = s.as_str();
+        while let Some(i) = rest.find("](") {
+            let open = rest[..i].rfind('[').unwrap_or(i);
+            t.push_str(&rest[..open]);
+            let after = &rest[i + 2..];
+            let close = after.find(')').map_or(after.len(), |c| c + 1);
+            t.push_str(" LINK ");
+            rest = &after[close..];
+        }
+        t.push_str(rest);
+        out.push((n + 1, t));
+    }
+    out
+}
+
+/// Figures in `md`'s prose written without a link: `(line, figure)`.
+fn bare_figures(md: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for (n, line) in prose(md) {
+        let b = line.as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            let starts = b[i].is_ascii_digit() && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b"._/#=".contains(&b[i - 1])));
+            if !starts {
+                i += 1;
+                continue;
+            }
+            let mut end = i;
+            while end < b.len()
+                && (b[end].is_ascii_digit() || (matches!(b[end], b'.' | b',') && b.get(end + 1).is_some_and(u8::is_ascii_digit)))
+            {
+                end += 1;
+            }
+            let signed = i > 0 && matches!(b[i - 1], b'+')
+                || line[..i].ends_with('\u{2212}')
+                || (i > 0 && b[i - 1] == b'-' && (i == 1 || b[i - 2] == b' ' || b[i - 2] == b'('));
+            let tail = line[end..].strip_prefix(' ').unwrap_or(&line[end..]);
+            let unit = UNITS.iter().find(|u| tail.starts_with(**u) && !tail[u.len()..].starts_with(|c: char| c.is_alphanumeric()));
+            if unit.is_some() || (signed && tail.starts_with('%')) {
+                found.push((
+                    n,
+                    line[i.saturating_sub(usize::from(signed))..end + unit.map_or(1, |u| u.len() + line[end..].len() - tail.len())]
+                        .trim()
+                        .to_string(),
+                ));
+            }
+            i = end.max(i + 1);
+        }
+    }
+    found
+}
+
 fn markdown_files(root: &Path) -> Vec<PathBuf> {
     fn walk(d: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
@@ -163,6 +256,36 @@ fn quoted_figures_equal_their_stored_results() {
     }
     assert!(figures >= 5, "the README's headline figures link their results ({figures} found)");
     assert!(bad.is_empty(), "figures and links that do not hold ({}):\n{}", bad.len(), bad.join("\n"));
+}
+
+/// The user docs quote measurements only as links (the notebook and generated pages aside).
+#[test]
+fn user_docs_write_no_figure_without_its_link() {
+    let root = llms_tests::repo_root().canonicalize().unwrap();
+    let mut bad = Vec::new();
+    for f in markdown_files(&root) {
+        let rel = f.strip_prefix(&root).unwrap().to_string_lossy().to_string();
+        if rel.starts_with("docs/notes/") || rel.starts_with("docs/results/") || rel == "docs/RESULTS.md" {
+            continue;
+        }
+        for (line, fig) in bare_figures(&std::fs::read_to_string(&f).unwrap()) {
+            bad.push(format!("{rel}:{line}: {fig}"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "figures without their stored result ({}): link them, or move dated runs to docs/notes/\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn a_bare_figure_is_found_and_links_code_and_settings_are_not() {
+    let md =
+        "took 163.5 ms alone, [+6.4 ms](r.json#/x), `--bounds 0.5 1`, +0.32% worse\n```\n12 ms\n```\n200 tok/s, 3 msgs, 2-3 ms, (-1.5%)";
+    let found: Vec<String> = bare_figures(md).into_iter().map(|(_, f)| f).collect();
+    assert_eq!(found, ["163.5 ms", "+0.32%", "200 tok/s", "3 ms", "-1.5%"]);
 }
 
 /// The check fails when a figure is edited by hand, a result moves, or a link leaves the tree.
