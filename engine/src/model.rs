@@ -1,4 +1,6 @@
-//! The Llama-architecture forward pass (also Qwen2's Q/K/V biases when present).
+//! The Llama-architecture forward pass (also Qwen2's Q/K/V biases when present, and Gemma 3:
+//! scaled embeddings, per-head Q/K norms, norms after attention and the feed-forward, GELU,
+//! local layers over a sliding window with their own RoPE base).
 //!
 //! `Model` holds the weights (borrowed from the mapped GGUF file) and the hyper-parameters;
 //! `Session` holds one context's KV cache and scratch memory and runs batches of tokens through
@@ -103,6 +105,10 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 impl Layer {
@@ -125,6 +131,8 @@ pub struct Model {
     output: Vec<Mat>,
     output_norm: Vec<f32>,
     rope: Rope,
+    /// Local (sliding-window) layers' RoPE, when their base differs (Gemma 3).
+    rope_local: Option<Rope>,
     /// The weight image the matrices are read from, when they are not packed on the heap.
     image: Option<Arc<dyn WeightMemory>>,
     /// A channel-major image's layer groups (0: none, or a packed image): the forward pass
@@ -157,6 +165,10 @@ impl Parsed {
                 bq: l.bq,
                 bk: l.bk,
                 bv: l.bv,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                post_attn_norm: l.post_attn_norm,
+                post_ffn_norm: l.post_ffn_norm,
             });
         }
         let output = if split_head {
@@ -164,8 +176,9 @@ impl Parsed {
         } else {
             vec![mat(&file, output)?]
         };
-        let rope = Rope::new(&config);
-        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, rope, image, image_span: 0 })
+        let rope = Rope::new(&config, config.rope_base);
+        let rope_local = config.swa.map(|w| Rope::new(&config, w.rope_base));
+        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, rope, rope_local, image, image_span: 0 })
     }
 }
 
@@ -235,6 +248,14 @@ impl Model {
         // process (metadata lookups fault the header back in).
         model.file.release_pages(0, model.file.bytes().len());
         Ok(model)
+    }
+
+    /// The RoPE layer `layer` uses.
+    fn rope_of(&self, layer: usize) -> &Rope {
+        match &self.rope_local {
+            Some(r) if self.config.is_local(layer) => r,
+            _ => &self.rope,
+        }
     }
 
     fn view(&self, w: &W) -> WeightView<'_> {
@@ -571,9 +592,10 @@ impl Session {
             return Err(ModelError::ContextFull { needed: self.n_past() + drop, capacity: self.kv.capacity() });
         }
         let delta = n_drop * ct;
-        let (hd, rope) = (self.model.config.head_dim, &self.model.rope);
-        // A rotation by -delta positions: angles -delta * theta_i, built like the forward's.
-        let rotate = move |x: &mut [f32]| rope.apply(x, hd, -(delta as f32));
+        let (hd, model) = (self.model.config.head_dim, &self.model);
+        // A rotation by -delta positions: angles -delta * theta_i, built like the forward's,
+        // with each layer's RoPE.
+        let rotate = move |layer: usize, x: &mut [f32]| model.rope_of(layer).apply(x, hd, -(delta as f32));
         self.kv.remove_chunks(keep..keep + n_drop, &rotate);
         self.tokens.drain(keep * ct..keep * ct + delta);
         if let Some(a) = &mut self.attention {
@@ -679,7 +701,7 @@ impl Caches for ManyCaches<'_, '_> {
         let mut longer = Vec::new();
         let mut rest = out;
         for (s, r) in self.sessions.iter_mut().zip(&self.spans) {
-            let (o, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * c.dim);
+            let (o, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * c.q_dim());
             rest = tail;
             let s = &mut **s;
             if r.len() <= TILE {
@@ -734,16 +756,20 @@ fn forward_rows(
 ) {
     let c = &model.config;
     let n = tokens.len();
-    let (dim, kvd, hd) = (c.dim, c.kv_dim(), c.head_dim);
+    let (dim, kvd, hd, qd) = (c.dim, c.kv_dim(), c.head_dim, c.q_dim());
     s.x.resize(n * dim, 0.0);
     s.xb.resize(n * dim, 0.0);
-    s.qkv.resize(n * (dim + 2 * kvd), 0.0);
-    s.att.resize(n * dim, 0.0);
+    s.qkv.resize(n * (qd + 2 * kvd), 0.0);
+    s.att.resize(n * qd, 0.0);
     s.ffn.resize(n * 2 * c.ffn_dim, 0.0);
 
     let emb = model.view(&model.tok_embd);
     for (t, &tok) in tokens.iter().enumerate() {
-        quant::dequantize_row(emb.ty, emb.row(tok as usize), &mut s.x[t * dim..(t + 1) * dim]);
+        let x = &mut s.x[t * dim..(t + 1) * dim];
+        quant::dequantize_row(emb.ty, emb.row(tok as usize), x);
+        if let Some(k) = c.embd_scale {
+            x.iter_mut().for_each(|v| *v *= k);
+        }
     }
 
     for (li, l) in model.layers.iter().enumerate() {
@@ -753,24 +779,33 @@ fn forward_rows(
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);
         announce(model, pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
-        let ld = dim + 2 * kvd;
+        let ld = qd + 2 * kvd;
+        let rope = model.rope_of(li);
         for (t, &pos) in positions.iter().enumerate() {
             let row = &mut s.qkv[t * ld..(t + 1) * ld];
-            for (b, off) in [(&l.bq, 0), (&l.bk, dim), (&l.bv, dim + kvd)] {
+            for (b, off) in [(&l.bq, 0), (&l.bk, qd), (&l.bv, qd + kvd)] {
                 if let Some(b) = b {
                     row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
                 }
             }
-            let (q, rest) = row.split_at_mut(dim);
-            model.rope.apply(q, hd, pos as f32);
-            model.rope.apply(&mut rest[..kvd], hd, pos as f32);
+            let (q, rest) = row.split_at_mut(qd);
+            // Gemma 3 normalizes each query and key head before RoPE.
+            for (x, w) in [(&mut *q, &l.q_norm), (&mut rest[..kvd], &l.k_norm)] {
+                if let Some(w) = w {
+                    for head in x.chunks_exact_mut(hd) {
+                        rmsnorm_in_place(head, w, c.norm_eps);
+                    }
+                }
+            }
+            rope.apply(q, hd, pos as f32);
+            rope.apply(&mut rest[..kvd], hd, pos as f32);
             caches.write(li, t, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
         }
         caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
-        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 1, &mut s.att[..n * dim]);
-        announce(model, pool, li, 1, &s.att[..n * dim], n, &mut s.ranges);
-        matmul_multi(pool, model, &[&l.wo], &s.att, n, &mut s.acts, &mut s.xb);
-        s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+        sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 1, &mut s.att[..n * qd]);
+        announce(model, pool, li, 1, &s.att[..n * qd], n, &mut s.ranges);
+        matmul_multi(pool, model, &[&l.wo], &s.att[..n * qd], n, &mut s.acts, &mut s.xb);
+        add_residual(&mut s.x, &mut s.xb[..n * dim], l.post_attn_norm.as_deref(), c.norm_eps, dim);
 
         // Feed-forward block.
         rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
@@ -778,11 +813,18 @@ fn forward_rows(
         announce(model, pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
         let f = c.ffn_dim;
+        let gelu = c.ffn_gelu;
         let swiglu = |rows: &mut [f32]| {
             for row in rows.chunks_exact_mut(2 * f) {
                 let (g, u) = row.split_at_mut(f);
-                for (gv, uv) in g.iter_mut().zip(u.iter()) {
-                    *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+                if gelu {
+                    for (gv, uv) in g.iter_mut().zip(u.iter()) {
+                        *gv = gelu_table(*gv) * uv;
+                    }
+                } else {
+                    for (gv, uv) in g.iter_mut().zip(u.iter()) {
+                        *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+                    }
                 }
             }
         };
@@ -801,7 +843,7 @@ fn forward_rows(
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 3, &mut s.ffn[..n * f]);
         announce(model, pool, li, 3, &s.ffn[..n * f], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.w_down], &s.ffn[..n * f], n, &mut s.acts, &mut s.xb);
-        s.x.iter_mut().zip(&s.xb).for_each(|(x, o)| *x += o);
+        add_residual(&mut s.x, &mut s.xb[..n * dim], l.post_ffn_norm.as_deref(), c.norm_eps, dim);
     }
 
     if logit_rows.is_empty() {
@@ -1068,6 +1110,30 @@ fn sparsify(
     }
 }
 
+/// GELU as llama.cpp's CPU backend computes it in a gated feed-forward: the input rounded to
+/// f16 and looked up in a table of the tanh form's values (each stored as f16), 0 below -10
+/// and the input itself above 10.
+fn gelu_table(x: f32) -> f32 {
+    static TABLE: std::sync::LazyLock<Vec<half::f16>> = std::sync::LazyLock::new(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let v = half::f16::from_bits(bits).to_f32();
+                // ggml's constant, written out: a shorter literal can round to another f32.
+                #[allow(clippy::excessive_precision)]
+                const SQRT_2_OVER_PI: f32 = 0.797_884_560_802_865_355_879_892_119_868_76;
+                half::f16::from_f32(0.5 * v * (1.0 + (SQRT_2_OVER_PI * v * (1.0 + 0.044_715 * v * v)).tanh()))
+            })
+            .collect()
+    });
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        TABLE[usize::from(half::f16::from_f32(x).to_bits())].to_f32()
+    }
+}
+
 fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     // Sum of squares in f64, as llama.cpp does.
     let ss = x.iter().map(|&v| f64::from(v * v)).sum::<f64>() / x.len() as f64;
@@ -1075,6 +1141,26 @@ fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for ((o, &xv), &wv) in out.iter_mut().zip(x).zip(w) {
         *o = xv * scale * wv;
     }
+}
+
+/// [`rmsnorm`] of `x` into itself (llama.cpp's norm, then its multiply by the weight).
+fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let ss = x.iter().map(|&v| f64::from(v * v)).sum::<f64>() / x.len() as f64;
+    let scale = 1.0 / ((ss as f32) + eps).sqrt();
+    for (o, &wv) in x.iter_mut().zip(w) {
+        *o = *o * scale * wv;
+    }
+}
+
+/// `x += out` row by row, with `out` normalized first where the model does (Gemma 3's norms
+/// after attention and after the feed-forward).
+fn add_residual(x: &mut [f32], out: &mut [f32], post_norm: Option<&[f32]>, eps: f32, dim: usize) {
+    if let Some(w) = post_norm {
+        for row in out.chunks_exact_mut(dim) {
+            rmsnorm_in_place(row, w, eps);
+        }
+    }
+    x.iter_mut().zip(out.iter()).for_each(|(x, o)| *x += o);
 }
 
 fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
@@ -1099,10 +1185,10 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(c: &Config) -> Self {
+    fn new(c: &Config, base: f32) -> Self {
         Rope {
             dims: c.rope_dims,
-            theta_scale: c.rope_base.powf(-2.0 / c.rope_dims as f32),
+            theta_scale: base.powf(-2.0 / c.rope_dims as f32),
             neox: c.rope_neox,
             freq_scale: c.rope_freq_scale,
             factors: c.rope_factors.clone(),

@@ -278,6 +278,9 @@ mod tests {
             rope_freq_scale: 1.0,
             rope_factors: None,
             norm_eps: 1e-5,
+            embd_scale: None,
+            ffn_gelu: false,
+            swa: None,
         };
         let mut u = ChannelUse::new(&c);
         assert_eq!(u.rows, [4 + 2 * 2, 4, 16, 4]);

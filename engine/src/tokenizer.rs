@@ -1,7 +1,12 @@
-//! GPT-2 style byte-level BPE from GGUF metadata, splitting text the way llama.cpp does:
-//! special tokens first (when asked), then the pre-tokenizer patterns of the model's `pre` type
-//! applied in sequence (`pretok.rs`), then byte-level BPE merges by rank. Time is O(n log n)
-//! in the text's length and nothing recurses, whatever the text.
+//! The two tokenizers GGUF Llama-family files carry, from their metadata, splitting text the
+//! way llama.cpp does. Special tokens come first (when asked); then either
+//! - `gpt2`: GPT-2 style byte-level BPE — the pre-tokenizer patterns of the model's `pre` type
+//!   applied in sequence (`pretok.rs`), then merges by rank; or
+//! - `llama`: SentencePiece (Gemma, Llama 2) — spaces written as `▁`, the text's characters
+//!   merged pairwise by the score of the piece they make, highest first, and a character the
+//!   vocabulary lacks written as its UTF-8 bytes' `<0xXX>` tokens (byte fallback).
+//!
+//! Time is O(n log n) in the text's length and nothing recurses, whatever the text.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -14,7 +19,7 @@ use crate::pretok::{self, Split};
 pub enum TokenizerError {
     #[error("tokenizer metadata {key}: {what}")]
     Metadata { key: &'static str, what: String },
-    #[error("tokenizer model {0:?} is not supported (only gpt2-style BPE)")]
+    #[error("tokenizer model {0:?} is not supported (gpt2-style BPE and llama-style SentencePiece are)")]
     Model(String),
     #[error("pre-tokenizer {0:?} is not supported (smollm, starcoder, refact, codeshell, gpt2, llama-bpe, default)")]
     Pre(String),
@@ -65,8 +70,25 @@ fn byte_to_char_table() -> [char; 256] {
 /// Words up to this many bytes are cached (and looked up whole in the vocabulary).
 const MAX_CACHED_WORD: usize = 64;
 
+/// Which of the two algorithms a vocabulary uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// GPT-2 byte-level BPE (`tokenizer.ggml.model = gpt2`).
+    Bpe,
+    /// SentencePiece with byte fallback (`tokenizer.ggml.model = llama`).
+    Spm,
+}
+
+/// SentencePiece's space.
+const SPM_SPACE: &str = "\u{2581}";
+
 #[derive(Debug)]
 pub struct Tokenizer {
+    kind: Kind,
+    /// SentencePiece: each piece's score (merges make the highest-scored piece first).
+    scores: Vec<f32>,
+    /// SentencePiece: a space before the text (`tokenizer.ggml.add_space_prefix`).
+    add_space_prefix: bool,
     tokens: Vec<String>,
     types: Vec<TokenType>,
     token_to_id: HashMap<String, u32>,
@@ -92,9 +114,11 @@ impl Tokenizer {
     pub fn from_gguf(f: &GgufFile) -> Result<Self, TokenizerError> {
         let meta = |key: &'static str| f.get(key).ok_or(TokenizerError::Metadata { key, what: "missing".into() });
         let model = meta("tokenizer.ggml.model")?.as_str().unwrap_or("").to_string();
-        if model != "gpt2" {
-            return Err(TokenizerError::Model(model));
-        }
+        let kind = match model.as_str() {
+            "gpt2" => Kind::Bpe,
+            "llama" => Kind::Spm,
+            _ => return Err(TokenizerError::Model(model)),
+        };
         let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
         let tokens: Vec<String> = meta("tokenizer.ggml.tokens")?
             .as_array()
@@ -139,15 +163,37 @@ impl Tokenizer {
                 }
             }
         }
+        let scores: Vec<f32> = match (kind, f.get("tokenizer.ggml.scores").and_then(Value::as_array)) {
+            (Kind::Bpe, _) => Vec::new(),
+            (Kind::Spm, Some(a)) if a.len() == tokens.len() => a
+                .iter()
+                .map(Value::as_f32)
+                .collect::<Option<_>>()
+                .ok_or(TokenizerError::Metadata { key: "tokenizer.ggml.scores", what: "not an array of numbers".into() })?,
+            (Kind::Spm, a) => {
+                return Err(TokenizerError::Metadata {
+                    key: "tokenizer.ggml.scores",
+                    what: a.map_or_else(|| "missing".into(), |a| format!("{} entries for {} tokens", a.len(), tokens.len())),
+                })
+            }
+        };
         let byte_char = byte_to_char_table();
         let mut byte_to_token = [None; 256];
         let mut char_to_byte = HashMap::new();
         for (b, &c) in byte_char.iter().enumerate() {
             let b8 = u8::try_from(b).expect("< 256");
             char_to_byte.insert(c, b8);
-            byte_to_token[b] = token_to_id.get(c.to_string().as_str()).copied();
+            byte_to_token[b] = match kind {
+                Kind::Bpe => token_to_id.get(c.to_string().as_str()).copied(),
+                // SentencePiece's byte pieces are spelled `<0x0A>` and typed as bytes.
+                Kind::Spm => token_to_id.get(format!("<0x{b:02X}>").as_str()).copied().filter(|&i| types[i as usize] == TokenType::Byte),
+            };
         }
-        let splits = pretok::splits(pre).ok_or_else(|| TokenizerError::Pre(pre.to_string()))?;
+        // SentencePiece has no pre-tokenizer: the whole text is one word.
+        let splits = match kind {
+            Kind::Bpe => pretok::splits(pre).ok_or_else(|| TokenizerError::Pre(pre.to_string()))?,
+            Kind::Spm => &[],
+        };
         let mut specials: Vec<u32> = (0..tokens.len())
             .filter(|&i| matches!(types[i], TokenType::Control | TokenType::UserDefined | TokenType::Unknown) && !tokens[i].is_empty())
             .map(|i| u32::try_from(i).expect("bounded"))
@@ -155,9 +201,12 @@ impl Tokenizer {
         specials.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
         let id =
             |key: &str| f.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok()).filter(|&v| (v as usize) < tokens.len());
-        let eot = token_to_id.get("<|im_end|>").or_else(|| token_to_id.get("<|eot_id|>")).copied();
+        let eot = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>"].iter().find_map(|t| token_to_id.get(*t)).copied();
         let longest_token = tokens.iter().map(|t| t.chars().count()).max().unwrap_or(0);
         Ok(Self {
+            kind,
+            scores,
+            add_space_prefix: kind == Kind::Spm && f.get("tokenizer.ggml.add_space_prefix").and_then(Value::as_bool).unwrap_or(true),
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
             eot,
@@ -246,9 +295,20 @@ impl Tokenizer {
             }
             frags = next;
         }
+        // SentencePiece puts a space before text that starts the input or follows a special
+        // token, where the model asks for it (llama.cpp's `is_prev_special`).
+        let mut prev_special = true;
         for f in frags {
             match f {
-                Frag::Tok(t) => out.push(t),
+                Frag::Tok(t) => {
+                    out.push(t);
+                    prev_special = true;
+                }
+                Frag::Raw(s) if self.kind == Kind::Spm => {
+                    let prefix = if self.add_space_prefix && prev_special { SPM_SPACE } else { "" };
+                    self.spm(&format!("{prefix}{}", s.replace(' ', SPM_SPACE)), &mut out);
+                    prev_special = false;
+                }
                 Frag::Raw(s) => self.encode_raw(s, &mut out)?,
             }
         }
@@ -356,6 +416,80 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// SentencePiece over one fragment (spaces already `▁`): every character starts as a
+    /// symbol; the adjacent pair whose concatenation is the highest-scored piece merges first
+    /// (the leftmost among equal scores), until no pair makes a piece; a final symbol that is
+    /// not a piece (a character the vocabulary lacks) is written as its bytes' tokens. A heap
+    /// over a linked list, as in [`Self::bpe`]: O(n log n). Symbols stay contiguous slices of
+    /// `text`, so a candidate is looked up without building a string.
+    fn spm(&self, text: &str, out: &mut Vec<u32>) {
+        const NONE: usize = usize::MAX;
+        // Symbols: start offset and length in bytes (0 = merged away), and the list links.
+        let mut start: Vec<usize> = Vec::new();
+        let mut len: Vec<usize> = Vec::new();
+        for (i, c) in text.char_indices() {
+            start.push(i);
+            len.push(c.len_utf8());
+        }
+        let n = start.len();
+        let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+        let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
+        // Heap entries: (score, leftmost first, the pair's byte length to tell stale ones).
+        #[derive(PartialEq)]
+        struct Bigram {
+            score: f32,
+            left: usize,
+            size: usize,
+        }
+        impl Eq for Bigram {}
+        impl Ord for Bigram {
+            fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+                self.score.total_cmp(&o.score).then(o.left.cmp(&self.left))
+            }
+        }
+        impl PartialOrd for Bigram {
+            fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(o))
+            }
+        }
+        let mut heap = BinaryHeap::new();
+        let candidate = |l: usize, r: usize, start: &[usize], len: &[usize]| -> Option<Bigram> {
+            if l == NONE || r == NONE {
+                return None;
+            }
+            let size = len[l] + len[r];
+            let id = *self.token_to_id.get(&text[start[l]..start[l] + size])?;
+            Some(Bigram { score: self.scores[id as usize], left: l, size })
+        };
+        for i in 1..n {
+            heap.extend(candidate(i - 1, i, &start, &len));
+        }
+        while let Some(b) = heap.pop() {
+            let (l, r) = (b.left, next[b.left]);
+            // Stale: the left symbol was merged away or grew, or its right neighbour changed.
+            if len[l] == 0 || r == NONE || len[r] == 0 || len[l] + len[r] != b.size {
+                continue;
+            }
+            len[l] += len[r];
+            len[r] = 0;
+            next[l] = next[r];
+            if next[r] != NONE {
+                prev[next[r]] = l;
+            }
+            heap.extend(candidate(prev[l], l, &start, &len));
+            heap.extend(candidate(l, next[l], &start, &len));
+        }
+        let mut i = if n == 0 { NONE } else { 0 };
+        while i != NONE {
+            let piece = &text[start[i]..start[i] + len[i]];
+            match self.token_to_id.get(piece) {
+                Some(&id) => out.push(id),
+                None => out.extend(piece.bytes().filter_map(|b| self.byte_to_token[b as usize])),
+            }
+            i = next[i];
+        }
+    }
+
     /// The bytes a token stands for. Control tokens render as their text only with
     /// `render_special` (llama.cpp's `special` flag).
     pub fn token_bytes(&self, id: u32, render_special: bool, out: &mut Vec<u8>) {
@@ -367,6 +501,10 @@ impl Tokenizer {
                 }
             }
             TokenType::UserDefined => out.extend_from_slice(text.as_bytes()),
+            TokenType::Byte if self.kind == Kind::Spm => {
+                out.extend(text.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()));
+            }
+            _ if self.kind == Kind::Spm => out.extend_from_slice(text.replace(SPM_SPACE, " ").as_bytes()),
             _ => {
                 for c in text.chars() {
                     match self.char_to_byte.get(&c) {

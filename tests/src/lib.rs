@@ -39,6 +39,26 @@ pub fn oracle() -> &'static Value {
     })
 }
 
+/// Gemma 3 270M Q4_K_M (`make model-gemma3`), the second real model (issue #55).
+pub fn gemma3_path() -> PathBuf {
+    let p = repo_root().join("models/gemma-3-270m-q4_k_m.gguf");
+    assert!(p.exists(), "model {} not found: run `make test` (it fetches it) or `make model-gemma3`", p.display());
+    p
+}
+
+/// llama.cpp's values for Gemma 3 (tests/fixtures/gemma3.json), checked against its file as
+/// [`oracle`] is.
+pub fn gemma3_oracle() -> &'static Value {
+    static ORACLE: OnceLock<Value> = OnceLock::new();
+    ORACLE.get_or_init(|| {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture("gemma3.json")).expect("read the Gemma 3 fixture"))
+            .expect("the Gemma 3 fixture is JSON");
+        let want = v["model_sha256"].as_str().expect("fixture names its model");
+        assert_eq!(sha256_file(&gemma3_path()), want, "the Gemma 3 file is not the one the llama.cpp fixtures were made with");
+        v
+    })
+}
+
 /// A file's SHA-256, in hex.
 pub fn sha256_file(path: &Path) -> String {
     format!("{:x}", Sha256::digest(std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))))

@@ -53,8 +53,32 @@ PROMPTS = [
     "1, 2, 3, 4, 5,",
 ]
 
+# Gemma 3 (FIXTURE_SET=gemma3, `make fixtures` writes tests/fixtures/gemma3.json): its turn
+# markup and user-defined pieces (runs of newlines, spaces and tabs, HTML tags), text that
+# spells its control tokens, more scripts; and a prompt longer than its 512-token sliding
+# window, so the local layers' window is checked, not only a short context.
+import os
+if os.environ.get("FIXTURE_SET") == "gemma3":
+    TEXTS += [
+        "<start_of_turn>user\nWrite a haiku about memory.<end_of_turn>\n<start_of_turn>model\n",
+        "<bos><eos><pad><unk><mask><unused0><unused6241>[multimodal]<start_of_image>",
+        "\n\n\n\n" + " " * 40 + "\t\t\t</div><li>x</li>\n" * 3,
+        "हिन्दी, বাংলা, தமிழ், ไทย, ქართული, Հայերեն, አማርኛ",
+        "zero\u200bwidth\u00a0nbsp\u3000ideographic\u2028line\u0000nul\u0007bell\x7f",
+        "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "▁pre▁escaped▁ spaces ▁",
+    ]
+    PROMPTS = [
+        "The capital of France is",
+        "<start_of_turn>user\nWrite a haiku about memory.<end_of_turn>\n<start_of_turn>model\n",
+        "def add(a, b):\n    ",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 4, 5,",
+        open(text_path, encoding="utf-8").read()[:4000],
+    ]
+
 sha = hashlib.sha256(open(model_path, "rb").read()).hexdigest()
-llm = Llama(model_path=model_path, n_ctx=1024, n_threads=2, logits_all=True, verbose=False, seed=0)
+llm = Llama(model_path=model_path, n_ctx=2048, n_threads=2, logits_all=True, verbose=False, seed=0)
 
 def tok(text, special=True):
     return llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)

@@ -14,6 +14,9 @@ cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
 # module, PSF license, committed so every run scores the same code).
 "$VENV/bin/python" tools/oracle/make_fixtures.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/gpl-3.txt tests/fixtures/llama_cpp.json \
   tests/fixtures/gpl-3.txt tests/fixtures/heapq.py.txt
+# Gemma 3 270M (make model-gemma3): its own texts and prompts, the same measures.
+FIXTURE_SET=gemma3 "$VENV/bin/python" tools/oracle/make_fixtures.py models/gemma-3-270m-q4_k_m.gguf tests/fixtures/gpl-3.txt tests/fixtures/gemma3.json \
+  tests/fixtures/gpl-3.txt tests/fixtures/heapq.py.txt
 # The architecture cases (tests/fixtures/synth.json): random-weight models written by
 # `llms synth`, llama.cpp's logits on each.
 cargo build --release -p tools --bin llms
