@@ -289,10 +289,18 @@ impl Model {
         add_generation_prompt: bool,
     ) -> std::result::Result<String, minijinja::Error> {
         let tk = &self.tokenizer;
+        // Without a template the default is ChatML; a vocabulary without its markup tokens is
+        // a base model (Gemma 3 270M): its markup would be plain text, so there is no chat.
+        if self.chat_template().is_none() && tk.token_id("<|im_start|>").is_none() {
+            return Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, NO_CHAT));
+        }
         let name = |id: Option<u32>| id.and_then(|i| tk.token_text(i)).unwrap_or("").to_string();
         crate::chat::render_with(self.chat_template(), messages, &name(tk.bos), &name(tk.eos), add_generation_prompt)
     }
 }
+
+/// Why a model has no chat ([`Model::render_chat`]'s error for a base model).
+pub const NO_CHAT: &str = "this model file has no chat template (a base model): use raw completions";
 
 /// How a model holds its layers' matrices in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -573,7 +573,6 @@ impl Service {
     /// user's text not: an app cannot forge turns) or raw.
     fn native_ids(&self, job: &Job, s: &Session, saved: &Saved) -> Result<Vec<u32>, Refusal> {
         let tk = &self.model.tokenizer;
-        let turns = &self.turns.ids;
         let mut ids = Vec::new();
         if s.n_past() == 0 && tk.add_bos {
             ids.extend(tk.bos);
@@ -585,11 +584,12 @@ impl Service {
             ids.extend(tk.encode(&saved.pending, false, true).map_err(|e| refuse(ErrorCode::Failed, e.to_string()))?);
         }
         if saved.open_turn {
-            ids.extend_from_slice(&turns.close_assistant);
+            ids.extend_from_slice(&self.turns()?.ids.close_assistant);
         }
         if job.call.raw {
             ids.extend_from_slice(&job.prompt_ids);
         } else {
+            let turns = &self.turns()?.ids;
             let first = s.n_past() == 0 && saved.pending.is_empty();
             ids.extend_from_slice(if first { &turns.first_open } else { &turns.open });
             ids.extend_from_slice(&job.prompt_ids);

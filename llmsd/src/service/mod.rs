@@ -90,6 +90,13 @@ fn refuse(code: ErrorCode, msg: impl Into<String>) -> Refusal {
     Refusal(code, msg.into())
 }
 
+impl Service {
+    /// The chat turns, or the refusal a base model gives a chat call.
+    fn turns(&self) -> Result<&Turns, Refusal> {
+        self.turns.as_ref().map_err(|why| refuse(ErrorCode::BadRequest, why.clone()))
+    }
+}
+
 fn not_found(ctx: &str) -> Refusal {
     refuse(ErrorCode::NotFound, format!("no context {} for this app", crate::proto::quote(ctx)))
 }
@@ -108,7 +115,9 @@ pub struct Service {
     cfg: Config,
     model: Arc<Model>,
     pool: Arc<ThreadPool>,
-    turns: Turns,
+    /// The chat template's turn pieces; `Err` (why) for a base model, which serves raw
+    /// completions only.
+    turns: std::result::Result<Turns, String>,
     mm: Mutex<Manager>,
     /// The fault path's recompute: it learns each context's tokens after every call.
     refill: Arc<EngineRecompute>,
@@ -202,7 +211,16 @@ impl Service {
             bail!("max_context_tokens {} is over the model's context length {}", cfg.max_context_tokens, model.config.ctx_len);
         }
         let pool = Arc::new(ThreadPool::new(threads));
-        let turns = Turns::new(&model)?;
+        // A base model (no template, no ChatML tokens) serves raw completions; a template
+        // llmsd cannot continue is still an error at start.
+        let turns = match Turns::new(&model) {
+            Ok(t) => Ok(t),
+            Err(e) if model.chat_template().is_none() => {
+                info!("{e:#}: chat calls are refused, raw completions served");
+                Err(engine::model::NO_CHAT.to_string())
+            }
+            Err(e) => return Err(e),
+        };
         let policy = cfg.policy()?;
         let levels = cfg.level_formats()?;
         let hd = model.config.head_dim;

@@ -140,6 +140,7 @@ impl Service {
         let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, crate::describe(&e));
         let (pending, pending_ids) = match system_prompt {
             Some(p) => {
+                self.turns()?;
                 let text = Turns::system(&self.model, p).map_err(fail)?;
                 let segs = super::history::system_segments(&self.model, p).map_err(|e| refuse(ErrorCode::Failed, e))?;
                 let mut ids = Vec::new();

@@ -236,7 +236,11 @@ pub(super) async fn chat(
         msgs.push(ChatMessage { role: m.role, content });
     }
     let svc = &front.svc;
-    let segments = match render_chat(&svc.turns, |t| Turns::system(&svc.model, t), &msgs) {
+    let turns = match svc.turns() {
+        Ok(t) => t,
+        Err(r) => return bad(r.1),
+    };
+    let segments = match render_chat(turns, |t| Turns::system(&svc.model, t), &msgs) {
         Ok(s) => s,
         Err(e) => return bad(e),
     };
