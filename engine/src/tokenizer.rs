@@ -306,7 +306,7 @@ impl Tokenizer {
                 }
                 Frag::Raw(s) if self.kind == Kind::Spm => {
                     let prefix = if self.add_space_prefix && prev_special { SPM_SPACE } else { "" };
-                    self.spm(&format!("{prefix}{}", s.replace(' ', SPM_SPACE)), &mut out);
+                    self.spm(&format!("{prefix}{}", s.replace(' ', SPM_SPACE)), &mut out)?;
                     prev_special = false;
                 }
                 Frag::Raw(s) => self.encode_raw(s, &mut out)?,
@@ -422,7 +422,7 @@ impl Tokenizer {
     /// not a piece (a character the vocabulary lacks) is written as its bytes' tokens. A heap
     /// over a linked list, as in [`Self::bpe`]: O(n log n). Symbols stay contiguous slices of
     /// `text`, so a candidate is looked up without building a string.
-    fn spm(&self, text: &str, out: &mut Vec<u32>) {
+    fn spm(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
         const NONE: usize = usize::MAX;
         // Symbols: start offset and length in bytes (0 = merged away), and the list links.
         let mut start: Vec<usize> = Vec::new();
@@ -484,10 +484,15 @@ impl Tokenizer {
             let piece = &text[start[i]..start[i] + len[i]];
             match self.token_to_id.get(piece) {
                 Some(&id) => out.push(id),
-                None => out.extend(piece.bytes().filter_map(|b| self.byte_to_token[b as usize])),
+                None => {
+                    for b in piece.bytes() {
+                        out.push(self.byte_to_token[b as usize].ok_or_else(|| TokenizerError::NoToken(piece.to_string()))?);
+                    }
+                }
             }
             i = next[i];
         }
+        Ok(())
     }
 
     /// The bytes a token stands for. Control tokens render as their text only with

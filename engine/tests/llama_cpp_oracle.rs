@@ -1,4 +1,5 @@
-//! The engine against llama.cpp on the real model (fixtures from tools/oracle/make_fixtures.py).
+//! The engine against llama.cpp on the real models (fixtures from tools/oracle/make_fixtures.py):
+//! the default SmolLM2 and Gemma 3 270M, each test once per model.
 //!
 //! Tolerances: both engines quantize activations to 8 bits before each matmul, so a difference
 //! in float summation order far below 1e-6 flips a few roundings, and that noise reaches the
@@ -9,36 +10,69 @@
 use std::sync::Arc;
 
 use engine::{Logits, Model, Session, ThreadPool};
-use llms_tests::{fixture, ids, model_path, oracle};
+use llms_tests::{fixture, gemma3_oracle, gemma3_path, ids, model_path, oracle};
+use serde_json::Value;
 
 /// Largest allowed |ours - llama.cpp| for any of llama.cpp's top-10 logits.
 const LOGIT_TOL: f32 = 0.75;
 /// Largest allowed mean |ours - llama.cpp| over all those logits.
 const MEAN_LOGIT_TOL: f32 = 0.3;
 
-fn model() -> Arc<Model> {
-    Arc::new(Model::load(&model_path()).expect("load model"))
+/// A model under test, its llama.cpp values and how close its perplexity must be.
+struct Case {
+    model: Arc<Model>,
+    oracle: &'static Value,
+    ppl_tol: f64,
 }
 
-#[test]
-fn tokenization_matches_llama_cpp() {
-    let m = model();
-    for case in oracle()["tokenize"].as_array().unwrap() {
+fn smollm2() -> Case {
+    Case { model: Arc::new(Model::load(&model_path()).expect("load model")), oracle: oracle(), ppl_tol: 0.01 }
+}
+
+fn gemma3() -> Case {
+    Case { model: Arc::new(Model::load(&gemma3_path()).expect("load Gemma 3")), oracle: gemma3_oracle(), ppl_tol: 0.005 }
+}
+
+/// Checks run for a model: `mod NAME (CASE): check, ...`.
+macro_rules! checks {
+    ($name:ident ($case:ident): $($check:ident),*) => {
+        mod $name {
+            $(#[test] fn $check() { super::$check(&super::$case()) })*
+        }
+    };
+}
+
+checks!(smollm2 (smollm2):
+    tokenization_matches_llama_cpp,
+    last_position_logits_match_llama_cpp,
+    greedy_continuations_match_llama_cpp,
+    perplexity_matches_llama_cpp,
+    batched_prefill_equals_incremental_decode
+);
+// Gemma 3's logits are not yet within the tolerance of llama.cpp's (issue #55: 0.4-0.8 apart
+// where SmolLM2's are within 0.25, from the first position on, so not attention): its logit,
+// greedy and perplexity checks join this list when they hold.
+checks!(gemma3 (gemma3): tokenization_matches_llama_cpp, batched_prefill_equals_incremental_decode);
+
+fn tokenization_matches_llama_cpp(c: &Case) {
+    let m = &c.model;
+    for case in c.oracle["tokenize"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let got = m.tokenizer.encode(text, false, true).unwrap();
         assert_eq!(got, ids(&case["ids"]), "tokens of {text:?}");
-        assert_eq!(String::from_utf8(m.tokenizer.decode(&got, true)).unwrap(), text, "detokenization of {text:?} is exact");
+        // Exact, but for SentencePiece's `▁`, which is how it writes a space (it comes back one).
+        let want = if m.tokenizer.token_id("\u{2581}").is_some() { text.replace('\u{2581}', " ") } else { text.to_string() };
+        assert_eq!(String::from_utf8(m.tokenizer.decode(&got, true)).unwrap(), want, "detokenization of {text:?} is exact");
     }
 }
 
-#[test]
-fn last_position_logits_match_llama_cpp() {
-    let m = model();
+fn last_position_logits_match_llama_cpp(c: &Case) {
+    let m = &c.model;
     let pool = Arc::new(ThreadPool::new(2));
     let (mut sum, mut n) = (0.0f32, 0);
-    for case in oracle()["logits"].as_array().unwrap() {
+    for case in c.oracle["logits"].as_array().unwrap() {
         let toks = ids(&case["tokens"]);
-        let mut s = Session::new(Arc::clone(&m), Arc::clone(&pool), toks.len());
+        let mut s = Session::new(Arc::clone(m), Arc::clone(&pool), toks.len());
         let logits = s.eval(&toks, Logits::Last).unwrap();
         let top = case["top"].as_array().unwrap();
         let best = top[0]["id"].as_u64().unwrap() as u32;
@@ -56,15 +90,14 @@ fn last_position_logits_match_llama_cpp() {
 
 /// Greedy continuations agree token for token until the first step where the two engines'
 /// best candidates are a near-tie in our own logits (then either choice is right).
-#[test]
-fn greedy_continuations_match_llama_cpp() {
-    let m = model();
+fn greedy_continuations_match_llama_cpp(c: &Case) {
+    let m = &c.model;
     let pool = Arc::new(ThreadPool::new(2));
     let (mut agreed, mut total) = (0, 0);
-    for (lc, g) in oracle()["logits"].as_array().unwrap().iter().zip(oracle()["greedy"].as_array().unwrap()) {
+    for (lc, g) in c.oracle["logits"].as_array().unwrap().iter().zip(c.oracle["greedy"].as_array().unwrap()) {
         let prompt = ids(&lc["tokens"]);
         let want = ids(&g["tokens"]);
-        let mut s = Session::new(Arc::clone(&m), Arc::clone(&pool), prompt.len() + want.len() + 1);
+        let mut s = Session::new(Arc::clone(m), Arc::clone(&pool), prompt.len() + want.len() + 1);
         let mut logits = s.eval(&prompt, Logits::Last).unwrap().to_vec();
         total += want.len();
         for (i, &w) in want.iter().enumerate() {
@@ -85,28 +118,26 @@ fn greedy_continuations_match_llama_cpp() {
     assert!(agreed * 2 >= total, "only {agreed} of {total} greedy tokens agree before a tie");
 }
 
-#[test]
-fn perplexity_within_one_percent_of_llama_cpp() {
-    let m = model();
-    let p = &oracle()["perplexity"];
+fn perplexity_matches_llama_cpp(c: &Case) {
+    let m = &c.model;
+    let p = &c.oracle["perplexity"];
     let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
     let toks = m.tokenizer.encode(&text, false, false).unwrap();
     let (ctx, chunks) = (p["ctx"].as_u64().unwrap() as usize, p["chunks"].as_u64().unwrap() as usize);
-    let r = engine::eval::perplexity(&m, Arc::new(ThreadPool::new(2)), &toks, ctx, chunks).unwrap();
+    let r = engine::eval::perplexity(m, Arc::new(ThreadPool::new(2)), &toks, ctx, chunks).unwrap();
     let want = p["ppl"].as_f64().unwrap();
     assert_eq!(r.scored as u64, p["scored"].as_u64().unwrap());
-    assert!((r.ppl / want - 1.0).abs() < 0.01, "perplexity {} vs llama.cpp {want}", r.ppl);
+    assert!((r.ppl / want - 1.0).abs() < c.ppl_tol, "perplexity {} vs llama.cpp {want} (tolerance {})", r.ppl, c.ppl_tol);
 }
 
 /// Prefill as one batch and token-by-token decode reach the same state.
-#[test]
-fn batched_prefill_equals_incremental_decode() {
-    let m = model();
+fn batched_prefill_equals_incremental_decode(c: &Case) {
+    let m = &c.model;
     let pool = Arc::new(ThreadPool::new(2));
     let toks = m.tokenizer.encode("The service keeps many contexts alive in a small memory budget.", false, true).unwrap();
-    let mut a = Session::new(Arc::clone(&m), Arc::clone(&pool), toks.len());
+    let mut a = Session::new(Arc::clone(m), Arc::clone(&pool), toks.len());
     let batched = a.eval(&toks, Logits::Last).unwrap().to_vec();
-    let mut b = Session::new(Arc::clone(&m), Arc::clone(&pool), toks.len());
+    let mut b = Session::new(Arc::clone(m), Arc::clone(&pool), toks.len());
     let mut last = Vec::new();
     for &t in &toks {
         last = b.eval(&[t], Logits::Last).unwrap().to_vec();
@@ -114,4 +145,69 @@ fn batched_prefill_equals_incremental_decode() {
     assert_eq!(engine::sampler::argmax(&batched), engine::sampler::argmax(&last));
     let max_d = batched.iter().zip(&last).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     assert!(max_d < LOGIT_TOL, "batched vs incremental differ by {max_d}");
+}
+
+/// Gemma 3's SentencePiece tokenizer on 400 generated strings (tools/oracle/tokenizer_fixtures.py:
+/// words, whitespace runs, scripts, emoji, control characters, `▁`, spelled special tokens),
+/// special tokens parsed and not: every id equal to llama.cpp's, and the text given back.
+#[test]
+fn gemma3_tokenizer_matches_llama_cpp_on_generated_text() {
+    let path = fixture("gemma3_tokenize.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read the tokenizer fixture")).expect("JSON");
+    assert_eq!(llms_tests::sha256_file(&gemma3_path()), v["model_sha256"].as_str().unwrap(), "fixture made with another file");
+    let file = engine::gguf::GgufFile::open(&gemma3_path()).unwrap();
+    let tk = engine::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let cases = v["cases"].as_array().unwrap();
+    assert!(cases.len() >= 400, "{} cases", cases.len());
+    let mut bad = Vec::new();
+    for case in cases {
+        let (text, special) = (case["text"].as_str().unwrap(), case["special"].as_bool().unwrap());
+        let got = tk.encode(text, false, special).unwrap();
+        if got != ids(&case["ids"]) {
+            bad.push(format!("{text:?} (special {special}): ours {got:?}, llama.cpp {:?}", ids(&case["ids"])));
+        } else if !special {
+            // SentencePiece writes spaces as `▁`, so a `▁` in the text comes back a space (as
+            // llama.cpp's detokenizer gives it); everything else comes back as it was.
+            assert_eq!(String::from_utf8_lossy(&tk.decode(&got, true)), text.replace('\u{2581}', " "), "detokenization of {text:?}");
+        }
+    }
+    assert!(bad.is_empty(), "{} of {} differ:\n{}", bad.len(), cases.len(), bad.iter().take(10).cloned().collect::<Vec<_>>().join("\n"));
+}
+
+/// Gemma 3's tokenizer on 1 MB hostile inputs: each is tokenized (the merge loop is
+/// O(n log n): a quadratic one does not finish) and comes back as it was.
+#[test]
+fn gemma3_tokenizer_takes_hostile_megabytes() {
+    let file = engine::gguf::GgufFile::open(&gemma3_path()).unwrap();
+    let tk = engine::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let inputs = [
+        "abcdefghij".repeat(100_000),
+        "a".repeat(1 << 20),
+        " ".repeat(1 << 20),
+        "\n".repeat(1 << 20),
+        "é".repeat(1 << 19),
+        "🦀".repeat(1 << 18),
+        "<start_of_turn>".repeat(70_000),
+        (0u32..0x3000).filter_map(char::from_u32).filter(|c| *c != '\u{2581}').collect::<String>().repeat(30),
+    ];
+    for text in &inputs {
+        for special in [false, true] {
+            let ids = tk.encode(text, false, special).unwrap();
+            assert!(!ids.is_empty());
+            if !special {
+                assert_eq!(tk.decode(&ids, true), text.as_bytes(), "round trip of {}...", &text[..text.floor_char_boundary(16)]);
+            }
+        }
+    }
+}
+
+/// Gemma 3 270M is a base model: no template and no ChatML tokens, so rendering a chat is an
+/// error naming why (llmsd then serves raw completions only), never ChatML spelled as text.
+#[test]
+fn gemma3_has_no_chat_template() {
+    let m = Model::load(&gemma3_path()).unwrap();
+    assert!(m.chat_template().is_none());
+    let e = m.render_chat(&[engine::chat::Message::new("user", "hi")], true).unwrap_err();
+    assert!(e.to_string().contains(engine::model::NO_CHAT), "{e}");
+    assert_eq!(m.tokenizer.token_text(m.tokenizer.eot.unwrap()), Some("<end_of_turn>"));
 }
