@@ -72,7 +72,7 @@ pub fn write(results: &Path, out: &Path) -> Result<Report> {
     );
     if let Some(i) = &intro {
         md.push('\n');
-        md.push_str(i.trim_end());
+        md.push_str(&rebase_links(i.trim_end(), &rel));
         md.push('\n');
     }
     let (mut included, mut missing) = (Vec::new(), Vec::new());
@@ -91,7 +91,7 @@ pub fn write(results: &Path, out: &Path) -> Result<Report> {
         let _ = write!(md, "\n## {title}\n");
         if let Ok(i) = std::fs::read_to_string(sub.join("intro.md")) {
             md.push('\n');
-            md.push_str(i.trim_end());
+            md.push_str(&rebase_links(i.trim_end(), &format!("{rel}/{dir}")));
             md.push('\n');
         }
         let mut found = Vec::new();
@@ -100,6 +100,24 @@ pub fn write(results: &Path, out: &Path) -> Result<Report> {
     }
     std::fs::write(out, md).with_context(|| format!("writing {}", out.display()))?;
     Ok(Report { included, missing })
+}
+
+/// `text` (an intro or notes file written beside its results, its links relative to them) with
+/// every relative link target put under `rel`, so the links hold on the report's page too.
+fn rebase_links(text: &str, rel: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("](") {
+        out.push_str(&rest[..i + 2]);
+        rest = &rest[i + 2..];
+        let relative = !(rest.starts_with('#') || rest.starts_with('/') || rest.split(')').next().is_some_and(|t| t.contains("://")));
+        if relative {
+            out.push_str(rel);
+            out.push('/');
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The experiments found in `dir` (in the paper's order), each under a heading of `level`;
@@ -136,7 +154,7 @@ fn figures(
         md.push('\n');
         if let Ok(notes) = std::fs::read_to_string(dir.join(format!("{name}.notes.md"))) {
             md.push('\n');
-            md.push_str(notes.trim_end());
+            md.push_str(&rebase_links(notes.trim_end(), rel));
             md.push('\n');
         }
         included.push(name.to_string());
@@ -147,6 +165,15 @@ fn figures(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_in_notes_are_rebased_onto_the_page() {
+        let t = "[4.5x](a.json#ratio:/x:/y) and [doc](../kv.md), [web](https://x.org/a), [here](#top)";
+        assert_eq!(
+            rebase_links(t, "results"),
+            "[4.5x](results/a.json#ratio:/x:/y) and [doc](results/../kv.md), [web](https://x.org/a), [here](#top)"
+        );
+    }
 
     #[test]
     fn the_report_gathers_figures_in_order_with_commands_plots_and_notes() {
