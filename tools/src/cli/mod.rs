@@ -166,6 +166,27 @@ pub(crate) fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     load_model(m)
 }
 
+/// The model file's tokenizer alone (`llms tokenize`): no weight is read, so a file of any
+/// architecture whose vocabulary we read tokenizes. Flags about weights are refused, as
+/// [`load`] refuses flags that do not apply.
+pub(crate) fn load_tokenizer(m: &ModelArgs) -> Result<::engine::tokenizer::Tokenizer> {
+    if m.sparsity.is_some() || m.calib_text.is_some() || m.weights_plan {
+        bail!("--sparsity, --calib-text and --weights-plan go with generate, bench, perplexity, logits and chat");
+    }
+    if m.weights.is_some()
+        || m.weights_budget.is_some()
+        || m.weights_image.is_some()
+        || m.no_preload
+        || m.weight_format.is_some()
+        || m.max_sparsity.is_some()
+    {
+        bail!("tokenize reads only the vocabulary: the --weights*, --no-preload and --max-sparsity flags do not apply");
+    }
+    let path = existing_model(m)?;
+    let file = ::engine::gguf::GgufFile::open(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(::engine::tokenizer::Tokenizer::from_gguf(&file)?)
+}
+
 /// Top-K sparsity thresholds a session computes with, if any.
 pub(crate) type Sparsity = Option<Arc<::engine::sparsity::Sparsity>>;
 

@@ -28,11 +28,7 @@ pub struct TokenizeArgs {
 impl TokenizeArgs {
     pub fn run(self) -> Result<()> {
         let Self { text_file, no_special, m } = self;
-        // The vocabulary alone: any file whose tokenizer we read tokenizes, whatever its
-        // architecture, and no weight is loaded.
-        let path = super::model_path(&m);
-        let file = ::engine::gguf::GgufFile::open(&path).with_context(|| format!("reading {}", path.display()))?;
-        let tk = ::engine::tokenizer::Tokenizer::from_gguf(&file)?;
+        let tk = load_tokenizer(&m)?;
         let ids = tk.encode(&read_text(&text_file)?, tk.add_bos, !no_special)?;
         println!("{}", serde_json::to_string(&ids)?);
         Ok(())
