@@ -152,9 +152,7 @@ fn batched_prefill_equals_incremental_decode(c: &Case) {
 /// special tokens parsed and not: every id equal to llama.cpp's, and the text given back.
 #[test]
 fn gemma3_tokenizer_matches_llama_cpp_on_generated_text() {
-    let path = fixture("gemma3_tokenize.json");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read the tokenizer fixture")).expect("JSON");
-    assert_eq!(llms_tests::sha256_file(&gemma3_path()), v["model_sha256"].as_str().unwrap(), "fixture made with another file");
+    let v = llms_tests::checked_fixture("gemma3_tokenize.json", &gemma3_path());
     let file = engine::gguf::GgufFile::open(&gemma3_path()).unwrap();
     let tk = engine::tokenizer::Tokenizer::from_gguf(&file).unwrap();
     let cases = v["cases"].as_array().unwrap();

@@ -30,13 +30,16 @@ pub fn fixture(name: &str) -> PathBuf {
 /// were made with: comparing against another model's values would prove nothing.
 pub fn oracle() -> &'static Value {
     static ORACLE: OnceLock<Value> = OnceLock::new();
-    ORACLE.get_or_init(|| {
-        let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture("llama_cpp.json")).expect("read oracle fixture"))
-            .expect("oracle fixture is JSON");
-        let want = v["model_sha256"].as_str().expect("fixture names its model");
-        assert_eq!(sha256_file(&model_path()), want, "the model under test is not the one the llama.cpp fixtures were made with");
-        v
-    })
+    ORACLE.get_or_init(|| checked_fixture("llama_cpp.json", &model_path()))
+}
+
+/// A fixture of llama.cpp's values, checked to be of the model file `model`.
+pub fn checked_fixture(name: &str, model: &Path) -> Value {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture(name)).unwrap_or_else(|e| panic!("read fixture {name}: {e}")))
+        .unwrap_or_else(|e| panic!("fixture {name} is not JSON: {e}"));
+    let want = v["model_sha256"].as_str().expect("fixture names its model");
+    assert_eq!(sha256_file(model), want, "{} is not the model the fixture {name} was made with", model.display());
+    v
 }
 
 /// Gemma 3 270M Q4_K_M (`make model-gemma3`), the second real model (issue #55).
@@ -50,13 +53,7 @@ pub fn gemma3_path() -> PathBuf {
 /// [`oracle`] is.
 pub fn gemma3_oracle() -> &'static Value {
     static ORACLE: OnceLock<Value> = OnceLock::new();
-    ORACLE.get_or_init(|| {
-        let v: Value = serde_json::from_str(&std::fs::read_to_string(fixture("gemma3.json")).expect("read the Gemma 3 fixture"))
-            .expect("the Gemma 3 fixture is JSON");
-        let want = v["model_sha256"].as_str().expect("fixture names its model");
-        assert_eq!(sha256_file(&gemma3_path()), want, "the Gemma 3 file is not the one the llama.cpp fixtures were made with");
-        v
-    })
+    ORACLE.get_or_init(|| checked_fixture("gemma3.json", &gemma3_path()))
 }
 
 /// A file's SHA-256, in hex.
