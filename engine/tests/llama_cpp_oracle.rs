@@ -49,10 +49,17 @@ checks!(smollm2 (smollm2):
     perplexity_matches_llama_cpp,
     batched_prefill_equals_incremental_decode
 );
-// Gemma 3's logits are not yet within the tolerance of llama.cpp's (issue #55: 0.4-0.8 apart
-// where SmolLM2's are within 0.25, from the first position on, so not attention): its logit,
-// greedy and perplexity checks join this list when they hold.
-checks!(gemma3 (gemma3): tokenization_matches_llama_cpp, batched_prefill_equals_incremental_decode);
+// Gemma 3's prompts start with BOS, as the model adds one (without it the model is far from
+// anything it was trained on and the two engines' rounding differences grow to whole logits;
+// with it they are within SmolLM2's tolerances, the 900-token prompt past the 512-token
+// window included). Its perplexity must be within 0.5% (issue #55).
+checks!(gemma3 (gemma3):
+    tokenization_matches_llama_cpp,
+    last_position_logits_match_llama_cpp,
+    greedy_continuations_match_llama_cpp,
+    perplexity_matches_llama_cpp,
+    batched_prefill_equals_incremental_decode
+);
 
 fn tokenization_matches_llama_cpp(c: &Case) {
     let m = &c.model;
@@ -69,7 +76,7 @@ fn tokenization_matches_llama_cpp(c: &Case) {
 fn last_position_logits_match_llama_cpp(c: &Case) {
     let m = &c.model;
     let pool = Arc::new(ThreadPool::new(2));
-    let (mut sum, mut n) = (0.0f32, 0);
+    let (mut sum, mut n, mut worst) = (0.0f32, 0, 0.0f32);
     for case in c.oracle["logits"].as_array().unwrap() {
         let toks = ids(&case["tokens"]);
         let mut s = Session::new(Arc::clone(m), Arc::clone(&pool), toks.len());
@@ -82,9 +89,11 @@ fn last_position_logits_match_llama_cpp(c: &Case) {
             let d = (logits[id] - want).abs();
             assert!(d <= LOGIT_TOL, "prompt {:?} token {id}: ours {} vs llama.cpp {want}", case["prompt"], logits[id]);
             sum += d;
+            worst = worst.max(d);
             n += 1;
         }
     }
+    eprintln!("largest |Δlogit| {worst}, mean {} over {n} logits", sum / n as f32);
     assert!(sum / n as f32 <= MEAN_LOGIT_TOL, "mean |Δlogit| {} over {n} logits", sum / n as f32);
 }
 
