@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// GGUF model file.
+    /// GGUF model file, or a fetched model's name (`smollm2`, `gemma3`: [`crate::MODELS`]).
     pub model: PathBuf,
     /// Unix socket to listen on.
     pub socket: PathBuf,

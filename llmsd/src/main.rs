@@ -15,6 +15,8 @@ struct Cli {
     /// TOML configuration file (docs/llmsd.md); the flags below override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// GGUF model file, or a fetched model's name (smollm2, gemma3) [default: $LLMS_MODEL, else
+    /// smollm2]
     #[arg(long)]
     model: Option<PathBuf>,
     #[arg(long)]

@@ -160,8 +160,9 @@ fn ms(d: Duration) -> f64 {
 
 impl Service {
     /// Loads the model, opens the store and restores the contexts it holds.
-    pub fn open(cfg: Config) -> Result<Arc<Self>> {
+    pub fn open(mut cfg: Config) -> Result<Arc<Self>> {
         cfg.validate()?;
+        cfg.model = crate::model_file(&cfg.model);
         if cfg.model.is_dir() {
             bail!("model {} is a directory, not a GGUF file", cfg.model.display());
         }

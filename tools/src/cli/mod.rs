@@ -26,11 +26,10 @@ use clap::Args;
 
 use llmsd::weights::plan::{DEFAULT_CALIB_TEXT as CALIB_TEXT, PLAN_LEVELS};
 
-pub(crate) const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file [default: $LLMS_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF model file, or a fetched model's name: smollm2 (`make model`), gemma3 (`make
+    /// model-gemma3`) [default: $LLMS_MODEL, else smollm2]
     #[arg(long, global = true)]
     model: Option<PathBuf>,
     /// Worker threads [default: number of cores]
@@ -131,32 +130,10 @@ pub(crate) fn strings(v: &[&str]) -> Vec<String> {
 }
 
 pub(crate) fn model_path(m: &ModelArgs) -> PathBuf {
-    if let Some(p) = &m.model {
-        return p.clone();
+    match &m.model {
+        Some(p) => llmsd::model_file(p),
+        None => llmsd::default_model(),
     }
-    default_model()
-}
-
-/// `$LLMS_MODEL`, else the default model here or next to the repository the binary was
-/// built in.
-pub(crate) fn default_model() -> PathBuf {
-    if let Some(p) = llmsd::env_path("LLMS_MODEL") {
-        return p;
-    }
-    let local = PathBuf::from(DEFAULT_MODEL);
-    if local.exists() {
-        return local;
-    }
-    // Next to the repository the binary was built in (target/<profile>/llms).
-    if let Ok(exe) = std::env::current_exe() {
-        if let Some(root) = exe.ancestors().nth(3) {
-            let p = root.join(DEFAULT_MODEL);
-            if p.exists() {
-                return p;
-            }
-        }
-    }
-    local
 }
 
 pub(crate) fn load(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
@@ -218,7 +195,8 @@ pub(crate) fn threads_of(m: &ModelArgs) -> usize {
 pub(crate) fn existing_model(m: &ModelArgs) -> Result<PathBuf> {
     let path = model_path(m);
     if !path.exists() {
-        bail!("model {} not found: run `make demo` (fetches the default model) or pass --model / set LLMS_MODEL", path.display());
+        let names = llmsd::MODELS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+        bail!("model {} not found: run `make demo` (fetches the default model; `make model-gemma3` Gemma 3) or pass --model / set LLMS_MODEL (a GGUF file or one of {names})", path.display());
     }
     Ok(path)
 }

@@ -613,7 +613,7 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
     if json {
         let rows: Vec<serde_json::Value> = (0..k)
             .map(|i| {
-                let mut v = json!({"pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
+                let mut v = json!({"model": model_path(m), "pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
                 if i == 0 {
                     v["pool"] = pool_json.clone();
                 } else {
@@ -722,7 +722,7 @@ impl SynthArgs {
 
     pub fn run(self) -> Result<()> {
         let shape = self.shape()?;
-        let tok = self.tokenizer_from.clone().unwrap_or_else(default_model);
+        let tok = self.tokenizer_from.as_deref().map_or_else(llmsd::default_model, llmsd::model_file);
         let w = crate::synth::write(&shape, self.ty, self.seed, &tok, &self.out)?;
         if self.json {
             println!(
