@@ -86,7 +86,8 @@ fn decode_up_front(
     let (hd, ct) = (c.head_dim, kv.geom.chunk_tokens);
     let seen = positions.iter().copied().max().map_or(0, |p| p + 1);
     let last = seen.div_ceil(ct);
-    let reduced = |ch: &usize| up_front(kv.format(*ch), in_job, hd);
+    let first = first_chunk(c, kv, layer, positions);
+    let reduced = |ch: &usize| *ch >= first && up_front(kv.format(*ch), in_job, hd);
     if !(0..last).any(|ch| reduced(&ch)) {
         return Vec::new();
     }
@@ -111,7 +112,7 @@ fn decode_up_front(
         let n_c = ct.min(seen - ch * ct);
         for b in 0..blocks {
             let kvsel = b / c.n_kv_heads;
-            let off = kv.geom.block_offset(f, layer, kvsel, b % c.n_kv_heads);
+            let off = kv.block_offset(f, layer, kvsel, b % c.n_kv_heads);
             let src = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
             match &mut dst {
                 Dst::Int8(d) => {
@@ -122,6 +123,16 @@ fn decode_up_front(
         }
     });
     slot_of
+}
+
+/// The first chunk any of the queries at `positions` sees in `layer`: a local layer's chunks
+/// wholly before every query's window are neither read nor decoded (their scores are masked
+/// to -inf, so they add exact zeros; a memory manager may have given their bytes back, see
+/// [`ChunkedKv::set_dead`]).
+fn first_chunk(c: &Config, kv: &ChunkedKv, layer: usize, positions: &[usize]) -> usize {
+    let first = positions.iter().copied().min().map_or(0, |p| c.window_start(layer, p)) / kv.geom.chunk_tokens;
+    debug_assert!(!c.is_local(layer) || first >= kv.dead(), "a local layer's window reaches a dead chunk");
+    first
 }
 
 /// Decoding attention splits the context into spans of this many tokens (rounded to whole
@@ -200,7 +211,7 @@ impl<'a> LayerBlocks<'a> {
     {
         let (kv, hd, ct) = (self.kv, self.hd, self.kv.geom.chunk_tokens);
         let f = kv.format(ch);
-        let off = kv.geom.block_offset(f, self.layer, kvsel, kvh);
+        let off = kv.block_offset(f, self.layer, kvsel, kvh);
         let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
         match f {
             KvFormat::F16 => kernels::KvRows::F16(bytes),
@@ -294,6 +305,7 @@ pub(crate) fn attention(
         let mut o_rot = vec![0.0f32; TILE * per_job * hd];
         let (mut po, mut pr) = (vec![0.0f32; TILE * per_job * hd], vec![0.0f32; TILE * per_job * hd]);
         let span = (SPAN_TOKENS / ct).max(1);
+        let first = first_chunk(c, kv, layer, positions);
         for job in a..b {
             let (set, tile) = (job % sets, job / sets);
             let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
@@ -322,7 +334,8 @@ pub(crate) fn attention(
                     pr[..nq * hd].fill(0.0);
                 }
                 let mut rotated = false;
-                for ch in 0..n_chunks {
+                let mut started = false;
+                for ch in first..n_chunks {
                     let col0 = ch * ct;
                     let n_c = ct.min(p_max - col0);
                     for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
@@ -337,13 +350,14 @@ pub(crate) fn attention(
                         kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
                         if (ch + 1) % span == 0 || ch + 1 == n_chunks {
                             for (total, part) in [(&mut o, &mut po), (&mut o_rot, &mut pr)] {
-                                if ch < span {
+                                if !started {
                                     total[..nq * hd].copy_from_slice(&part[..nq * hd]);
                                 } else {
                                     total[..nq * hd].iter_mut().zip(&part[..nq * hd]).for_each(|(a, &b)| *a += b);
                                 }
                                 part[..nq * hd].fill(0.0);
                             }
+                            started = true;
                         }
                     }
                 }
@@ -409,6 +423,8 @@ struct SpanPlan {
     nq: usize,
     p_max: usize,
     n_chunks: usize,
+    /// The first chunk read ([`first_chunk`]).
+    first: usize,
     spans: usize,
     /// Tokens in a chunk, chunks in a span, tokens in a span.
     ct: usize,
@@ -467,9 +483,23 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             let span = (SPAN_TOKENS / ct).max(1);
             let spans = n_chunks.div_ceil(span);
             let st = span * ct;
-            let rotated = (0..n_chunks).any(|ch| d.kv.format(ch).split());
-            let p =
-                SpanPlan { nq, p_max, n_chunks, spans, ct, span, st, rotated, q0: nq_all * nkv * hd, l0: nq_all, sc0: sc_all, pa0: pa_all };
+            let first = first_chunk(c, d.kv, layer, d.positions);
+            let rotated = (first..n_chunks).any(|ch| d.kv.format(ch).split());
+            let p = SpanPlan {
+                nq,
+                p_max,
+                n_chunks,
+                first,
+                spans,
+                ct,
+                span,
+                st,
+                rotated,
+                q0: nq_all * nkv * hd,
+                l0: nq_all,
+                sc0: sc_all,
+                pa0: pa_all,
+            };
             nq_all += nq;
             sc_all += nkv * spans * nq * st;
             pa_all += nkv * spans * 2 * nq * hd;
@@ -499,7 +529,8 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
     // column in the span).
     let span_chunks = |i: usize, s: usize| {
         let p = &plans[i];
-        (s * p.span..((s + 1) * p.span).min(p.n_chunks)).map(move |ch| (ch, p.ct.min(p.p_max - ch * p.ct), ch * p.ct - s * p.st))
+        ((s * p.span).max(p.first)..((s + 1) * p.span).min(p.n_chunks))
+            .map(move |ch| (ch, p.ct.min(p.p_max - ch * p.ct), ch * p.ct - s * p.st))
     };
     // How many of chunk `ch`'s `n_c` tokens each query of context `i` sees.
     let see = |i: usize, ch: usize, n_c: usize, visible: &mut [usize]| {

@@ -19,6 +19,10 @@ pub enum KvError {
     TooSmall { chunk: usize, len: usize, need: usize, format: &'static str },
     #[error("{format} rotates head vectors by a Walsh-Hadamard transform: head_dim {head_dim} is not a power of two up to 256")]
     NoRotation { format: &'static str, head_dim: usize },
+    #[error("{dead} chunks are dead (their local layers dropped), {want} asked: a chunk never comes back to life, and there are {have}")]
+    Dead { dead: usize, want: usize, have: usize },
+    #[error("layer order: {0}")]
+    Order(&'static str),
 }
 
 #[derive(Debug)]
@@ -62,6 +66,13 @@ pub struct ChunkedKv {
     capacity: usize,
     base: KvFormat,
     len: usize,
+    /// The place of each layer in a chunk (`slot[layer]`; the identity unless the model has
+    /// a sliding window, see [`crate::Config::kv_slots`]).
+    slot: Vec<usize>,
+    /// Layers a dead chunk keeps: the first `kept` places.
+    kept: usize,
+    /// Leading chunks that are dead: only their first `kept` layers exist.
+    dead: usize,
 }
 
 // SAFETY: external chunk memory is, by the attach contract, exclusively ours to read and write
@@ -73,7 +84,88 @@ unsafe impl Sync for ChunkedKv {}
 impl ChunkedKv {
     pub fn new(geom: KvGeometry, capacity: usize, base: KvFormat) -> Self {
         assert!(base.is_base(), "new chunks are written token by token: f16 or int8");
-        Self { geom, chunks: Vec::new(), capacity, base, len: 0 }
+        Self { geom, chunks: Vec::new(), capacity, base, len: 0, slot: (0..geom.n_layers).collect(), kept: geom.n_layers, dead: 0 }
+    }
+
+    /// Lays each chunk out with layer `l` in place `slot[l]` and lets a dead chunk keep only
+    /// its first `kept` places (the global layers of a sliding-window model). Only before the
+    /// cache holds a chunk.
+    pub fn set_layer_order(&mut self, slot: Vec<usize>, kept: usize) -> Result<(), KvError> {
+        let n = self.geom.n_layers;
+        let mut seen = vec![false; n];
+        if !self.chunks.is_empty() {
+            return Err(KvError::Order("set before the cache holds chunks"));
+        }
+        if slot.len() != n || kept == 0 || kept > n || slot.iter().any(|&s| s >= n || std::mem::replace(&mut seen[s], true)) {
+            return Err(KvError::Order("not a permutation of the layers, or no layer kept"));
+        }
+        (self.slot, self.kept) = (slot, kept);
+        Ok(())
+    }
+
+    /// Where layer `layer` lies in a chunk.
+    pub fn slot(&self, layer: usize) -> usize {
+        self.slot[layer]
+    }
+
+    /// Offset of a (layer, K=0/V=1, head) block in a chunk.
+    pub fn block_offset(&self, f: KvFormat, layer: usize, kv: usize, head: usize) -> usize {
+        self.geom.block_offset(f, self.slot[layer], kv, head)
+    }
+
+    /// Layers a dead chunk keeps.
+    pub fn kept_layers(&self) -> usize {
+        self.kept
+    }
+
+    /// Leading chunks that are dead.
+    pub fn dead(&self) -> usize {
+        self.dead
+    }
+
+    /// Bytes of chunk `i` in format `f`: the kept layers only when it is dead.
+    pub fn live_bytes(&self, i: usize, f: KvFormat) -> usize {
+        if i < self.dead {
+            self.kept * self.geom.layer_bytes(f)
+        } else {
+            self.geom.chunk_bytes(f)
+        }
+    }
+
+    /// The geometry of chunk `i`'s bytes: a dead chunk is, byte for byte, a chunk of its kept
+    /// layers.
+    fn geom_of(&self, i: usize) -> KvGeometry {
+        KvGeometry { n_layers: if i < self.dead { self.kept } else { self.geom.n_layers }, ..self.geom }
+    }
+
+    /// Declares the first `n` chunks dead: their local layers are never read or written again
+    /// (attention skips what lies before a local layer's window), so only their kept layers
+    /// remain; chunks on the engine's own heap shrink to them. Dead chunks stay dead.
+    pub fn set_dead(&mut self, n: usize) -> Result<(), KvError> {
+        if n < self.dead || n > self.chunks.len() || (n > 0 && self.kept == self.geom.n_layers) {
+            return Err(KvError::Dead { dead: self.dead, want: n, have: self.chunks.len() });
+        }
+        for i in self.dead..n {
+            let keep = self.kept * self.geom.layer_bytes(self.chunks[i].format);
+            if let Mem::Owned(v) = &mut self.chunks[i].mem {
+                v.truncate(keep);
+                v.shrink_to_fit();
+            }
+        }
+        self.dead = n;
+        Ok(())
+    }
+
+    /// Brings every chunk back to life, for a caller that recomputes them all from their
+    /// tokens: their memory is (re)attached at full size before anything reads it.
+    pub fn revive_all(&mut self) {
+        for i in 0..self.dead {
+            let full = self.geom.chunk_bytes(self.chunks[i].format);
+            if let Mem::Owned(v) = &mut self.chunks[i].mem {
+                v.resize(full, 0);
+            }
+        }
+        self.dead = 0;
     }
 
     pub fn capacity(&self) -> usize {
@@ -99,13 +191,13 @@ impl ChunkedKv {
     pub fn format(&self, i: usize) -> KvFormat {
         self.chunks[i].format
     }
-    /// The bytes of chunk `i` in its format.
+    /// The bytes of chunk `i` in its format (a dead chunk's kept layers).
     pub fn chunk(&self, i: usize) -> &[u8] {
-        &self.chunks[i].bytes()[..self.geom.chunk_bytes(self.chunks[i].format)]
+        &self.chunks[i].bytes()[..self.live_bytes(i, self.chunks[i].format)]
     }
     /// Bytes in use by every chunk in its current format.
     pub fn bytes(&self) -> usize {
-        self.chunks.iter().map(|c| self.geom.chunk_bytes(c.format)).sum()
+        self.chunks.iter().enumerate().map(|(i, c)| self.live_bytes(i, c.format)).sum()
     }
 
     /// Makes room for positions `0..n` (new chunks in the base format).
@@ -145,10 +237,13 @@ impl ChunkedKv {
         let ct = self.geom.chunk_tokens;
         let keep = n.div_ceil(ct);
         for i in keep..self.chunks.len() {
-            if self.chunks[i].format != self.base && matches!(self.chunks[i].mem, Mem::Owned(_)) {
+            if (self.chunks[i].format != self.base || i < self.dead) && matches!(self.chunks[i].mem, Mem::Owned(_)) {
                 self.chunks[i] = Chunk { mem: Mem::Owned(vec![0; self.geom.chunk_bytes(self.base)]), format: self.base };
             }
         }
+        // Chunks emptied here are written again from scratch; dead ones below stay dead (a
+        // query that would read them is refused by the model).
+        self.dead = self.dead.min(keep);
         if !n.is_multiple_of(ct) && keep > 0 && !self.chunks[keep - 1].format.is_base() {
             let _ = self.set_format(keep - 1, self.base);
         }
@@ -158,6 +253,8 @@ impl ChunkedKv {
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let g = self.geom;
         let (ci, t) = (pos / g.chunk_tokens, pos % g.chunk_tokens);
+        assert!(ci >= self.dead, "position {pos}: chunk {ci} is dead");
+        let slot = self.slot[layer];
         let c = &mut self.chunks[ci];
         assert!(c.format.is_base(), "position {pos}: chunk {ci} is {}, not a base format", c.format.name());
         let f = c.format;
@@ -165,7 +262,7 @@ impl ChunkedKv {
         let bytes = c.bytes_mut();
         for (kvsel, src) in [(0, k), (1, v)] {
             for h in 0..g.n_kv_heads {
-                let off = g.block_offset(f, layer, kvsel, h);
+                let off = g.block_offset(f, slot, kvsel, h);
                 kv::write_token(f, &mut bytes[off..off + g.head_block_bytes(f, kvsel)], t, g.chunk_tokens, &src[h * hd..(h + 1) * hd]);
             }
         }
@@ -178,7 +275,7 @@ impl ChunkedKv {
         if from == to {
             return Ok(());
         }
-        let g = self.geom;
+        let g = self.geom_of(i);
         if to.rotated() && !kv::rotation_fits(g.head_dim) {
             return Err(KvError::NoRotation { format: to.name(), head_dim: g.head_dim });
         }
@@ -208,7 +305,9 @@ impl ChunkedKv {
         let ct = self.geom.chunk_tokens;
         let removed = range.len();
         let start = range.start;
+        let dead_removed = range.end.min(self.dead).saturating_sub(start);
         self.chunks.drain(range);
+        self.dead -= dead_removed;
         self.len = self.len.saturating_sub(removed * ct);
         let (g, hd) = (self.geom, self.geom.head_dim);
         let mut vals = vec![0.0f32; ct * hd];
@@ -219,10 +318,12 @@ impl ChunkedKv {
                 let _ = self.set_format(i, work);
             }
             let n = self.chunk_len(i);
+            let live = self.geom_of(i).n_layers;
+            let slots = self.slot.clone();
             let bytes = self.chunks[i].bytes_mut();
-            for layer in 0..g.n_layers {
+            for (layer, &slot) in slots.iter().enumerate().filter(|&(_, &s)| s < live) {
                 for h in 0..g.n_kv_heads {
-                    let off = g.block_offset(work, layer, 0, h);
+                    let off = g.block_offset(work, slot, 0, h);
                     let blk = &mut bytes[off..off + g.head_block_bytes(work, 0)];
                     kv::read_block_f32(work, 0, blk, ct, hd, n, &mut vals);
                     for t in 0..n {
@@ -240,7 +341,7 @@ impl ChunkedKv {
     /// Zeroes chunk `i` (for tests and callers that drop a chunk's data before recomputing
     /// it; the format is kept).
     pub fn wipe(&mut self, i: usize) {
-        let n = self.geom.chunk_bytes(self.chunks[i].format);
+        let n = self.live_bytes(i, self.chunks[i].format);
         self.chunks[i].bytes_mut()[..n].fill(0);
     }
 
@@ -252,7 +353,7 @@ impl ChunkedKv {
     /// stay valid until the chunk is detached or the cache dropped. Memory that a userfaultfd
     /// region serves may block on a fault when read: that is allowed, the engine just waits.
     pub unsafe fn attach(&mut self, i: usize, ptr: NonNull<u8>, len: usize) -> Result<(), KvError> {
-        let need = self.geom.chunk_bytes(self.chunks[i].format);
+        let need = self.live_bytes(i, self.chunks[i].format);
         if len < need {
             return Err(KvError::TooSmall { chunk: i, len, need, format: self.chunks[i].format.name() });
         }
@@ -283,7 +384,7 @@ impl ChunkedKv {
     /// # Safety
     /// As [`ChunkedKv::attach`].
     pub unsafe fn attach_as(&mut self, i: usize, ptr: NonNull<u8>, len: usize, format: KvFormat) -> Result<(), KvError> {
-        let need = self.geom.chunk_bytes(format);
+        let need = self.live_bytes(i, format);
         if len < need {
             return Err(KvError::TooSmall { chunk: i, len, need, format: format.name() });
         }

@@ -31,6 +31,8 @@ pub enum ModelError {
     BadToken(u32),
     #[error("batch: {0}")]
     Batch(&'static str),
+    #[error("position {pos} attends to positions the sliding window dropped (the first {dead} chunks keep only their global layers)")]
+    WindowDropped { pos: usize, dead: usize },
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
@@ -97,6 +99,43 @@ impl Config {
     pub fn is_local(&self, layer: usize) -> bool {
         self.swa.is_some_and(|w| !(layer + 1).is_multiple_of(w.every))
     }
+
+    /// Where each layer's K/V lies in a chunk of the cache: the global layers first, then the
+    /// local ones, each in layer order (the identity without a sliding window). Once every
+    /// token of a chunk has left the window, only the global layers are ever read again, and
+    /// they are then the chunk's first bytes: a memory manager keeps that prefix and gives the
+    /// rest back ([`Config::dead_chunks`]).
+    pub fn kv_slots(&self) -> Vec<usize> {
+        let globals: Vec<usize> = (0..self.n_layers).filter(|&l| !self.is_local(l)).collect();
+        let locals = (0..self.n_layers).filter(|&l| self.is_local(l));
+        let order: Vec<usize> = globals.iter().copied().chain(locals).collect();
+        let mut slot = vec![0; self.n_layers];
+        for (s, &l) in order.iter().enumerate() {
+            slot[l] = s;
+        }
+        slot
+    }
+
+    /// Layers a chunk keeps once it is dead: the global ones (all layers without a window).
+    pub fn kept_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&l| !self.is_local(l)).count()
+    }
+
+    /// Leading chunks of `chunk_tokens` tokens that no local layer reads again once the cache
+    /// holds `tokens` positions: every position of theirs is before the window of the next
+    /// query (at `tokens`) and so of every later one. Zero without a sliding window.
+    pub fn dead_chunks(&self, tokens: usize, chunk_tokens: usize) -> usize {
+        match self.swa {
+            Some(w) if self.kept_layers() < self.n_layers => dead_chunks(w.window, tokens, chunk_tokens),
+            _ => 0,
+        }
+    }
+}
+
+/// Leading chunks of `chunk_tokens` tokens wholly before a `window`-token window at the next
+/// query, `tokens`: every position `p` of theirs has `p < tokens + 1 - window`.
+pub fn dead_chunks(window: usize, tokens: usize, chunk_tokens: usize) -> usize {
+    (tokens + 1).saturating_sub(window) / chunk_tokens.max(1)
 }
 
 /// A weight tensor: its type, shape, and where its bytes are (`offset` into the GGUF file, or

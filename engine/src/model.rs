@@ -396,7 +396,10 @@ impl Session {
         let c = &model.config;
         let geom =
             KvGeometry { n_layers: c.n_layers, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, chunk_tokens: opts.chunk_tokens.max(1) };
-        let kv = ChunkedKv::new(geom, capacity, opts.base);
+        let mut kv = ChunkedKv::new(geom, capacity, opts.base);
+        if c.kept_layers() < c.n_layers {
+            kv.set_layer_order(c.kv_slots(), c.kept_layers()).expect("a permutation of the layers, on an empty cache");
+        }
         let attention = opts.observe_attention.then(AttentionStats::default);
         Self {
             model,
@@ -414,6 +417,29 @@ impl Session {
 
     pub fn n_past(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Queries from position `pos` on must not reach a dead chunk (the cache was truncated
+    /// below where its window had passed).
+    fn check_window(&self, pos: usize) -> Result<()> {
+        let dead = self.kv.dead();
+        if dead > self.model.config.dead_chunks(pos, self.kv.geom.chunk_tokens) {
+            return Err(ModelError::WindowDropped { pos, dead });
+        }
+        Ok(())
+    }
+
+    /// Declares dead the chunks no local layer reads again at the current length
+    /// ([`Config::dead_chunks`]): their local layers' bytes are dropped (heap chunks shrink;
+    /// a memory manager gives attached memory back itself). Returns the dead chunks. Nothing
+    /// to do without a sliding window. Truncating below a dead chunk's window afterwards
+    /// makes the next pass fail ([`ModelError::WindowDropped`]).
+    pub fn drop_dead_kv(&mut self) -> Result<usize> {
+        let n = self.model.config.dead_chunks(self.n_past(), self.kv.geom.chunk_tokens).max(self.kv.dead());
+        if n > self.kv.dead() {
+            self.kv.set_dead(n)?;
+        }
+        Ok(n)
     }
 
     /// Computes with Top-K activation sparsity (or dense again with `None`). The thresholds
@@ -487,6 +513,7 @@ impl Session {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
             return Err(ModelError::BadToken(bad));
         }
+        self.check_window(self.n_past())?;
         let vocab = self.model.config.vocab;
         let mut all = Vec::new();
         let n_chunks = tokens.len().div_ceil(MAX_BATCH);
@@ -557,6 +584,7 @@ impl Session {
             if t.is_empty() {
                 return Err(ModelError::Batch("every session needs a token"));
             }
+            s.check_window(s.n_past())?;
             if s.n_past() + t.len() > s.kv.capacity() {
                 return Err(ModelError::ContextFull { needed: s.n_past() + t.len(), capacity: s.kv.capacity() });
             }
@@ -626,6 +654,9 @@ impl Session {
         }
         if positions.windows(2).any(|w| w[0] >= w[1]) {
             return Err(ModelError::Metadata { key: "recompute".into(), what: "positions must be strictly increasing".into() });
+        }
+        if let Some(&p) = positions.first() {
+            self.check_window(p)?;
         }
         for &p in positions {
             let c = p / self.kv.geom.chunk_tokens;

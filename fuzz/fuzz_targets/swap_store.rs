@@ -14,7 +14,9 @@ const CTX: u64 = 1;
 fuzz_target!(|data: &[u8]| {
     static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
     let dir = DIR.get_or_init(|| llms_fuzz::work_dir("store"));
-    let geom = StoreGeometry { n_layers: 2, max_layer_bytes: 512 };
+    // One of the two layers kept by a dead chunk: records of one layer, and whole ones whose
+    // second layer was given back, are recovered too.
+    let geom = StoreGeometry { n_layers: 2, max_layer_bytes: 512, kept_layers: 1 };
     let sub = dir.join(format!("{FP:016x}"));
     std::fs::create_dir_all(&sub).unwrap();
     std::fs::write(sub.join(format!("ctx-{CTX:016x}.kv")), data).unwrap();

@@ -52,6 +52,10 @@ pub fn mix_chooser(model: &Model, chunk_tokens: usize, ratio: f64, levels: &[KvF
 pub struct EngineCodec {
     pub geom: KvGeometry,
     fingerprint: u64,
+    /// Layers a dead chunk keeps, and the window that kills chunks (0: none), from the model
+    /// (`Config::kept_layers`, `Config::dead_chunks`).
+    kept: usize,
+    window: usize,
 }
 
 impl EngineCodec {
@@ -80,12 +84,21 @@ impl EngineCodec {
         ]
         .into_iter()
         .chain(sizes)
+        // A sliding-window model lays its global layers first in a chunk (`Config::kv_slots`):
+        // its records say so. (Nothing is added without a window: older stores stay valid.)
+        .chain((c.kept_layers() < c.n_layers).then(|| c.kv_slots().into_iter().map(|s| s as u64)).into_iter().flatten())
         {
             for b in v.to_le_bytes() {
                 h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
             }
         }
-        Self { geom, fingerprint: h }
+        let window = c.swa.map_or(0, |w| w.window);
+        Self { geom, fingerprint: h, kept: c.kept_layers(), window }
+    }
+
+    /// The swap store's geometry for this model's chunks.
+    pub fn store_geometry(&self) -> mm::StoreGeometry {
+        mm::StoreGeometry { n_layers: self.geom.n_layers, max_layer_bytes: self.geom.layer_bytes(KvFormat::F16), kept_layers: self.kept }
     }
 }
 
@@ -107,6 +120,16 @@ impl Codec for EngineCodec {
     }
     fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+    fn kept_layers(&self) -> usize {
+        self.kept
+    }
+    fn dead_chunks(&self, tokens: usize) -> usize {
+        if self.window == 0 || self.kept == self.geom.n_layers {
+            0
+        } else {
+            engine::loader::dead_chunks(self.window, tokens, self.geom.chunk_tokens)
+        }
     }
 }
 
@@ -142,11 +165,28 @@ impl KvContext for SessionKv<'_> {
     fn convert(&mut self, chunk: usize, to: Format) -> Result<(), EngineError> {
         self.0.kv.set_format(chunk, format(to)).map_err(EngineError::new)
     }
+    fn set_dead(&mut self, n: usize) -> Result<(), EngineError> {
+        if n == self.0.kv.dead() {
+            return Ok(());
+        }
+        self.0.kv.set_dead(n).map_err(EngineError::new)
+    }
+    fn revive_all(&mut self) {
+        self.0.kv.revive_all();
+    }
     fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), EngineError> {
         let ct = self.0.kv.geom.chunk_tokens;
         let n = self.0.tokens.len();
         let positions: Vec<usize> = chunks.iter().flat_map(|&c| c * ct..((c + 1) * ct).min(n)).collect();
-        self.0.recompute(&positions, before_layer).map_err(EngineError::new)
+        // mm reads records in the chunk's layer order; computing layer l needs every place up
+        // to the furthest one a layer so far lies in (they differ with a sliding window).
+        let slots: Vec<usize> = (0..self.0.kv.geom.n_layers).map(|l| self.0.kv.slot(l)).collect();
+        let mut upto = 0;
+        let mut in_order = |l: usize| {
+            upto = upto.max(slots[l]);
+            before_layer(upto);
+        };
+        self.0.recompute(&positions, &mut in_order).map_err(EngineError::new)
     }
     fn densities(&self) -> Option<Vec<f64>> {
         let a = self.0.attention.as_ref()?;
@@ -227,7 +267,9 @@ impl mm::FaultRecompute for EngineRecompute {
         if f != self.base {
             s.kv.set_format(c, f).map_err(EngineError::new)?;
         }
+        // A dead chunk's record holds its kept layers, the chunk's first bytes.
         let bytes = s.kv.chunk(c);
+        let bytes = &bytes[..(s.kv.geom.layer_bytes(f) * want.layers as usize).min(bytes.len())];
         let dst =
             out.get_mut(..bytes.len()).ok_or_else(|| EngineError::new(format!("chunk {c}: {} bytes do not fit the slot", bytes.len())))?;
         dst.copy_from_slice(bytes);

@@ -30,8 +30,7 @@ pub fn env_path(name: &str) -> Option<std::path::PathBuf> {
 
 /// The models `make` fetches (`make model`, `make model-gemma3`), by the names `--model`,
 /// `LLMS_MODEL` and llmsd's `model =` take besides a path. The first is the default.
-pub const MODELS: &[(&str, &str)] =
-    &[("smollm2", "models/SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3", "models/gemma-3-270m-q4_k_m.gguf")];
+pub const MODELS: &[(&str, &str)] = &[("smollm2", "models/SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3", "models/gemma-3-270m-q4_k_m.gguf")];
 
 /// A model argument as a file. A name of [`MODELS`] is its file under the working directory,
 /// else next to the repository this binary was built in (target/<profile>/<bin>), so the

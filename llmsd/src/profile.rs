@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use engine::kv::KvFormat;
 use engine::model::SessionOptions;
 use engine::{Logits, Model, Session, ThreadPool};
-use mm::{Codec, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
+use mm::{Codec, Manager, MmConfig, Policy, Profile, Store, Strategy};
 
 use crate::kvmm::{code, EngineCodec, SessionKv};
 use crate::stats::median;
@@ -48,7 +48,7 @@ pub fn manager_with(
     durability: mm::Durability,
 ) -> Result<Manager> {
     let codec = EngineCodec::new(model, chunk_tokens);
-    let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
+    let geom = codec.store_geometry();
     let store = Arc::new(Store::open(dir, codec.fingerprint(), geom, durability)?);
     Ok(Manager::new(cfg, Arc::new(codec), store, profile)?)
 }

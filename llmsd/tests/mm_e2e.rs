@@ -9,7 +9,7 @@ use engine::{Logits, Model, Session, ThreadPool};
 use llms_tests::{fixture, model_path, require_kernel};
 use llmsd::kvmm::{code, EngineCodec, SessionKv};
 use llmsd::profile::hold;
-use mm::{Linear, Manager, MmConfig, Policy, Profile, Store, StoreGeometry, Strategy};
+use mm::{Linear, Manager, MmConfig, Policy, Profile, Store, Strategy};
 
 const CT: usize = 16;
 const N: usize = 200; // 12 full chunks and a partial one
@@ -29,15 +29,19 @@ fn setup() -> Setup {
 }
 
 fn manager(s: &Setup, policy: Policy, levels: &[KvFormat], ratio: f64, profile: Option<Profile>) -> Option<Manager> {
+    manager_of(s, policy, levels, ratio, profile, 64)
+}
+
+fn manager_of(s: &Setup, policy: Policy, levels: &[KvFormat], ratio: f64, profile: Option<Profile>, max_chunks: usize) -> Option<Manager> {
     let codec = EngineCodec::new(&s.model, CT);
-    let geom = StoreGeometry { n_layers: codec.geom.n_layers, max_layer_bytes: codec.geom.layer_bytes(KvFormat::F16) };
+    let geom = codec.store_geometry();
     let store = Arc::new(Store::open(s._dir.path(), mm::Codec::fingerprint(&codec), geom, false).expect("store"));
     let cfg = MmConfig {
         policy,
         budget: 1 << 30,
         ratio,
         levels: levels.iter().map(|&f| code(f)).collect(),
-        max_chunks: 64,
+        max_chunks,
         features: mm::Features::default(),
     };
     require_kernel("userfaultfd", Manager::new(cfg, Arc::new(codec), store, profile))
@@ -335,4 +339,79 @@ fn a_fault_on_a_chunk_without_a_record_recomputes_it() {
     assert_eq!(r.missing, 0, "mm did not see the pages go");
     assert_eq!(got, reference, "the fault path recomputed both chunks exactly");
     assert!(mm.region_stats(1).unwrap().faults >= 2);
+}
+
+/// Gemma 3 (five of every six layers see the last 512 tokens): a long context's chunks that
+/// left the window keep only the global layers — in memory, on flash and when loaded — and
+/// the model's answers are bit for bit those of a cache that keeps everything, after eviction,
+/// after a restart, and when a lost record makes the whole context be recomputed.
+#[test]
+fn sliding_window_chunks_keep_only_global_layers_and_change_no_logit() {
+    const LONG: usize = 1200;
+    let model = Arc::new(Model::load(&llms_tests::gemma3_path()).expect("Gemma 3"));
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).expect("text");
+    let ids = model.tokenizer.encode(&text, true, false).expect("tokens");
+    let s = Setup { model, pool: Arc::new(ThreadPool::new(2)), ids, _dir: tempfile::tempdir().expect("tmp") };
+    let codec = EngineCodec::new(&s.model, CT);
+    let (kept, dead) = (mm::Codec::kept_layers(&codec), mm::Codec::dead_chunks(&codec, LONG));
+    let n_chunks = LONG.div_ceil(CT);
+    assert_eq!((kept, dead, n_chunks), (3, 43, 75), "Gemma 3 270M: 3 global layers of 18; (1201 - 512) / 16 chunks dead");
+    let Some(mut mm) = manager_of(&s, Policy::Llms, &[KvFormat::Int8], 1.0, None, 128) else { return };
+    let tok = s.ids[LONG];
+
+    // The reference: the engine alone, every layer of every chunk kept.
+    let opts = SessionOptions { capacity: 2048, chunk_tokens: CT, base: KvFormat::Int8, observe_attention: false, sliding_window: None };
+    let mut plain = Session::with_options(Arc::clone(&s.model), Arc::clone(&s.pool), opts);
+    plain.eval(&s.ids[..LONG], Logits::None).unwrap();
+    let reference = plain.eval(&[tok], Logits::Last).unwrap().to_vec();
+
+    let mut sess = Session::with_options(Arc::clone(&s.model), Arc::clone(&s.pool), opts);
+    hold(&mut mm, 1, &mut sess, &s.ids[..LONG]).unwrap();
+    assert_eq!(sess.kv.dead(), dead, "mm told the engine which chunks died");
+    let layer = codec.geom.layer_bytes(KvFormat::Int8);
+    let pages = |b: usize| b.next_multiple_of(4096);
+    let live = dead * pages(kept * layer) + (n_chunks - dead) * pages(18 * layer);
+    assert_eq!(mm.context_bytes(1), live, "dead chunks hold their global layers' pages only");
+    assert_eq!(smaps_rss(mm.region_range(1).unwrap()), live, "mm's accounting is the kernel's");
+    let (got, _) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::Planned);
+    assert!(got == reference, "resident: the logits differ from a cache that keeps every layer");
+
+    // Out and back: only live bytes are read, nothing faults (a read of a dead layer would).
+    mm.flush();
+    let on_flash = mm.store().disk_bytes();
+    let full_records = n_chunks as u64 * (4096 + pages(18 * layer) as u64);
+    assert!(on_flash < full_records * 6 / 10, "the store kept {on_flash} bytes, whole records take {full_records}");
+    force_out(&mut mm, 1);
+    let faults = mm.region_stats(1).unwrap().faults;
+    let (got, r) = next_logits(&mut mm, 1, &mut sess, tok, Strategy::Planned);
+    assert_eq!((r.read, r.recomputed), (n_chunks, 0), "{r:?}");
+    let live_bytes = (dead * kept * layer + (n_chunks - dead) * 18 * layer) as u64;
+    assert_eq!(r.read_bytes, live_bytes, "a load reads the live layers only");
+    assert_eq!(mm.region_stats(1).unwrap().faults, faults, "something read memory mm did not load");
+    assert!(got == reference, "after eviction: the logits differ");
+
+    // A restart: the records (whole ones with their local layers punched out, and the ones
+    // written after their chunk died) are recovered and serve the same context.
+    mm.flush();
+    drop(mm);
+    let Some(mut mm) = manager_of(&s, Policy::Llms, &[KvFormat::Int8], 1.0, None, 128) else { return };
+    let mut back = Session::with_options(Arc::clone(&s.model), Arc::clone(&s.pool), opts);
+    back.tokens = s.ids[..LONG].to_vec();
+    assert_eq!(mm.restore(1, &mut SessionKv(&mut back)).unwrap(), n_chunks, "every record survived the restart");
+    back.kv.set_len(LONG).unwrap();
+    let (got, r) = next_logits(&mut mm, 1, &mut back, tok, Strategy::Planned);
+    assert_eq!((r.read, r.read_bytes), (n_chunks, live_bytes), "{r:?}");
+    assert!(got == reference, "after a restart: the logits differ");
+
+    // A live chunk's record lost: its window reaches dead chunks, so the whole context is
+    // recomputed from its tokens, and the dead chunks are dropped again.
+    force_out(&mut mm, 1);
+    mm.store().invalidate(1, 70);
+    let (got, r) = next_logits(&mut mm, 1, &mut back, tok, Strategy::Planned);
+    assert_eq!(r.recomputed, n_chunks, "{r:?}");
+    assert!(got == reference, "after recomputing the whole context: the logits differ");
+    // (and the empty chunk the next-token calls prepared, whole).
+    let with_next = live + pages(18 * layer);
+    assert_eq!((back.kv.dead(), mm.context_bytes(1)), (dead, with_next), "the recomputed dead chunks were dropped again");
+    mm.delete(1).unwrap();
 }

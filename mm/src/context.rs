@@ -21,6 +21,24 @@ pub trait Codec: Send + Sync {
     fn name(&self, f: Format) -> &'static str;
     /// A fingerprint of the model and codec: records of another model are never read.
     fn fingerprint(&self) -> u64;
+    /// Layers a dead chunk keeps, first in the chunk (a sliding-window model's global
+    /// layers); all of them for a model without a window.
+    fn kept_layers(&self) -> usize {
+        self.n_layers()
+    }
+    /// Leading chunks that are dead once a context holds `tokens` positions: no layer past the
+    /// kept ones reads them again, at this length or any longer one. 0 without a window.
+    fn dead_chunks(&self, _tokens: usize) -> usize {
+        0
+    }
+    /// Bytes of a chunk in format `f`, of its kept layers when it is dead.
+    fn live_bytes(&self, f: Format, dead: bool) -> usize {
+        if dead {
+            self.kept_layers() * self.layer_bytes(f)
+        } else {
+            self.chunk_bytes(f)
+        }
+    }
 }
 
 /// What the engine side of mm's traits reports when it cannot do what mm asked (a chunk it
@@ -61,6 +79,18 @@ pub trait KvContext {
     /// # Safety
     /// As [`KvContext::attach`].
     unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError>;
+    /// Declares the first `n` chunks dead ([`Codec::dead_chunks`]): only their kept layers are
+    /// read or written from now on (mm gives the rest of their memory back).
+    fn set_dead(&mut self, n: usize) -> Result<(), EngineError> {
+        if n == 0 {
+            Ok(())
+        } else {
+            Err(EngineError::new("this engine keeps every layer of every chunk"))
+        }
+    }
+    /// Brings dead chunks back to life for a recompute of the whole context (mm attaches
+    /// full-size memory to them first).
+    fn revive_all(&mut self) {}
     /// Converts `chunk` to `to` in its memory.
     fn convert(&mut self, chunk: usize, to: Format) -> Result<(), EngineError>;
     /// Recomputes the K/V of the given chunks (attached, in the base format) from their

@@ -142,6 +142,8 @@ struct ChunkMeta {
     tokens: u32,
     prefix_hash: u64,
     density: f64,
+    /// Only the kept layers exist ([`Codec::dead_chunks`]).
+    dead: bool,
 }
 
 #[derive(Debug)]
@@ -563,10 +565,12 @@ impl Manager {
         let region = Arc::clone(&self.ctx(ctx)?.region);
         let hashes = prefix_hashes(kv.tokens(), ct);
         let base = kv.base();
+        let dead = self.codec.dead_chunks(n_tok).min(n);
         let mut usable = 0;
         for (i, &prefix_hash) in hashes.iter().enumerate() {
             let tokens = u32::try_from(n_tok.saturating_sub(i * ct).min(ct)).unwrap_or(u32::MAX);
-            let want = |f: Format| RecordMeta { context: ctx, chunk: chunk_u32(i), format: f, tokens, prefix_hash };
+            let layers = self.layers(i < dead);
+            let want = |f: Format| RecordMeta { context: ctx, chunk: chunk_u32(i), format: f, tokens, prefix_hash, layers };
             let level = self
                 .store
                 .entry(ctx, chunk_u32(i))
@@ -582,9 +586,11 @@ impl Manager {
                 // SAFETY: as above.
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
             }
-            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(ChunkMeta { level, tokens, prefix_hash, density: 0.0 });
+            let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead };
+            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(m);
             self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), want(level));
         }
+        kv.set_dead(dead).map_err(engine)?;
         Ok(usable)
     }
 
@@ -628,7 +634,41 @@ impl Manager {
     }
 
     fn meta(&self, ctx: u64, i: usize, m: &ChunkMeta) -> RecordMeta {
-        RecordMeta { context: ctx, chunk: chunk_u32(i), format: m.level, tokens: m.tokens, prefix_hash: m.prefix_hash }
+        RecordMeta {
+            context: ctx,
+            chunk: chunk_u32(i),
+            format: m.level,
+            tokens: m.tokens,
+            prefix_hash: m.prefix_hash,
+            layers: self.layers(m.dead),
+        }
+    }
+
+    /// Layers a chunk holds: the kept ones when it is dead.
+    fn layers(&self, dead: bool) -> u32 {
+        u32::try_from(if dead { self.codec.kept_layers() } else { self.codec.n_layers() }).unwrap_or(u32::MAX)
+    }
+
+    /// Declares the first `dead` chunks of `ctx` dead (a sliding-window model: their tokens all
+    /// left the window, [`Codec::dead_chunks`]): the pages of their other layers go back to
+    /// the kernel, their records give the space of those layers back, and from now on only the
+    /// kept layers are read, written or counted against the budget.
+    fn kill(&mut self, ctx: u64, region: &Region, kv: &mut dyn KvContext, dead: usize) -> Result<()> {
+        let newly: Vec<usize> = self.ctx(ctx)?.chunks.iter().take(dead).enumerate().filter(|(_, m)| !m.dead).map(|(i, _)| i).collect();
+        for &i in &newly {
+            let m = &mut self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i];
+            m.dead = true;
+            let m = *m;
+            if region.state(i)? == SlotState::Resident {
+                region.shrink(i, self.codec.live_bytes(m.level, true))?;
+            }
+            self.store.shrink(ctx, chunk_u32(i))?;
+            let meta = self.meta(ctx, i, &m);
+            if let Some(e) = self.expected.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&(ctx, chunk_u32(i))) {
+                *e = meta;
+            }
+        }
+        kv.set_dead(dead).map_err(engine)
     }
 
     /// Loads every chunk of `ctx` that is not resident and pins them all for the call.
@@ -674,7 +714,7 @@ impl Manager {
     }
 
     fn chunk_len(&self, ctx: u64, i: usize) -> usize {
-        self.ctxs.get(&ctx).and_then(|c| c.chunks.get(i)).map_or(0, |m| self.codec.chunk_bytes(m.level))
+        self.ctxs.get(&ctx).and_then(|c| c.chunks.get(i)).map_or(0, |m| self.codec.live_bytes(m.level, m.dead))
     }
 
     /// The swap-recompute pipeline over the missing chunks.
@@ -690,6 +730,38 @@ impl Manager {
     ) -> Result<()> {
         let nl = self.codec.n_layers();
         let base = kv.base();
+        // Dead chunks (a sliding-window context): recomputing a chunk needs the K/V of the
+        // window before it at every layer, which dead chunks no longer have. So the planner
+        // reads them all, and a chunk that must be recomputed (no valid record) brings the
+        // whole context back to life and recomputes it from its tokens, after which the dead
+        // chunks are dropped again.
+        let dead = self.ctx(ctx)?.chunks.iter().take_while(|m| m.dead).count();
+        let mut strategy = strategy;
+        let whole: Vec<usize>;
+        let missing = if dead > 0 {
+            let unreadable = |m: &ChunkMeta, i: usize| m.tokens > 0 && self.store.expect(&self.meta(ctx, i, m)).is_err();
+            let c = self.ctx(ctx)?;
+            let forced = self.cfg.policy == Policy::Lmk || missing.iter().any(|&i| unreadable(&c.chunks[i], i));
+            if forced || strategy == Strategy::AllRecompute {
+                let n = c.chunks.len();
+                for i in 0..n {
+                    if region.state(i)? == SlotState::Resident {
+                        region.discard(i)?;
+                    }
+                    self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].dead = false;
+                }
+                kv.revive_all();
+                strategy = Strategy::AllRecompute;
+                whole = (0..n).collect();
+                report.missing = n;
+                &whole[..]
+            } else {
+                strategy = Strategy::AllRead;
+                missing
+            }
+        } else {
+            missing
+        };
         let metas: Vec<(usize, RecordMeta)> = {
             let c = self.ctx(ctx)?;
             missing.iter().map(|&i| (i, self.meta(ctx, i, &c.chunks[i]))).collect()
@@ -714,7 +786,7 @@ impl Manager {
             Strategy::AllRead => {}
             Strategy::Planned => {
                 if let (Policy::Llms, Some(p)) = (self.cfg.policy, &self.profile) {
-                    let sizes: Vec<u64> = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).collect();
+                    let sizes: Vec<u64> = readable.iter().map(|(_, e)| u64::from(e.layer_len) * u64::from(e.meta.layers)).collect();
                     let mut pl = plan_forced(&sizes, forced.len(), p.recompute, p.io);
                     // A mixed load runs recompute and reads side by side, which costs some
                     // interference the linear profiles do not see: take it only when it is
@@ -774,7 +846,7 @@ impl Manager {
             report.io_wait = io_wait;
             bad = readable.iter().zip(&ok).filter(|(_, ok)| !**ok).map(|((i, _), _)| *i).collect();
         }
-        report.read_bytes = readable.iter().map(|(_, e)| u64::from(e.layer_len) * nl as u64).sum();
+        report.read_bytes = readable.iter().map(|(_, e)| u64::from(e.layer_len) * u64::from(e.meta.layers)).sum();
 
         // A read that failed its checksum is recomputed now, with every recomputed chunk
         // after it (they attended to the bad bytes).
@@ -802,7 +874,11 @@ impl Manager {
             }
         }
         for &i in &rest {
-            self.install(region, kv, staging.get_mut(&i).expect("staged"), i, levels[&i])?;
+            let len = self.chunk_len(ctx, i);
+            self.install(region, kv, staging.get_mut(&i).expect("staged"), i, levels[&i], len)?;
+        }
+        if dead > 0 && strategy == Strategy::AllRecompute {
+            self.kill(ctx, region, kv, dead)?;
         }
         Ok(())
     }
@@ -827,13 +903,13 @@ impl Manager {
         if n == 0 {
             return Ok((Vec::new(), 0.0));
         }
-        let (ss, nl) = (self.slot_size, self.codec.n_layers());
+        let ss = self.slot_size;
         let n_buf = self.arena.len() / ss;
         let store = &*self.store;
         let file = store.file(ctx)?;
         let fd = std::os::fd::AsRawFd::as_raw_fd(&*file);
         let arena = SendPtr(self.arena.as_mut_slice().as_mut_ptr());
-        let lens: Vec<usize> = readable.iter().map(|(i, _)| self.codec.chunk_bytes(levels[i])).collect();
+        let lens: Vec<usize> = readable.iter().map(|(i, _)| self.chunk_len(ctx, *i)).collect();
         // Two lanes (this thread and a helper), each with its own ring and its own half of the
         // arena, each taking every other chunk: read, wait, check, copy into the slot, and the
         // buffer takes the lane's next read at once. Lanes share nothing, so a buffer is never
@@ -867,7 +943,7 @@ impl Manager {
                 let end = body.max(lens[k].next_multiple_of(uffd_handler::PAGE)).min(ss);
                 // SAFETY: the read into this buffer was waited for; only this lane uses it.
                 let buf = unsafe { std::slice::from_raw_parts_mut(buf_of(j), end) };
-                let good = payload_ok(buf, nl * e.layer_len as usize, e.payload_crc);
+                let good = payload_ok(buf, e.meta.layers as usize * e.layer_len as usize, e.payload_crc);
                 if good {
                     region.copy_from(*i, buf, lens[k])?;
                 }
@@ -954,8 +1030,7 @@ impl Manager {
 
     /// Install: the staged chunk goes into its slot (copied from the arena, whose pages stay;
     /// moved from a buffer of its own), and the engine reads the slot.
-    fn install(&mut self, region: &Region, kv: &mut dyn KvContext, staged: &mut Stage, i: usize, level: Format) -> Result<()> {
-        let len = self.codec.chunk_bytes(level);
+    fn install(&mut self, region: &Region, kv: &mut dyn KvContext, staged: &mut Stage, i: usize, level: Format, len: usize) -> Result<()> {
         match staged {
             Stage::Arena(off) => region.copy_from(i, &self.arena.as_mut_slice()[*off..*off + self.slot_size], len)?,
             Stage::Own(s) => region.populate_from(i, s, len)?,
@@ -991,7 +1066,7 @@ impl Manager {
             if c.in_call {
                 region.pin(i)?;
             }
-            c.chunks.push(ChunkMeta { level: base, tokens: 0, prefix_hash: 0, density: 0.0 });
+            c.chunks.push(ChunkMeta { level: base, tokens: 0, prefix_hash: 0, density: 0.0, dead: false });
         }
         Ok(())
     }
@@ -1031,10 +1106,17 @@ impl Manager {
                 tokens: 0,
                 prefix_hash: 0,
                 density: 0.0,
+                dead: false,
             });
         }
         let hashes = prefix_hashes(kv.tokens(), ct);
         let n_tok = kv.tokens().len();
+        // What the call moved out of the window is given back now, before the chunks are
+        // re-levelled and written: a chunk that died unwritten is written with its kept
+        // layers only. (A call's own truncations are done by now; a context rolled back to
+        // fewer tokens after this finds its revived chunks' records short and recomputes.)
+        let dead = self.codec.dead_chunks(n_tok).min(n);
+        self.kill(ctx, &region, kv, dead)?;
         let dens = kv.densities();
         // Re-level (eq. 2-3) the full chunks; only changed, resident chunks are re-encoded.
         let mut targets: Vec<Option<Format>> = vec![None; n];
@@ -1064,7 +1146,7 @@ impl Manager {
                 // cost pages and bring nothing back.
                 if self.codec.chunk_bytes(t) < self.codec.chunk_bytes(cur) && region.state(i)? == SlotState::Resident {
                     kv.convert(i, t).map_err(engine)?;
-                    region.shrink(i, self.codec.chunk_bytes(t))?;
+                    region.shrink(i, self.codec.live_bytes(t, i < dead))?;
                     self.stats.releveled += 1;
                 }
             }
@@ -1075,6 +1157,7 @@ impl Manager {
                 tokens,
                 prefix_hash: hashes.get(i).copied().unwrap_or(0),
                 density: dens.as_ref().and_then(|d| d.get(i).copied()).unwrap_or(0.0),
+                dead: i < dead,
             };
             self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
             let meta = self.meta(ctx, i, &m);
@@ -1088,7 +1171,7 @@ impl Manager {
             for (i, meta) in &writes {
                 region.pin(*i)?;
                 w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
-                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.codec.chunk_bytes(meta.format) };
+                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.codec.live_bytes(meta.format, (*i) < dead) };
                 if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
                     self.stats.written_aot += 1;
                 } else {
@@ -1189,7 +1272,7 @@ impl Manager {
         let m = self.ctx(ctx)?.chunks[i];
         let meta = self.meta(ctx, i, &m);
         if m.tokens > 0 && !self.store.matches(&meta) {
-            let len = self.codec.chunk_bytes(m.level);
+            let len = self.codec.live_bytes(m.level, m.dead);
             region.clean(i)?;
             // SAFETY: resident (checked by the caller) and not in a call: nothing writes it.
             let bytes = unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) };

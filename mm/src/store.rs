@@ -17,6 +17,14 @@
 //! copy), in aligned pieces so the first layers are usable while later ones are in flight. A reader states what it expects (format and prefix
 //! hash); a record that fails a checksum or does not match is reported missing — the caller
 //! recomputes the chunk — and is never served.
+//!
+//! Sliding-window models ([`StoreGeometry::kept_layers`] below `n_layers`): a chunk whose
+//! tokens all left the window is *dead* and only its first `kept_layers` layers (the global
+//! ones) are ever read again. Its record then holds, or serves, only those: a record written
+//! whole keeps a second checksum over them (`head_crc`), so when the chunk dies the rest of
+//! the record is given back (a hole punched, [`Store::shrink`]) and the kept part is still
+//! checked and served, and is never written again; a chunk written after it died is written
+//! with its kept layers only.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -57,7 +65,9 @@ pub struct Header {
     pub payload_crc: u32,
     /// CRC32C of the header with this field zero.
     pub header_crc: u32,
-    pub reserved: u32,
+    /// CRC32C of the payload's first `kept_layers` layers when the record holds more (a
+    /// sliding-window model's record written whole); 0 otherwise.
+    pub head_crc: u32,
     pub layer_off: [u32; MAX_LAYERS],
 }
 
@@ -85,6 +95,9 @@ pub struct RecordMeta {
     /// Hash of every token up to the end of this chunk: KV depends on the whole prefix, so a
     /// record computed from other tokens is stale.
     pub prefix_hash: u64,
+    /// Layers of the chunk: all of them, or a dead chunk's kept ones
+    /// ([`StoreGeometry::kept_layers`]).
+    pub layers: u32,
 }
 
 /// Why a record cannot be served.
@@ -109,9 +122,21 @@ pub type Result<T> = std::result::Result<T, StoreError>;
 pub struct Entry {
     pub copy: u8,
     pub seq: u64,
+    /// What the record holds (`meta.layers` layers of `layer_len` bytes).
     pub meta: RecordMeta,
     pub layer_len: u32,
     pub payload_crc: u32,
+    /// CRC32C of the first kept layers, when the record holds more (see [`Header::head_crc`]).
+    pub head_crc: u32,
+}
+
+impl Entry {
+    /// The part of this record that serves a dead chunk: its kept layers and their checksum.
+    fn head(mut self, kept: u32) -> Self {
+        self.meta.layers = kept;
+        self.payload_crc = self.head_crc;
+        self
+    }
 }
 
 /// A heap buffer aligned for O_DIRECT (4 KiB), zeroed.
@@ -171,6 +196,16 @@ pub struct StoreGeometry {
     pub n_layers: usize,
     /// The largest layer of any format.
     pub max_layer_bytes: usize,
+    /// Layers a dead chunk keeps (a sliding-window model's global layers, first in a chunk);
+    /// `n_layers` for a model without a window.
+    pub kept_layers: usize,
+}
+
+impl StoreGeometry {
+    /// A model without a sliding window.
+    pub fn new(n_layers: usize, max_layer_bytes: usize) -> Self {
+        Self { n_layers, max_layer_bytes, kept_layers: n_layers }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -316,8 +351,16 @@ impl Store {
     /// `Batch`, `false` is `Off`).
     pub fn open(dir: &Path, fingerprint: u64, geom: StoreGeometry, durability: impl Into<Durability>) -> Result<Self> {
         let durability = durability.into();
-        if geom.n_layers == 0 || geom.n_layers > MAX_LAYERS || geom.max_layer_bytes == 0 {
-            return Err(StoreError::Invalid(format!("{} layers of {} bytes: unsupported", geom.n_layers, geom.max_layer_bytes)));
+        if geom.n_layers == 0
+            || geom.n_layers > MAX_LAYERS
+            || geom.max_layer_bytes == 0
+            || geom.kept_layers == 0
+            || geom.kept_layers > geom.n_layers
+        {
+            return Err(StoreError::Invalid(format!(
+                "{} layers of {} bytes, {} kept by a dead chunk: unsupported",
+                geom.n_layers, geom.max_layer_bytes, geom.kept_layers
+            )));
         }
         let dir = dir.join(format!("{fingerprint:016x}"));
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(io_err(&dir))?;
@@ -387,9 +430,10 @@ impl Store {
         (2 * u64::from(chunk) + u64::from(copy)) * self.record_len as u64
     }
 
-    /// Offset of a record's payload and its length rounded up to the O_DIRECT alignment.
+    /// Offset of a record's payload (the layers `e` holds or serves) and its length rounded up
+    /// to the O_DIRECT alignment.
     pub fn body_extent(&self, e: &Entry) -> (u64, usize) {
-        (self.offset(e.meta.chunk, e.copy) + self.header_len as u64, round_up(self.geom.n_layers * e.layer_len as usize, self.align))
+        (self.offset(e.meta.chunk, e.copy) + self.header_len as u64, round_up(e.meta.layers as usize * e.layer_len as usize, self.align))
     }
 
     /// The aligned byte range of the file that covers `layer` of a stored record.
@@ -448,8 +492,16 @@ impl Store {
         if read_full(f, &mut buf[self.header_len..self.header_len + body], off + self.header_len as u64).ok()? < body {
             return None;
         }
-        let crc = self.payload_crc(&buf[self.header_len..], e.layer_len as usize);
-        (crc == e.payload_crc).then_some(e)
+        let payload = &buf[self.header_len..];
+        let ll = e.layer_len as usize;
+        if crc32c::crc32c(&payload[..e.meta.layers as usize * ll]) == e.payload_crc {
+            return Some(e);
+        }
+        // A whole record whose chunk died: the rest was given back (a hole reads as zeros), the
+        // kept layers still check.
+        let kept = self.geom.kept_layers;
+        let kept32 = u32::try_from(kept).ok()?;
+        (e.meta.layers > kept32 && crc32c::crc32c(&payload[..kept * ll]) == e.head_crc).then(|| e.head(kept32))
     }
 
     fn check_header(&self, h: &Header, ctx: u64, chunk: u32) -> Option<Entry> {
@@ -459,23 +511,47 @@ impl Store {
             && h.fingerprint == self.fingerprint
             && h.context == ctx
             && h.chunk == chunk
-            && h.n_layers as usize == self.geom.n_layers
+            && (h.n_layers as usize == self.geom.n_layers || h.n_layers as usize == self.geom.kept_layers)
             && h.header_len as usize == self.header_len
             && (h.layer_len as usize) <= self.geom.max_layer_bytes;
         if !ok {
             return None;
         }
         let ll = h.layer_len as usize;
-        if (0..self.geom.n_layers).any(|l| h.layer_off[l] as usize != self.header_len + l * ll) {
+        if (0..h.n_layers as usize).any(|l| h.layer_off[l] as usize != self.header_len + l * ll) {
             return None;
         }
-        let meta = RecordMeta { context: ctx, chunk, format: h.format, tokens: h.tokens, prefix_hash: h.prefix_hash };
-        Some(Entry { copy: 0, seq: h.seq, meta, layer_len: h.layer_len, payload_crc: h.payload_crc })
+        let meta = RecordMeta { context: ctx, chunk, format: h.format, tokens: h.tokens, prefix_hash: h.prefix_hash, layers: h.n_layers };
+        Some(Entry { copy: 0, seq: h.seq, meta, layer_len: h.layer_len, payload_crc: h.payload_crc, head_crc: h.head_crc })
     }
 
-    /// CRC32C of a record's payload.
-    fn payload_crc(&self, body: &[u8], layer_len: usize) -> u32 {
-        crc32c::crc32c(&body[..self.geom.n_layers * layer_len])
+    /// The part of `e` that serves `want`: all of it, or a dead chunk's kept layers of a
+    /// record written whole.
+    fn serving(&self, e: Entry, want: &RecordMeta) -> Option<Entry> {
+        let kept = u32::try_from(self.geom.kept_layers).ok()?;
+        let e = if want.layers == kept && e.meta.layers > kept { e.head(kept) } else { e };
+        (e.meta == *want).then_some(e)
+    }
+
+    /// Gives back the space of every layer a dead chunk no longer keeps, in its current record
+    /// (a hole punched past the kept layers); the kept layers stay served and checked. A no-op
+    /// for a record that holds only those, or a model without a window.
+    pub fn shrink(&self, ctx: u64, chunk: u32) -> Result<()> {
+        let kept = self.geom.kept_layers;
+        let Some(e) = self.entry(ctx, chunk).filter(|e| e.meta.layers as usize > kept) else { return Ok(()) };
+        let f = self.open_file(ctx, false)?;
+        let keep = self.header_len + round_up(kept * e.layer_len as usize, self.align);
+        let off = self.offset(chunk, e.copy) + keep as u64;
+        if let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(self.record_len - keep)) {
+            // SAFETY: fallocate on a descriptor this store owns, within its own record place.
+            // A file system without hole punching keeps the blocks; the record is served alike.
+            let _ = unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) };
+        }
+        let mut ix = self.lock();
+        if let Some(cur) = ix.entries.get_mut(&(ctx, chunk)).filter(|c| c.seq == e.seq) {
+            *cur = e.head(u32::try_from(kept).unwrap_or(u32::MAX));
+        }
+        Ok(())
     }
 
     /// The current entry of a chunk, if stored.
@@ -485,7 +561,7 @@ impl Store {
 
     /// Whether the stored record of a chunk matches what the caller expects.
     pub fn matches(&self, want: &RecordMeta) -> bool {
-        self.entry(want.context, want.chunk).is_some_and(|e| e.meta == *want)
+        self.entry(want.context, want.chunk).is_some_and(|e| self.serving(e, want).is_some())
     }
 
     /// Writes records (payload layer-major: `n_layers` layers of equal length) with one
@@ -498,11 +574,16 @@ impl Store {
         // The copies these records replace: freed once the new ones are current.
         let mut stale: Vec<(Arc<File>, u64)> = Vec::new();
         for (i, (meta, payload)) in recs.iter().enumerate() {
-            let nl = self.geom.n_layers;
-            if !payload.len().is_multiple_of(nl) || payload.len() / nl > self.geom.max_layer_bytes {
+            let nl = meta.layers as usize;
+            if !(nl == self.geom.n_layers || nl == self.geom.kept_layers)
+                || !payload.len().is_multiple_of(nl)
+                || payload.len() / nl > self.geom.max_layer_bytes
+            {
                 return Err(StoreError::Invalid(format!(
-                    "a {}-byte payload is not {nl} layers of at most {} bytes",
+                    "a {}-byte payload of {nl} layers: records hold {} (or a dead chunk's {}) layers of at most {} bytes",
                     payload.len(),
+                    self.geom.n_layers,
+                    self.geom.kept_layers,
                     self.geom.max_layer_bytes
                 )));
             }
@@ -541,6 +622,9 @@ impl Store {
             }
             buf[self.header_len..self.header_len + payload.len()].copy_from_slice(payload);
             h.payload_crc = crc32c::crc32c(payload);
+            if nl > self.geom.kept_layers {
+                h.head_crc = crc32c::crc32c(&payload[..self.geom.kept_layers * layer_len]);
+            }
             h.header_crc = h.crc();
             buf[..size_of::<Header>()].copy_from_slice(bytemuck::bytes_of(&h));
             ops.push(Op {
@@ -550,7 +634,7 @@ impl Store {
                 len: u32::try_from(total).map_err(|_| StoreError::Invalid("record too large".into()))?,
                 write: true,
             });
-            next.push(Entry { copy, seq, meta: *meta, layer_len: h.layer_len, payload_crc: h.payload_crc });
+            next.push(Entry { copy, seq, meta: *meta, layer_len: h.layer_len, payload_crc: h.payload_crc, head_crc: h.head_crc });
             if !files.iter().any(|(c, _): &(u64, Arc<File>)| *c == meta.context) {
                 files.push((meta.context, Arc::clone(&f)));
             }
@@ -594,7 +678,7 @@ impl Store {
         let e = self.expect(want)?;
         let f = self.open_file(want.context, false)?;
         let (off0, body) = self.body_extent(&e);
-        let len = self.geom.n_layers * e.layer_len as usize;
+        let len = e.meta.layers as usize * e.layer_len as usize;
         if out.len() < len {
             return Err(StoreError::Invalid(format!("a {}-byte buffer for a {len}-byte record", out.len())));
         }
@@ -613,15 +697,16 @@ impl Store {
     /// The entry for `want`, or why there is none that matches.
     pub fn expect(&self, want: &RecordMeta) -> Result<Entry> {
         let e = self.entry(want.context, want.chunk).ok_or(StoreError::NotStored(want.context, want.chunk))?;
-        if e.meta != *want {
+        self.serving(e, want).ok_or_else(|| {
             let what = if e.meta.prefix_hash != want.prefix_hash || e.meta.tokens != want.tokens {
                 "it was computed from other tokens".to_string()
-            } else {
+            } else if e.meta.format != want.format {
                 format!("it holds format {}, format {} is wanted", e.meta.format, want.format)
+            } else {
+                format!("it holds {} layers, {} are wanted", e.meta.layers, want.layers)
             };
-            return Err(StoreError::Stale { context: want.context, chunk: want.chunk, what });
-        }
-        Ok(e)
+            StoreError::Stale { context: want.context, chunk: want.chunk, what }
+        })
     }
 
     /// Opens the file of a context for a batch of reads (the loader's own ring).

@@ -140,7 +140,7 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
 
 fn run(policy: Policy, ops: &[Op]) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
     let cfg =
         MmConfig { policy, budget: 100_000, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features: mm::Features::default() };
     let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return Ok(()) };
@@ -219,7 +219,7 @@ proptest! {
 #[test]
 fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
     let cfg = MmConfig {
         policy: Policy::Llms,
         budget: 1 << 30,
@@ -267,7 +267,7 @@ fn levels_follow_density_and_shrink_pages() {
 /// budget drops to what context 2 holds. Returns the manager and the chunk states.
 fn two_contexts_then_squeeze(features: mm::Features) -> Option<(Manager, Vec<mm::ChunkInfo>, Vec<mm::ChunkInfo>, tempfile::TempDir)> {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry { n_layers: 2, max_layer_bytes: 6000 }, false).unwrap());
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
     // 0.6: two b8 chunks a context, the rest b4 (heavy and light chunks to choose between).
     let cfg = MmConfig { policy: Policy::Llms, budget: 1 << 30, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features };
     let mut mm = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use mm::ring::Ring;
 use mm::store::{RecordMeta, Store, StoreError, StoreGeometry};
 
-const GEOM: StoreGeometry = StoreGeometry { n_layers: 30, max_layer_bytes: 6336 };
+const GEOM: StoreGeometry = StoreGeometry { n_layers: 30, max_layer_bytes: 6336, kept_layers: 30 };
 
 fn payload(layer_len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -24,7 +24,7 @@ fn payload(layer_len: usize, seed: u64) -> Vec<u8> {
 }
 
 fn meta(ctx: u64, chunk: u32, format: u32, version: u64) -> RecordMeta {
-    RecordMeta { context: ctx, chunk, format, tokens: 16, prefix_hash: version }
+    RecordMeta { context: ctx, chunk, format, tokens: 16, prefix_hash: version, layers: GEOM.n_layers as u32 }
 }
 
 /// Layer sizes of the default model's formats (f16 is larger than a slot holds: not stored
