@@ -106,6 +106,9 @@ pub struct CallStats {
     pub missing_chunks: u32,
     pub read_chunks: u32,
     pub recomputed_chunks: u32,
+    /// KV bytes read from flash to bring the context back.
+    #[serde(default)]
+    pub read_bytes: u64,
     pub prefill_ms: f64,
     /// Call received → first token, ms.
     pub ttft_ms: f64,
@@ -140,6 +143,11 @@ pub struct CtxInfo {
     pub chunks: u32,
     pub resident_bytes: u64,
     pub flash_bytes: u64,
+    /// What its chunks would take, at their levels, if every chunk kept every layer: above
+    /// resident + flash copies when a sliding-window model's old chunks dropped their local
+    /// layers (docs/kv.md "Sliding windows").
+    #[serde(default)]
+    pub every_layer_bytes: u64,
     /// Chunks per format name (e.g. {"int8": 3, "q4": 10}).
     pub levels: std::collections::BTreeMap<String, u32>,
     pub calls: u64,

@@ -33,7 +33,7 @@ pub fn env_path(name: &str) -> Option<std::path::PathBuf> {
 pub const MODELS: &[(&str, &str)] = &[("smollm2", "models/SmolLM2-135M-Instruct.Q4_1.gguf"), ("gemma3", "models/gemma-3-270m-q4_k_m.gguf")];
 
 /// A model argument as a file. A name of [`MODELS`] is its file under the working directory,
-/// else next to the repository this binary was built in (target/<profile>/<bin>), so the
+/// else next to the repository this binary was built in (`target/<profile>/<bin>`), so the
 /// installed tools find the fetched models from anywhere; an existing file of that name wins,
 /// and anything else is a path, taken as it is.
 pub fn model_file(arg: &std::path::Path) -> std::path::PathBuf {

@@ -23,6 +23,14 @@ pub struct Row {
     pub missing_chunks: f64,
     pub read_chunks: f64,
     pub recomputed_chunks: f64,
+    /// KV bytes read from flash per switch.
+    pub read_bytes: f64,
+    /// The context as built (before the scenarios): KV bytes resident and on flash, and what
+    /// every layer of its chunks would take at their levels (more than either when a
+    /// sliding-window model's old chunks kept only their global layers).
+    pub resident_bytes: u64,
+    pub flash_bytes: u64,
+    pub every_layer_bytes: u64,
 }
 
 /// A budget nothing here reaches: the machine's memory, the most llmsd accepts (a larger one is
@@ -78,8 +86,8 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
         for id in &ids {
             call(&mut c, id, &text)?;
         }
-        let size = c.stats()?.mine.iter().map(|x| x.resident_bytes).max().context("no contexts")?;
-        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        let built = c.stats()?.mine.into_iter().max_by_key(|x| x.resident_bytes).context("no contexts")?;
+        let size = usize::try_from(built.resident_bytes).unwrap_or(usize::MAX);
         drop(c);
         r.stop()?;
         // The eviction scenarios' budgets are a context and a share of one: llmsd takes none
@@ -101,9 +109,15 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
             ("fully evicted", size + size / 8, "llms"),
             ("recompute all (lmk)", size + size / 8, "lmk"),
         ];
+        let mut flash_bytes = None;
         for (name, budget, policy) in scenarios {
             let r = Local::start(cfg(budget, policy))?;
             let mut c = Client::connect(&r.socket, "bench")?;
+            // What the built contexts left on flash (every write is done once the service
+            // that built them stopped).
+            if flash_bytes.is_none() {
+                flash_bytes = c.stats()?.mine.iter().map(|x| x.flash_bytes).max();
+            }
             // The first round brings both in after the restart; then measure.
             for id in &ids {
                 call(&mut c, id, " ok")?;
@@ -125,6 +139,10 @@ pub fn run(base: &Config, tokens: &[usize], reps: usize, work: &Path, profile_di
                 missing_chunks: med(&|s| f64::from(s.missing_chunks)),
                 read_chunks: med(&|s| f64::from(s.read_chunks)),
                 recomputed_chunks: med(&|s| f64::from(s.recomputed_chunks)),
+                read_bytes: med(&|s| s.read_bytes as f64),
+                resident_bytes: built.resident_bytes,
+                flash_bytes: flash_bytes.unwrap_or(0),
+                every_layer_bytes: built.every_layer_bytes,
             });
         }
         let _ = std::fs::remove_dir_all(&state);

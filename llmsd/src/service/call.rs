@@ -543,6 +543,7 @@ impl Service {
         stats.missing_chunks = u32::try_from(report.missing).unwrap_or(u32::MAX);
         stats.read_chunks = u32::try_from(report.read).unwrap_or(u32::MAX);
         stats.recomputed_chunks = u32::try_from(report.recomputed).unwrap_or(u32::MAX);
+        stats.read_bytes = report.read_bytes;
         saved.pending.clear();
         saved.pending_ids.clear();
         saved.open_turn = false;

@@ -254,7 +254,7 @@ impl Service {
         let chunks = self.cfg.max_context_tokens.div_ceil(self.cfg.chunk_tokens) + 1;
         (0..chunks)
             .filter_map(|i| u32::try_from(i).ok().and_then(|i| mm.store().entry(mm_id, i)))
-            .map(|r| u64::from(r.layer_len) * self.model.config.n_layers as u64)
+            .map(|r| u64::from(r.layer_len) * u64::from(r.meta.layers))
             .sum()
     }
 
@@ -276,9 +276,12 @@ impl Service {
     fn ctx_info(&self, mm: &Manager, id: &str, e: &CtxEntry) -> CtxInfo {
         let mut levels = std::collections::BTreeMap::new();
         let n = mm.n_chunks(e.saved.mm_id);
+        let mut every_layer_bytes = 0;
+        let geom = crate::kvmm::EngineCodec::new(&self.model, self.cfg.chunk_tokens).geom;
         for i in 0..n {
             if let Some(c) = mm.chunk_info(e.saved.mm_id, i) {
                 *levels.entry(crate::kvmm::format(c.format).name().to_string()).or_insert(0) += 1;
+                every_layer_bytes += geom.chunk_bytes(crate::kvmm::format(c.format)) as u64;
             }
         }
         let flash = self.flash_bytes(mm, e.saved.mm_id);
@@ -288,6 +291,7 @@ impl Service {
             chunks: u32::try_from(n).unwrap_or(u32::MAX),
             resident_bytes: mm.context_bytes(e.saved.mm_id) as u64,
             flash_bytes: flash,
+            every_layer_bytes,
             levels,
             calls: e.saved.calls,
             busy: e.session.is_none() && e.unavailable.is_none(),

@@ -407,11 +407,34 @@ fn bench_switch(s: &ServiceBenchArgs, tokens: &[usize], reps: usize) -> Result<(
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
     }
-    println!("{:>7} {:<22} {:>10} {:>10} {:>8} {:>6} {:>8}", "tokens", "scenario", "switch_ms", "ttft_ms", "missing", "read", "recomp");
+    println!(
+        "{:>7} {:<22} {:>10} {:>10} {:>8} {:>6} {:>8} {:>9}",
+        "tokens", "scenario", "switch_ms", "ttft_ms", "missing", "read", "recomp", "read_KiB"
+    );
     for r in &rows {
         println!(
-            "{:>7} {:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.0} {:>8.0}",
-            r.tokens, r.scenario, r.switch_ms, r.ttft_ms, r.missing_chunks, r.read_chunks, r.recomputed_chunks
+            "{:>7} {:<22} {:>10.2} {:>10.2} {:>8.0} {:>6.0} {:>8.0} {:>9.0}",
+            r.tokens,
+            r.scenario,
+            r.switch_ms,
+            r.ttft_ms,
+            r.missing_chunks,
+            r.read_chunks,
+            r.recomputed_chunks,
+            r.read_bytes / 1024.0
+        );
+    }
+    // A context's KV as built, against every layer of every chunk (they differ with a sliding
+    // window: old chunks keep their global layers only).
+    for r in rows.iter().filter(|r| r.scenario == "resident") {
+        let every = r.every_layer_bytes.max(1) as f64;
+        println!(
+            "{:>7} tokens: {} KiB resident ({:.2}x every layer's), {} KiB on flash ({:.2}x)",
+            r.tokens,
+            r.resident_bytes >> 10,
+            r.resident_bytes as f64 / every,
+            r.flash_bytes >> 10,
+            r.flash_bytes as f64 / every
         );
     }
     Ok(())
