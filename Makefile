@@ -10,7 +10,7 @@ GEMMA3              := models/gemma-3-270m-q4_k_m.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: model-gemma3 fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
+.PHONY: demo-gemma3 model-gemma3 fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
 
 all: build
 
@@ -42,6 +42,11 @@ $(FONT):
 
 build: deps
 	$(CARGO) build --release --workspace
+
+# The service demo on Gemma 3 270M, a base model: raw calls it continues (docs/llmsd.md).
+demo-gemma3: model-gemma3 build
+	./target/release/llms doctor
+	MODEL=gemma3 LLMS_DEMO_STATE=target/demo-state-gemma3 tools/demo/service
 
 demo: model build pyenv
 	@echo "== llms doctor: what this machine offers LLMS"
