@@ -1125,11 +1125,17 @@ impl Manager {
                 let full = (n_tok / ct).min(n);
                 let sizes: Vec<f64> = self.cfg.levels.iter().map(|&f| self.codec.chunk_bytes(f) as f64).collect();
                 let losses: Vec<f64> = self.cfg.levels.iter().map(|&f| loss_of_bits(self.codec.bits(f))).collect();
-                let dd: Vec<f64> = (0..full).map(|i| d.get(i).copied().unwrap_or(0.0)).collect();
-                // Levels only go down (below): the choice spends no budget on raising a chunk.
-                let held: Vec<usize> = (0..full).map(|i| self.cfg.levels.iter().position(|&f| f == kv.format(i)).unwrap_or(0)).collect();
-                for (i, l) in choose_levels_held(&dd, &held, &sizes, &losses, self.cfg.ratio).into_iter().enumerate() {
-                    targets[i] = Some(self.cfg.levels[l]);
+                // Per layer group: dead chunks (their kept layers) and live ones (every layer)
+                // are levelled apart, each at the ratio, so the bytes meet it whatever the mix
+                // of the two (a dead chunk's bytes are a fraction of a live one's).
+                for group in [0..dead.min(full), dead.min(full)..full] {
+                    let dd: Vec<f64> = group.clone().map(|i| d.get(i).copied().unwrap_or(0.0)).collect();
+                    // Levels only go down (below): the choice spends no budget on raising a chunk.
+                    let held: Vec<usize> =
+                        group.clone().map(|i| self.cfg.levels.iter().position(|&f| f == kv.format(i)).unwrap_or(0)).collect();
+                    for (i, l) in group.zip(choose_levels_held(&dd, &held, &sizes, &losses, self.cfg.ratio)) {
+                        targets[i] = Some(self.cfg.levels[l]);
+                    }
                 }
             }
         } else if self.cfg.policy == Policy::VllmSq {

@@ -37,6 +37,40 @@ impl Codec for FakeCodec {
     }
 }
 
+/// Tokens a local layer sees in [`WindowCodec`]'s model: its second layer is local, so a chunk
+/// whose tokens all left the window keeps only its first layer.
+const WINDOW: usize = 9;
+
+/// [`FakeCodec`] for a model with a sliding window.
+struct WindowCodec;
+
+impl Codec for WindowCodec {
+    fn n_layers(&self) -> usize {
+        FakeCodec.n_layers()
+    }
+    fn layer_bytes(&self, f: Format) -> usize {
+        FakeCodec.layer_bytes(f)
+    }
+    fn chunk_tokens(&self) -> usize {
+        CT
+    }
+    fn bits(&self, f: Format) -> f64 {
+        FakeCodec.bits(f)
+    }
+    fn name(&self, f: Format) -> &'static str {
+        FakeCodec.name(f)
+    }
+    fn fingerprint(&self) -> u64 {
+        43
+    }
+    fn kept_layers(&self) -> usize {
+        1
+    }
+    fn dead_chunks(&self, tokens: usize) -> usize {
+        (tokens + 1).saturating_sub(WINDOW) / CT
+    }
+}
+
 fn pattern(hash: u64, f: Format) -> Vec<u8> {
     let mut x = hash ^ (u64::from(f) << 56) | 1;
     (0..FakeCodec.chunk_bytes(f))
@@ -53,25 +87,37 @@ fn pattern(hash: u64, f: Format) -> Vec<u8> {
 struct FakeKv {
     chunks: Vec<(NonNull<u8>, usize, Format)>,
     tokens: Vec<u32>,
+    /// Leading chunks that are dead: only their first layer exists (a windowed model).
+    dead: usize,
 }
 
 impl FakeKv {
+    /// A chunk's bytes in its format: its first layer only when it is dead.
+    fn len(&self, i: usize) -> usize {
+        let f = self.chunks[i].2;
+        if i < self.dead {
+            FakeCodec.layer_bytes(f)
+        } else {
+            FakeCodec.chunk_bytes(f)
+        }
+    }
     fn bytes(&self, i: usize) -> &[u8] {
-        let (p, _, f) = self.chunks[i];
+        let (p, _, _) = self.chunks[i];
         // SAFETY: attached by mm to a resident, pinned slot for the call.
-        unsafe { std::slice::from_raw_parts(p.as_ptr(), FakeCodec.chunk_bytes(f)) }
+        unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len(i)) }
     }
     fn write(&mut self, i: usize) {
         let h = prefix_hashes(&self.tokens, CT)[i];
         let (p, _, f) = self.chunks[i];
-        let v = pattern(h, f);
+        let mut v = pattern(h, f);
+        v.truncate(self.len(i));
         // SAFETY: as above; the chunk's memory holds its format.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p.as_ptr(), v.len()) };
     }
     fn check(&self) -> Result<(), String> {
         let hashes = prefix_hashes(&self.tokens, CT);
         for (i, h) in hashes.iter().enumerate() {
-            if self.bytes(i) != pattern(*h, self.chunks[i].2).as_slice() {
+            if self.bytes(i) != &pattern(*h, self.chunks[i].2)[..self.len(i)] {
                 return Err(format!("chunk {i} ({} tokens) lost its bytes", self.tokens.len()));
             }
         }
@@ -108,7 +154,17 @@ impl KvContext for FakeKv {
         self.write(chunk);
         Ok(())
     }
+    fn set_dead(&mut self, n: usize) -> Result<(), mm::EngineError> {
+        assert!(n >= self.dead, "a dead chunk came back to life without revive_all");
+        self.dead = n;
+        Ok(())
+    }
+    fn revive_all(&mut self) {
+        self.dead = 0;
+    }
     fn recompute(&mut self, chunks: &[usize], before_layer: &mut dyn FnMut(usize)) -> Result<(), mm::EngineError> {
+        // As the engine: a recompute attends to the window before each chunk at every layer.
+        assert_eq!(self.dead, 0, "recomputing over dead chunks");
         for l in 0..2 {
             before_layer(l);
         }
@@ -138,12 +194,14 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
     ]
 }
 
-fn run(policy: Policy, ops: &[Op]) -> Result<(), TestCaseError> {
+fn run(policy: Policy, ops: &[Op], windowed: bool) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
+    let geom = StoreGeometry { kept_layers: if windowed { 1 } else { 2 }, ..StoreGeometry::new(2, 6000) };
+    let store = Arc::new(Store::open(dir.path(), 42, geom, false).unwrap());
     let cfg =
         MmConfig { policy, budget: 100_000, ratio: 0.6, levels: vec![0, 1, 2], max_chunks: MAX_CHUNKS, features: mm::Features::default() };
-    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return Ok(()) };
+    let codec: Arc<dyn Codec> = if windowed { Arc::new(WindowCodec) } else { Arc::new(FakeCodec) };
+    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, codec, store, None)) else { return Ok(()) };
     let mut kvs: Vec<FakeKv> = (0..3).map(|_| FakeKv::default()).collect();
     for c in 0..3 {
         mm.create(c).unwrap();
@@ -167,6 +225,8 @@ fn run(policy: Policy, ops: &[Op]) -> Result<(), TestCaseError> {
                     kv.write(i);
                 }
                 mm.end(*ctx as u64, kv).unwrap();
+                let dead = if windowed { WindowCodec.dead_chunks(kv.tokens.len()) } else { 0 };
+                prop_assert_eq!(kv.dead, dead.min(kv.chunks.len()), "mm told the engine which chunks died");
                 Some(*ctx)
             }
             Op::Use { ctx } => {
@@ -212,7 +272,14 @@ proptest! {
 
     #[test]
     fn budget_holds_and_no_chunk_is_lost(policy in prop::sample::select(Policy::ALL.to_vec()), ops in prop::collection::vec(op(), 1..30)) {
-        run(policy, &ops)?;
+        run(policy, &ops, false)?;
+    }
+
+    /// The same with a sliding window: dead chunks keep their first layer only, in memory,
+    /// on flash and when read back (a whole recompute under `lmk` revives them first).
+    #[test]
+    fn a_sliding_window_loses_no_live_byte(policy in prop::sample::select(Policy::ALL.to_vec()), ops in prop::collection::vec(op(), 1..30)) {
+        run(policy, &ops, true)?;
     }
 }
 
