@@ -167,7 +167,10 @@ impl Service {
             bail!("model {} is a directory, not a GGUF file", cfg.model.display());
         }
         if !cfg.model.exists() {
-            bail!("model {} not found (run `make model`, or set `model` in the configuration)", cfg.model.display());
+            bail!(
+                "model {} not found (run `make model`, or `make model-gemma3` for gemma3, or set `model` in the configuration)",
+                cfg.model.display()
+            );
         }
         // Before anything in the state directory is read or written (a weight plan's profiles
         // included): it must be ours, and only one service may use it.
