@@ -1362,7 +1362,10 @@ impl LayerReader {
         }
         Ok(Self {
             ring,
-            payload: readable.iter().map(|(_, e)| (nl * e.layer_len as usize, e.layer_len as usize, e.payload_crc)).collect(),
+            payload: readable
+                .iter()
+                .map(|(_, e)| (e.meta.layers as usize * e.layer_len as usize, e.layer_len as usize, e.payload_crc))
+                .collect(),
             ends,
             stage: bufs.to_vec(),
             waited: 0,
