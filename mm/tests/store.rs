@@ -320,3 +320,50 @@ fn every_durability_mode_round_trips() {
         }
     }
 }
+
+/// A sliding-window model's records (30 layers, 5 kept by a dead chunk): a whole record whose
+/// chunk died gives the other layers' disk back and still serves — and after a restart still
+/// recovers — its kept layers, checked; asked for every layer it is stale, never served; a
+/// record written after its chunk died holds the kept layers alone.
+#[test]
+fn a_dead_chunks_record_keeps_its_global_layers_through_a_restart() {
+    const KEPT: usize = 5;
+    let geom = StoreGeometry { kept_layers: KEPT, ..GEOM };
+    let dir = tempfile::tempdir().unwrap();
+    let mut ring = Ring::new(8).unwrap();
+    let ll = 6336;
+    let whole = payload(ll, 1);
+    let all = |chunk| RecordMeta { layers: 30, ..meta(3, chunk, 1, 9) };
+    let kept = |chunk| RecordMeta { layers: KEPT as u32, ..meta(3, chunk, 1, 9) };
+    {
+        let s = Store::open(dir.path(), 7, geom, true).unwrap();
+        // Chunk 0 written whole, then it dies; chunk 1 dies before it is written.
+        s.write_batch(&mut ring, &[(all(0), &whole), (kept(1), &whole[..KEPT * ll])]).unwrap();
+        let before = s.disk_bytes();
+        s.shrink(3, 0).unwrap();
+        assert!(before - s.disk_bytes() >= ((30 - KEPT) * ll / 4096 * 4096) as u64, "the dead layers' blocks went back");
+        let mut out = vec![0u8; 30 * ll];
+        assert_eq!(s.read(&kept(0), &mut out).unwrap(), KEPT * ll);
+        assert_eq!(&out[..KEPT * ll], &whole[..KEPT * ll]);
+        assert!(matches!(s.read(&all(0), &mut out), Err(StoreError::Stale { .. })), "a punched record served whole");
+        assert_eq!(s.read(&kept(1), &mut out).unwrap(), KEPT * ll);
+        assert!(!s.matches(&all(1)));
+    }
+    // Recovery: the punched record fails its whole-payload checksum and passes the kept one.
+    let s = Store::open(dir.path(), 7, geom, true).unwrap();
+    let mut out = vec![0u8; 30 * ll];
+    for chunk in [0, 1] {
+        assert_eq!(s.read(&kept(chunk), &mut out).unwrap(), KEPT * ll, "chunk {chunk} after a restart");
+        assert_eq!(&out[..KEPT * ll], &whole[..KEPT * ll]);
+        assert!(!s.matches(&all(chunk)));
+    }
+    // A flipped byte in the kept layers of the punched record: never served.
+    drop(s);
+    let path = dir.path().join(format!("{:016x}/ctx-{:016x}.kv", 7, 3));
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mut b = [0u8; 1];
+    f.read_at(&mut b, 4096 + 100).unwrap();
+    f.write_at(&[b[0] ^ 0x40], 4096 + 100).unwrap();
+    let s = Store::open(dir.path(), 7, geom, true).unwrap();
+    assert!(s.read(&kept(0), &mut out).is_err(), "a damaged kept layer was served");
+}
