@@ -166,9 +166,6 @@ impl KvContext for SessionKv<'_> {
         self.0.kv.set_format(chunk, format(to)).map_err(EngineError::new)
     }
     fn set_dead(&mut self, n: usize) -> Result<(), EngineError> {
-        if n == self.0.kv.dead() {
-            return Ok(());
-        }
         self.0.kv.set_dead(n).map_err(EngineError::new)
     }
     fn revive_all(&mut self) {

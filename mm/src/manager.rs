@@ -1177,7 +1177,7 @@ impl Manager {
             for (i, meta) in &writes {
                 region.pin(*i)?;
                 w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
-                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.codec.live_bytes(meta.format, (*i) < dead) };
+                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.chunk_len(ctx, *i) };
                 if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
                     self.stats.written_aot += 1;
                 } else {
