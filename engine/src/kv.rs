@@ -858,9 +858,27 @@ fn put_k_outlier(outliers: &mut [u8], i: usize, pos: usize, corr: f32) {
     outliers[OUTLIER_BYTES * i..OUTLIER_BYTES * (i + 1)].copy_from_slice(&word.to_le_bytes()[..3]);
 }
 
+/// `y.round().clamp(0.0, top)` for a whole `top` below 2^31, without a call to libm's
+/// `roundf` (the split K encoder's search rounds 12 candidates' codes for every value; the call
+/// was a third of its time): the same value, but 0 where that gives NaN or -0 (both write code 0).
+#[inline]
+fn round_code(y: f32, top: f32) -> f32 {
+    let y = y.clamp(0.0, top);
+    // Within [0, top] truncation is exact and so is `y - t`: halves round up, as `round` does
+    // away from zero. (NaN casts to 0.)
+    let t = (y as i32) as f32;
+    if y - t >= 0.5 {
+        t + 1.0
+    } else {
+        t
+    }
+}
+
 /// The nearest level's index (levels ascending).
 fn nearest(levels: &[f32], x: f32) -> usize {
-    let mut i = levels.partition_point(|&l| l < x);
+    // A count, not a binary search: the levels are at most 16, and a search's branches follow
+    // the data (the V encoder's scale search calls this ten times per value).
+    let mut i = levels.iter().filter(|&&l| l < x).count();
     if i == levels.len() || i > 0 && x - levels[i - 1] <= levels[i] - x {
         i -= 1;
     }
@@ -1055,23 +1073,27 @@ fn k_channels(
 ) -> f32 {
     let top = ((1u32 << bits) - 1) as f32;
     let n = vals.len() / hd;
+    // A channel's values side by side, and their squared errors (summed in token order after,
+    // as before they were side by side: the sums decide between candidates, so their rounding
+    // is part of the format).
+    let (mut col, mut sq) = (vec![0.0f32; n], vec![0.0f32; n]);
     // `zq` is the zero point in `unit` steps (what is stored).
-    let sse = |c: usize, step: f32, zq: f32| -> f32 {
+    let mut sse = |col: &[f32], step: f32, zq: f32| -> f32 {
         let (inv, z) = (1.0 / step, zq * unit);
-        (0..n)
-            .map(|t| {
-                let x = vals[t * hd + c];
-                let q = (x * inv + z).round().clamp(0.0, top);
-                let d = x - (q - z) * step;
-                d * d
-            })
-            .sum()
+        for (s, &x) in sq.iter_mut().zip(col) {
+            let d = x - (round_code(x * inv + z, top) - z) * step;
+            *s = d * d;
+        }
+        sq.iter().sum()
     };
     let reach = |zq: f32| (-128.0..=127.0).contains(&zq);
     // The zero point (in units) that puts the middle of `[lo, hi]` at the middle code.
     let centred = |mid: f32, step: f32| ((0.5 * top - mid / step) / unit).round();
     let mut total = 0.0;
     for (c, &(lo, hi)) in ranges.iter().enumerate() {
+        for (t, x) in col.iter_mut().enumerate() {
+            *x = vals[t * hd + c];
+        }
         let mid = 0.5 * (lo + hi);
         let fits = |e: u8| {
             let step = k_step(reference, e);
@@ -1089,7 +1111,7 @@ fn k_channels(
                 if !reach(zq) {
                     continue;
                 }
-                let err = sse(c, step, zq);
+                let err = sse(&col, step, zq);
                 if err < best.0 {
                     best = (err, e, zq as i8);
                 }
@@ -1100,9 +1122,8 @@ fn k_channels(
         head[2 + c] = zq as u8;
         head[2 + hd + c / 2] |= e << (4 * (c % 2));
         let (inv, z) = (1.0 / k_step(reference, e), f32::from(zq) * unit);
-        for t in 0..n {
-            let q = (vals[t * hd + c] * inv + z).round().clamp(0.0, top);
-            put_code(data, t * hd + c, bits, q as u8);
+        for (t, &x) in col.iter().enumerate() {
+            put_code(data, t * hd + c, bits, round_code(x * inv + z, top) as u8);
         }
     }
     total
@@ -1872,5 +1893,58 @@ mod tests {
             }
             assert!(KvFormat::parse(f.name()) == Some(f) && f.rotated() && f.split() && !f.is_base());
         }
+    }
+
+    /// The split levels' encoders are searches whose output is what records on flash and every
+    /// measured perplexity hold: a faster encoder must write the same bytes. A digest of what
+    /// they write for blocks of many shapes (wide and narrow heads, full and partial blocks,
+    /// outlier and off-centre channels, tiny, huge, zero and non-finite values), fixed when the
+    /// encoders were last changed on purpose (change it only with the layout number in
+    /// llmsd's `EngineCodec`).
+    #[test]
+    fn split_encoders_write_the_same_bytes() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x5EED);
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for case in 0..96 {
+            let hd = [64, 256, 32][case % 3];
+            let n = [16, 7, 1, 16][case % 4];
+            let scale = [1.0f32, 1e-3, 40.0, 1e-6][case / 4 % 4];
+            let offset = [0.0f32, 3.0, -50.0][case / 16 % 3];
+            let mut vals: Vec<f32> = (0..16 * hd)
+                .map(|i| {
+                    let c = i % hd;
+                    let v = rng.gen_range(-1.0f32..1.0) * scale;
+                    let v = if c % 11 == 3 { v * 9.0 } else { v };
+                    if c % 5 == 1 {
+                        v + offset * scale
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            if case % 7 == 0 {
+                vals[..hd].fill(0.0);
+            }
+            if case == 90 {
+                vals[hd + 2] = f32::INFINITY;
+            }
+            if case == 91 {
+                vals[5] = f32::NAN;
+            }
+            if case == 92 {
+                vals.iter_mut().for_each(|v| *v = 0.0);
+            }
+            for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2, KvFormat::K4V3] {
+                let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: 16 };
+                for kv in 0..2 {
+                    let mut blk = vec![0u8; g.head_block_bytes(f, kv)];
+                    write_block_f32(f, kv, &mut blk, 16, hd, n, &vals);
+                    for b in blk {
+                        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                    }
+                }
+            }
+        }
+        assert_eq!(h, 0x6a77_e3dc_46c0_5d9b, "split encoders' digest");
     }
 }

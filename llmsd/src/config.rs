@@ -87,6 +87,11 @@ pub struct Config {
     /// Tokens of a prompt prefilled per forward pass while other calls decode: its prefill is
     /// split so theirs are not stalled (a whole prompt runs at once when nothing decodes).
     pub prefill_piece: usize,
+    /// A pass that carries a prompt piece beside decoding calls takes at most this many times
+    /// the pass of those decodes alone (predicted from the worker's own pass times): the piece
+    /// is cut to fit, down to one token, so a prompt never holds the others' next tokens
+    /// longer than that. `prefill_piece` stays the most a piece holds.
+    pub prefill_hold: f64,
     /// When swap-store records reach the disk itself: `off`, `batch` or `group[:ms]`
     /// (mm::Durability; docs/llmsd.md). Acknowledged turns survive a power loss in every mode
     /// (the context file is synced per call); this sets how much KV is recomputed after one.
@@ -165,6 +170,7 @@ impl Default for Config {
             max_queue: 256,
             max_batch: 8,
             prefill_piece: 16,
+            prefill_hold: 2.0,
             durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,
@@ -351,6 +357,9 @@ impl Config {
         self.level_formats()?;
         self.ablations()?;
         self.socket_mode_bits()?;
+        if !(1.0..=100.0).contains(&self.prefill_hold) {
+            bail!("prefill_hold {} must be in [1, 100] (times a decode pass)", self.prefill_hold);
+        }
         if !(self.ratio > 0.0 && self.ratio <= 1.0) {
             bail!("ratio {} must be in (0, 1]", self.ratio);
         }
@@ -480,6 +489,8 @@ mod tests {
             "levels = [\"int8\", \"k4v4\", \"k4v4\"]",
             "levels = [\"int8\", \"k4v4\", \"k4v3\", \"k3v3\", \"k2v2\", \"q4\"]",
             "ratio = 0.0",
+            "prefill_hold = 0.5",
+            "prefill_hold = nan",
             "policy = \"lru\"",
             "ablate = [\"lru\"]",
             "policy = \"swap\"\nablate = [\"aot\"]",

@@ -124,6 +124,24 @@ impl Codec for EngineCodec {
     fn kept_layers(&self) -> usize {
         self.kept
     }
+    fn convert(&self, from: Format, src: &[u8], to: Format, dst: &mut [u8], tokens: usize, layers: usize) -> Result<(), EngineError> {
+        let g = KvGeometry { n_layers: layers, ..self.geom };
+        let (from, to) = (format(from), format(to));
+        if to.rotated() && !engine::kv::rotation_fits(g.head_dim) {
+            return Err(EngineError::new(format!("{} needs a power-of-two head of at most 256 channels, not {}", to.name(), g.head_dim)));
+        }
+        if src.len() < g.chunk_bytes(from) || dst.len() < g.chunk_bytes(to) || tokens > g.chunk_tokens {
+            return Err(EngineError::new(format!(
+                "a chunk of {} bytes ({}) to {} bytes ({}), {tokens} tokens: the sizes do not match the geometry",
+                src.len(),
+                from.name(),
+                dst.len(),
+                to.name()
+            )));
+        }
+        engine::kv::convert_chunk(&g, from, src, to, dst, tokens);
+        Ok(())
+    }
     fn dead_chunks(&self, tokens: usize) -> usize {
         if self.window == 0 || self.kept == self.geom.n_layers {
             0

@@ -415,3 +415,41 @@ fn sliding_window_chunks_keep_only_global_layers_and_change_no_logit() {
     assert_eq!((back.kv.dead(), mm.context_bytes(1)), (dead, with_next), "the recomputed dead chunks were dropped again");
     mm.delete(1).unwrap();
 }
+
+/// Levels lowered in the background (what llmsd's leveller does: each chunk copied, encoded by
+/// the codec outside the call, installed) are the bytes the engine's own conversion writes in
+/// `end`: the same levels, the same slot bytes, the same pages, bit-identical logits, and
+/// the engine learns each chunk's level at the next call.
+#[test]
+fn background_levels_are_the_engines_own_conversion() {
+    let s = setup();
+    let levels = [KvFormat::Int8, KvFormat::K4V4, KvFormat::K4V3, KvFormat::K3V3];
+    let (Some(mut inline), Some(mut bg)) = (manager(&s, Policy::Llms, &levels, 0.5, None), manager(&s, Policy::Llms, &levels, 0.5, None))
+    else {
+        return;
+    };
+    bg.set_background_levels(true);
+    let (mut a, mut b) = (session(&s, true), session(&s, true));
+    hold(&mut inline, 3, &mut a, &s.ids[..N]).unwrap();
+    hold(&mut bg, 3, &mut b, &s.ids[..N]).unwrap();
+    let queued = bg.level_jobs();
+    assert!(queued > 0 && bg.stats.releveled == 0, "end queued {queued} lowerings and did none");
+    assert!((0..N / CT).all(|i| b.kv.format(i) == KvFormat::Int8), "the engine's chunks are untouched until installed");
+    bg.finish_levelling().unwrap();
+    assert_eq!(bg.stats.releveled, inline.stats.releveled);
+    let info = |mm: &Manager| (0..N.div_ceil(CT)).map(|i| mm.chunk_info(3, i).unwrap().format).collect::<Vec<_>>();
+    assert_eq!(info(&bg), info(&inline), "the same levels");
+    assert_eq!(bg.context_bytes(3), inline.context_bytes(3), "the same pages");
+    bg.flush();
+    assert!((0..N / CT).all(|i| bg.chunk_info(3, i).unwrap().on_flash), "each lowered chunk written once lowered");
+    a.attention = None;
+    b.attention = None;
+    let tok = s.ids[N];
+    let (la, _) = next_logits(&mut inline, 3, &mut a, tok, Strategy::Planned);
+    let (lb, _) = next_logits(&mut bg, 3, &mut b, tok, Strategy::Planned);
+    for i in 0..N.div_ceil(CT) {
+        assert_eq!(b.kv.format(i), a.kv.format(i), "chunk {i}: the engine learned its level");
+        assert_eq!(b.kv.chunk(i), a.kv.chunk(i), "chunk {i}: the same bytes");
+    }
+    assert_eq!(la, lb, "bit-identical logits");
+}

@@ -31,6 +31,13 @@ pub trait Codec: Send + Sync {
     fn dead_chunks(&self, _tokens: usize) -> usize {
         0
     }
+    /// Re-encodes a chunk from format `from` (`src`, its first `tokens` positions, `layers`
+    /// layers: all, or a dead chunk's kept ones) to `to` in `dst` (`layers` layers of `to`):
+    /// the engine's conversion without its session, so that a chunk can be lowered on another
+    /// thread than the call's ([`crate::Manager::set_background_levels`]). The default cannot.
+    fn convert(&self, from: Format, _src: &[u8], to: Format, _dst: &mut [u8], _tokens: usize, _layers: usize) -> Result<(), EngineError> {
+        Err(EngineError::new(format!("this codec cannot convert {} to {} by itself", self.name(from), self.name(to))))
+    }
     /// Bytes of a chunk in format `f`, of its kept layers when it is dead.
     fn live_bytes(&self, f: Format, dead: bool) -> usize {
         if dead {

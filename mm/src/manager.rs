@@ -3,7 +3,7 @@
 //! pipeline). One call into a context is `prepare` (room for new tokens), `begin` (load and
 //! lock), the engine's work, `end` (re-level, unlock, write out, reclaim).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ptr::NonNull;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -151,6 +151,45 @@ struct Ctx {
     region: Arc<Region>,
     chunks: Vec<ChunkMeta>,
     in_call: bool,
+    /// Changes whenever the chunk table may have changed under a queued lowering (a call
+    /// began, the context was made again): such a lowering is dropped (see [`LevelJob`]).
+    epoch: u64,
+}
+
+/// A full chunk `end` chose a lower level for, left for a background leveller: lowering a
+/// call's chunks on the call's thread held every other call's next token for as long as the
+/// encoders took (~15 ms a chunk of the default model: #56). Valid while its context's epoch
+/// is unchanged and the chunk still resident at `from`; a dropped job is done again by the
+/// context's next `end`, or its chunk was evicted (and written) at `from` meanwhile.
+#[derive(Debug, Clone, Copy)]
+struct LevelJob {
+    ctx: u64,
+    chunk: usize,
+    from: Format,
+    to: Format,
+    epoch: u64,
+}
+
+/// A chunk to lower, taken by [`Manager::take_level_work`]: a copy of its bytes, encoded
+/// outside the manager's lock ([`LevelWork::encode`]) and handed back to
+/// [`Manager::finish_level_work`].
+#[derive(Debug)]
+pub struct LevelWork {
+    job: LevelJob,
+    dead: bool,
+    tokens: usize,
+    src: Vec<u8>,
+}
+
+impl LevelWork {
+    /// The chunk's bytes at its new level (the codec's conversion; no lock is held).
+    pub fn encode(&self, codec: &dyn Codec) -> std::result::Result<Vec<u8>, crate::EngineError> {
+        let j = &self.job;
+        let layers = if self.dead { codec.kept_layers() } else { codec.n_layers() };
+        let mut dst = vec![0u8; codec.live_bytes(j.to, self.dead)];
+        codec.convert(j.from, &self.src, j.to, &mut dst, self.tokens, layers)?;
+        Ok(dst)
+    }
 }
 
 /// One row of the chunk table.
@@ -353,6 +392,11 @@ pub struct Manager {
     arena: Staging,
     /// The load lanes' rings and the thread that runs the second lane (see [`Lanes`]).
     lanes: Lanes,
+    /// Lower chunks' levels on another thread ([`Manager::set_background_levels`]), and the
+    /// lowerings waiting for it.
+    background_levels: bool,
+    levelling: VecDeque<LevelJob>,
+    epochs: u64,
     pub stats: MmStats,
 }
 
@@ -415,6 +459,9 @@ impl Manager {
             zero: Staging::new(slot_size)?,
             lanes: Lanes::new(arena.len() / slot_size)?,
             arena,
+            background_levels: false,
+            levelling: VecDeque::new(),
+            epochs: 0,
             stats: MmStats::default(),
         })
     }
@@ -424,6 +471,9 @@ impl Manager {
     }
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+    pub fn codec(&self) -> &Arc<dyn Codec> {
+        &self.codec
     }
     /// Sizes the load staging arena (see `Manager::arena`; default 8 MiB), in whole slots, at
     /// least one. A larger arena keeps more reads in flight during an all-read load; with the
@@ -539,7 +589,8 @@ impl Manager {
             context: ctx,
         });
         let region = self.pager.region_with(self.slot_size, self.cfg.max_chunks.max(1), src, true)?;
-        self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false });
+        self.epochs += 1;
+        self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false, epoch: self.epochs });
         Ok(())
     }
 
@@ -689,8 +740,10 @@ impl Manager {
         // adopted in `end`; here every known chunk is checked for residency.
         let mut missing = Vec::new();
         {
+            self.epochs += 1;
             let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
             c.in_call = true;
+            c.epoch = self.epochs;
             for i in 0..n.min(c.chunks.len()) {
                 let tokens = n_tok.saturating_sub(i * ct).min(ct);
                 c.chunks[i].tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
@@ -708,6 +761,14 @@ impl Manager {
         }
         for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
             region.pin(i)?;
+            // A chunk lowered in the background since the last call: the engine learns its
+            // level now (the bytes are in the slot it already points at).
+            let level = self.ctx(ctx)?.chunks[i].level;
+            if kv.format(i) != level {
+                let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+                // SAFETY: resident and pinned for the call; the slot is the context's own.
+                unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            }
         }
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
@@ -1145,15 +1206,24 @@ impl Manager {
             }
         }
         let mut writes = Vec::new();
+        let epoch = self.ctx(ctx)?.epoch;
+        self.levelling.retain(|j| j.ctx != ctx);
         for (i, target) in targets.iter().enumerate() {
             let cur = kv.format(i);
+            let mut queued = false;
             if let Some(t) = *target {
                 // Levels only go down: a lowered chunk has lost its bits, raising it would
                 // cost pages and bring nothing back.
                 if self.codec.chunk_bytes(t) < self.codec.chunk_bytes(cur) && region.state(i)? == SlotState::Resident {
-                    kv.convert(i, t).map_err(engine)?;
-                    region.shrink(i, self.codec.live_bytes(t, i < dead))?;
-                    self.stats.releveled += 1;
+                    if self.background_levels {
+                        // Written once it is lowered (`finish_level_work`), not twice.
+                        self.levelling.push_back(LevelJob { ctx, chunk: i, from: cur, to: t, epoch });
+                        queued = true;
+                    } else {
+                        kv.convert(i, t).map_err(engine)?;
+                        region.shrink(i, self.codec.live_bytes(t, i < dead))?;
+                        self.stats.releveled += 1;
+                    }
                 }
             }
             let level = kv.format(i);
@@ -1168,23 +1238,13 @@ impl Manager {
             self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
             let meta = self.meta(ctx, i, &m);
             self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), meta);
-            if m.tokens > 0 && !self.store.matches(&meta) && region.state(i)? == SlotState::Resident {
+            if m.tokens > 0 && !queued && !self.store.matches(&meta) && region.state(i)? == SlotState::Resident {
                 writes.push((i, meta));
             }
         }
         // AoT swap-out: the writer pins what it writes; the call's pins go now.
-        if let Some(w) = &self.writer {
-            for (i, meta) in &writes {
-                region.pin(*i)?;
-                w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
-                let job = WriteJob { region: Arc::clone(&region), meta: *meta, len: self.chunk_len(ctx, *i) };
-                if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
-                    self.stats.written_aot += 1;
-                } else {
-                    let _ = region.unpin(*i);
-                    finish(&w.pending, &[(ctx, meta.chunk)]);
-                }
-            }
+        for (i, meta) in &writes {
+            self.write_aot(ctx, &region, *i, meta)?;
         }
         for i in 0..n {
             region.unpin(i)?;
@@ -1195,6 +1255,115 @@ impl Manager {
         }
         self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.in_call = false;
         self.reclaim()?;
+        Ok(())
+    }
+
+    /// Hands an AoT write of chunk `i` (resident, `meta` its version) to the writer, which pins
+    /// it until written; nothing without a writer.
+    fn write_aot(&mut self, ctx: u64, region: &Arc<Region>, i: usize, meta: &RecordMeta) -> Result<()> {
+        let Some(w) = &self.writer else { return Ok(()) };
+        region.pin(i)?;
+        w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
+        let job = WriteJob { region: Arc::clone(region), meta: *meta, len: self.chunk_len(ctx, i) };
+        if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
+            self.stats.written_aot += 1;
+        } else {
+            let _ = region.unpin(i);
+            finish(&w.pending, &[(ctx, meta.chunk)]);
+        }
+        Ok(())
+    }
+
+    /// Lowers chunks' levels on another thread than the calls': `end` queues each lowering it
+    /// chooses instead of encoding it, and a leveller takes them ([`Manager::take_level_work`],
+    /// [`LevelWork::encode`] outside the lock, [`Manager::finish_level_work`]); until then the
+    /// chunk stays at its level, resident, and is written once lowered. Needs a codec that
+    /// converts by itself ([`Codec::convert`]).
+    pub fn set_background_levels(&mut self, on: bool) {
+        self.background_levels = on;
+        if !on {
+            self.levelling.clear();
+        }
+    }
+
+    /// Lowerings queued for the leveller (some may turn out stale).
+    pub fn level_jobs(&self) -> usize {
+        self.levelling.len()
+    }
+
+    /// The next queued lowering still valid, with a copy of its chunk's bytes.
+    pub fn take_level_work(&mut self) -> Option<LevelWork> {
+        while let Some(job) = self.levelling.pop_front() {
+            let Some(m) = self.valid(&job) else { continue };
+            let region = &self.ctxs[&job.ctx].region;
+            let len = self.codec.live_bytes(job.from, m.dead);
+            // SAFETY: resident (checked), not in a call: nothing writes it while we copy.
+            let src = unsafe { std::slice::from_raw_parts(region.slot_ptr(job.chunk), len) }.to_vec();
+            return Some(LevelWork { job, dead: m.dead, tokens: m.tokens as usize, src });
+        }
+        None
+    }
+
+    /// The chunk a queued lowering is for, if it is still the chunk the job saw: same
+    /// context and epoch, not in a call, resident, at `from`.
+    fn valid(&self, job: &LevelJob) -> Option<ChunkMeta> {
+        let c = self.ctxs.get(&job.ctx).filter(|c| c.epoch == job.epoch && !c.in_call)?;
+        let m = c.chunks.get(job.chunk).copied().filter(|m| m.level == job.from)?;
+        let busy = self.writer.as_ref().is_some_and(|w| w.is_pending((job.ctx, chunk_u32(job.chunk))));
+        (c.region.state(job.chunk).ok()? == SlotState::Resident && !busy).then_some(m)
+    }
+
+    /// Installs a lowering encoded from [`Manager::take_level_work`]'s copy (`lowered`: what
+    /// the encoder made, or why it failed), if its chunk is still the one copied: the bytes go
+    /// into the slot, its tail pages back to the kernel, and the chunk is written (AoT).
+    /// False when it was stale (nothing changed) or the encoder failed (the chunk is written
+    /// at its level and stays there).
+    pub fn finish_level_work(&mut self, w: LevelWork, lowered: std::result::Result<Vec<u8>, crate::EngineError>) -> Result<bool> {
+        let job = w.job;
+        let Some(mut m) = self.valid(&job).filter(|m| m.dead == w.dead) else { return Ok(false) };
+        let region = Arc::clone(&self.ctx(job.ctx)?.region);
+        let len = self.codec.live_bytes(job.to, m.dead);
+        let done = match lowered {
+            Ok(bytes) if bytes.len() == len => {
+                // SAFETY: the slot is resident and not in a call (checked under this lock,
+                // which every call path takes); `len` is within the slot.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.slot_ptr(job.chunk), len) };
+                region.shrink(job.chunk, len)?;
+                m.level = job.to;
+                self.ctxs.get_mut(&job.ctx).ok_or(MmError::NoContext(job.ctx))?.chunks[job.chunk] = m;
+                self.lctru.set_level((job.ctx, chunk_u32(job.chunk)), self.level_index(job.to));
+                self.stats.releveled += 1;
+                true
+            }
+            Ok(bytes) => {
+                eprintln!(
+                    "llms: context {} chunk {}: the encoder made {} bytes, not {len}; the chunk stays at its level",
+                    job.ctx,
+                    job.chunk,
+                    bytes.len()
+                );
+                false
+            }
+            Err(e) => {
+                eprintln!("llms: context {} chunk {}: lowering failed ({e}); the chunk stays at its level", job.ctx, job.chunk);
+                false
+            }
+        };
+        let meta = self.meta(job.ctx, job.chunk, &m);
+        self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((job.ctx, chunk_u32(job.chunk)), meta);
+        if m.tokens > 0 && !self.store.matches(&meta) {
+            self.write_aot(job.ctx, &region, job.chunk, &meta)?;
+        }
+        Ok(done)
+    }
+
+    /// Does every queued lowering now, on this thread (a service stopping: its chunks are
+    /// then written at their levels).
+    pub fn finish_levelling(&mut self) -> Result<()> {
+        while let Some(w) = self.take_level_work() {
+            let lowered = w.encode(&*self.codec);
+            self.finish_level_work(w, lowered)?;
+        }
         Ok(())
     }
 

@@ -52,6 +52,44 @@ pub struct Report {
     pub batched_calls: u64,
     pub long_prefill_calls: u64,
     pub seconds: f64,
+    /// The worker's time while calls decoded, by what it did (`--trace`; in-process only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<WorkerTime>,
+}
+
+/// Where the worker's time went over the steps in which some call decoded (each such step is
+/// one inter-token gap for the calls in it): ms in total and per step at the median and p99,
+/// and the slowest steps whole.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerTime {
+    pub steps: usize,
+    pub admit_ms: f64,
+    pub pass_ms: f64,
+    pub finish_ms: f64,
+    pub step_ms_p50: f64,
+    pub step_ms_p99: f64,
+    pub slowest: Vec<llmsd::service::StepTrace>,
+}
+
+impl WorkerTime {
+    fn of(steps: &[llmsd::service::StepTrace]) -> Self {
+        let decoding: Vec<_> = steps.iter().filter(|s| s.decode_rows > 0).copied().collect();
+        let total = |f: fn(&llmsd::service::StepTrace) -> f64| decoding.iter().map(f).sum();
+        let len = |s: &llmsd::service::StepTrace| s.admit_ms + s.pass_ms + s.finish_ms;
+        let mut lens: Vec<f64> = decoding.iter().map(len).collect();
+        let mut slowest = decoding.clone();
+        slowest.sort_by(|a, b| len(b).total_cmp(&len(a)));
+        slowest.truncate(5);
+        Self {
+            steps: decoding.len(),
+            admit_ms: total(|s| s.admit_ms),
+            pass_ms: total(|s| s.pass_ms),
+            finish_ms: total(|s| s.finish_ms),
+            step_ms_p50: percentile(&mut lens, 0.5),
+            step_ms_p99: percentile(&mut lens, 0.99),
+            slowest,
+        }
+    }
 }
 
 /// `n` tokens of the text from token `at` (wrapping), as text: distinct prompts per client and
@@ -66,8 +104,17 @@ fn call(ctx: &str, prompt: String, max_tokens: u32) -> Call {
     Call { ctx: ctx.into(), prompt, max_tokens, temperature: 0.0, seed: 0, stop: Vec::new(), raw: true, top_p: None }
 }
 
-/// Starts the service in process under `work` (unless `socket` names one) and runs the load.
-pub fn run(base: &Config, load: Load, socket: Option<&Path>, work: &Path, profile_dir: &Path, text: &str) -> Result<Report> {
+/// Starts the service in process under `work` (unless `socket` names one) and runs the load;
+/// `trace`: record the worker's steps, summarized in the report and written whole to the file.
+pub fn run(
+    base: &Config,
+    load: Load,
+    socket: Option<&Path>,
+    work: &Path,
+    profile_dir: &Path,
+    text: &str,
+    trace: Option<&Path>,
+) -> Result<Report> {
     let model = engine::Model::load(&base.model).with_context(|| format!("loading {}", base.model.display()))?;
     let ids = model.tokenizer.encode(text, false, false)?;
     if ids.len() < 2 * load.prompt_tokens.max(load.long_prefill) {
@@ -96,11 +143,22 @@ pub fn run(base: &Config, load: Load, socket: Option<&Path>, work: &Path, profil
             (Some(l), s)
         }
     };
+    if let Some(l) = &local {
+        l.svc.set_trace(trace.is_some());
+    }
     let r = drive(prompts, long, load, &sock);
+    let steps = local.as_ref().map(|l| l.svc.take_trace()).unwrap_or_default();
     if let Some(l) = local {
         l.stop()?;
     }
     let mut r = r?;
+    if let Some(path) = trace {
+        if socket.is_some() {
+            bail!("--trace needs the service in process (not --socket)");
+        }
+        std::fs::write(path, serde_json::to_string(&steps)?).with_context(|| format!("writing {}", path.display()))?;
+        r.worker = Some(WorkerTime::of(&steps));
+    }
     r.max_batch = if socket.is_some() { 0 } else { base.max_batch };
     Ok(r)
 }
@@ -184,5 +242,6 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
         batched_calls: figures.iter().filter(|f| f.3 > 1).count() as u64,
         long_prefill_calls,
         seconds,
+        worker: None,
     })
 }

@@ -45,6 +45,79 @@ pub(super) struct Job {
 /// The most tokens one forward pass runs (the engine's own split of a long `eval`).
 const MAX_PASS: usize = 512;
 
+/// Steps a trace keeps at most (a few MB): a long run's trace stops growing, it does not fail.
+const MAX_TRACE_STEPS: usize = 100_000;
+
+/// What the worker did in one step (`Service::set_trace`): starting calls (loading their
+/// contexts), one forward pass, and ending the calls that finished (mm's end, the context saved).
+/// A running call's next token waits for all three, so a gap between a client's tokens is the
+/// step that held it. Milliseconds.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct StepTrace {
+    /// When the step began, from when tracing was switched on.
+    pub at_ms: f64,
+    pub admit_ms: f64,
+    pub started: u32,
+    pub pass_ms: f64,
+    /// Calls that decoded a token in the pass, and prompt tokens prefilled in it.
+    pub decode_rows: u32,
+    pub prefill_tokens: u32,
+    pub finish_ms: f64,
+    pub ended: u32,
+}
+
+/// The worker's pass times as a line over the rows in a pass, `ms = fixed + per_row x rows`
+/// (reading the weights, then each row's arithmetic), fitted by least squares over recent
+/// passes (older ones weigh less: the machine's speed drifts). Sizes prompt pieces.
+#[derive(Debug, Default)]
+struct PassCost {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl PassCost {
+    /// Weight of the last pass against the ones before (about the last 50 count).
+    const KEEP: f64 = 0.98;
+
+    fn add(&mut self, rows: usize, ms: f64) {
+        #[allow(clippy::cast_precision_loss)]
+        let x = rows as f64;
+        for (v, a) in [(&mut self.n, 1.0), (&mut self.x, x), (&mut self.y, ms), (&mut self.xx, x * x), (&mut self.xy, x * ms)] {
+            *v = *v * Self::KEEP + a;
+        }
+    }
+
+    /// (fixed, per_row) ms; None until passes of different sizes were seen.
+    fn line(&self) -> Option<(f64, f64)> {
+        let var = self.n * self.xx - self.x * self.x;
+        if self.n < 2.0 || var <= 1e-9 * self.n * self.n {
+            return None;
+        }
+        let per_row = (self.n * self.xy - self.x * self.y) / var;
+        let fixed = (self.y - per_row * self.x) / self.n;
+        (per_row > 0.0).then_some((fixed.max(0.0), per_row))
+    }
+
+    /// Prompt tokens a pass with `decoding` rows can carry so that it takes at most `hold`
+    /// times their pass alone, between 1 and `most`.
+    fn piece(&self, decoding: usize, hold: f64, most: usize) -> usize {
+        let Some((fixed, per_row)) = self.line() else { return most };
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let fits = ((hold - 1.0) * (fixed + per_row * decoding as f64) / per_row).floor() as usize;
+        fits.clamp(1, most)
+    }
+}
+
+/// The steps traced since tracing was switched on.
+#[derive(Debug)]
+pub(super) struct Trace {
+    pub(super) since: Instant,
+    pub(super) steps: Vec<StepTrace>,
+}
+
 /// A call in the batch: its context out of the registry with its chunks pinned, its prompt
 /// being prefilled (`next` is `None`) or its answer being decoded.
 struct Active {
@@ -198,8 +271,23 @@ impl Service {
     pub(super) fn worker(&self) {
         let mut scratch = Scratch::default();
         let mut active: Vec<Active> = Vec::new();
-        while self.admit(&mut active, &mut scratch) {
-            self.step(&mut active, &mut scratch);
+        let mut cost = PassCost::default();
+        loop {
+            let t0 = Instant::now();
+            let running = active.len();
+            if !self.admit(&mut active, &mut scratch) {
+                break;
+            }
+            let admit_ms = ms(t0.elapsed());
+            let mut st = self.step(&mut active, &mut scratch, &mut cost);
+            if let Some(trace) = lock(&self.trace).as_mut() {
+                st.at_ms = ms(t0.duration_since(trace.since));
+                st.admit_ms = admit_ms;
+                st.started = u32::try_from((active.len() + st.ended as usize).saturating_sub(running)).unwrap_or(u32::MAX);
+                if trace.steps.len() < MAX_TRACE_STEPS {
+                    trace.steps.push(st);
+                }
+            }
         }
     }
 
@@ -602,7 +690,8 @@ impl Service {
     /// One forward pass for the running calls: each decoding call's sampled token and a piece
     /// of the shortest prompt still to prefill (all of it, up to a pass's 512 tokens, when no
     /// call decodes). Then each call takes its logits; the calls that ended leave the batch.
-    fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch) {
+    fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost) -> StepTrace {
+        let mut trace = StepTrace::default();
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
         let mut rows: Vec<usize> = Vec::new();
         let mut pieces: Vec<Vec<u32>> = Vec::new();
@@ -623,7 +712,8 @@ impl Service {
                     Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
                 }
             } else if prefill == Some(i) {
-                let piece = if decoding == 0 { MAX_PASS } else { self.cfg.prefill_piece.clamp(1, MAX_PASS) };
+                let most = self.cfg.prefill_piece.clamp(1, MAX_PASS);
+                let piece = if decoding == 0 { MAX_PASS } else { cost.piece(decoding, self.cfg.prefill_hold, most) };
                 let end = (a.fed + piece).min(a.ids.len());
                 rows.push(i);
                 pieces.push(a.ids[a.fed..end].to_vec());
@@ -642,6 +732,10 @@ impl Service {
                 k += 1;
             }
         }
+        trace.decode_rows = u32::try_from(pieces.iter().zip(&rows).filter(|(_, &i)| active[i].next.is_some()).count()).unwrap_or(u32::MAX);
+        trace.prefill_tokens =
+            u32::try_from(pieces.iter().zip(&rows).filter(|(_, &i)| active[i].next.is_none()).map(|(p, _)| p.len()).sum::<usize>())
+                .unwrap_or(u32::MAX);
         if !rows.is_empty() {
             let t0 = Instant::now();
             let n = rows.len();
@@ -659,6 +753,8 @@ impl Service {
                 }))
             };
             let pass_ms = ms(t0.elapsed());
+            trace.pass_ms = pass_ms;
+            cost.add(pieces.iter().map(Vec::len).sum(), pass_ms);
             match run {
                 Ok(Ok(len)) => {
                     self.take_rows(active, &rows, &pieces, &scratch.logits()[..len], n, &mut ended);
@@ -708,10 +804,14 @@ impl Service {
         }
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         ended.dedup_by_key(|e| e.0);
+        let t0 = Instant::now();
+        trace.ended = u32::try_from(ended.len()).unwrap_or(u32::MAX);
         for (i, how) in ended {
             let a = active.remove(i);
             self.finish(a, how);
         }
+        trace.finish_ms = ms(t0.elapsed());
+        trace
     }
 
     /// After a pass: each call in `rows` takes its row of `logits` (a decoding call its next
@@ -838,6 +938,7 @@ impl Service {
                 Ok(Err(e)) if matches!(how, Outcome::Done) => how = Outcome::Failed(refuse(ErrorCode::Failed, e.to_string())),
                 Ok(_) => {}
             }
+            self.wake_leveller();
         }
         let r = match how {
             Outcome::Panicked(what) => {

@@ -19,6 +19,7 @@ mod conn;
 mod ctxfile;
 mod history;
 mod http;
+mod leveller;
 mod metrics;
 mod pressure;
 mod registry;
@@ -46,6 +47,7 @@ use crate::config::Config;
 use crate::kvmm::EngineRecompute;
 use crate::proto::{ErrorCode, Event};
 use call::Job;
+pub use call::StepTrace;
 pub use ctxfile::{check_context_file, check_state_dir, ContextCheck};
 pub use http::{Listeners as HttpListeners, NETWORK_UID};
 use registry::CtxEntry;
@@ -119,6 +121,10 @@ pub struct Service {
     /// completions only.
     turns: std::result::Result<Turns, String>,
     mm: Mutex<Manager>,
+    /// The worker's per-step timeline, while tracing is on ([`Service::set_trace`]).
+    trace: Mutex<Option<call::Trace>>,
+    /// Set (and signalled) when a call's end may have queued chunk lowerings (`leveller.rs`).
+    leveller: (Mutex<bool>, Condvar),
     /// The fault path's recompute: it learns each context's tokens after every call.
     refill: Arc<EngineRecompute>,
     registry: Mutex<HashMap<String, CtxEntry>>,
@@ -248,6 +254,7 @@ impl Service {
         mm.set_budget(budget - weights_share)?;
         let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]).with_sparsity(sparsity.clone()));
         mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
+        mm.set_background_levels(true);
         let ctx_dir = cfg.state_dir.join("contexts");
         std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
         let svc = Self {
@@ -256,6 +263,8 @@ impl Service {
             pool,
             turns,
             mm: Mutex::new(mm),
+            leveller: (Mutex::new(false), Condvar::new()),
+            trace: Mutex::new(None),
             refill,
             registry: Mutex::new(HashMap::new()),
             queue: Mutex::new(VecDeque::new()),
@@ -278,6 +287,17 @@ impl Service {
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// Starts (or stops) recording what the worker does in each step (`llms bench-serve
+    /// --trace`): what held the running calls' tokens.
+    pub fn set_trace(&self, on: bool) {
+        *lock(&self.trace) = on.then(|| call::Trace { since: std::time::Instant::now(), steps: Vec::new() });
+    }
+
+    /// The steps recorded since tracing was switched on (tracing goes on).
+    pub fn take_trace(&self) -> Vec<StepTrace> {
+        lock(&self.trace).as_mut().map(|t| std::mem::take(&mut t.steps)).unwrap_or_default()
     }
 
     fn session(&self) -> Session {
@@ -306,6 +326,10 @@ impl Service {
             let svc = Arc::clone(self);
             std::thread::Builder::new().name("llmsd-worker".into()).spawn(move || svc.worker())?
         };
+        let leveller = {
+            let svc = Arc::clone(self);
+            std::thread::Builder::new().name("llmsd-leveller".into()).spawn(move || svc.leveller())?
+        };
         if self.cfg.pressure {
             self.spawn_pressure_follower()?;
         }
@@ -318,7 +342,13 @@ impl Service {
             }
         }
         let _ = worker.join();
-        let mm = lock(&self.mm);
+        self.wake_leveller();
+        let _ = leveller.join();
+        let mut mm = lock(&self.mm);
+        // What the leveller had not lowered yet is lowered here, then written with the rest.
+        if let Err(e) = mm.finish_levelling() {
+            tracing::warn!("lowering the last chunks at stop: {e}");
+        }
         mm.flush();
         // Say what is true: a chunk whose write failed (a full disk) is not on flash; its
         // context's tokens are (every acknowledged call saved its context file), so it is
@@ -344,6 +374,7 @@ impl Service {
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
         self.queued.notify_all();
+        self.wake_leveller();
         let _ = UnixStream::connect(&self.cfg.socket);
     }
 }

@@ -175,8 +175,6 @@ impl BenchBatchArgs {
     /// median over `reps` of aggregate tokens/s and of the step time (each context's
     /// inter-token latency), and both as ratios to B = 1 measured in the same run.
     pub fn run(self) -> Result<()> {
-        use ::engine::model::{Scratch, SessionOptions};
-        use ::engine::{Logits, Session};
         let Self { sizes, depth, tokens, reps, json, m } = self;
         if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
             bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
@@ -188,33 +186,10 @@ impl BenchBatchArgs {
         if ids.len() < depth + max_b * 7 {
             bail!("the text is too short for --depth {depth}");
         }
-        let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
         let mut rows = Vec::new();
         for &b in &sizes {
-            let (mut rates, mut steps) = (Vec::new(), Vec::new());
-            for _ in 0..reps {
-                let mut sessions: Vec<Session> =
-                    (0..b).map(|_| Session::with_options(Arc::clone(&model), Arc::clone(&pool), opts)).collect();
-                let mut next = Vec::with_capacity(b);
-                for (i, s) in sessions.iter_mut().enumerate() {
-                    next.push(::engine::sampler::argmax(s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?));
-                }
-                let mut scratch = Scratch::default();
-                let t0 = std::time::Instant::now();
-                for _ in 0..tokens {
-                    let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
-                    let logits = Session::decode_batch(&mut refs, &next, &mut scratch)?;
-                    for (n, row) in next.iter_mut().zip(logits.chunks_exact(model.config.vocab)) {
-                        *n = ::engine::sampler::argmax(row);
-                    }
-                }
-                let secs = t0.elapsed().as_secs_f64();
-                #[allow(clippy::cast_precision_loss)]
-                rates.push((b * tokens) as f64 / secs);
-                #[allow(clippy::cast_precision_loss)]
-                steps.push(secs * 1000.0 / tokens as f64);
-            }
-            rows.push((b, median(rates), median(steps)));
+            let (rate, step) = batch_decode(&model, &pool, &ids, b, depth, tokens, reps)?;
+            rows.push((b, rate, step));
         }
         let base = rows.iter().find(|r| r.0 == 1).map(|r| (r.1, r.2));
         if json {
@@ -236,6 +211,47 @@ impl BenchBatchArgs {
         }
         Ok(())
     }
+}
+
+/// B contexts of `depth` tokens of `ids` (each from its own offset), then `tokens` decode steps
+/// with `Session::decode_batch` (one forward pass per step for all B), timed: the median over
+/// `reps` of the aggregate tokens/s and of the step time (ms). `ids` holds at least
+/// `depth + 7 b` tokens.
+pub fn batch_decode(
+    model: &Arc<::engine::Model>,
+    pool: &Arc<::engine::ThreadPool>,
+    ids: &[u32],
+    b: usize,
+    depth: usize,
+    tokens: usize,
+    reps: usize,
+) -> Result<(f64, f64)> {
+    use ::engine::model::{Scratch, SessionOptions};
+    use ::engine::{Logits, Session};
+    let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
+    let (mut rates, mut steps) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();
+        let mut next = Vec::with_capacity(b);
+        for (i, s) in sessions.iter_mut().enumerate() {
+            next.push(::engine::sampler::argmax(s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?));
+        }
+        let mut scratch = Scratch::default();
+        let t0 = std::time::Instant::now();
+        for _ in 0..tokens {
+            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            let logits = Session::decode_batch(&mut refs, &next, &mut scratch)?;
+            for (n, row) in next.iter_mut().zip(logits.chunks_exact(model.config.vocab)) {
+                *n = ::engine::sampler::argmax(row);
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        #[allow(clippy::cast_precision_loss)]
+        rates.push((b * tokens) as f64 / secs);
+        #[allow(clippy::cast_precision_loss)]
+        steps.push(secs * 1000.0 / tokens as f64);
+    }
+    Ok((median(rates), median(steps)))
 }
 
 /// `llms bench-serve`.
@@ -263,7 +279,9 @@ pub struct BenchServeArgs {
     /// through the run: what a long prefill costs the others' inter-token latency.
     #[arg(long, default_value_t = 0)]
     pub long_prefill: usize,
-    /// Run the same calls with one client first (same service settings) and report the ratios.
+    /// Run the same calls with one client first (same service settings) and report the ratios,
+    /// beside the engine's own batching gain for as many contexts (`llms bench-batch`: B
+    /// contexts decoded together against one), measured in the same run.
     #[arg(long)]
     pub vs_solo: bool,
     /// The service's KV levels [default: the service's, int8,k4v4,k4v3,k3v3].
@@ -272,6 +290,10 @@ pub struct BenchServeArgs {
     /// An llmsd to run against instead of one started in process.
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// Record the worker's steps (starting calls, the pass, ending calls) and write them to
+    /// this JSON file; the report adds where the worker's time went and its slowest steps.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     #[command(flatten)]
     pub s: ServiceBenchArgs,
 }
@@ -279,7 +301,8 @@ pub struct BenchServeArgs {
 impl BenchServeArgs {
     pub fn run(self) -> Result<()> {
         use crate::servebench::{run, Load};
-        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, levels, socket, s } = self;
+        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, levels, socket, trace, s } =
+            self;
         let json = s.json;
         if !(1..=64).contains(&clients) || !(1..=1000).contains(&calls) || !(1..=4000).contains(&prompt_tokens) {
             bail!("--clients in 1..=64, --calls in 1..=1000, --prompt-tokens in 1..=4000");
@@ -299,20 +322,40 @@ impl BenchServeArgs {
         let load = Load { clients, calls, prompt_tokens, max_tokens, long_prefill };
         let r = (|| {
             let solo = if vs_solo {
-                Some(run(&base, Load { clients: 1, long_prefill: 0, ..load }, socket.as_deref(), &work, &dir, &text)?)
+                Some(run(&base, Load { clients: 1, long_prefill: 0, ..load }, socket.as_deref(), &work, &dir, &text, None)?)
             } else {
                 None
             };
-            Ok::<_, anyhow::Error>((solo, run(&base, load, socket.as_deref(), &work, &dir, &text)?))
+            let r = run(&base, load, socket.as_deref(), &work, &dir, &text, trace.as_deref())?;
+            // The engine's gain for this many contexts at about the calls' depth, 3 reps each.
+            let gain = if vs_solo {
+                let model = Arc::new(::engine::Model::load(&base.model)?);
+                let threads =
+                    if base.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { base.threads };
+                let pool = Arc::new(::engine::ThreadPool::new(threads));
+                let ids = model.tokenizer.encode(&text, false, false)?;
+                let depth = prompt_tokens + max_tokens / 2;
+                let (one, _) = batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
+                let (many, _) = batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
+                Some(many / one)
+            } else {
+                None
+            };
+            Ok::<_, anyhow::Error>((solo, r, gain))
         })();
         let _ = std::fs::remove_dir_all(&work);
-        let (solo, r) = r?;
+        let (solo, r, gain) = r?;
         if json {
             let mut v = serde_json::to_value(&r)?;
             if let Some(s) = &solo {
                 v["solo"] = serde_json::to_value(s)?;
                 v["aggregate_vs_solo"] = json!(r.aggregate_tok_s / s.aggregate_tok_s);
                 v["itl_p99_vs_solo"] = json!(r.itl_ms_p99 / s.itl_ms_p99);
+                v["ttft_p50_vs_solo"] = json!(r.ttft_ms_p50 / s.ttft_ms_p50);
+            }
+            if let (Some(g), Some(s)) = (gain, &solo) {
+                v["engine_batch_gain"] = json!(g);
+                v["aggregate_vs_engine_gain"] = json!(r.aggregate_tok_s / s.aggregate_tok_s / g);
             }
             println!("{}", serde_json::to_string(&v)?);
             return Ok(());
@@ -341,7 +384,27 @@ impl BenchServeArgs {
         }
         line(&format!("{clients} clients"), &r);
         if let Some(s) = &solo {
-            println!("  aggregate {:.2}x one client's; ITL p99 {:.2}x", r.aggregate_tok_s / s.aggregate_tok_s, r.itl_ms_p99 / s.itl_ms_p99);
+            let agg = r.aggregate_tok_s / s.aggregate_tok_s;
+            println!(
+                "  aggregate {agg:.2}x one client's; ITL p99 {:.2}x; TTFT p50 {:.2}x",
+                r.itl_ms_p99 / s.itl_ms_p99,
+                r.ttft_ms_p50 / s.ttft_ms_p50
+            );
+            if let Some(g) = gain {
+                println!("  the engine decodes {clients} contexts together at {g:.2}x one's (llms bench-batch): the service keeps {:.2} of that gain", agg / g);
+            }
+        }
+        if let Some(w) = &r.worker {
+            println!(
+                "  worker over {} decoding steps: passes {:.0} ms, starting calls {:.0} ms, ending calls {:.0} ms; a step p50 {:.2} p99 {:.2} ms",
+                w.steps, w.pass_ms, w.admit_ms, w.finish_ms, w.step_ms_p50, w.step_ms_p99
+            );
+            for s in &w.slowest {
+                println!(
+                    "    at {:>8.1} ms: start {} call(s) {:>6.1} ms, pass of {} decoding + {} prompt tokens {:>6.1} ms, end {} call(s) {:>6.1} ms",
+                    s.at_ms, s.started, s.admit_ms, s.decode_rows, s.prefill_tokens, s.pass_ms, s.ended, s.finish_ms
+                );
+            }
         }
         Ok(())
     }
