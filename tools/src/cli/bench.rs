@@ -275,6 +275,10 @@ pub struct BenchServeArgs {
     /// Prompt tokens per pass while others decode [default: the service's, 16].
     #[arg(long)]
     pub prefill_piece: Option<usize>,
+    /// A pass carrying a prompt piece takes at most this many times the decode pass alone
+    /// [default: the service's, 2].
+    #[arg(long)]
+    pub prefill_hold: Option<f64>,
     /// One more client sends prompts of this many tokens (fresh contexts, one token each) all
     /// through the run: what a long prefill costs the others' inter-token latency.
     #[arg(long, default_value_t = 0)]
@@ -301,8 +305,21 @@ pub struct BenchServeArgs {
 impl BenchServeArgs {
     pub fn run(self) -> Result<()> {
         use crate::servebench::{run, Load};
-        let Self { clients, calls, prompt_tokens, max_tokens, max_batch, prefill_piece, long_prefill, vs_solo, levels, socket, trace, s } =
-            self;
+        let Self {
+            clients,
+            calls,
+            prompt_tokens,
+            max_tokens,
+            max_batch,
+            prefill_piece,
+            prefill_hold,
+            long_prefill,
+            vs_solo,
+            levels,
+            socket,
+            trace,
+            s,
+        } = self;
         let json = s.json;
         if !(1..=64).contains(&clients) || !(1..=1000).contains(&calls) || !(1..=4000).contains(&prompt_tokens) {
             bail!("--clients in 1..=64, --calls in 1..=1000, --prompt-tokens in 1..=4000");
@@ -313,6 +330,7 @@ impl BenchServeArgs {
         let (dir, mut base, work) = s.setup("serve")?;
         base.max_batch = max_batch.unwrap_or(base.max_batch);
         base.prefill_piece = prefill_piece.unwrap_or(base.prefill_piece);
+        base.prefill_hold = prefill_hold.unwrap_or(base.prefill_hold);
         if let Some(l) = levels {
             base.levels = l;
         }
