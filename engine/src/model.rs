@@ -276,6 +276,22 @@ impl Model {
         self.file.bytes().len()
     }
 
+    /// Bytes of weights one decoded token reads: every tensor of the file but the token
+    /// embeddings, of which it reads one row — unless the output projection is that table
+    /// (tied), which it reads whole. The memory floor of decoding is these bytes over the
+    /// machine's read bandwidth.
+    pub fn decode_bytes(&self) -> u64 {
+        let tensors = &self.file.header.tensors;
+        let all: u64 = tensors.iter().map(|t| t.size).sum();
+        match self.file.tensor("token_embd.weight") {
+            Some(e) if self.file.tensor("output.weight").is_some() => {
+                let (rows, _) = e.rows_cols();
+                all - e.size + e.size / rows.max(1)
+            }
+            _ => all,
+        }
+    }
+
     /// Renders a chat with the model's template (see `chat`).
     pub fn chat_template(&self) -> Option<&str> {
         self.file.get("tokenizer.chat_template").and_then(Value::as_str)

@@ -49,7 +49,11 @@ impl Service {
             }
             loop {
                 let Some(work) = lock(&self.mm).take_level_work() else { break };
-                let lowered = work.encode(&*codec);
+                // A panic in an encoder (a bug) fails this chunk, not the leveller: the chunk
+                // is written at the level it has and stays there.
+                let lowered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.encode(&*codec))).unwrap_or_else(|p| {
+                    Err(mm::EngineError::new(format!("the encoder panicked: {}", super::call::panic_message(p.as_ref()))))
+                });
                 if let Err(e) = lock(&self.mm).finish_level_work(work, lowered) {
                     warn!("installing a lowered chunk: {e}");
                 }

@@ -324,6 +324,11 @@ pub struct BenchArgs {
     /// utilization and the imbalance of their work (docs/engine.md "Threads").
     #[arg(long)]
     pub pool_report: bool,
+    /// Also measure the memory floor of decoding in the same run: a streaming read, by the
+    /// pool's threads, of a buffer the size of the weights one token reads, before and after
+    /// the timed runs; tg is reported as a share of the floor's tokens/s (bandwidth / bytes).
+    #[arg(long)]
+    pub floor: bool,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -332,10 +337,36 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     pub fn run(self) -> Result<()> {
-        let Self { kv, depth, pp, tg, reps, pool_report, json, m } = self;
-        bench(&m, &kv, depth, pp, tg, reps, pool_report, json)?;
+        let Self { kv, depth, pp, tg, reps, pool_report, floor, json, m } = self;
+        bench(&m, &kv, depth, pp, tg, reps, pool_report, floor, json)?;
         Ok(())
     }
+}
+
+/// Streaming-read bandwidth of `buf` by `pool`'s threads, bytes/s: the best of `passes` whole
+/// reads (each thread sums 1 MiB pieces of 64-bit words, four sums at a time so the loads are
+/// not serialized behind one addition chain).
+fn read_bandwidth(pool: &::engine::ThreadPool, buf: &[u64], passes: usize) -> f64 {
+    const PIECE: usize = (1 << 20) / 8;
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let t = Instant::now();
+        pool.for_chunks("read-floor", buf.len(), PIECE, &|a, b| {
+            let mut acc = [0u64; 4];
+            for w in buf[a..b].chunks_exact(4) {
+                for (s, &x) in acc.iter_mut().zip(w) {
+                    *s = s.wrapping_add(x);
+                }
+            }
+            sink.fetch_add(acc.iter().fold(0u64, |a, &b| a.wrapping_add(b)), std::sync::atomic::Ordering::Relaxed);
+        });
+        #[allow(clippy::cast_precision_loss)]
+        let bw = (buf.len() * 8) as f64 / t.elapsed().as_secs_f64();
+        best = best.max(bw);
+    }
+    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+    best
 }
 
 /// The pool's statistics for one run of `tokens` tokens, as a table and as JSON.
@@ -486,9 +517,27 @@ fn chat_loop(m: &ModelArgs, max_tokens: usize, temperature: f32, seed: u64, syst
 type RunOnce<'a> = dyn Fn(&mut Session, Option<::engine::kv::KvFormat>, bool) -> Result<f64> + 'a;
 
 #[allow(clippy::cast_precision_loss, clippy::too_many_lines, clippy::too_many_arguments)]
-fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps: usize, pool_stats: bool, json: bool) -> Result<()> {
+fn bench(
+    m: &ModelArgs,
+    kvs: &[String],
+    depth: usize,
+    pp: usize,
+    tg: usize,
+    reps: usize,
+    pool_stats: bool,
+    floor: bool,
+    json: bool,
+) -> Result<()> {
     use ::engine::kv::KvFormat;
     let (model, pool, sp) = load_sparse(m)?;
+    // The floor's buffer: as many bytes as a decoded token reads, filled (so its pages exist).
+    let floor_buf: Vec<u64> = if floor {
+        let words = usize::try_from(model.decode_bytes() / 8).context("weight bytes")?;
+        (0..words as u64).collect()
+    } else {
+        Vec::new()
+    };
+    let mut floor_bw = if floor { vec![read_bandwidth(&pool, &floor_buf, 5)] } else { Vec::new() };
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
@@ -588,6 +637,13 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
             }
         }
     }
+    if floor {
+        floor_bw.push(read_bandwidth(&pool, &floor_buf, 5));
+    }
+    // The better of the two: the floor is what the machine can do, at its least disturbed.
+    let floor_bw = floor_bw.iter().copied().fold(0.0f64, f64::max);
+    #[allow(clippy::cast_precision_loss)]
+    let floor_tok_s = floor_bw / model.decode_bytes() as f64;
     let med = llmsd::stats::median;
     let paired = |rates: &[Vec<f64>], i: usize| med(rates[i].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
     // The pool's statistics come from runs of their own, so the timed ones carry no probes.
@@ -614,6 +670,10 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
         let rows: Vec<serde_json::Value> = (0..k)
             .map(|i| {
                 let mut v = json!({"model": model_path(m), "pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
+                if floor {
+                    v["floor"] = json!({"read_gb_s": floor_bw / 1e9, "decode_bytes": model.decode_bytes(), "tg_tok_s": floor_tok_s,
+                                        "tg_vs_floor": med(tg_rates[i].clone()) / floor_tok_s});
+                }
                 if i == 0 {
                     v["pool"] = pool_json.clone();
                 } else {
@@ -647,6 +707,16 @@ fn bench(m: &ModelArgs, kvs: &[String], depth: usize, pp: usize, tg: usize, reps
                 );
             }
             println!();
+        }
+        if floor {
+            #[allow(clippy::cast_precision_loss)]
+            let mb = model.decode_bytes() as f64 / 1e6;
+            println!(
+                "memory floor: {:.1} GB/s streaming read ({} threads) over the {mb:.0} MB a token reads: {floor_tok_s:.1} tok/s; tg{tg} at {:.2} of it",
+                floor_bw / 1e9,
+                pool.threads(),
+                med(tg_rates[0].clone()) / floor_tok_s
+            );
         }
         print!("{pool_text}");
     }
