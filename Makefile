@@ -171,8 +171,10 @@ fuzz: fuzz-build
 	fuzz/run $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 # Side-by-side speed against llama.cpp (installs llama-cpp-python into a private venv).
+# The engine beside llama.cpp at three sizes (docs/engine.md "Speed"): the default model's shape,
+# SmolLM2-1.7B's and Llama 2 7B's, in Q4_0 and Q4_K_M, each beside decoding's memory floor.
 bench-vs-llama-cpp: model build
-	tools/bench/vs-llama-cpp
+	tools/bench/sizes
 
 # Regenerates tests/fixtures from llama.cpp (the oracle); see tools/oracle/make_fixtures.py.
 fixtures: model model-gemma3
