@@ -334,7 +334,7 @@ impl Service {
             self.spawn_pressure_follower()?;
         }
         self.accept(listener);
-        self.queued.notify_all();
+        self.wake_worker();
         if let Some(f) = front {
             f.stop();
             if let Some(p) = http_socket {
@@ -370,10 +370,19 @@ impl Service {
         Ok(())
     }
 
+    /// Wakes the worker if it waits for calls. The queue's lock is taken first: a worker that
+    /// saw no call and no stop still holds it until it waits, so it cannot miss the signal
+    /// between its checks and its wait (stop's signal was lost that way once, and the service
+    /// never stopped: llmsd/tests/batching.rs under load).
+    fn wake_worker(&self) {
+        drop(lock(&self.queue));
+        self.queued.notify_all();
+    }
+
     /// Asks the service to stop (the accept loop is woken by connecting to it).
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
-        self.queued.notify_all();
+        self.wake_worker();
         self.wake_leveller();
         let _ = UnixStream::connect(&self.cfg.socket);
     }
