@@ -19,6 +19,10 @@ use crate::profile::Profile;
 use crate::ring::{Op, Ring};
 use crate::store::{Entry, RecordMeta, Store, StoreError};
 
+mod share;
+use share::Unshare;
+pub use share::{SharingStats, POOL_CTX};
+
 /// How contexts are kept: LLMS and the baselines it is compared with, over the same store
 /// and engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -144,6 +148,8 @@ struct ChunkMeta {
     density: f64,
     /// Only the kept layers exist ([`Codec::dead_chunks`]).
     dead: bool,
+    /// The pool chunk it is (shared with other contexts); its own slot is then empty.
+    shared: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -151,6 +157,9 @@ struct Ctx {
     region: Arc<Region>,
     chunks: Vec<ChunkMeta>,
     in_call: bool,
+    /// Its tokens as of its last call (kept only while it may share: to check a chunk against
+    /// the tokens it holds before another context takes it).
+    tokens: Vec<u32>,
     /// Changes whenever the chunk table may have changed under a queued lowering (a call
     /// began, the context was made again): such a lowering is dropped (see [`LevelJob`]).
     epoch: u64,
@@ -201,6 +210,8 @@ pub struct ChunkInfo {
     pub density: f64,
     /// The store holds this exact version (format, tokens, prefix).
     pub on_flash: bool,
+    /// Held in the pool, one copy for every context that shares it.
+    pub shared: bool,
 }
 
 /// Counters of the manager's work.
@@ -397,6 +408,11 @@ pub struct Manager {
     background_levels: bool,
     levelling: VecDeque<LevelJob>,
     epochs: u64,
+    /// Chunks shared between contexts, when on ([`Manager::enable_sharing`]).
+    pool: Option<share::Pool>,
+    /// Each context's sharing scope (the service's (uid, app)).
+    scopes: HashMap<u64, u64>,
+    share_stats: SharingStats,
     pub stats: MmStats,
 }
 
@@ -462,6 +478,9 @@ impl Manager {
             background_levels: false,
             levelling: VecDeque::new(),
             epochs: 0,
+            pool: None,
+            scopes: HashMap::new(),
+            share_stats: SharingStats::default(),
             stats: MmStats::default(),
         })
     }
@@ -507,18 +526,30 @@ impl Manager {
 
     /// Bytes of chunk memory resident now (populated pages of every context's slots).
     pub fn resident_bytes(&self) -> usize {
-        self.ctxs.values().map(|c| c.region.resident_bytes()).sum()
+        self.ctxs.values().map(|c| c.region.resident_bytes()).sum::<usize>() + self.pool.as_ref().map_or(0, |p| p.region.resident_bytes())
     }
 
-    /// Bytes resident for one context.
+    /// Bytes resident for one context: its own chunks and the shared ones it holds (which
+    /// other contexts count too).
     pub fn context_bytes(&self, ctx: u64) -> usize {
-        self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes())
+        self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes() + self.shared_bytes(c))
+    }
+
+    /// Resident bytes of the shared chunks a context holds.
+    fn shared_bytes(&self, c: &Ctx) -> usize {
+        let Some(pool) = &self.pool else { return 0 };
+        c.chunks.iter().filter_map(|m| m.shared).map(|p| pool.region.resident_bytes_in(p as usize..p as usize + 1)).sum()
     }
 
     /// Bytes pinned by the contexts in a call: reclaim cannot take them, so while they run
     /// the budget holds only what is left beside them.
     pub fn pinned_bytes(&self) -> usize {
-        self.ctxs.values().filter(|c| c.in_call).map(|c| c.region.resident_bytes()).sum()
+        let own: usize = self.ctxs.values().filter(|c| c.in_call).map(|c| c.region.resident_bytes()).sum();
+        let shared: usize = self.pool.as_ref().map_or(0, |pool| {
+            let busy = pool.entries.iter().enumerate().filter(|(_, e)| e.as_ref().is_some_and(|e| e.calls > 0));
+            busy.map(|(p, _)| pool.region.resident_bytes_in(p..p + 1)).sum()
+        });
+        own + shared
     }
 
     /// What a call on `ctx` keeps resident while it runs: every chunk it holds, at its level
@@ -547,12 +578,17 @@ impl Manager {
     pub fn chunk_info(&self, ctx: u64, chunk: usize) -> Option<ChunkInfo> {
         let c = self.ctxs.get(&ctx)?;
         let m = c.chunks.get(chunk)?;
+        let (state, meta) = match (m.shared, &self.pool) {
+            (Some(p), Some(pool)) => (pool.region.state(p as usize).ok()?, self.pool_meta(p)?),
+            _ => (c.region.state(chunk).ok()?, self.meta(ctx, chunk, m)),
+        };
         Some(ChunkInfo {
-            state: c.region.state(chunk).ok()?,
+            state,
             format: m.level,
             tokens: m.tokens,
             density: m.density,
-            on_flash: m.tokens > 0 && self.store.matches(&self.meta(ctx, chunk, m)),
+            on_flash: m.tokens > 0 && self.store.matches(&meta),
+            shared: m.shared.is_some(),
         })
     }
 
@@ -590,15 +626,18 @@ impl Manager {
         });
         let region = self.pager.region_with(self.slot_size, self.cfg.max_chunks.max(1), src, true)?;
         self.epochs += 1;
-        self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false, epoch: self.epochs });
+        self.ctxs.insert(ctx, Ctx { region: Arc::new(region), chunks: Vec::new(), in_call: false, tokens: Vec::new(), epoch: self.epochs });
         Ok(())
     }
 
     /// Registers a context the store holds (after a restart). `kv` holds the context's tokens
     /// and no chunks; every chunk gets its slot, not resident, in the format of its record when
     /// the record is of exactly these tokens, else in the base format. The next `begin` loads
-    /// them (reading or recomputing, as for any evicted chunk). Returns the chunks with a
-    /// usable record.
+    /// them (reading or recomputing, as for any evicted chunk). With sharing on, a full chunk
+    /// that a context of the same scope holds with the same tokens before it is shared instead
+    /// (a fork, a prompt starting with a cached prefix, a restart). `ctx` may be a context
+    /// made by `create` that holds no chunk yet. Returns the chunks with a usable record or a
+    /// shared copy.
     pub fn restore(&mut self, ctx: u64, kv: &mut dyn KvContext) -> Result<usize> {
         let ct = self.codec.chunk_tokens();
         let n_tok = kv.tokens().len();
@@ -612,14 +651,39 @@ impl Manager {
                 kv.n_chunks()
             ))));
         }
-        self.create(ctx)?;
+        match self.ctxs.get(&ctx) {
+            Some(c) if c.chunks.is_empty() && !c.in_call => {}
+            Some(_) => return Err(MmError::Exists(ctx)),
+            None => self.create(ctx)?,
+        }
         let region = Arc::clone(&self.ctx(ctx)?.region);
-        let hashes = prefix_hashes(kv.tokens(), ct);
+        let toks = kv.tokens().to_vec();
+        let hashes = prefix_hashes(&toks, ct);
         let base = kv.base();
         let dead = self.codec.dead_chunks(n_tok).min(n);
+        let scope = self.pool.as_ref().and(self.scopes.get(&ctx).copied());
         let mut usable = 0;
+        let mut prev = None;
         for (i, &prefix_hash) in hashes.iter().enumerate() {
             let tokens = u32::try_from(n_tok.saturating_sub(i * ct).min(ct)).unwrap_or(u32::MAX);
+            // A full chunk after shared ones: someone may hold it already (whole: a chunk dead
+            // here reads its kept layers from the pool's copy).
+            let shared = if tokens as usize == ct && (i == 0 || prev.is_some()) {
+                self.find_shared(scope, prev, i, prefix_hash, &toks[i * ct..(i + 1) * ct])?
+            } else {
+                None
+            };
+            prev = shared;
+            if let Some(p) = shared {
+                let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+                // SAFETY: as below; attach_shared points it at the pool's slot at once.
+                unsafe { kv.push_chunk(ptr, self.slot_size) }.map_err(engine)?;
+                let level = self.attach_shared(ctx, i, p, kv)?;
+                let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead, shared: Some(p) };
+                self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(m);
+                usable += 1;
+                continue;
+            }
             let layers = self.layers(i < dead);
             let want = |f: Format| RecordMeta { context: ctx, chunk: chunk_u32(i), format: f, tokens, prefix_hash, layers };
             let level = self
@@ -637,17 +701,21 @@ impl Manager {
                 // SAFETY: as above.
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
             }
-            let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead };
+            let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead, shared: None };
             self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(m);
             self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), want(level));
         }
         kv.set_dead(dead).map_err(engine)?;
+        self.index_own(ctx, &toks);
+        // A chunk promoted from another context's record is resident in the pool now.
+        self.reclaim()?;
         Ok(usable)
     }
 
     /// Deletes a context: its memory and its records.
     pub fn delete(&mut self, ctx: u64) -> Result<()> {
         self.close(ctx)?;
+        self.scopes.remove(&ctx);
         self.store.remove_context(ctx)?;
         Ok(())
     }
@@ -656,6 +724,14 @@ impl Manager {
     /// reopen: how a failed call is rolled back to the context as it was saved (records
     /// written for tokens it no longer holds do not match their hashes and are recomputed).
     pub fn close(&mut self, ctx: u64) -> Result<()> {
+        // Its hold on shared chunks goes (last first: children before parents); a chunk no
+        // other context holds goes with it.
+        self.unindex_own(ctx);
+        let in_call = self.ctx(ctx)?.in_call;
+        let shared: Vec<(usize, u32)> = self.ctx(ctx)?.chunks.iter().enumerate().filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
+        for &(i, p) in shared.iter().rev() {
+            self.release(ctx, i, p, in_call);
+        }
         let c = self.ctxs.remove(&ctx).ok_or(MmError::NoContext(ctx))?;
         // Only this context's writes must finish before its records go; other contexts'
         // AoT writes carry on (a sliding window deletes on the switch path).
@@ -665,6 +741,7 @@ impl Manager {
         for i in 0..c.chunks.len() {
             self.lctru.remove((ctx, chunk_u32(i)));
         }
+        self.levelling.retain(|j| j.ctx != ctx);
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).retain(|k, _| k.0 != ctx);
         // The region's pages go back to the kernel on the reaper's thread: unmapping a long
         // context takes milliseconds. Its bytes left the budget's accounting with `ctxs`.
@@ -710,6 +787,11 @@ impl Manager {
             let m = &mut self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i];
             m.dead = true;
             let m = *m;
+            if m.shared.is_some() {
+                // Others may still read every layer: the pool keeps it whole, and this context
+                // reads its kept layers (first in the chunk) from there.
+                continue;
+            }
             if region.state(i)? == SlotState::Resident {
                 region.shrink(i, self.codec.live_bytes(m.level, true))?;
             }
@@ -736,9 +818,23 @@ impl Manager {
         if n > region.n_slots() {
             return Err(MmError::TooLong { ctx, need: n, max: region.n_slots() });
         }
+        if self.pool.is_some() {
+            // In a call its own chunks may change: they are not offered to others until `end`.
+            self.unindex_own(ctx);
+            // A shared chunk it no longer holds whole, or of other tokens (its tokens changed
+            // without `truncate`), becomes its own again and is recomputed.
+            let pool = self.pool.as_ref().expect("checked");
+            let stale = self.ctx(ctx)?.chunks.iter().enumerate().take(n).find(|(i, m)| {
+                m.shared.is_some_and(|p| n_tok < (i + 1) * ct || pool.get(p).is_none_or(|e| Some(&e.prefix_hash) != hashes.get(*i)))
+            });
+            if let Some((i, _)) = stale {
+                self.unshare_from(ctx, kv, i, Unshare::Missing, false)?;
+            }
+        }
         // The table follows the engine: chunks the engine has that mm has not seen yet are
         // adopted in `end`; here every known chunk is checked for residency.
         let mut missing = Vec::new();
+        let mut shared = Vec::new();
         {
             self.epochs += 1;
             let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
@@ -748,34 +844,101 @@ impl Manager {
                 let tokens = n_tok.saturating_sub(i * ct).min(ct);
                 c.chunks[i].tokens = u32::try_from(tokens).unwrap_or(u32::MAX);
                 c.chunks[i].prefix_hash = hashes.get(i).copied().unwrap_or(0);
-                if region.state(i)? != SlotState::Resident {
+                if let Some(p) = c.chunks[i].shared {
+                    shared.push((i, p));
+                } else if region.state(i)? != SlotState::Resident {
                     missing.push(i);
                 }
             }
         }
-        let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
+        // Its shared chunks count as in a call from now on: reclaim passes them by, and their
+        // level stays as it is until every sharer has ended its call.
+        let mut need_shared = 0;
+        if let Some(pool) = self.pool.as_mut() {
+            let region = Arc::clone(&pool.region);
+            for &(_, p) in &shared {
+                let e = pool.get_mut(p).expect("a live pool chunk");
+                e.calls += 1;
+                e.epoch = self.epochs;
+                if region.state(p as usize)? != SlotState::Resident {
+                    need_shared += self.codec.live_bytes(e.level, false);
+                }
+            }
+        }
         let need: usize = missing.iter().map(|&i| self.chunk_len(ctx, i)).sum();
-        self.reclaim_for(need)?;
+        self.reclaim_for(need + need_shared)?;
+        // Shared chunks first: the context's own chunks may be recomputed, attending to them.
+        if let Some(lost) = self.load_shared(&shared)? {
+            eprintln!("llms: context {ctx}: shared chunk {lost} has no readable record; this context recomputes it and what follows");
+            for &(i, p) in shared.iter().filter(|(i, _)| *i >= lost) {
+                let e = self.pool.as_mut().and_then(|pl| pl.get_mut(p)).expect("a live pool chunk");
+                e.calls = e.calls.saturating_sub(1);
+                missing.push(i);
+            }
+            self.unshare_from(ctx, kv, lost, Unshare::Missing, false)?;
+            missing.sort_unstable();
+        }
+        let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
         if !missing.is_empty() {
             self.load(ctx, kv, &region, &missing, strategy, &mut report)?;
         }
         for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
+            let m = self.ctx(ctx)?.chunks[i];
+            if let (Some(p), Some(pool)) = (m.shared, &self.pool) {
+                // The pool's slot (resident and pinned by `load_shared`), at the pool chunk's
+                // level: it may have been lowered, or this chunk promoted, since the last call.
+                let ptr = NonNull::new(pool.region.slot_ptr(p as usize)).expect("mapped");
+                let level = pool.get(p).expect("a live pool chunk").level;
+                self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
+                // SAFETY: resident and pinned for the call; nothing writes a shared chunk.
+                unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+                continue;
+            }
             region.pin(i)?;
             // A chunk lowered in the background since the last call: the engine learns its
             // level now (the bytes are in the slot it already points at).
-            let level = self.ctx(ctx)?.chunks[i].level;
-            if kv.format(i) != level {
+            if kv.format(i) != m.level {
                 let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
                 // SAFETY: resident and pinned for the call; the slot is the context's own.
-                unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+                unsafe { kv.attach(i, ptr, self.slot_size, m.level) }.map_err(engine)?;
             }
         }
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
 
+    /// Makes the pool chunks of `shared` (a context's, in order) resident and pins them for
+    /// the call: each is read from its record. Returns the first chunk (context index) whose
+    /// record is missing or damaged; it and those after it are not pinned.
+    fn load_shared(&mut self, shared: &[(usize, u32)]) -> Result<Option<usize>> {
+        let Some(pool_region) = self.pool.as_ref().map(|p| Arc::clone(&p.region)) else { return Ok(None) };
+        for &(i, p) in shared {
+            let slot = p as usize;
+            if pool_region.state(slot)? != SlotState::Resident {
+                let Some(meta) = self.pool_meta(p) else { return Ok(Some(i)) };
+                let len = self.codec.live_bytes(meta.format, false);
+                let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+                if self.store.read(&meta, buf).is_err() {
+                    return Ok(Some(i));
+                }
+                let tail = len.next_multiple_of(PAGE).min(buf.len());
+                buf[len..tail].fill(0);
+                pool_region.copy_from(slot, &self.arena.as_mut_slice()[..self.slot_size], len)?;
+                // Reclaim may take it once no sharer is in a call (LCTRU skips it until then).
+                self.lctru.touch((POOL_CTX, p), self.level_index(meta.format));
+            }
+            pool_region.pin(slot)?;
+        }
+        Ok(None)
+    }
+
     fn chunk_len(&self, ctx: u64, i: usize) -> usize {
-        self.ctxs.get(&ctx).and_then(|c| c.chunks.get(i)).map_or(0, |m| self.codec.live_bytes(m.level, m.dead))
+        let Some(m) = self.ctxs.get(&ctx).and_then(|c| c.chunks.get(i)) else { return 0 };
+        match m.shared {
+            // A pool chunk is whole (another sharer may read every layer), at the pool's level.
+            Some(p) => self.pool.as_ref().and_then(|pl| pl.get(p)).map_or(0, |e| self.codec.live_bytes(e.level, false)),
+            None => self.codec.live_bytes(m.level, m.dead),
+        }
     }
 
     /// The swap-recompute pipeline over the missing chunks.
@@ -804,7 +967,11 @@ impl Manager {
             let c = self.ctx(ctx)?;
             let forced = self.cfg.policy == Policy::Lmk || missing.iter().any(|&i| unreadable(&c.chunks[i], i));
             if forced || strategy == Strategy::AllRecompute {
-                let n = c.chunks.len();
+                // A whole recompute writes every chunk: shared ones become its own first.
+                self.unshare_from(ctx, kv, 0, Unshare::Missing, true)?;
+                // The pool chunks it loaded for the call may go again (others hold them).
+                self.reclaim()?;
+                let n = self.ctx(ctx)?.chunks.len();
                 for i in 0..n {
                     if region.state(i)? == SlotState::Resident {
                         region.discard(i)?;
@@ -1127,7 +1294,7 @@ impl Manager {
             if c.in_call {
                 region.pin(i)?;
             }
-            c.chunks.push(ChunkMeta { level: base, tokens: 0, prefix_hash: 0, density: 0.0, dead: false });
+            c.chunks.push(ChunkMeta { level: base, tokens: 0, prefix_hash: 0, density: 0.0, dead: false, shared: None });
         }
         Ok(())
     }
@@ -1168,6 +1335,7 @@ impl Manager {
                 prefix_hash: 0,
                 density: 0.0,
                 dead: false,
+                shared: None,
             });
         }
         let hashes = prefix_hashes(kv.tokens(), ct);
@@ -1176,7 +1344,10 @@ impl Manager {
         // re-levelled and written: a chunk that died unwritten is written with its kept
         // layers only. (A call's own truncations are done by now; a context rolled back to
         // fewer tokens after this finds its revived chunks' records short and recomputes.)
-        let dead = self.codec.dead_chunks(n_tok).min(n);
+        // Chunks that died stay dead when the context is cut back (a rollback of a few
+        // tokens): their other layers are gone, and the engine keeps them dead too.
+        let already = self.ctx(ctx)?.chunks.iter().take_while(|m| m.dead).count();
+        let dead = self.codec.dead_chunks(n_tok).min(n).max(already);
         self.kill(ctx, &region, kv, dead)?;
         let dens = kv.densities();
         // Re-level (eq. 2-3) the full chunks; only changed, resident chunks are re-encoded.
@@ -1208,7 +1379,22 @@ impl Manager {
         let mut writes = Vec::new();
         let epoch = self.ctx(ctx)?.epoch;
         self.levelling.retain(|j| j.ctx != ctx);
+        // Its shared chunks leave the call first: a level they may take now needs every
+        // sharer out of its call.
+        let shared: Vec<(usize, u32)> = self.ctx(ctx)?.chunks.iter().enumerate().filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
+        if let Some(pool) = self.pool.as_mut() {
+            for &(_, p) in &shared {
+                if let Some(e) = pool.get_mut(p) {
+                    e.calls = e.calls.saturating_sub(1);
+                }
+                pool.region.unpin(p as usize)?;
+            }
+        }
         for (i, target) in targets.iter().enumerate() {
+            if let Some(&(_, p)) = shared.iter().find(|(j, _)| *j == i) {
+                self.end_shared(ctx, kv, i, p, *target, dens.as_ref().and_then(|d| d.get(i).copied()), i < dead)?;
+                continue;
+            }
             let cur = kv.format(i);
             let mut queued = false;
             if let Some(t) = *target {
@@ -1234,6 +1420,7 @@ impl Manager {
                 prefix_hash: hashes.get(i).copied().unwrap_or(0),
                 density: dens.as_ref().and_then(|d| d.get(i).copied()).unwrap_or(0.0),
                 dead: i < dead,
+                shared: None,
             };
             self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
             let meta = self.meta(ctx, i, &m);
@@ -1247,6 +1434,9 @@ impl Manager {
             self.write_aot(ctx, &region, *i, meta)?;
         }
         for i in 0..n {
+            if shared.iter().any(|(j, _)| *j == i) {
+                continue;
+            }
             region.unpin(i)?;
             if region.state(i)? == SlotState::Resident {
                 let lvl = self.level_index(kv.format(i));
@@ -1254,6 +1444,7 @@ impl Manager {
             }
         }
         self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.in_call = false;
+        self.index_own(ctx, kv.tokens());
         self.reclaim()?;
         Ok(())
     }
@@ -1261,10 +1452,16 @@ impl Manager {
     /// Hands an AoT write of chunk `i` (resident, `meta` its version) to the writer, which pins
     /// it until written; nothing without a writer.
     fn write_aot(&mut self, ctx: u64, region: &Arc<Region>, i: usize, meta: &RecordMeta) -> Result<()> {
+        let len = self.chunk_len(ctx, i);
+        self.write_aot_len(ctx, region, i, meta, len)
+    }
+
+    /// [`Manager::write_aot`] of `len` bytes of slot `i` of `region` (a context's or the pool's).
+    fn write_aot_len(&mut self, ctx: u64, region: &Arc<Region>, i: usize, meta: &RecordMeta, len: usize) -> Result<()> {
         let Some(w) = &self.writer else { return Ok(()) };
         region.pin(i)?;
         w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
-        let job = WriteJob { region: Arc::clone(region), meta: *meta, len: self.chunk_len(ctx, i) };
+        let job = WriteJob { region: Arc::clone(region), meta: *meta, len };
         if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
             self.stats.written_aot += 1;
         } else {
@@ -1294,23 +1491,38 @@ impl Manager {
     /// The next queued lowering still valid, with a copy of its chunk's bytes.
     pub fn take_level_work(&mut self) -> Option<LevelWork> {
         while let Some(job) = self.levelling.pop_front() {
-            let Some(m) = self.valid(&job) else { continue };
-            let region = &self.ctxs[&job.ctx].region;
-            let len = self.codec.live_bytes(job.from, m.dead);
-            // SAFETY: resident (checked), not in a call: nothing writes it while we copy.
-            let src = unsafe { std::slice::from_raw_parts(region.slot_ptr(job.chunk), len) }.to_vec();
-            return Some(LevelWork { job, dead: m.dead, tokens: m.tokens as usize, src });
+            if let Some(w) = self.take_job(job) {
+                return Some(w);
+            }
         }
         None
     }
 
-    /// The chunk a queued lowering is for, if it is still the chunk the job saw: same
-    /// context and epoch, not in a call, resident, at `from`.
-    fn valid(&self, job: &LevelJob) -> Option<ChunkMeta> {
-        let c = self.ctxs.get(&job.ctx).filter(|c| c.epoch == job.epoch && !c.in_call)?;
-        let m = c.chunks.get(job.chunk).copied().filter(|m| m.level == job.from)?;
+    /// `job` with a copy of its chunk's bytes, if it is still valid.
+    fn take_job(&self, job: LevelJob) -> Option<LevelWork> {
+        let (m, region) = self.valid(&job)?;
+        let len = self.codec.live_bytes(job.from, m.dead);
+        // SAFETY: resident (checked), not in a call: nothing writes it while we copy.
+        let src = unsafe { std::slice::from_raw_parts(region.slot_ptr(job.chunk), len) }.to_vec();
+        Some(LevelWork { job, dead: m.dead, tokens: m.tokens as usize, src })
+    }
+
+    /// The chunk a queued lowering is for, and its region, if it is still the chunk the job
+    /// saw: same context and epoch, not in a call, resident, at `from`. A pool chunk's job
+    /// ([`POOL_CTX`]): no sharer in a call since it was queued.
+    fn valid(&self, job: &LevelJob) -> Option<(ChunkMeta, &Arc<Region>)> {
+        let (m, region) = if job.ctx == POOL_CTX {
+            let pool = self.pool.as_ref()?;
+            let e = pool.get(chunk_u32(job.chunk)).filter(|e| e.epoch == job.epoch && e.calls == 0)?;
+            let tokens = chunk_u32(self.codec.chunk_tokens());
+            let m = ChunkMeta { level: e.level, tokens, prefix_hash: e.prefix_hash, density: e.density, dead: false, shared: None };
+            (m, &pool.region)
+        } else {
+            let c = self.ctxs.get(&job.ctx).filter(|c| c.epoch == job.epoch && !c.in_call)?;
+            (c.chunks.get(job.chunk).copied().filter(|m| m.shared.is_none())?, &c.region)
+        };
         let busy = self.writer.as_ref().is_some_and(|w| w.is_pending((job.ctx, chunk_u32(job.chunk))));
-        (c.region.state(job.chunk).ok()? == SlotState::Resident && !busy).then_some(m)
+        (m.level == job.from && region.state(job.chunk).ok()? == SlotState::Resident && !busy).then_some((m, region))
     }
 
     /// Installs a lowering encoded from [`Manager::take_level_work`]'s copy (`lowered`: what
@@ -1320,8 +1532,8 @@ impl Manager {
     /// at its level and stays there).
     pub fn finish_level_work(&mut self, w: LevelWork, lowered: std::result::Result<Vec<u8>, crate::EngineError>) -> Result<bool> {
         let job = w.job;
-        let Some(mut m) = self.valid(&job).filter(|m| m.dead == w.dead) else { return Ok(false) };
-        let region = Arc::clone(&self.ctx(job.ctx)?.region);
+        let Some((mut m, region)) = self.valid(&job).filter(|(m, _)| m.dead == w.dead) else { return Ok(false) };
+        let region = Arc::clone(region);
         let len = self.codec.live_bytes(job.to, m.dead);
         let done = match lowered {
             Ok(bytes) if bytes.len() == len => {
@@ -1330,7 +1542,12 @@ impl Manager {
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.slot_ptr(job.chunk), len) };
                 region.shrink(job.chunk, len)?;
                 m.level = job.to;
-                self.ctxs.get_mut(&job.ctx).ok_or(MmError::NoContext(job.ctx))?.chunks[job.chunk] = m;
+                if job.ctx == POOL_CTX {
+                    // Its sharers' engines learn the level at their next `begin`.
+                    self.pool.as_mut().and_then(|p| p.get_mut(chunk_u32(job.chunk))).expect("valid").level = job.to;
+                } else {
+                    self.ctxs.get_mut(&job.ctx).ok_or(MmError::NoContext(job.ctx))?.chunks[job.chunk] = m;
+                }
                 self.lctru.set_level((job.ctx, chunk_u32(job.chunk)), self.level_index(job.to));
                 self.stats.releveled += 1;
                 true
@@ -1349,10 +1566,11 @@ impl Manager {
                 false
             }
         };
-        let meta = self.meta(job.ctx, job.chunk, &m);
+        let meta =
+            if job.ctx == POOL_CTX { self.pool_meta(chunk_u32(job.chunk)).expect("valid") } else { self.meta(job.ctx, job.chunk, &m) };
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((job.ctx, chunk_u32(job.chunk)), meta);
         if m.tokens > 0 && !self.store.matches(&meta) {
-            self.write_aot(job.ctx, &region, job.chunk, &meta)?;
+            self.write_aot_len(job.ctx, &region, job.chunk, &meta, self.codec.live_bytes(m.level, m.dead))?;
         }
         Ok(done)
     }
@@ -1397,7 +1615,13 @@ impl Manager {
         while self.resident_bytes() + extra > self.cfg.budget {
             let ctxs = &self.ctxs;
             let writer = &self.writer;
-            let pinned = |c: ChunkId| ctxs.get(&c.0).is_none_or(|x| x.in_call) || writer.as_ref().is_some_and(|w| w.is_pending(c));
+            let pool = &self.pool;
+            let busy = |c: ChunkId| match c.0 {
+                // A pool chunk is pinned while any of its sharers is in a call.
+                POOL_CTX => pool.as_ref().and_then(|p| p.get(c.1)).is_none_or(|e| e.calls > 0),
+                _ => ctxs.get(&c.0).is_none_or(|x| x.in_call),
+            };
+            let pinned = |c: ChunkId| busy(c) || writer.as_ref().is_some_and(|w| w.is_pending(c));
             match self.lctru.pop_victim(&pinned) {
                 Some(v) => freed += self.evict(v)?,
                 None if !waited
@@ -1415,6 +1639,15 @@ impl Manager {
     /// Evicts a victim as the policy says; returns the bytes freed.
     fn evict(&mut self, v: ChunkId) -> Result<usize> {
         let (ctx, _) = v;
+        if ctx == POOL_CTX {
+            let region = Arc::clone(&self.pool.as_ref().expect("pool chunks come from the pool").region);
+            let before = region.resident_bytes();
+            let meta = self.pool_meta(v.1).expect("a live pool chunk");
+            self.save_and_evict_as(&region, v.1 as usize, &meta, self.codec.live_bytes(meta.format, false))?;
+            let freed = before.saturating_sub(region.resident_bytes());
+            self.stats.evicted_bytes += freed as u64;
+            return Ok(freed);
+        }
         let region = Arc::clone(&self.ctx(ctx)?.region);
         let before = region.resident_bytes();
         match self.cfg.policy {
@@ -1445,9 +1678,19 @@ impl Manager {
     /// Writes a chunk out if the store lacks this version, then drops its pages.
     fn save_and_evict(&mut self, ctx: u64, region: &Region, i: usize) -> Result<()> {
         let m = self.ctx(ctx)?.chunks[i];
+        if m.shared.is_some() {
+            // The pool's: its own slot holds nothing.
+            return Ok(());
+        }
         let meta = self.meta(ctx, i, &m);
-        if m.tokens > 0 && !self.store.matches(&meta) {
-            let len = self.codec.live_bytes(m.level, m.dead);
+        self.save_and_evict_as(region, i, &meta, self.codec.live_bytes(m.level, m.dead))
+    }
+
+    /// [`Manager::save_and_evict`] of slot `i` of `region` holding the chunk `meta` names
+    /// (`len` bytes).
+    fn save_and_evict_as(&mut self, region: &Region, i: usize, meta: &RecordMeta, len: usize) -> Result<()> {
+        let meta = *meta;
+        if meta.tokens > 0 && !self.store.matches(&meta) {
             region.clean(i)?;
             // SAFETY: resident (checked by the caller) and not in a call: nothing writes it.
             let bytes = unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) };

@@ -141,6 +141,18 @@ impl FakeKv {
         // SAFETY: as above; the chunk's memory holds its format.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p.as_ptr(), v.len()) };
     }
+    /// The engine's truncation: positions `n..` forgotten; a partly kept chunk in a lower
+    /// format goes back to the base one (converted in its memory, as `KvCache::truncate`).
+    /// (A chunk's bytes here are a function of its whole prefix, so the partly kept one is
+    /// written again for its new prefix.)
+    fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        let keep = n.div_ceil(CT);
+        if !n.is_multiple_of(CT) {
+            self.chunks[keep - 1].2 = 0;
+            self.write(keep - 1);
+        }
+    }
     fn check(&self) -> Result<(), String> {
         let hashes = prefix_hashes(&self.tokens, CT);
         for (i, h) in hashes.iter().enumerate() {
@@ -221,6 +233,27 @@ enum Op {
     /// or encode and install every held one.
     Take(usize),
     Install,
+    /// Sharing on: `dst` becomes a fork of `src` (its tokens, its full chunks shared).
+    Fork {
+        src: usize,
+        dst: usize,
+    },
+    /// Sharing on: `dst` becomes a new context whose prompt is `src`'s first `keep` tokens
+    /// and `extra` new ones (it takes the cached prefix, then computes the rest).
+    Adopt {
+        src: usize,
+        dst: usize,
+        keep: usize,
+        extra: usize,
+    },
+    /// `ctx` forgets its tokens from `keep` on (a rollback); the next append writes there.
+    Truncate {
+        ctx: usize,
+        keep: usize,
+    },
+    Delete {
+        ctx: usize,
+    },
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -233,11 +266,50 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
     ]
 }
 
-fn run(policy: Policy, ops: &[Op], windowed: bool) -> Result<(), TestCaseError> {
-    run_with(policy, ops, windowed, false)
+fn sharing_op() -> impl proptest::strategy::Strategy<Value = Op> {
+    prop_oneof![
+        3 => op(),
+        1 => (0..3usize, 0..3usize).prop_map(|(src, dst)| Op::Fork { src, dst }),
+        1 => (0..3usize, 0..3usize, 0..40usize, 0..9usize).prop_map(|(src, dst, keep, extra)| Op::Adopt { src, dst, keep, extra }),
+        1 => (0..3usize, 0..40usize).prop_map(|(ctx, keep)| Op::Truncate { ctx, keep }),
+        1 => (0..3usize).prop_map(|ctx| Op::Delete { ctx }),
+    ]
 }
 
-fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool) -> Result<(), TestCaseError> {
+/// Shared chunks the pool holds at most in the sharing runs: fewer than 3 contexts' full
+/// chunks, so a full pool (no sharing for the rest) is met too.
+const POOL_SLOTS: usize = 16;
+
+fn run(policy: Policy, ops: &[Op], windowed: bool) -> Result<(), TestCaseError> {
+    run_with(policy, ops, windowed, false, false)
+}
+
+/// Appends to `ctx` until it holds `want` tokens (new tokens from `tok` unless `given`).
+fn append(mm: &mut Manager, ctx: usize, kv: &mut FakeKv, want: usize, tok: &mut u32, given: Option<&[u32]>) -> Result<(), TestCaseError> {
+    mm.prepare(ctx as u64, kv, want).unwrap();
+    mm.begin(ctx as u64, kv, Load::Planned).unwrap();
+    check_in_call(mm, ctx as u64)?;
+    kv.check().map_err(TestCaseError::fail)?;
+    let first = kv.tokens.len() / CT;
+    while kv.tokens.len() < want {
+        let t = match given {
+            Some(g) => g[kv.tokens.len()],
+            None => {
+                *tok = tok.wrapping_mul(31).wrapping_add(7);
+                *tok
+            }
+        };
+        kv.tokens.push(t);
+    }
+    for i in first..kv.tokens.len().div_ceil(CT) {
+        kv.write(i);
+    }
+    mm.end(ctx as u64, kv).unwrap();
+    Ok(())
+}
+
+#[allow(clippy::too_many_lines)]
+fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool, sharing: bool) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let geom = StoreGeometry { kept_layers: if windowed { 1 } else { 2 }, ..StoreGeometry::new(2, 6000) };
     let store = Arc::new(Store::open(dir.path(), 42, geom, false).unwrap());
@@ -246,9 +318,13 @@ fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool) -> Res
     let codec: Arc<dyn Codec> = if windowed { Arc::new(WindowCodec) } else { Arc::new(FakeCodec) };
     let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, codec, store, None)) else { return Ok(()) };
     mm.set_background_levels(background);
+    if sharing {
+        mm.enable_sharing(POOL_SLOTS).unwrap();
+    }
     let mut held = Vec::new();
     let mut kvs: Vec<FakeKv> = (0..3).map(|_| FakeKv::default()).collect();
     for c in 0..3 {
+        mm.set_scope(c, 7);
         mm.create(c).unwrap();
     }
     let mut tok = 0u32;
@@ -257,21 +333,11 @@ fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool) -> Res
             Op::Append { ctx, n } => {
                 let kv = &mut kvs[*ctx];
                 let want = (kv.tokens.len() + n).min(MAX_CHUNKS * CT);
-                mm.prepare(*ctx as u64, kv, want).unwrap();
-                mm.begin(*ctx as u64, kv, Load::Planned).unwrap();
-                check_in_call(&mm, *ctx as u64)?;
-                kv.check().map_err(TestCaseError::fail)?;
-                let first = kv.tokens.len() / CT;
-                while kv.tokens.len() < want {
-                    tok = tok.wrapping_mul(31).wrapping_add(7);
-                    kv.tokens.push(tok);
-                }
-                for i in first..kv.tokens.len().div_ceil(CT) {
-                    kv.write(i);
-                }
-                mm.end(*ctx as u64, kv).unwrap();
+                let before = kv.dead;
+                append(&mut mm, *ctx, kv, want, &mut tok, None)?;
                 let dead = if windowed { WindowCodec.dead_chunks(kv.tokens.len()) } else { 0 };
-                prop_assert_eq!(kv.dead, dead.min(kv.chunks.len()), "mm told the engine which chunks died");
+                // Chunks stay dead when a rollback shortened the context.
+                prop_assert_eq!(kv.dead, dead.min(kv.chunks.len()).max(before), "mm told the engine which chunks died");
                 Some(*ctx)
             }
             Op::Use { ctx } => {
@@ -297,6 +363,61 @@ fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool) -> Res
                 }
                 None
             }
+            Op::Fork { src, dst } if sharing && src != dst => {
+                mm.delete(*dst as u64).unwrap();
+                let mut kv = FakeKv { tokens: kvs[*src].tokens.clone(), ..FakeKv::default() };
+                mm.fork(*src as u64, *dst as u64, &mut kv).unwrap();
+                let full = kv.tokens.len() / CT;
+                let shared: Vec<bool> = (0..kv.chunks.len()).map(|i| mm.chunk_info(*dst as u64, i).is_some_and(|c| c.shared)).collect();
+                prop_assert!(shared.iter().skip(full).all(|s| !s), "a partial chunk is the context's own");
+                prop_assert!(shared.windows(2).all(|w| w[0] || !w[1]), "shared chunks are a prefix: {shared:?}");
+                kvs[*dst] = kv;
+                Some(*dst)
+            }
+            Op::Adopt { src, dst, keep, extra } if sharing && src != dst => {
+                let keep = (*keep).min(kvs[*src].tokens.len());
+                let mut prompt = kvs[*src].tokens[..keep].to_vec();
+                for _ in 0..*extra {
+                    tok = tok.wrapping_mul(31).wrapping_add(7);
+                    prompt.push(tok);
+                }
+                prompt.truncate(MAX_CHUNKS * CT);
+                mm.delete(*dst as u64).unwrap();
+                mm.set_scope(*dst as u64, 7);
+                mm.create(*dst as u64).unwrap();
+                let k = mm.cached_prefix(7, &prompt);
+                prop_assert!(k * CT <= prompt.len());
+                let mut kv = FakeKv { tokens: prompt[..k * CT].to_vec(), ..FakeKv::default() };
+                mm.restore(*dst as u64, &mut kv).unwrap();
+                let shared = (0..k).filter(|&i| mm.chunk_info(*dst as u64, i).is_some_and(|c| c.shared)).count();
+                prop_assert_eq!(shared, k, "every chunk cached_prefix promised is shared");
+                append(&mut mm, *dst, &mut kv, prompt.len(), &mut tok, Some(&prompt))?;
+                kvs[*dst] = kv;
+                Some(*dst)
+            }
+            Op::Truncate { ctx, keep } if sharing => {
+                let kv = &mut kvs[*ctx];
+                let keep = (*keep).min(kv.tokens.len());
+                let dead = if windowed { WindowCodec.dead_chunks(kv.tokens.len()) } else { 0 };
+                // The engine never cuts into dead chunks (a window's sink stays).
+                if keep > 0 && keep.div_ceil(CT) > dead {
+                    // In a call, as the service does (a rollback of the call's own tokens).
+                    mm.begin(*ctx as u64, kv, Load::Planned).unwrap();
+                    kv.check().map_err(TestCaseError::fail)?;
+                    mm.truncate(*ctx as u64, kv, keep).unwrap();
+                    kv.truncate(keep);
+                    mm.end(*ctx as u64, kv).unwrap();
+                }
+                Some(*ctx)
+            }
+            Op::Delete { ctx } if sharing => {
+                mm.delete(*ctx as u64).unwrap();
+                mm.set_scope(*ctx as u64, 7);
+                mm.create(*ctx as u64).unwrap();
+                kvs[*ctx] = FakeKv::default();
+                Some(*ctx)
+            }
+            Op::Fork { .. } | Op::Adopt { .. } | Op::Truncate { .. } | Op::Delete { .. } => None,
         };
         let _ = ctx;
         let r = mm.resident_bytes();
@@ -353,7 +474,22 @@ proptest! {
     /// bytes, at the level the engine is told.
     #[test]
     fn background_levels_lose_no_byte(windowed: bool, ops in prop::collection::vec(op(), 1..40)) {
-        run_with(Policy::Llms, &ops, windowed, true)?;
+        run_with(Policy::Llms, &ops, windowed, true, false)?;
+    }
+
+    /// Sharing on (#59): forks, contexts made from a cached prefix, rollbacks into shared
+    /// chunks, deletes of one sharer, with budgets, evictions and levels lowered inline or in
+    /// the background, with and without a window, under every policy: every context's every
+    /// chunk keeps its bytes (a write into a shared chunk would change another's), and memory
+    /// stays within the budget.
+    #[test]
+    fn shared_chunks_lose_no_byte(
+        policy in prop::sample::select(Policy::ALL.to_vec()),
+        windowed: bool,
+        background: bool,
+        ops in prop::collection::vec(sharing_op(), 1..40),
+    ) {
+        run_with(policy, &ops, windowed, background, true)?;
     }
 }
 
@@ -447,4 +583,106 @@ fn ablations_switch_off_lctru_order_and_aot_writes() {
     assert!(one.iter().all(|c| c.state != Resident), "and evicts the older one whole: {one:?}");
     assert!(one.iter().all(|c| c.on_flash) && two.iter().all(|c| !c.on_flash), "evicted chunks were written at reclaim, kept ones not");
     assert_eq!(mm.stats.written_sync, 10);
+}
+
+/// A context of `n` tokens (made by appending them in one call) in scope 7 of a sharing
+/// manager with room for everything.
+fn sharing_manager(dir: &std::path::Path) -> Option<Manager> {
+    let store = Arc::new(Store::open(dir, 42, StoreGeometry::new(2, 6000), false).unwrap());
+    let cfg = MmConfig {
+        policy: Policy::Llms,
+        budget: 1 << 30,
+        ratio: 1.0,
+        levels: vec![0],
+        max_chunks: MAX_CHUNKS,
+        features: mm::Features::default(),
+    };
+    let mut mm = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))?;
+    mm.enable_sharing(64).unwrap();
+    Some(mm)
+}
+
+#[test]
+fn a_fork_holds_one_copy_and_copies_on_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 10 * CT + 2, &mut tok, None).unwrap();
+    mm.flush();
+    let before = mm.resident_bytes();
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 10, "every full chunk is shared");
+    let st = mm.sharing_stats();
+    assert_eq!((st.unique_chunks, st.logical_chunks, st.promoted), (10, 20, 10));
+    // One copy of the full chunks; the partial one copied (3 pages of the fake's base format).
+    assert_eq!(mm.resident_bytes(), before + FakeCodec.chunk_bytes(0).div_ceil(4096) * 4096);
+    mm.begin(2, &mut b, Load::Planned).unwrap();
+    mm.begin(1, &mut a, Load::Planned).unwrap();
+    for i in 0..10 {
+        assert_eq!(a.chunks[i].0, b.chunks[i].0, "chunk {i}: both read the one copy");
+    }
+    assert_ne!(a.chunks[10].0, b.chunks[10].0, "the partial chunk is each one's own");
+    b.check().unwrap();
+    a.check().unwrap();
+    mm.end(1, &mut a).unwrap();
+    // B cuts back into shared chunk 4 and writes anew: A keeps its bytes.
+    mm.truncate(2, &mut b, 4 * CT + 1).unwrap();
+    b.truncate(4 * CT + 1);
+    assert_eq!(mm.sharing_stats().copied_on_write, 1, "the chunk cut into was copied");
+    assert_ne!(a.chunks[4].0, b.chunks[4].0);
+    assert_eq!(a.chunks[3].0, b.chunks[3].0, "the chunks before it stay shared");
+    b.tokens.extend([999_999, 999_998, 999_997]);
+    b.write(4);
+    mm.end(2, &mut b).unwrap();
+    assert_eq!(mm.sharing_stats().logical_chunks, 10 + 4);
+    // Deleting A leaves B whole; squeezed out and read back from the pool's records too.
+    mm.delete(1).unwrap();
+    assert_eq!(mm.sharing_stats().unique_chunks, 4, "what only A held went with it");
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    assert_eq!(mm.resident_bytes(), 0);
+    mm.set_budget(1 << 30).unwrap();
+    mm.begin(2, &mut b, Load::Planned).unwrap();
+    b.check().unwrap();
+    mm.end(2, &mut b).unwrap();
+}
+
+#[test]
+fn a_prefix_is_found_only_in_its_scope_and_only_for_its_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 6 * CT, &mut tok, None).unwrap();
+    let prompt = a.tokens.clone();
+    assert_eq!(mm.cached_prefix(7, &prompt), 6);
+    assert_eq!(mm.cached_prefix(8, &prompt), 0, "another app's contexts are never offered");
+    // A prompt that differs inside chunk 3: the first three are found, nothing after.
+    let mut edited = prompt.clone();
+    edited[3 * CT + 1] ^= 1;
+    assert_eq!(mm.cached_prefix(7, &edited), 3);
+    // Same tokens in another order within a chunk: a different chunk.
+    let mut swapped = prompt.clone();
+    swapped.swap(0, 1);
+    assert_eq!(mm.cached_prefix(7, &swapped), 0);
+    // A new context of scope 8 with the same prompt computes it all itself.
+    mm.set_scope(2, 8);
+    mm.create(2).unwrap();
+    let mut b = FakeKv { tokens: Vec::new(), ..FakeKv::default() };
+    assert_eq!(mm.restore(2, &mut b).unwrap(), 0);
+    append(&mut mm, 2, &mut b, prompt.len(), &mut tok, Some(&prompt)).unwrap();
+    assert_eq!(mm.sharing_stats().unique_chunks, 0, "nothing crossed the scopes");
+    // In scope 7 it is shared.
+    mm.set_scope(3, 7);
+    mm.create(3).unwrap();
+    let mut c = FakeKv { tokens: prompt[..4 * CT].to_vec(), ..FakeKv::default() };
+    assert_eq!(mm.restore(3, &mut c).unwrap(), 4);
+    append(&mut mm, 3, &mut c, prompt.len(), &mut tok, Some(&prompt)).unwrap();
+    c.check().unwrap();
+    assert_eq!(mm.sharing_stats().logical_chunks, 8);
 }

@@ -1174,6 +1174,13 @@ impl Region {
             .sum()
     }
 
+    /// Bytes resident of the slots in `range` (their filled pages), under one lock.
+    pub fn resident_bytes_in(&self, range: std::ops::Range<usize>) -> usize {
+        let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let end = range.end.min(slots.len());
+        slots[range.start.min(end)..end].iter().filter(|s| s.state == SlotState::Resident).map(|s| s.filled_pages * PAGE).sum()
+    }
+
     pub fn stats(&self) -> StatsSnapshot {
         self.inner.stats.snapshot()
     }

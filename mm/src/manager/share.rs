@@ -1,0 +1,699 @@
+//! Chunks shared between contexts (#59). A full chunk's K/V depends only on the tokens from
+//! position 0 to its end, so contexts whose tokens start alike can hold one copy of those
+//! chunks. A shared chunk lives in the pool: one userfaultfd region of its own, one slot per
+//! shared chunk, one record in the store (under [`POOL_CTX`]), one entry in LCTRU. Each sharer's
+//! engine cache points its chunk at the pool's slot ([`KvContext::attach`] takes any memory),
+//! so the one physical copy needs no second mapping of the same pages.
+//!
+//! Why not a memfd mapped into each context's region: a slot remapped `MAP_SHARED|MAP_FIXED`
+//! splits the context's region into a VMA per shared chunk (the kernel's default limit is
+//! 65,530 maps a process), the remapped range leaves the context's userfaultfd registration
+//! (shmem would need its own, in MINOR mode, to be filled on a touch), and evicting it means a
+//! hole punched in the memfd that every mapping must then fault on. The engine never needed
+//! its chunks contiguous, so a pointer per chunk does it with the mechanism mm already has.
+//!
+//! Identity: a chunk is named by its tokens and the chunk before it, never by a hash alone.
+//! The index maps (scope, hash of the tokens up to the chunk's end) to candidates; a candidate
+//! is taken only if its tokens are the chunk's tokens and its parent is the chunk already
+//! matched before it, so a collision can never hand one context another's K/V. A scope is the
+//! service's (uid, app): chunks are found only inside one scope.
+//!
+//! Invariants: a context's shared chunks are a prefix of its chunks (0..k); every sharer of a
+//! pool chunk shares its parent, so an entry with no sharer has no child with one, and
+//! releasing a context's chunks last first frees children before parents. A context's own
+//! full chunks are in the index too (between its calls), so a new context can find a prefix
+//! another holds; sharing it promotes it into the pool first ([`Manager::promote_own`]).
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use uffd_handler::{Region, SlotState};
+
+use super::{chunk_u32, engine, ChunkMeta, LevelJob, Manager, MmError, Result, StoreSource};
+use crate::context::{prefix_hashes, Format, KvContext};
+use crate::store::RecordMeta;
+
+/// The pool's id where a context's id goes: its records in the store, its chunks in LCTRU and
+/// in the AoT writer's bookkeeping. The service never gives a context this id.
+pub const POOL_CTX: u64 = u64::MAX;
+
+/// A link of a prefix chain: a pool chunk, or a context's own full chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ident {
+    Pool(u32),
+    Own(u64, u32),
+}
+
+/// A shared chunk.
+#[derive(Debug)]
+pub(super) struct Entry {
+    pub scope: u64,
+    /// The pool chunk before it (none for a context's first chunk).
+    pub parent: Option<u32>,
+    /// Its own tokens (`chunk_tokens` of them).
+    pub tokens: Box<[u32]>,
+    /// The hash of every token up to its end (the index key, and its record's prefix).
+    pub prefix_hash: u64,
+    pub level: Format,
+    pub density: f64,
+    /// (context, chunk) of each context that holds it.
+    pub sharers: Vec<(u64, u32)>,
+    /// The level each sharer's last `end` chose for it: it is lowered only to the heaviest of
+    /// them, and only once every sharer has chosen.
+    pub wanted: Vec<(u64, Format)>,
+    /// Sharers in a call: while any is, its bytes and level stay as they are.
+    pub calls: u32,
+    /// Changes when a sharer begins a call (a queued lowering is then dropped).
+    pub epoch: u64,
+}
+
+/// The shared chunks and the index of every shareable chunk.
+#[derive(Debug)]
+pub(super) struct Pool {
+    pub region: Arc<Region>,
+    pub entries: Vec<Option<Entry>>,
+    free: Vec<u32>,
+    pub index: HashMap<(u64, u64), Vec<Ident>>,
+}
+
+impl Pool {
+    pub fn get(&self, p: u32) -> Option<&Entry> {
+        self.entries.get(p as usize).and_then(Option::as_ref)
+    }
+    pub fn get_mut(&mut self, p: u32) -> Option<&mut Entry> {
+        self.entries.get_mut(p as usize).and_then(Option::as_mut)
+    }
+    fn alloc(&mut self) -> Option<u32> {
+        if let Some(p) = self.free.pop() {
+            return Some(p);
+        }
+        (self.entries.len() < self.region.n_slots()).then(|| {
+            self.entries.push(None);
+            chunk_u32(self.entries.len() - 1)
+        })
+    }
+    fn has_room(&self) -> bool {
+        !self.free.is_empty() || self.entries.len() < self.region.n_slots()
+    }
+    fn index_add(&mut self, key: (u64, u64), id: Ident) {
+        let v = self.index.entry(key).or_default();
+        if !v.contains(&id) {
+            v.push(id);
+        }
+    }
+    fn index_remove(&mut self, key: (u64, u64), id: Ident) {
+        if let Some(v) = self.index.get_mut(&key) {
+            v.retain(|&x| x != id);
+            if v.is_empty() {
+                self.index.remove(&key);
+            }
+        }
+    }
+    /// Chunks shared, and the references contexts hold to them.
+    pub fn counts(&self) -> (usize, usize) {
+        let live = self.entries.iter().flatten();
+        live.fold((0, 0), |(u, l), e| (u + 1, l + e.sharers.len()))
+    }
+}
+
+/// What sharing saves now, and what it did so far.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct SharingStats {
+    /// Chunks in the pool (one copy each).
+    pub unique_chunks: u64,
+    /// Chunks contexts hold through the pool (a chunk three contexts share counts three).
+    pub logical_chunks: u64,
+    /// Bytes of chunk memory the pool's resident chunks would take again per extra sharer.
+    pub bytes_saved: u64,
+    /// Own chunks moved into the pool because another context wanted them.
+    pub promoted: u64,
+    /// Chunks a context took from the pool when it was made (a fork, a cached prefix).
+    pub reused: u64,
+    /// Shared chunks copied into a context's own memory before it wrote into them.
+    pub copied_on_write: u64,
+}
+
+/// How a chunk leaves the pool for its context's own memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unshare {
+    /// Copy its bytes (the context keeps its tokens and is about to write after them).
+    Copy,
+    /// A zeroed slot in the base format (the context dropped its tokens and will write it anew).
+    Fresh,
+    /// Not resident, in the base format, with no record: the next load recomputes it.
+    Missing,
+}
+
+impl Manager {
+    /// Lets contexts with a scope ([`Manager::set_scope`]) share full chunks, through a pool of
+    /// at most `slots` shared chunks (virtual address space only until used). Off by default:
+    /// the experiments measure contexts that share nothing.
+    pub fn enable_sharing(&mut self, slots: usize) -> Result<()> {
+        if self.pool.is_some() {
+            return Ok(());
+        }
+        let src = Arc::new(StoreSource {
+            store: Arc::clone(&self.store),
+            expected: Arc::clone(&self.expected),
+            fallback: Arc::clone(&self.fallback),
+            context: POOL_CTX,
+        });
+        let region = self.pager.region_with(self.slot_size, slots.max(1), src, true)?;
+        self.pool = Some(Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new() });
+        Ok(())
+    }
+
+    /// Whether chunks can be shared.
+    pub fn sharing(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// Puts `ctx` in `scope` (the service's (uid, app)): its full chunks are shared only with
+    /// contexts of the same scope. Call it before `create`/`restore` or any time after; a
+    /// context without a scope shares nothing.
+    pub fn set_scope(&mut self, ctx: u64, scope: u64) {
+        self.scopes.insert(ctx, scope);
+    }
+
+    /// What sharing holds and did.
+    pub fn sharing_stats(&self) -> SharingStats {
+        let mut s = self.share_stats;
+        if let Some(pool) = &self.pool {
+            let (u, l) = pool.counts();
+            s.unique_chunks = u as u64;
+            s.logical_chunks = l as u64;
+            s.bytes_saved = pool
+                .entries
+                .iter()
+                .enumerate()
+                .filter_map(|(p, e)| e.as_ref().map(|e| (p, e)))
+                .filter(|(p, _)| pool.region.state(*p).is_ok_and(|s| s == SlotState::Resident))
+                .map(|(_, e)| (e.sharers.len().saturating_sub(1) * self.codec.chunk_bytes(e.level)) as u64)
+                .sum();
+        }
+        s
+    }
+
+    /// The record a pool chunk is stored as.
+    pub(super) fn pool_meta(&self, p: u32) -> Option<RecordMeta> {
+        let e = self.pool.as_ref()?.get(p)?;
+        Some(RecordMeta {
+            context: POOL_CTX,
+            chunk: p,
+            format: e.level,
+            tokens: chunk_u32(self.codec.chunk_tokens()),
+            prefix_hash: e.prefix_hash,
+            layers: self.layers(false),
+        })
+    }
+
+    /// Chunk `i` of `ctx` as a chain link.
+    fn ident(&self, ctx: u64, i: usize) -> Option<Ident> {
+        let m = self.ctxs.get(&ctx)?.chunks.get(i)?;
+        Some(m.shared.map_or(Ident::Own(ctx, chunk_u32(i)), Ident::Pool))
+    }
+
+    /// A chunk of `scope` holding exactly `tokens` as chunk `i`, after `prev` (none for the
+    /// first), whose prefix hashes to `h`.
+    fn lookup(&self, scope: u64, h: u64, prev: Option<Ident>, i: usize, tokens: &[u32]) -> Option<Ident> {
+        let pool = self.pool.as_ref()?;
+        let ct = self.codec.chunk_tokens();
+        pool.index.get(&(scope, h))?.iter().copied().find(|&c| match c {
+            Ident::Pool(p) => pool.get(p).is_some_and(|e| e.scope == scope && *e.tokens == *tokens && e.parent.map(Ident::Pool) == prev),
+            Ident::Own(c2, j) => {
+                let Some(x) = self.ctxs.get(&c2) else { return false };
+                j as usize == i
+                    && !x.in_call
+                    && self.scopes.get(&c2) == Some(&scope)
+                    && x.chunks.get(i).is_some_and(|m| {
+                        // Its bytes are at hand: resident, or on flash as they are.
+                        let present = x.region.state(i).is_ok_and(|s| s == SlotState::Resident) || self.store.matches(&self.meta(c2, i, m));
+                        m.shared.is_none() && !m.dead && m.tokens as usize == ct && present
+                    })
+                    && x.tokens.get(i * ct..(i + 1) * ct) == Some(tokens)
+                    && (if i == 0 { prev.is_none() } else { prev == self.ident(c2, i - 1) })
+            }
+        })
+    }
+
+    /// Leading full chunks of `tokens` that contexts of `scope` hold now and a context made
+    /// with these tokens would share instead of computing (see [`Manager::restore`]).
+    pub fn cached_prefix(&self, scope: u64, tokens: &[u32]) -> usize {
+        let Some(pool) = &self.pool else { return 0 };
+        let ct = self.codec.chunk_tokens();
+        let hashes = prefix_hashes(tokens, ct);
+        let (mut prev, mut n) = (None, 0);
+        let mut room = pool.entries.iter().filter(|e| e.is_none()).count() + pool.region.n_slots().saturating_sub(pool.entries.len());
+        for i in 0..tokens.len() / ct {
+            let Some(id) = self.lookup(scope, hashes[i], prev, i, &tokens[i * ct..(i + 1) * ct]) else { break };
+            if matches!(id, Ident::Own(..)) {
+                if room == 0 {
+                    break;
+                }
+                room -= 1;
+            }
+            prev = Some(id);
+            n += 1;
+        }
+        n
+    }
+
+    /// Makes `dst` a fork of `src`: `kv` is a cache holding `src`'s tokens and no chunk; every
+    /// full chunk of `src` is shared (promoted into the pool first if it is `src`'s own), and
+    /// the last, partial chunk is copied (both contexts will write after it, so it is each
+    /// one's own). Bookkeeping per chunk; no full chunk is copied. `dst` joins `src`'s scope.
+    /// Returns the chunks shared (fewer than the full ones when the pool is full, a chunk is
+    /// neither resident nor on flash, or `src`'s first chunks left a sliding window: the rest
+    /// is then `dst`'s own, recomputed by its first load).
+    pub fn fork(&mut self, src: u64, dst: u64, kv: &mut dyn KvContext) -> Result<usize> {
+        let ct = self.codec.chunk_tokens();
+        let Some(&scope) = self.scopes.get(&src) else {
+            return Err(MmError::Config(format!("context {src} shares nothing (no scope, or sharing is off)")));
+        };
+        let c = self.ctx(src)?;
+        if c.in_call {
+            return Err(MmError::Config(format!("context {src} is in a call")));
+        }
+        if c.tokens != kv.tokens() {
+            return Err(MmError::Config(format!("the fork of context {src} must start from its tokens")));
+        }
+        if self.pool.is_none() {
+            return Err(MmError::Config("chunk sharing is off".into()));
+        }
+        let n_tok = kv.tokens().len();
+        for i in 0..n_tok / ct {
+            if self.promote_own(src, i)?.is_none() {
+                break;
+            }
+        }
+        self.scopes.insert(dst, scope);
+        self.restore(dst, kv)?;
+        let shared = (0..self.n_chunks(dst)).filter(|&i| self.ctx(dst).is_ok_and(|c| c.chunks[i].shared.is_some())).count();
+        // The partial chunk: a copy of `src`'s when it is resident (else the first load
+        // recomputes it from its few tokens).
+        let j = n_tok / ct;
+        let (sc, dc) = (self.ctx(src)?, self.ctx(dst)?);
+        let (Some(&m), Some(&dm)) = (sc.chunks.get(j), dc.chunks.get(j)) else { return Ok(shared) };
+        let (sr, dr) = (Arc::clone(&sc.region), Arc::clone(&dc.region));
+        if m.shared.is_some() || m.dead || dm.shared.is_some() || sr.state(j)? != SlotState::Resident {
+            return Ok(shared);
+        }
+        let len = self.codec.live_bytes(m.level, false);
+        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+        // SAFETY: resident and not in a call: nothing writes it while we copy.
+        buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), len) });
+        let tail = len.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
+        buf[len..tail].fill(0);
+        self.reclaim_for(len)?;
+        if dr.state(j)? == SlotState::Resident {
+            dr.discard(j)?;
+        }
+        dr.copy_from(j, &self.arena.as_mut_slice()[..self.slot_size], len)?;
+        let ptr = NonNull::new(dr.slot_ptr(j)).expect("mapped");
+        // SAFETY: `dst`'s own slot, resident; `begin` pins it before the engine reads it.
+        unsafe { kv.attach(j, ptr, self.slot_size, m.level) }.map_err(engine)?;
+        let dm = ChunkMeta { level: m.level, density: m.density, ..dm };
+        self.ctxs.get_mut(&dst).ok_or(MmError::NoContext(dst))?.chunks[j] = dm;
+        let meta = self.meta(dst, j, &dm);
+        self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((dst, chunk_u32(j)), meta);
+        self.lctru.touch((dst, chunk_u32(j)), self.level_index(m.level));
+        Ok(shared)
+    }
+
+    /// For [`Manager::restore`]: chunk `i` of a context of `scope` made with `tokens`, shared
+    /// when a chunk of the same tokens after the same chunks can be (promoted into the pool
+    /// first if it is another context's own). Returns the pool chunk.
+    pub(super) fn find_shared(&mut self, scope: Option<u64>, prev: Option<u32>, i: usize, h: u64, tokens: &[u32]) -> Result<Option<u32>> {
+        let Some(scope) = scope else { return Ok(None) };
+        if i > 0 && prev.is_none() {
+            return Ok(None);
+        }
+        match self.lookup(scope, h, prev.map(Ident::Pool), i, tokens) {
+            Some(Ident::Pool(p)) => Ok(Some(p)),
+            Some(Ident::Own(c2, j)) => self.promote_own(c2, j as usize),
+            None => Ok(None),
+        }
+    }
+
+    /// Moves a context's own full chunk into the pool (its chunks before it are there
+    /// already): its bytes to a pool slot, its record to the pool's, its place in LCTRU to the
+    /// pool chunk's. None when it cannot be: the context is in a call, the pool is full, or the
+    /// chunk is neither resident nor readable.
+    pub(super) fn promote_own(&mut self, ctx: u64, i: usize) -> Result<Option<u32>> {
+        let ct = self.codec.chunk_tokens();
+        let Some(&scope) = self.scopes.get(&ctx) else { return Ok(None) };
+        let c = self.ctx(ctx)?;
+        let Some(&m) = c.chunks.get(i) else { return Ok(None) };
+        if let Some(p) = m.shared {
+            return Ok(Some(p));
+        }
+        let parent = match i {
+            0 => None,
+            _ => match c.chunks[i - 1].shared {
+                Some(p) => Some(p),
+                None => return Ok(None),
+            },
+        };
+        if c.in_call || m.dead || m.tokens as usize != ct || !self.pool.as_ref().is_some_and(Pool::has_room) {
+            return Ok(None);
+        }
+        let tokens: Box<[u32]> = c.tokens[i * ct..(i + 1) * ct].into();
+        let region = Arc::clone(&c.region);
+        if let Some(w) = &self.writer {
+            // The writer may hold the slot (pinned, copying): it must be done before the slot goes.
+            w.wait_context(ctx);
+        }
+        let len = self.codec.live_bytes(m.level, false);
+        let own = self.meta(ctx, i, &m);
+        // Through the arena (page-aligned, whole pages): the slot's pages past `len` may be gone.
+        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+        if region.state(i)? == SlotState::Resident {
+            // SAFETY: resident and not in a call: nothing writes it while we copy.
+            buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) });
+        } else if self.store.read(&own, buf).is_err() {
+            return Ok(None);
+        }
+        let tail = len.next_multiple_of(uffd_handler::PAGE).min(buf.len());
+        buf[len..tail].fill(0);
+        let pool = self.pool.as_mut().expect("checked");
+        let p = pool.alloc().expect("checked");
+        if let Err(e) = pool.region.copy_from(p as usize, &self.arena.as_mut_slice()[..self.slot_size], len) {
+            pool.free.push(p);
+            return Err(e.into());
+        }
+        self.epochs += 1;
+        pool.entries[p as usize] = Some(Entry {
+            scope,
+            parent,
+            tokens,
+            prefix_hash: m.prefix_hash,
+            level: m.level,
+            density: m.density,
+            sharers: vec![(ctx, chunk_u32(i))],
+            wanted: Vec::new(),
+            calls: 0,
+            epoch: self.epochs,
+        });
+        pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
+        pool.index_add((scope, m.prefix_hash), Ident::Pool(p));
+        if region.state(i)? == SlotState::Resident {
+            region.discard(i)?;
+        }
+        self.store.invalidate(ctx, chunk_u32(i));
+        self.lctru.remove((ctx, chunk_u32(i)));
+        self.lctru.touch((POOL_CTX, p), self.level_index(m.level));
+        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].shared = Some(p);
+        let meta = self.pool_meta(p).expect("made");
+        {
+            let mut ex = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+            ex.remove(&(ctx, chunk_u32(i)));
+            ex.insert((POOL_CTX, p), meta);
+        }
+        let pool_region = Arc::clone(&self.pool.as_ref().expect("checked").region);
+        self.write_aot_len(POOL_CTX, &pool_region, p as usize, &meta, len)?;
+        self.share_stats.promoted += 1;
+        Ok(Some(p))
+    }
+
+    /// Makes chunk `i` of `ctx` (pushed, not yet attached) a sharer of pool chunk `p`.
+    pub(super) fn attach_shared(&mut self, ctx: u64, i: usize, p: u32, kv: &mut dyn KvContext) -> Result<Format> {
+        let pool = self.pool.as_mut().expect("sharing");
+        let e = pool.get_mut(p).expect("a live pool chunk");
+        e.sharers.push((ctx, chunk_u32(i)));
+        let level = e.level;
+        let ptr = NonNull::new(pool.region.slot_ptr(p as usize)).expect("mapped");
+        // SAFETY: the pool slot lives as long as the manager; `begin` makes it resident and
+        // pins it before the engine reads it, and nothing writes a shared chunk.
+        unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+        self.share_stats.reused += 1;
+        Ok(level)
+    }
+
+    /// Drops `ctx`'s hold on pool chunk `p` (its chunk `i`; `held`: counted in the chunk's
+    /// calls and pinned); the chunk goes with its last sharer.
+    pub(super) fn release(&mut self, ctx: u64, i: usize, p: u32, held: bool) {
+        let Some(pool) = self.pool.as_mut() else { return };
+        let region = Arc::clone(&pool.region);
+        let Some(e) = pool.get_mut(p) else { return };
+        e.sharers.retain(|&s| s != (ctx, chunk_u32(i)));
+        e.wanted.retain(|&(c, _)| c != ctx);
+        if held {
+            e.calls = e.calls.saturating_sub(1);
+            let _ = region.unpin(p as usize);
+        }
+        if !e.sharers.is_empty() {
+            // Still held by others: reclaim may take it when none of them is in a call.
+            let level = e.level;
+            if region.state(p as usize).is_ok_and(|s| s == SlotState::Resident) {
+                self.lctru.touch((POOL_CTX, p), self.level_index(level));
+            }
+            return;
+        }
+        let key = (e.scope, e.prefix_hash);
+        pool.index_remove(key, Ident::Pool(p));
+        pool.entries[p as usize] = None;
+        if let Some(w) = &self.writer {
+            if w.is_pending((POOL_CTX, p)) {
+                // The writer still holds the slot: let it finish before the slot is reused.
+                w.wait_context(POOL_CTX);
+            }
+        }
+        let _ = pool.region.discard(p as usize);
+        pool.free.push(p);
+        self.lctru.remove((POOL_CTX, p));
+        self.expected.lock().unwrap_or_else(|e| e.into_inner()).remove(&(POOL_CTX, p));
+        self.store.invalidate(POOL_CTX, p);
+        self.levelling.retain(|j| (j.ctx, j.chunk) != (POOL_CTX, p as usize));
+    }
+
+    /// Takes chunks `from..` of `ctx` out of the pool, last first (its shared chunks stay a
+    /// prefix), each as `how` says. In a call the chunks stay pinned in their new memory.
+    /// `held`: the context counted itself a caller of those pool chunks and pinned them
+    /// (`begin` did), which is undone.
+    pub(super) fn unshare_from(&mut self, ctx: u64, kv: &mut dyn KvContext, from: usize, how: Unshare, held: bool) -> Result<()> {
+        let base = kv.base();
+        let c = self.ctx(ctx)?;
+        let (region, in_call) = (Arc::clone(&c.region), c.in_call);
+        let shared: Vec<(usize, u32)> = c.chunks.iter().enumerate().skip(from).filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
+        for &(i, p) in shared.iter().rev() {
+            let m = self.ctx(ctx)?.chunks[i];
+            let pool_region = Arc::clone(&self.pool.as_ref().expect("sharing").region);
+            let level = match how {
+                Unshare::Copy if pool_region.state(p as usize)? == SlotState::Resident => {
+                    let len = self.codec.live_bytes(m.level, false);
+                    let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+                    // SAFETY: resident; pinned by this call or by no one while we copy under the lock.
+                    buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(pool_region.slot_ptr(p as usize), len) });
+                    // Room for the base format: the engine brings a chunk it cuts into back to it.
+                    let room = len.max(self.codec.chunk_bytes(base));
+                    let tail = room.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
+                    buf[len..tail].fill(0);
+                    if region.state(i)? == SlotState::Resident {
+                        region.discard(i)?;
+                    }
+                    region.copy_from(i, &self.arena.as_mut_slice()[..self.slot_size], room)?;
+                    self.share_stats.copied_on_write += 1;
+                    m.level
+                }
+                Unshare::Copy | Unshare::Fresh if in_call => {
+                    self.claim(&region, i, self.codec.chunk_bytes(base))?;
+                    base
+                }
+                _ => {
+                    if region.state(i)? == SlotState::Resident {
+                        region.discard(i)?;
+                    }
+                    base
+                }
+            };
+            if in_call && region.state(i)? == SlotState::Resident {
+                region.pin(i)?;
+            }
+            self.release(ctx, i, p, held);
+            let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+            // SAFETY: the context's own slot, resident and pinned when in a call; otherwise
+            // `begin` loads it before the engine reads it.
+            unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            let cm = &mut self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i];
+            cm.shared = None;
+            cm.level = level;
+            let m = *cm;
+            let meta = self.meta(ctx, i, &m);
+            self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), meta);
+        }
+        Ok(())
+    }
+
+    /// The engine is about to forget positions `n..` of `ctx` and write new ones there: the
+    /// shared chunks holding any of those positions become the context's own first (a chunk
+    /// partly kept is copied; one dropped whole gets fresh memory), so a write never reaches
+    /// another context's K/V. Call it before truncating the engine's cache.
+    pub fn truncate(&mut self, ctx: u64, kv: &mut dyn KvContext, n: usize) -> Result<()> {
+        let ct = self.codec.chunk_tokens();
+        if self.pool.is_some() {
+            self.unindex_own(ctx);
+            let held = self.ctx(ctx)?.in_call;
+            // Dropped whole first (fresh memory), then the one partly kept (copied).
+            self.unshare_from(ctx, kv, n.div_ceil(ct), Unshare::Fresh, held)?;
+            self.unshare_from(ctx, kv, n / ct, Unshare::Copy, held)?;
+        }
+        // A partly kept chunk at a lower level goes back to the base format in its memory:
+        // its slot, shrunk to the lower level's pages, gets room for the base format first.
+        let j = n / ct;
+        let c = self.ctx(ctx)?;
+        let Some(&m) = c.chunks.get(j).filter(|_| !n.is_multiple_of(ct)) else { return Ok(()) };
+        let region = Arc::clone(&c.region);
+        let (base, in_call) = (kv.base(), c.in_call);
+        let (len, room) = (self.codec.live_bytes(m.level, m.dead), self.codec.chunk_bytes(base));
+        if m.shared.is_some() || m.dead || len >= room || region.state(j)? != SlotState::Resident {
+            return Ok(());
+        }
+        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+        // SAFETY: resident; the engine does not run while mm is called.
+        buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(region.slot_ptr(j), len) });
+        let tail = room.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
+        buf[len..tail].fill(0);
+        if in_call {
+            region.unpin(j)?;
+        }
+        region.discard(j)?;
+        region.copy_from(j, &self.arena.as_mut_slice()[..self.slot_size], room)?;
+        if in_call {
+            region.pin(j)?;
+        }
+        Ok(())
+    }
+
+    /// Removes `ctx`'s own chunks from the index (it is in a call, closing, or its tokens change).
+    pub(super) fn unindex_own(&mut self, ctx: u64) {
+        let (Some(pool), Some(&scope), Some(c)) = (self.pool.as_mut(), self.scopes.get(&ctx), self.ctxs.get(&ctx)) else { return };
+        for (i, m) in c.chunks.iter().enumerate() {
+            if m.shared.is_none() {
+                pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
+            }
+        }
+    }
+
+    /// Adds `ctx`'s own full live chunks to the index (its tokens copied for the check).
+    pub(super) fn index_own(&mut self, ctx: u64, tokens: &[u32]) {
+        let ct = self.codec.chunk_tokens();
+        let (Some(pool), Some(&scope), Some(c)) = (self.pool.as_mut(), self.scopes.get(&ctx), self.ctxs.get_mut(&ctx)) else { return };
+        c.tokens.clear();
+        c.tokens.extend_from_slice(tokens);
+        for (i, m) in c.chunks.iter().enumerate() {
+            if m.shared.is_none() && !m.dead && m.tokens as usize == ct {
+                pool.index_add((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
+            }
+        }
+    }
+
+    /// A shared chunk's level after its sharer `ctx` chose `want` for it (`end`): the heaviest
+    /// any sharer chose, once all have. A lowering is queued (background levels) or done now
+    /// when no sharer is in a call. Returns its level now.
+    pub(super) fn want_level(&mut self, ctx: u64, p: u32, want: Format) -> Result<Format> {
+        let background = self.background_levels;
+        let pool = self.pool.as_mut().expect("sharing");
+        let region = Arc::clone(&pool.region);
+        let e = pool.get_mut(p).expect("a live pool chunk");
+        match e.wanted.iter_mut().find(|(c, _)| *c == ctx) {
+            Some(w) => w.1 = want,
+            None => e.wanted.push((ctx, want)),
+        }
+        let cur = e.level;
+        let all = e.sharers.iter().all(|(c, _)| e.wanted.iter().any(|(w, _)| w == c));
+        let heaviest = e.wanted.iter().map(|&(_, f)| f).max_by_key(|&f| self.codec.chunk_bytes(f)).unwrap_or(cur);
+        if !all || e.calls > 0 || self.codec.chunk_bytes(heaviest) >= self.codec.chunk_bytes(cur) {
+            return Ok(cur);
+        }
+        if region.state(p as usize)? != SlotState::Resident {
+            return Ok(cur);
+        }
+        let job = LevelJob { ctx: POOL_CTX, chunk: p as usize, from: cur, to: heaviest, epoch: e.epoch };
+        if background {
+            if !self.levelling.iter().any(|j| (j.ctx, j.chunk) == (POOL_CTX, p as usize)) {
+                self.levelling.push_back(job);
+            }
+            return Ok(cur);
+        }
+        // Inline (no leveller): the codec's conversion of a copy, installed now.
+        let Some(w) = self.take_job(job) else { return Ok(cur) };
+        let lowered = w.encode(&*self.codec);
+        self.finish_level_work(w, lowered)?;
+        Ok(self.pool.as_ref().and_then(|pl| pl.get(p)).map_or(cur, |e| e.level))
+    }
+}
+
+impl Manager {
+    /// `end` for chunk `i` of `ctx`, shared as pool chunk `p` (out of this call already): its
+    /// level (`target`, this context's choice, counts as one sharer's), its record (written
+    /// once, whichever sharer ends first), its place in LCTRU.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn end_shared(
+        &mut self,
+        ctx: u64,
+        kv: &mut dyn KvContext,
+        i: usize,
+        p: u32,
+        target: Option<Format>,
+        density: Option<f64>,
+        dead: bool,
+    ) -> Result<()> {
+        let level = match target {
+            Some(t) => self.want_level(ctx, p, t)?,
+            None => self.pool.as_ref().and_then(|pl| pl.get(p)).expect("a live pool chunk").level,
+        };
+        let pool = self.pool.as_mut().expect("sharing");
+        let region = Arc::clone(&pool.region);
+        let e = pool.get_mut(p).expect("a live pool chunk");
+        if let Some(d) = density {
+            e.density = e.density.max(d);
+        }
+        let prefix_hash = e.prefix_hash;
+        if kv.format(i) != level {
+            let ptr = NonNull::new(region.slot_ptr(p as usize)).expect("mapped");
+            // SAFETY: as in `attach_shared`; lowered just now, with no sharer in a call.
+            unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+        }
+        let tokens = chunk_u32(self.codec.chunk_tokens());
+        let m = ChunkMeta { level, tokens, prefix_hash, density: density.unwrap_or(0.0), dead, shared: Some(p) };
+        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
+        let meta = self.pool_meta(p).expect("a live pool chunk");
+        let queued = self.levelling.iter().any(|j| (j.ctx, j.chunk) == (POOL_CTX, p as usize));
+        let pending = self.writer.as_ref().is_some_and(|w| w.is_pending((POOL_CTX, p)));
+        let resident = region.state(p as usize)? == SlotState::Resident;
+        if !queued && !pending && resident && !self.store.matches(&meta) {
+            self.write_aot_len(POOL_CTX, &region, p as usize, &meta, self.codec.live_bytes(level, false))?;
+        }
+        if resident {
+            self.lctru.touch((POOL_CTX, p), self.level_index(level));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_index_keeps_one_of_each_and_forgets_empty_keys() {
+        let Some(pager) = llms_tests::require_kernel("userfaultfd", uffd_handler::Pager::new()) else { return };
+        struct Never;
+        impl uffd_handler::SlotSource for Never {
+            fn fill(&self, _: uffd_handler::RegionId, _: usize, _: &mut [u8]) -> std::result::Result<usize, uffd_handler::SourceError> {
+                Err("never".into())
+            }
+        }
+        let region = pager.region(4096, 2, Arc::new(Never)).unwrap();
+        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new() };
+        pool.index_add((1, 7), Ident::Pool(0));
+        pool.index_add((1, 7), Ident::Pool(0));
+        pool.index_add((1, 7), Ident::Own(3, 0));
+        assert_eq!(pool.index[&(1, 7)].len(), 2);
+        pool.index_remove((1, 7), Ident::Pool(0));
+        pool.index_remove((1, 7), Ident::Own(3, 0));
+        assert!(pool.index.is_empty());
+        assert_eq!((pool.alloc(), pool.alloc(), pool.alloc()), (Some(0), Some(1), None), "two slots, two chunks");
+    }
+}
