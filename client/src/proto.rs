@@ -119,6 +119,10 @@ pub struct CallStats {
     pub context_tokens: u32,
     /// Positions dropped by the sliding window before this call.
     pub slid_tokens: u32,
+    /// Of `prompt_tokens`, those whose K/V came from chunks the app already held (a shared
+    /// prefix): not computed (docs/llmsd.md, "Shared prefixes").
+    #[serde(default)]
+    pub cached_tokens: u32,
     /// `stop`, `length` (max_tokens), `eog` (end of generation) or `cancelled`.
     pub finish: String,
     /// Of `queue_ms`, the time this call waited for memory: the calls running beside it

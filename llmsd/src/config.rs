@@ -92,6 +92,11 @@ pub struct Config {
     /// is cut to fit, down to one token, so a prompt never holds the others' next tokens
     /// longer than that. `prefill_piece` stays the most a piece holds.
     pub prefill_hold: f64,
+    /// Contexts of one app that start with the same tokens hold one copy of those chunks, in
+    /// memory and in the swap store; a new context whose first prompt starts with a prefix
+    /// the app holds takes those chunks instead of computing them (docs/llmsd.md, "Shared
+    /// prefixes"). Never across (uid, app). Off: every context keeps its own copy.
+    pub prefix_sharing: bool,
     /// When swap-store records reach the disk itself: `off`, `batch` or `group[:ms]`
     /// (mm::Durability; docs/llmsd.md). Acknowledged turns survive a power loss in every mode
     /// (the context file is synced per call); this sets how much KV is recomputed after one.
@@ -171,6 +176,7 @@ impl Default for Config {
             max_batch: 8,
             prefill_piece: 16,
             prefill_hold: 2.0,
+            prefix_sharing: true,
             durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,

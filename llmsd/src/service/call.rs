@@ -618,10 +618,27 @@ impl Service {
             ids = kept;
             let mut mm = lock(&self.mm);
             mm.delete(mm_id).map_err(|e| fail(&e))?;
+            mm.set_scope(mm_id, self.scope(&saved.owner));
             mm.create(mm_id).map_err(|e| fail(&e))?;
             let scratch = s.take_scratch();
             *s = self.session();
             s.set_scratch(scratch);
+        }
+
+        // A context that holds nothing yet takes the chunks of its prompt's start that its
+        // app already holds (a shared system prompt, a conversation branched): they are not
+        // computed again. The last prompt token is always computed (its logits are the call's).
+        if s.n_past() == 0 && self.cfg.prefix_sharing {
+            let ct = self.cfg.chunk_tokens;
+            let mut mm = lock(&self.mm);
+            let k = mm.cached_prefix(self.scope(&saved.owner), &ids[..ids.len() - 1]) * ct;
+            if k > 0 {
+                s.tokens = ids[..k].to_vec();
+                let shared = mm.restore(mm_id, &mut SessionKv(s)).map_err(|e| fail(&e))?;
+                s.kv.set_len(k).map_err(|e| fail(&e))?;
+                ids.drain(..k);
+                stats.cached_tokens = u32::try_from(shared.min(k / ct) * ct).unwrap_or(u32::MAX);
+            }
         }
 
         // Load: the context's chunks come back (read or recomputed as the planner says) and
@@ -782,7 +799,12 @@ impl Service {
                     *scratch = Scratch::default();
                     warn!(calls = n, "a forward pass panicked ({}); its calls run again one by one", panic_message(p.as_ref()));
                     for (k, &i) in rows.iter().enumerate() {
-                        let s = &mut active[i].s;
+                        let a = &mut active[i];
+                        let s = &mut a.s;
+                        // A write never reaches a chunk another context shares (mm copies it first).
+                        if let Err(e) = lock(&self.mm).truncate(a.saved.mm_id, &mut SessionKv(s), from[k]) {
+                            warn!("rolling back a failed pass: {e}");
+                        }
                         s.truncate(from[k]);
                         let piece = [pieces[k].as_slice()];
                         let r = catch_unwind(AssertUnwindSafe(|| {
@@ -924,7 +946,10 @@ impl Service {
                 let n_out = (o.n_out as usize).min(a.s.n_past());
                 let first = a.s.n_past() - n_out;
                 let kept = kept_tokens(&self.model.tokenizer, &a.s.tokens[first..], o.text.as_bytes());
-                a.s.truncate(first + kept);
+                match lock(&self.mm).truncate(a.saved.mm_id, &mut SessionKv(&mut a.s), first + kept) {
+                    Ok(()) => a.s.truncate(first + kept),
+                    Err(e) => how = Outcome::Failed(refuse(ErrorCode::Failed, format!("cutting the output at the stop string: {e}"))),
+                }
             }
             if matches!(how, Outcome::Done) && o.text.len() > o.sent && st.finish != "cancelled" {
                 let _ = a.job.events.send(Event::Token { text: o.text[o.sent..].to_string() });

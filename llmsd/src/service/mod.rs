@@ -128,6 +128,9 @@ pub struct Service {
     /// The fault path's recompute: it learns each context's tokens after every call.
     refill: Arc<EngineRecompute>,
     registry: Mutex<HashMap<String, CtxEntry>>,
+    /// Each owner's sharing scope in mm: numbered as owners appear, so two owners never
+    /// share one (a hash could collide and let one app find another's prefix).
+    scopes: Mutex<HashMap<Owner, u64>>,
     queue: Mutex<VecDeque<Job>>,
     queued: Condvar,
     stopping: AtomicBool,
@@ -255,6 +258,10 @@ impl Service {
         let refill = Arc::new(EngineRecompute::new(Arc::clone(&model), cfg.chunk_tokens, levels[0]).with_sparsity(sparsity.clone()));
         mm.set_fault_recompute(Some(Arc::clone(&refill) as Arc<dyn mm::FaultRecompute>));
         mm.set_background_levels(true);
+        if cfg.prefix_sharing {
+            // Room for every chunk of every context to be shared (address space only).
+            mm.enable_sharing(max_chunks * cfg.max_contexts)?;
+        }
         let ctx_dir = cfg.state_dir.join("contexts");
         std::fs::create_dir_all(&ctx_dir).with_context(|| format!("creating {}", ctx_dir.display()))?;
         let svc = Self {
@@ -267,6 +274,7 @@ impl Service {
             trace: Mutex::new(None),
             refill,
             registry: Mutex::new(HashMap::new()),
+            scopes: Mutex::new(HashMap::new()),
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -298,6 +306,13 @@ impl Service {
     /// The steps recorded since tracing was switched on (tracing goes on).
     pub fn take_trace(&self) -> Vec<StepTrace> {
         lock(&self.trace).as_mut().map(|t| std::mem::take(&mut t.steps)).unwrap_or_default()
+    }
+
+    /// The mm sharing scope of `owner`'s contexts.
+    fn scope(&self, owner: &Owner) -> u64 {
+        let mut s = lock(&self.scopes);
+        let next = s.len() as u64 + 1;
+        *s.entry(owner.clone()).or_insert(next)
     }
 
     fn session(&self) -> Session {

@@ -120,6 +120,7 @@ impl Service {
         }
         let mut s = self.session();
         s.tokens.clone_from(&saved.tokens);
+        mm.set_scope(saved.mm_id, self.scope(&saved.owner));
         mm.restore(saved.mm_id, &mut SessionKv(&mut s))
             .map_err(|e| format!("damaged: its records cannot be reopened ({e}); quarantined — delete it"))?;
         s.kv.set_len(saved.tokens.len()).map_err(|e| format!("damaged: {e}; quarantined — delete it"))?;
@@ -193,7 +194,11 @@ impl Service {
         if reg.values().any(|e| e.saved.mm_id == mm_id) {
             return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
         }
-        lock(&self.mm).create(mm_id).map_err(|e| fail(e.into()))?;
+        {
+            let mut mm = lock(&self.mm);
+            mm.set_scope(mm_id, self.scope(owner));
+            mm.create(mm_id).map_err(|e| fail(e.into()))?;
+        }
         let saved = Saved {
             version: ctxfile::VERSION,
             ctx: id.clone(),
