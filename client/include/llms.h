@@ -129,6 +129,20 @@ enum LlmsStatus llms_new_ctx(const struct LlmsClient *client,
                              size_t ctx_out_len);
 
 /**
+ * Creates a context holding the tokens of context `ctx` (its K/V shared with `ctx`, not
+ * copied: the two go on apart from there) and writes its id, NUL-terminated, into `ctx_out`
+ * (at least `LLMS_CTX_ID_LEN` bytes).
+ *
+ * # Safety
+ * `client` a live handle; `ctx` a NUL-terminated string; `ctx_out` writable for
+ * `ctx_out_len` bytes.
+ */
+enum LlmsStatus llms_fork(const struct LlmsClient *client,
+                          const char *ctx,
+                          char *ctx_out,
+                          size_t ctx_out_len);
+
+/**
  * Deletes a context and its data.
  *
  * # Safety

@@ -117,6 +117,14 @@ impl Client {
         }
     }
 
+    /// A new context holding `ctx`'s tokens (its K/V shared with `ctx`, not copied); returns its id.
+    pub fn fork(&mut self, ctx: &str) -> Result<String> {
+        match self.request(&Request::Fork { ctx: ctx.into() })? {
+            Event::Created { ctx } => Ok(ctx),
+            e => Err(ClientError::unexpected("fork", &e)),
+        }
+    }
+
     /// Runs a call, handing each streamed piece to `on_token`; returns the output and stats.
     pub fn call(&mut self, call: &Call, on_token: &mut dyn FnMut(&str)) -> Result<(String, CallStats)> {
         self.send(&Request::Call(call.clone()))?;

@@ -261,6 +261,40 @@ pub unsafe extern "C" fn llms_new_ctx(
     })
 }
 
+/// Creates a context holding the tokens of context `ctx` (its K/V shared with `ctx`, not
+/// copied: the two go on apart from there) and writes its id, NUL-terminated, into `ctx_out`
+/// (at least `LLMS_CTX_ID_LEN` bytes).
+///
+/// # Safety
+/// `client` a live handle; `ctx` a NUL-terminated string; `ctx_out` writable for
+/// `ctx_out_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn llms_fork(client: *const LlmsClient, ctx: *const c_char, ctx_out: *mut c_char, ctx_out_len: usize) -> LlmsStatus {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let Some(c) = (unsafe { client.as_ref() }) else { return fail(LlmsStatus::LlmsErrInvalidArgument, "client is NULL") };
+        if ctx_out.is_null() || ctx_out_len < LLMS_CTX_ID_LEN {
+            return fail(LlmsStatus::LlmsErrInvalidArgument, "ctx_out must hold LLMS_CTX_ID_LEN bytes");
+        }
+        // SAFETY: the caller's contract.
+        let Some(from) = (unsafe { arg(ctx) }) else { return fail(LlmsStatus::LlmsErrInvalidArgument, "ctx: NULL or not UTF-8") };
+        let mut id = String::new();
+        let s = c.with(|cl| cl.fork(from).map(|x| id = x));
+        if s == LlmsStatus::LlmsOk {
+            let bytes = id.as_bytes();
+            if bytes.len() >= ctx_out_len {
+                return fail(LlmsStatus::LlmsErrProtocol, "a context id longer than LLMS_CTX_ID_LEN");
+            }
+            // SAFETY: `ctx_out` holds `ctx_out_len` > `bytes.len()` bytes (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), ctx_out.cast::<u8>(), bytes.len());
+                *ctx_out.add(bytes.len()) = 0;
+            }
+        }
+        s
+    })
+}
+
 /// Deletes a context and its data.
 ///
 /// # Safety

@@ -35,6 +35,11 @@ pub enum Request {
     DelCtx {
         ctx: String,
     },
+    /// Creates a context holding `ctx`'s tokens, to go on from there apart from it: its whole
+    /// chunks are shared with `ctx` (no K/V copied), answered with `created`.
+    Fork {
+        ctx: String,
+    },
     /// The caller's contexts.
     List {},
     /// Service-wide statistics (the caller's contexts only, in detail).
@@ -213,6 +218,24 @@ pub struct ServiceStats {
     /// Connections the caller's uid holds open now (this one included), on both sockets.
     #[serde(default)]
     pub connections: u32,
+    /// Shared prefixes among the caller's app's contexts (docs/llmsd.md, "Shared prefixes").
+    #[serde(default)]
+    pub sharing: SharingInfo,
+}
+
+/// What sharing chunks holds and did among one app's contexts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharingInfo {
+    /// Chunks held once for several contexts, and the references contexts hold to them.
+    pub unique_chunks: u64,
+    pub logical_chunks: u64,
+    /// Bytes of memory those chunks would take again, per extra holder (resident ones).
+    pub bytes_saved: u64,
+    /// Prompt tokens contexts took from held chunks instead of computing (forks included).
+    pub reused_tokens: u64,
+    pub forks: u64,
+    /// Shared chunks copied into a context's own memory because it wrote into them.
+    pub copied_on_write: u64,
 }
 
 /// A frame from the service.

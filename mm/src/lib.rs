@@ -23,7 +23,9 @@ pub mod weights;
 
 pub use context::{prefix_hashes, Codec, EngineError, FaultRecompute, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};
-pub use manager::{ChunkInfo, Features, LevelWork, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, Strategy};
+pub use manager::{
+    ChunkInfo, Features, LevelWork, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, SharingStats, Strategy, POOL_CTX,
+};
 pub use planner::{plan, plan_forced, Linear, Plan};
 pub use profile::{Profile, ProfileError};
 pub use store::{Durability, RecordMeta, Store, StoreError, StoreGeometry};

@@ -412,7 +412,8 @@ pub struct Manager {
     pool: Option<share::Pool>,
     /// Each context's sharing scope (the service's (uid, app)).
     scopes: HashMap<u64, u64>,
-    share_stats: SharingStats,
+    /// Sharing's counters, per scope (an app's figures say nothing of another's).
+    share_stats: HashMap<u64, SharingStats>,
     pub stats: MmStats,
 }
 
@@ -480,7 +481,7 @@ impl Manager {
             epochs: 0,
             pool: None,
             scopes: HashMap::new(),
-            share_stats: SharingStats::default(),
+            share_stats: HashMap::new(),
             stats: MmStats::default(),
         })
     }

@@ -719,6 +719,21 @@ impl Store {
         self.lock().entries.remove(&(ctx, chunk));
     }
 
+    /// Forgets a chunk's record and gives its space back: both record places are punched out,
+    /// so no copy of it is served again, even after a restart (the chunk moved elsewhere: a
+    /// shared chunk's record is the pool's).
+    pub fn discard(&self, ctx: u64, chunk: u32) {
+        let had = self.lock().entries.remove(&(ctx, chunk)).is_some();
+        let Ok(f) = self.open_file(ctx, false) else { return };
+        let (Ok(off), Ok(len)) = (i64::try_from(self.offset(chunk, 0)), i64::try_from(2 * self.record_len)) else { return };
+        if had || f.metadata().is_ok_and(|m| m.len() > self.offset(chunk, 0)) {
+            // SAFETY: fallocate on a descriptor this store owns, within the chunk's two record
+            // places. A file system without hole punching keeps the blocks (and a stale copy,
+            // which then fails to match the tokens the chunk is wanted for, or is overwritten).
+            let _ = unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) };
+        }
+    }
+
     /// Deletes a context's records and file: its space is returned.
     pub fn remove_context(&self, ctx: u64) -> Result<()> {
         let mut ix = self.lock();

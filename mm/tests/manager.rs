@@ -615,7 +615,7 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     let before = mm.resident_bytes();
     let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
     assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 10, "every full chunk is shared");
-    let st = mm.sharing_stats();
+    let st = mm.sharing_stats(None);
     assert_eq!((st.unique_chunks, st.logical_chunks, st.promoted), (10, 20, 10));
     // One copy of the full chunks; the partial one copied (3 pages of the fake's base format).
     assert_eq!(mm.resident_bytes(), before + FakeCodec.chunk_bytes(0).div_ceil(4096) * 4096);
@@ -631,16 +631,16 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     // B cuts back into shared chunk 4 and writes anew: A keeps its bytes.
     mm.truncate(2, &mut b, 4 * CT + 1).unwrap();
     b.truncate(4 * CT + 1);
-    assert_eq!(mm.sharing_stats().copied_on_write, 1, "the chunk cut into was copied");
+    assert_eq!(mm.sharing_stats(None).copied_on_write, 1, "the chunk cut into was copied");
     assert_ne!(a.chunks[4].0, b.chunks[4].0);
     assert_eq!(a.chunks[3].0, b.chunks[3].0, "the chunks before it stay shared");
     b.tokens.extend([999_999, 999_998, 999_997]);
     b.write(4);
     mm.end(2, &mut b).unwrap();
-    assert_eq!(mm.sharing_stats().logical_chunks, 10 + 4);
+    assert_eq!(mm.sharing_stats(None).logical_chunks, 10 + 4);
     // Deleting A leaves B whole; squeezed out and read back from the pool's records too.
     mm.delete(1).unwrap();
-    assert_eq!(mm.sharing_stats().unique_chunks, 4, "what only A held went with it");
+    assert_eq!(mm.sharing_stats(None).unique_chunks, 4, "what only A held went with it");
     mm.flush();
     mm.set_budget(0).unwrap();
     assert_eq!(mm.resident_bytes(), 0);
@@ -676,7 +676,7 @@ fn a_prefix_is_found_only_in_its_scope_and_only_for_its_tokens() {
     let mut b = FakeKv { tokens: Vec::new(), ..FakeKv::default() };
     assert_eq!(mm.restore(2, &mut b).unwrap(), 0);
     append(&mut mm, 2, &mut b, prompt.len(), &mut tok, Some(&prompt)).unwrap();
-    assert_eq!(mm.sharing_stats().unique_chunks, 0, "nothing crossed the scopes");
+    assert_eq!(mm.sharing_stats(None).unique_chunks, 0, "nothing crossed the scopes");
     // In scope 7 it is shared.
     mm.set_scope(3, 7);
     mm.create(3).unwrap();
@@ -684,5 +684,111 @@ fn a_prefix_is_found_only_in_its_scope_and_only_for_its_tokens() {
     assert_eq!(mm.restore(3, &mut c).unwrap(), 4);
     append(&mut mm, 3, &mut c, prompt.len(), &mut tok, Some(&prompt)).unwrap();
     c.check().unwrap();
-    assert_eq!(mm.sharing_stats().logical_chunks, 8);
+    assert_eq!(mm.sharing_stats(None).logical_chunks, 8);
+}
+
+/// A manager over the store in `dir` with sharing on (a restart: the same directory again).
+fn reopen(dir: &std::path::Path) -> Manager {
+    sharing_manager(dir).expect("userfaultfd worked a moment ago")
+}
+
+/// Records of the pool in the store (chunks `0..64`, the test pool's slots).
+fn pool_records(mm: &Manager) -> usize {
+    (0..64).filter(|&p| mm.store().entry(mm::POOL_CTX, p).is_some()).count()
+}
+
+#[test]
+fn shared_chunks_outlive_a_restart_and_unreachable_ones_are_freed() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 6 * CT + 1, &mut tok, None).unwrap();
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 6);
+    mm.flush();
+    let own_a: Vec<bool> = (0..6).map(|i| mm.store().entry(1, i).is_some()).collect();
+    assert!(own_a.iter().all(|x| !x), "a promoted chunk's own record is gone: one record, the pool's");
+    assert_eq!(pool_records(&mm), 6);
+    drop(mm);
+
+    // Restart: both contexts find the six chunks again, shared; nothing to sweep.
+    let mut mm = reopen(dir.path());
+    assert!((0..6).all(|i| mm.store().entry(1, i).is_none()), "the promoted chunks' own records stay given back");
+    for (ctx, kv) in [(1, &mut a), (2, &mut b)] {
+        *kv = FakeKv { tokens: kv.tokens.clone(), ..FakeKv::default() };
+        mm.set_scope(ctx, 7);
+        mm.restore(ctx, kv).unwrap();
+        let shared = (0..7).filter(|&i| mm.chunk_info(ctx, i).is_some_and(|c| c.shared)).count();
+        assert_eq!(shared, 6, "context {ctx} shares its six full chunks again");
+    }
+    assert_eq!(mm.sweep_shared(), 0);
+    let st = mm.sharing_stats(None);
+    assert_eq!((st.unique_chunks, st.logical_chunks), (6, 12));
+    for (ctx, kv) in [(1, &mut a), (2, &mut b)] {
+        mm.begin(ctx, kv, Load::Planned).unwrap();
+        kv.check().unwrap();
+        mm.end(ctx, kv).unwrap();
+    }
+    // Another scope's context of the same tokens after a restart finds nothing.
+    mm.set_scope(3, 8);
+    let mut c = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.restore(3, &mut c).unwrap(), 0);
+    mm.delete(3).unwrap();
+    // Context 1 goes; then a restart where nothing restores context 2 (its file lost, say):
+    // the sweep frees every pool record.
+    mm.delete(1).unwrap();
+    mm.flush();
+    drop(mm);
+    let mut mm = reopen(dir.path());
+    assert_eq!(pool_records(&mm), 6, "kept until the contexts were restored");
+    assert_eq!(mm.sweep_shared(), 6, "no context took them");
+    assert_eq!(pool_records(&mm), 0);
+    drop(mm);
+    let mm = reopen(dir.path());
+    assert_eq!(pool_records(&mm), 0, "and they stay freed");
+}
+
+#[test]
+fn a_damaged_pool_log_costs_recomputes_never_wrong_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 5 * CT, &mut tok, None).unwrap();
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    mm.fork(1, 2, &mut b).unwrap();
+    mm.flush();
+    let log = mm.store().dir().join("pool.log");
+    drop(mm);
+    // Flip a byte in the middle: the records from there on are not trusted.
+    let mut bytes = std::fs::read(&log).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&log, &bytes).unwrap();
+    let mut mm = reopen(dir.path());
+    mm.set_scope(1, 7);
+    let mut a2 = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    let shared = mm.restore(1, &mut a2).unwrap();
+    assert!(shared < 5, "the chunks named past the damage are not shared: {shared}");
+    mm.sweep_shared();
+    mm.begin(1, &mut a2, Load::Planned).unwrap();
+    a2.check().unwrap();
+    mm.end(1, &mut a2).unwrap();
+    // Garbage for a log: nothing is shared, everything comes back right.
+    drop(mm);
+    std::fs::write(&log, b"not a log at all").unwrap();
+    let mut mm = reopen(dir.path());
+    mm.set_scope(1, 7);
+    let mut a3 = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    mm.restore(1, &mut a3).unwrap();
+    assert!((0..5).all(|i| mm.chunk_info(1, i).is_some_and(|c| !c.shared)), "nothing is shared");
+    assert_eq!(pool_records(&mm), 0, "records no name reaches are freed at the start");
+    mm.begin(1, &mut a3, Load::Planned).unwrap();
+    a3.check().unwrap();
+    mm.end(1, &mut a3).unwrap();
 }

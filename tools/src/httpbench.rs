@@ -67,7 +67,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// One answer: status, the context header, time to the first generated text, round trip, body.
-struct Resp {
+pub(crate) struct Resp {
     status: u16,
     ttft: Option<Duration>,
     total: Duration,
@@ -104,7 +104,7 @@ impl Resp {
 }
 
 /// hyper's HTTP/1.1 client on the front's Unix socket, one kept-alive connection.
-struct Http {
+pub(crate) struct Http {
     rt: tokio::runtime::Runtime,
     sock: PathBuf,
     tx: Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>,
@@ -118,7 +118,7 @@ fn has_text(buf: &[u8]) -> bool {
 }
 
 impl Http {
-    fn new(sock: &Path) -> Result<Self> {
+    pub(crate) fn new(sock: &Path) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         Ok(Self { rt, sock: sock.to_path_buf(), tx: None })
     }
@@ -174,7 +174,7 @@ impl Http {
     }
 
     /// A streamed chat turn: (reply, time to first token, usage).
-    fn turn(&mut self, app: &str, msgs: &[Value], max_tokens: usize) -> Result<(String, Duration, Value)> {
+    pub(crate) fn turn(&mut self, app: &str, msgs: &[Value], max_tokens: usize) -> Result<(String, Duration, Value)> {
         let body = json!({"messages": msgs, "temperature": 0, "max_tokens": max_tokens, "stream": true, "stream_options": {"include_usage": true}});
         let r = self.post("/v1/chat/completions", app, &body)?;
         let (text, usage) = r.stream()?;
@@ -183,7 +183,7 @@ impl Http {
 }
 
 /// A user message of about `n` tokens: sentences about the project's subject, varied by `k`.
-fn message(k: usize, n: usize) -> String {
+pub(crate) fn message(k: usize, n: usize) -> String {
     const S: [&str; 8] = [
         "The phone keeps several assistants alive while the user switches between apps.",
         "Each context holds its attention cache in chunks that may live in memory or on flash.",

@@ -8,6 +8,7 @@ pub mod experiment;
 pub mod figure;
 pub mod httpbench;
 pub mod loadbench;
+pub mod prefixbench;
 pub mod provenance;
 pub mod replay;
 pub mod report;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -84,6 +84,10 @@ pub(crate) struct RegionInner {
     changed: Condvar,
     pub(crate) stats: RegionStats,
     wp: bool,
+    /// Filled pages of the Resident slots, kept with every change of a slot's state or pages
+    /// (under the slots' lock): `resident_bytes` without a walk over every slot (a pool of
+    /// shared chunks has tens of thousands, and reclaim asks after each eviction).
+    resident_pages: AtomicUsize,
 }
 
 // SAFETY: the raw base pointer is only an address of a mapping owned by the region; all
@@ -321,6 +325,7 @@ impl Pager {
             changed: Condvar::new(),
             stats: RegionStats::default(),
             wp,
+            resident_pages: AtomicUsize::new(0),
         });
         sigbus::register(id, ptr as usize, len, slot_size);
         self.inner.regions.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::clone(&inner));
@@ -446,6 +451,7 @@ fn on_fault(p: &Arc<PagerInner>, addr: u64, now: Instant) {
                 // The page was dropped behind the pager's back (MADV_DONTNEED by someone
                 // else): load the slot again from its source. Pages still present are kept
                 // (the install skips them), so data written since the fill is not lost.
+                r.resident_pages.fetch_sub(s.filled_pages, Ordering::Relaxed);
                 s.state = SlotState::Loading;
                 s.pending.push(page_addr);
                 drop(slots);
@@ -632,6 +638,7 @@ fn fill_slot(p: &PagerInner, r: &Arc<RegionInner>, slot: usize, given: Option<Sr
         Ok(pages) => {
             s.state = SlotState::Resident;
             s.filled_pages = pages;
+            r.resident_pages.fetch_add(pages, Ordering::Relaxed);
             s.marked_dirty = false;
             drop(slots);
             r.stats.filled(slot, pages * PAGE);
@@ -939,6 +946,7 @@ impl Region {
                 for s in &mut slots[a..b] {
                     s.state = SlotState::Resident;
                     s.filled_pages = ss / PAGE;
+                    r.resident_pages.fetch_add(ss / PAGE, Ordering::Relaxed);
                     s.marked_dirty = false;
                     // Whole slots are filled: every waiting fault has its page.
                     waiting |= !std::mem::take(&mut s.pending).is_empty();
@@ -1126,6 +1134,9 @@ impl Region {
             .iter()
             .map(|&slot| {
                 let s = &mut st[slot];
+                if s.state == SlotState::Resident {
+                    self.inner.resident_pages.fetch_sub(s.filled_pages, Ordering::Relaxed);
+                }
                 s.state = SlotState::Evicted;
                 s.marked_dirty = false;
                 std::mem::take(&mut s.filled_pages) * PAGE
@@ -1151,6 +1162,7 @@ impl Region {
             return Err(UffdError::Ioctl { op: "MADV_DONTNEED", region: r.id, slot, source: Errno::last() });
         }
         let freed = (s.filled_pages - keep) * PAGE;
+        r.resident_pages.fetch_sub(s.filled_pages - keep, Ordering::Relaxed);
         s.filled_pages = keep;
         drop(slots);
         r.stats.evicted(freed);
@@ -1164,14 +1176,13 @@ impl Region {
 
     /// Bytes of the slots that are resident (their filled pages).
     pub fn resident_bytes(&self) -> usize {
-        self.inner
-            .slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|s| s.state == SlotState::Resident)
-            .map(|s| s.filled_pages * PAGE)
-            .sum()
+        #[cfg(debug_assertions)]
+        {
+            let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let walked: usize = slots.iter().filter(|s| s.state == SlotState::Resident).map(|s| s.filled_pages).sum();
+            assert_eq!(self.inner.resident_pages.load(Ordering::Relaxed), walked, "the resident count follows the slots");
+        }
+        self.inner.resident_pages.load(Ordering::Relaxed) * PAGE
     }
 
     /// Bytes resident of the slots in `range` (their filled pages), under one lock.

@@ -1072,7 +1072,7 @@ pub(super) fn held_back(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1)).rev().find(|&k| text.as_bytes().ends_with(&stop.as_bytes()[..k])).unwrap_or(0)
 }
 
-fn unavailable(ctx: &str, why: &str) -> Refusal {
+pub(super) fn unavailable(ctx: &str, why: &str) -> Refusal {
     refuse(ErrorCode::Failed, format!("context {ctx} is unavailable: {why}"))
 }
 

@@ -156,6 +156,7 @@ impl Service {
                     self.new_ctx(o, system_prompt.as_deref(), false).map(|ctx| Event::Created { ctx })
                 }
                 (Request::DelCtx { ctx }, Some(o)) => self.del_ctx(o, &ctx).map(|()| Event::Deleted { ctx }),
+                (Request::Fork { ctx }, Some(o)) => self.fork_ctx(o, &ctx).map(|ctx| Event::Created { ctx }),
                 (Request::List {}, Some(o)) => Ok(Event::List { contexts: self.list(o) }),
                 (Request::Stats {}, Some(o)) => Ok(Event::Stats { stats: Box::new(self.stats(o)) }),
                 (Request::Call(call), Some(o)) => {

@@ -65,7 +65,8 @@ pub(crate) struct Chosen {
     pub(crate) ctx: String,
     /// Tokens the call did not have to prefill.
     pub(crate) cached_tokens: u32,
-    /// `continued`, `new` or `branched` (a partial match: a new context, fully prefilled).
+    /// `continued`, `new` or `branched` (a partial match: a new context, which takes the
+    /// whole chunks it shares with the matched one when prefix sharing is on).
     pub(crate) how: &'static str,
     /// The context's notice for its owner (see `Saved::notice`), if any.
     pub(crate) notice: String,
@@ -285,7 +286,7 @@ impl Service {
         let ctx = self.new_ctx(owner, None, true)?;
         let how = if partial.is_some() { "branched" } else { "new" };
         if let Some((n, from)) = partial {
-            info!(ctx = %ctx, from = %from, common_tokens = n, "history diverges from its context: branched (the common prefix is prefilled again)");
+            info!(ctx = %ctx, from = %from, common_tokens = n, "history diverges from its context: branched");
         }
         Ok((Chosen { ctx, cached_tokens: 0, how, notice: String::new() }, h.ids.clone()))
     }

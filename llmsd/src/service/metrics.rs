@@ -204,11 +204,28 @@ impl Collector for Levels {
             let mm = lock(&svc.mm);
             reg.values().filter_map(|e| mm.region_stats(e.saved.mm_id)).map(|s| s.faults).sum()
         };
+        // Sharing among the contexts of the owners this viewer sees (an app sees its own).
+        let sharing = {
+            let scopes: Vec<u64> = lock(&svc.scopes).iter().filter(|(o, _)| self.1.sees(o.uid, &o.app)).map(|(_, s)| *s).collect();
+            let mm = lock(&svc.mm);
+            scopes.iter().map(|&s| mm.sharing_stats(Some(s))).fold(mm::SharingStats::default(), |a, b| mm::SharingStats {
+                unique_chunks: a.unique_chunks + b.unique_chunks,
+                logical_chunks: a.logical_chunks + b.logical_chunks,
+                bytes_saved: a.bytes_saved + b.bytes_saved,
+                promoted: a.promoted + b.promoted,
+                reused: a.reused + b.reused,
+                copied_on_write: a.copied_on_write + b.copied_on_write,
+                forks: a.forks + b.forks,
+            })
+        };
         let queue = lock(&svc.queue).len() as i64;
         let pressure = lock(&svc.pressure).clone();
         let w = svc.weights.as_ref().map(|w| w.stats());
         let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let gauges: [(&str, &str, i64); 8] = [
+        let gauges: [(&str, &str, i64); 11] = [
+            ("shared_chunks", "KV chunks held once for several contexts (shared prefixes)", i(sharing.unique_chunks)),
+            ("shared_chunk_refs", "References contexts hold to shared chunks", i(sharing.logical_chunks)),
+            ("sharing_saved_bytes", "Bytes of memory shared chunks would take again per extra holder", i(sharing.bytes_saved)),
             ("kv_resident_bytes", "KV chunk bytes resident in memory", i(resident)),
             ("kv_budget_bytes", "Memory budget of the KV chunks (it follows pressure)", i(budget)),
             ("configured_budget_bytes", "The configured budget (KV and paged weights)", i64::try_from(svc.budget).unwrap_or(i64::MAX)),
@@ -226,7 +243,14 @@ impl Collector for Levels {
             let g = ConstGauge::new(v);
             g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        let counters: [(&str, &str, u64); 7] = [
+        let counters: [(&str, &str, u64); 10] = [
+            (
+                "prefix_reused_tokens",
+                "Prompt tokens taken from shared chunks instead of computed (forks included)",
+                sharing.reused * svc.cfg.chunk_tokens as u64,
+            ),
+            ("forks", "Contexts forked from another", sharing.forks),
+            ("copied_on_write_chunks", "Shared chunks copied because a context wrote into them", sharing.copied_on_write),
             ("evicted_chunks", "KV chunks evicted from memory", evicted),
             ("aot_writes", "KV chunks written ahead of time (when a call returned)", aot),
             ("sync_writes", "KV chunks written on the eviction path", sync),

@@ -110,6 +110,8 @@ struct Metrics {
     memory_waits: u64,
     /// Recent switch latencies, ms.
     switch_ms: VecDeque<f64>,
+    /// The last fork's time in mm (sharing its chunks) and writing its context file, ms.
+    last_fork_ms: (f64, f64),
 }
 
 /// The running service.
@@ -128,8 +130,7 @@ pub struct Service {
     /// The fault path's recompute: it learns each context's tokens after every call.
     refill: Arc<EngineRecompute>,
     registry: Mutex<HashMap<String, CtxEntry>>,
-    /// Each owner's sharing scope in mm: numbered as owners appear, so two owners never
-    /// share one (a hash could collide and let one app find another's prefix).
+    /// Each owner's sharing scope in mm (see [`Service::scope`]), computed once.
     scopes: Mutex<HashMap<Owner, u64>>,
     queue: Mutex<VecDeque<Job>>,
     queued: Condvar,
@@ -308,11 +309,19 @@ impl Service {
         lock(&self.trace).as_mut().map(|t| std::mem::take(&mut t.steps)).unwrap_or_default()
     }
 
-    /// The mm sharing scope of `owner`'s contexts.
+    /// The mm sharing scope of `owner`'s contexts: the first 8 bytes of SHA-256 over the
+    /// owner, the same at every start (shared chunks outlive restarts, named by scope). A
+    /// cryptographic hash, so no app can pick a name whose scope is another's (finding a
+    /// second preimage of 64 bits is out of reach; FNV, say, would be a few lines of algebra).
     fn scope(&self, owner: &Owner) -> u64 {
-        let mut s = lock(&self.scopes);
-        let next = s.len() as u64 + 1;
-        *s.entry(owner.clone()).or_insert(next)
+        use sha2::Digest;
+        *lock(&self.scopes).entry(owner.clone()).or_insert_with(|| {
+            let mut h = sha2::Sha256::new();
+            h.update(b"llms-scope\0");
+            h.update(owner.uid.to_le_bytes());
+            h.update(owner.app.as_bytes());
+            u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+        })
     }
 
     fn session(&self) -> Session {
@@ -392,6 +401,29 @@ impl Service {
     fn wake_worker(&self) {
         drop(lock(&self.queue));
         self.queued.notify_all();
+    }
+
+    /// KV bytes the service holds now: resident in memory, and allocated on flash by the swap
+    /// store (every context's records and the shared chunks', each counted once), after the
+    /// leveller and the AoT writer are done (`timeout` at most), for benchmarks in process.
+    pub fn kv_footprint(&self, timeout: std::time::Duration) -> (u64, u64) {
+        let t0 = std::time::Instant::now();
+        loop {
+            let mm = lock(&self.mm);
+            if mm.level_jobs() == 0 || t0.elapsed() > timeout {
+                mm.flush();
+                return (mm.resident_bytes() as u64, mm.store().disk_bytes());
+            }
+            drop(mm);
+            self.wake_leveller();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// The last `fork`'s time, ms: in mm (its chunks shared, the partial one copied) and
+    /// writing the new context's file (fsynced before the answer), for benchmarks in process.
+    pub fn last_fork_ms(&self) -> (f64, f64) {
+        lock(&self.metrics).last_fork_ms
     }
 
     /// Asks the service to stop (the accept loop is woken by connecting to it).

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::ctxfile::{self, new_ctx_id, valid_ctx_id, Saved};
 use super::history::now_ms;
 use super::turns::Turns;
-use super::{lock, not_found, refuse, Owner, Refusal, Service};
+use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::SessionKv;
 use crate::proto::{CtxInfo, ErrorCode, ServiceStats};
 
@@ -97,10 +97,16 @@ impl Service {
         }
         let known: Vec<u64> = reg.values().map(|e| e.saved.mm_id).collect();
         for c in mm.store().contexts() {
-            if !known.contains(&c) {
+            // The shared chunks' records are the pool's: the sweep below frees what no
+            // context took.
+            if !known.contains(&c) && c != mm::POOL_CTX {
                 mm.store().remove_context(c)?;
                 info!(mm_id = c, "removed store data of a context that no longer exists");
             }
+        }
+        let swept = mm.sweep_shared();
+        if swept > 0 {
+            info!(chunks = swept, "freed shared chunks no context holds any more");
         }
         Ok(())
     }
@@ -154,43 +160,11 @@ impl Service {
             }
             None => (String::new(), Vec::new()),
         };
-        let mut reg = lock(&self.registry);
-        if reg.len() >= self.cfg.max_contexts {
-            return Err(refuse(
-                ErrorCode::TooMany,
-                format!("the service holds its maximum of {} contexts (max_contexts)", self.cfg.max_contexts),
-            ));
-        }
-        let mine = reg.values().filter(|e| e.saved.owner == *owner).count();
-        if mine >= self.cfg.max_contexts_per_app {
-            return Err(refuse(
-                ErrorCode::TooMany,
-                format!("app {} holds its maximum of {mine} contexts (max_contexts_per_app)", owner.app),
-            ));
-        }
-        let theirs: Vec<&CtxEntry> = reg.values().filter(|e| e.saved.owner.shares_quota(owner)).collect();
-        if theirs.len() >= self.cfg.max_contexts_per_uid {
-            return Err(refuse(
-                ErrorCode::TooMany,
-                format!(
-                    "{} holds its maximum of {} contexts over all its apps (max_contexts_per_uid)",
-                    owner.quota_name(),
-                    self.cfg.max_contexts_per_uid
-                ),
-            ));
-        }
-        // System prompts wait as text until the first call: they count against the owner.
-        let text: usize = theirs.iter().map(|e| e.saved.pending.len()).sum::<usize>() + pending.len();
-        let max_text = self.cfg.max_text_bytes_per_uid().map_err(fail)?;
-        if text > max_text {
-            return Err(refuse(
-                ErrorCode::TooMany,
-                format!("{} would hold {text} bytes of text not yet run, over {max_text} (max_text_per_uid)", owner.quota_name()),
-            ));
-        }
-        drop(theirs);
-        self.check_disk(&reg, owner)?;
+        let reg = lock(&self.registry);
+        self.admit_ctx(&reg, owner, pending.len())?;
+        drop(reg);
         let (id, mm_id) = new_ctx_id().map_err(fail)?;
+        let mut reg = lock(&self.registry);
         if reg.values().any(|e| e.saved.mm_id == mm_id) {
             return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
         }
@@ -223,6 +197,110 @@ impl Service {
         info!(ctx = %id, app = %owner.app, uid = owner.uid, "context created");
         reg.insert(id.clone(), CtxEntry::usable(saved, self.session()));
         Ok(id)
+    }
+
+    /// A new context of `owner` from `src`'s tokens (`fork`): its full chunks shared with
+    /// `src` (mm's `fork`: bookkeeping per chunk, no K/V copied), its last partial chunk
+    /// copied, its text not yet run (a system prompt) and its turn state as `src`'s. Counts
+    /// against the owner's quotas as a new context.
+    pub(super) fn fork_ctx(&self, owner: &Owner, src: &str) -> Result<String, Refusal> {
+        let fail = |e: &dyn std::fmt::Display| refuse(ErrorCode::Failed, e.to_string());
+        if !self.cfg.prefix_sharing {
+            return Err(refuse(ErrorCode::BadRequest, "fork needs prefix_sharing = true in the service's configuration"));
+        }
+        let (id, mm_id) = new_ctx_id().map_err(|e| fail(&crate::describe(&e)))?;
+        let mut reg = lock(&self.registry);
+        let from = match reg.get(src) {
+            Some(e) if e.saved.owner == *owner => e,
+            _ => return Err(not_found(src)),
+        };
+        if let Some(why) = &from.unavailable {
+            return Err(super::call::unavailable(src, why));
+        }
+        let Some(src_session) = &from.session else { return Err(refuse(ErrorCode::Busy, "the context is in a call")) };
+        let pending = from.saved.pending.len();
+        self.admit_ctx(&reg, owner, pending)?;
+        if reg.values().any(|e| e.saved.mm_id == mm_id) {
+            return Err(refuse(ErrorCode::Failed, "context id collision; try again"));
+        }
+        let from = &reg[src];
+        let mut s = self.session();
+        s.tokens.clone_from(&src_session.tokens);
+        if let (Some(a), Some(b)) = (&mut s.attention, &src_session.attention) {
+            a.clone_from(b);
+        }
+        let src_mm = from.saved.mm_id;
+        let t0 = std::time::Instant::now();
+        {
+            let mut mm = lock(&self.mm);
+            mm.fork(src_mm, mm_id, &mut SessionKv(&mut s)).map_err(|e| fail(&e))?;
+            if let Err(e) = s.kv.set_len(s.tokens.len()) {
+                let _ = mm.delete(mm_id);
+                return Err(fail(&e));
+            }
+        }
+        let saved = Saved {
+            ctx: id.clone(),
+            mm_id,
+            calls: 0,
+            auto: false,
+            last_used: super::history::now_ms(),
+            notice: String::new(),
+            attention_sum: s.attention.as_ref().map(|a| a.sum.clone()).unwrap_or_default(),
+            attention_count: s.attention.as_ref().map(|a| a.count.clone()).unwrap_or_default(),
+            ..from.saved.clone()
+        };
+        let t1 = std::time::Instant::now();
+        if let Err(e) = self.save(&saved) {
+            let _ = lock(&self.mm).delete(mm_id);
+            return Err(fail(&crate::describe(&e)));
+        }
+        lock(&self.metrics).last_fork_ms = (ms(t1 - t0), ms(t1.elapsed()));
+        self.refill.set_tokens(mm_id, &saved.tokens);
+        info!(ctx = %id, from = src, app = %owner.app, uid = owner.uid, tokens = saved.tokens.len(), "context forked");
+        reg.insert(id.clone(), CtxEntry::usable(saved, s));
+        Ok(id)
+    }
+
+    /// Whether `owner` may have one more context, holding `text` more bytes of text not yet
+    /// run: the service's, the app's and the uid's limits, and the uid's disk.
+    fn admit_ctx(&self, reg: &HashMap<String, CtxEntry>, owner: &Owner, text: usize) -> Result<(), Refusal> {
+        let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, crate::describe(&e));
+        if reg.len() >= self.cfg.max_contexts {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("the service holds its maximum of {} contexts (max_contexts)", self.cfg.max_contexts),
+            ));
+        }
+        let mine = reg.values().filter(|e| e.saved.owner == *owner).count();
+        if mine >= self.cfg.max_contexts_per_app {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("app {} holds its maximum of {mine} contexts (max_contexts_per_app)", owner.app),
+            ));
+        }
+        let theirs: Vec<&CtxEntry> = reg.values().filter(|e| e.saved.owner.shares_quota(owner)).collect();
+        if theirs.len() >= self.cfg.max_contexts_per_uid {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!(
+                    "{} holds its maximum of {} contexts over all its apps (max_contexts_per_uid)",
+                    owner.quota_name(),
+                    self.cfg.max_contexts_per_uid
+                ),
+            ));
+        }
+        // System prompts wait as text until the first call: they count against the owner.
+        let text: usize = theirs.iter().map(|e| e.saved.pending.len()).sum::<usize>() + text;
+        let max_text = self.cfg.max_text_bytes_per_uid().map_err(fail)?;
+        if text > max_text {
+            return Err(refuse(
+                ErrorCode::TooMany,
+                format!("{} would hold {text} bytes of text not yet run, over {max_text} (max_text_per_uid)", owner.quota_name()),
+            ));
+        }
+        drop(theirs);
+        self.check_disk(reg, owner)
     }
 
     pub(super) fn del_ctx(&self, owner: &Owner, ctx: &str) -> Result<(), Refusal> {
@@ -349,6 +427,17 @@ impl Service {
             memory_waits: m.memory_waits,
             connections: u32::try_from(self.connections_of(&super::slots::Holder::Uid(owner.uid))).unwrap_or(u32::MAX),
             pressure: lock(&self.pressure).clone(),
+            sharing: {
+                let s = mm.sharing_stats(Some(self.scope(owner)));
+                crate::proto::SharingInfo {
+                    unique_chunks: s.unique_chunks,
+                    logical_chunks: s.logical_chunks,
+                    bytes_saved: s.bytes_saved,
+                    reused_tokens: s.reused * self.cfg.chunk_tokens as u64,
+                    forks: s.forks,
+                    copied_on_write: s.copied_on_write,
+                }
+            },
             mine,
         }
     }

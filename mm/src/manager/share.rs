@@ -75,6 +75,116 @@ pub(super) struct Pool {
     pub entries: Vec<Option<Entry>>,
     free: Vec<u32>,
     pub index: HashMap<(u64, u64), Vec<Ident>>,
+    /// What names each pool chunk (scope, parent, tokens) across restarts (see [`PoolLog`]).
+    log: Option<PoolLog>,
+}
+
+/// The pool's identities on flash: `pool.log` beside the store's files, a log of records
+/// `[len u32][crc32c u32][op u8, chunk u32, scope u64, parent u32 (MAX: none), prefix u64,
+/// tokens u32 x n]` (little-endian), `op` 1 adds a chunk and 2 removes it. The chunks' bytes
+/// are their records in the store (under [`POOL_CTX`]); this says which tokens after which
+/// chunk, in which scope, each holds, so a restart shares them again only with contexts of
+/// exactly those tokens (never by hash). Appended without fsync: a record lost to a power cut
+/// only makes a chunk unreachable, and unreachable records are freed at the next start (the
+/// contexts recompute what they no longer find). Rewritten whole at each start.
+#[derive(Debug)]
+struct PoolLog {
+    file: std::fs::File,
+}
+
+/// A pool chunk's identity as the log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Named {
+    p: u32,
+    scope: u64,
+    parent: Option<u32>,
+    prefix_hash: u64,
+    tokens: Vec<u32>,
+}
+
+const LOG_ADD: u8 = 1;
+const LOG_DEL: u8 = 2;
+/// Bytes of a log record's body before its tokens: op, chunk, scope, parent, prefix hash.
+const LOG_HEAD: usize = 1 + 4 + 8 + 4 + 8;
+/// Most tokens a chunk of the log holds (a bound on what a damaged length can ask for).
+const LOG_MAX_TOKENS: usize = 4096;
+
+impl PoolLog {
+    fn path(dir: &std::path::Path) -> std::path::PathBuf {
+        dir.join("pool.log")
+    }
+
+    /// The chunks the log names (a damaged or torn record ends the reading: what follows it
+    /// is not trusted).
+    fn read(dir: &std::path::Path) -> Vec<Named> {
+        let Ok(bytes) = std::fs::read(Self::path(dir)) else { return Vec::new() };
+        let mut live: HashMap<u32, Named> = HashMap::new();
+        let mut at = 0;
+        while let Some(head) = bytes.get(at..at + 8) {
+            let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
+            let crc = u32::from_le_bytes(head[4..].try_into().expect("4 bytes"));
+            let Some(body) = bytes.get(at + 8..at + 8 + len) else { break };
+            if crc32c::crc32c(body) != crc || len < LOG_HEAD {
+                break;
+            }
+            at += 8 + len;
+            let u32_at = |o: usize| u32::from_le_bytes(body[o..o + 4].try_into().expect("4 bytes"));
+            let u64_at = |o: usize| u64::from_le_bytes(body[o..o + 8].try_into().expect("8 bytes"));
+            let (op, p) = (body[0], u32_at(1));
+            let n = (len - LOG_HEAD) / 4;
+            if op == LOG_DEL {
+                live.remove(&p);
+            } else if op == LOG_ADD && n <= LOG_MAX_TOKENS && (len - LOG_HEAD).is_multiple_of(4) {
+                let parent = Some(u32_at(13)).filter(|&x| x != u32::MAX);
+                let tokens = (0..n).map(|k| u32_at(LOG_HEAD + 4 * k)).collect();
+                live.insert(p, Named { p, scope: u64_at(5), parent, prefix_hash: u64_at(17), tokens });
+            }
+        }
+        let mut v: Vec<Named> = live.into_values().collect();
+        v.sort_by_key(|x| x.p);
+        v
+    }
+
+    fn record(op: u8, n: &Named) -> Vec<u8> {
+        let mut body = vec![op];
+        body.extend_from_slice(&n.p.to_le_bytes());
+        body.extend_from_slice(&n.scope.to_le_bytes());
+        body.extend_from_slice(&n.parent.unwrap_or(u32::MAX).to_le_bytes());
+        body.extend_from_slice(&n.prefix_hash.to_le_bytes());
+        for t in &n.tokens {
+            body.extend_from_slice(&t.to_le_bytes());
+        }
+        let mut out = Vec::with_capacity(body.len() + 8);
+        out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// A new log naming `live` (written aside, fsynced and renamed over the old one).
+    fn rewrite(dir: &std::path::Path, live: &[Named]) -> std::io::Result<Self> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = dir.join("pool.log.tmp");
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        let mut all = Vec::new();
+        for n in live {
+            all.extend(Self::record(LOG_ADD, n));
+        }
+        f.write_all(&all)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, Self::path(dir))?;
+        let file = std::fs::OpenOptions::new().append(true).open(Self::path(dir))?;
+        Ok(Self { file })
+    }
+
+    fn append(&mut self, op: u8, n: &Named) {
+        use std::io::Write;
+        if let Err(e) = self.file.write_all(&Self::record(op, n)) {
+            // The chunk is then unreachable after a restart (freed, recomputed): never wrong.
+            eprintln!("llms: the pool's log: {e}; a shared chunk may be recomputed after a restart");
+        }
+    }
 }
 
 impl Pool {
@@ -110,11 +220,6 @@ impl Pool {
             }
         }
     }
-    /// Chunks shared, and the references contexts hold to them.
-    pub fn counts(&self) -> (usize, usize) {
-        let live = self.entries.iter().flatten();
-        live.fold((0, 0), |(u, l), e| (u + 1, l + e.sharers.len()))
-    }
 }
 
 /// What sharing saves now, and what it did so far.
@@ -132,6 +237,8 @@ pub struct SharingStats {
     pub reused: u64,
     /// Shared chunks copied into a context's own memory before it wrote into them.
     pub copied_on_write: u64,
+    /// Contexts made by [`Manager::fork`].
+    pub forks: u64,
 }
 
 /// How a chunk leaves the pool for its context's own memory.
@@ -149,6 +256,11 @@ impl Manager {
     /// Lets contexts with a scope ([`Manager::set_scope`]) share full chunks, through a pool of
     /// at most `slots` shared chunks (virtual address space only until used). Off by default:
     /// the experiments measure contexts that share nothing.
+    ///
+    /// The shared chunks of an earlier run come back (named by the pool's log, their bytes in
+    /// their store records), held by no context until `restore` finds them for a context of
+    /// the same scope and tokens; [`Manager::sweep_shared`] then frees the ones none took.
+    /// Records the log does not name, or whose chunk's parent is gone, are freed now.
     pub fn enable_sharing(&mut self, slots: usize) -> Result<()> {
         if self.pool.is_some() {
             return Ok(());
@@ -159,9 +271,94 @@ impl Manager {
             fallback: Arc::clone(&self.fallback),
             context: POOL_CTX,
         });
-        let region = self.pager.region_with(self.slot_size, slots.max(1), src, true)?;
-        self.pool = Some(Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new() });
+        let slots = slots.max(1);
+        let region = self.pager.region_with(self.slot_size, slots, src, true)?;
+        let ct = self.codec.chunk_tokens();
+        let dir = self.store.dir().to_path_buf();
+        let full = self.layers(false);
+        let mut valid: HashMap<u32, Named> = PoolLog::read(&dir)
+            .into_iter()
+            .filter(|n| {
+                (n.p as usize) < slots
+                    && n.tokens.len() == ct
+                    && self.store.entry(POOL_CTX, n.p).is_some_and(|e| {
+                        let m = e.meta;
+                        m.tokens as usize == ct && m.prefix_hash == n.prefix_hash && m.layers == full && self.cfg.levels.contains(&m.format)
+                    })
+            })
+            .map(|n| (n.p, n))
+            .collect();
+        // A chunk whose parent is gone names a prefix no context can reach.
+        loop {
+            let orphans: Vec<u32> = valid.values().filter(|n| n.parent.is_some_and(|q| !valid.contains_key(&q))).map(|n| n.p).collect();
+            if orphans.is_empty() {
+                break;
+            }
+            for p in orphans {
+                valid.remove(&p);
+            }
+        }
+        for p in 0..chunk_u32(slots) {
+            if !valid.contains_key(&p) && self.store.entry(POOL_CTX, p).is_some() {
+                self.store.discard(POOL_CTX, p);
+            }
+        }
+        let mut live: Vec<Named> = valid.into_values().collect();
+        live.sort_by_key(|n| n.p);
+        let log = match PoolLog::rewrite(&dir, &live) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("llms: the pool's log in {}: {e}; shared chunks will not outlive this run", dir.display());
+                None
+            }
+        };
+        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log };
+        for n in live {
+            let level = self.store.entry(POOL_CTX, n.p).map(|e| e.meta.format).expect("checked");
+            let p = n.p as usize;
+            if pool.entries.len() <= p {
+                pool.entries.resize_with(p + 1, || None);
+            }
+            pool.index_add((n.scope, n.prefix_hash), Ident::Pool(n.p));
+            self.epochs += 1;
+            pool.entries[p] = Some(Entry {
+                scope: n.scope,
+                parent: n.parent,
+                tokens: n.tokens.into(),
+                prefix_hash: n.prefix_hash,
+                level,
+                density: 0.0,
+                sharers: Vec::new(),
+                wanted: Vec::new(),
+                calls: 0,
+                epoch: self.epochs,
+            });
+        }
+        pool.free = (0..chunk_u32(pool.entries.len())).rev().filter(|&p| pool.entries[p as usize].is_none()).collect();
+        self.pool = Some(pool);
+        for p in 0..self.pool.as_ref().map_or(0, |pl| pl.entries.len()) {
+            if let Some(meta) = self.pool_meta(chunk_u32(p)) {
+                self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((POOL_CTX, chunk_u32(p)), meta);
+            }
+        }
         Ok(())
+    }
+
+    /// Frees the shared chunks no context holds (after a start, once every saved context was
+    /// restored: what none of them took is unreachable). Returns how many.
+    pub fn sweep_shared(&mut self) -> usize {
+        let Some(pool) = &self.pool else { return 0 };
+        let idle: Vec<u32> = pool
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.as_ref().is_some_and(|e| e.sharers.is_empty()))
+            .map(|(p, _)| chunk_u32(p))
+            .collect();
+        for &p in &idle {
+            self.free_entry(p);
+        }
+        idle.len()
     }
 
     /// Whether chunks can be shared.
@@ -176,18 +373,21 @@ impl Manager {
         self.scopes.insert(ctx, scope);
     }
 
-    /// What sharing holds and did.
-    pub fn sharing_stats(&self) -> SharingStats {
-        let mut s = self.share_stats;
+    /// What sharing holds and did: in `scope` (an app's), or in all of them.
+    pub fn sharing_stats(&self, scope: Option<u64>) -> SharingStats {
+        let mine = |s: u64| scope.is_none_or(|x| x == s);
+        let mut s = SharingStats::default();
+        for c in self.share_stats.iter().filter(|(k, _)| mine(**k)).map(|(_, c)| c) {
+            s.promoted += c.promoted;
+            s.reused += c.reused;
+            s.copied_on_write += c.copied_on_write;
+            s.forks += c.forks;
+        }
         if let Some(pool) = &self.pool {
-            let (u, l) = pool.counts();
-            s.unique_chunks = u as u64;
-            s.logical_chunks = l as u64;
-            s.bytes_saved = pool
-                .entries
-                .iter()
-                .enumerate()
-                .filter_map(|(p, e)| e.as_ref().map(|e| (p, e)))
+            let live = || pool.entries.iter().enumerate().filter_map(|(p, e)| e.as_ref().map(|e| (p, e))).filter(|(_, e)| mine(e.scope));
+            s.unique_chunks = live().count() as u64;
+            s.logical_chunks = live().map(|(_, e)| e.sharers.len() as u64).sum();
+            s.bytes_saved = live()
                 .filter(|(p, _)| pool.region.state(*p).is_ok_and(|s| s == SlotState::Resident))
                 .map(|(_, e)| (e.sharers.len().saturating_sub(1) * self.codec.chunk_bytes(e.level)) as u64)
                 .sum();
@@ -289,6 +489,7 @@ impl Manager {
         }
         self.scopes.insert(dst, scope);
         self.restore(dst, kv)?;
+        self.share_stats.entry(scope).or_default().forks += 1;
         let shared = (0..self.n_chunks(dst)).filter(|&i| self.ctx(dst).is_ok_and(|c| c.chunks[i].shared.is_some())).count();
         // The partial chunk: a copy of `src`'s when it is resident (else the first load
         // recomputes it from its few tokens).
@@ -397,10 +598,15 @@ impl Manager {
         });
         pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
         pool.index_add((scope, m.prefix_hash), Ident::Pool(p));
+        if let Some(log) = &mut pool.log {
+            let e = pool.entries[p as usize].as_ref().expect("made");
+            log.append(LOG_ADD, &Named { p, scope, parent, prefix_hash: m.prefix_hash, tokens: e.tokens.to_vec() });
+        }
         if region.state(i)? == SlotState::Resident {
             region.discard(i)?;
         }
-        self.store.invalidate(ctx, chunk_u32(i));
+        // One record: the pool's (written below); the context's own copy gives its space back.
+        self.store.discard(ctx, chunk_u32(i));
         self.lctru.remove((ctx, chunk_u32(i)));
         self.lctru.touch((POOL_CTX, p), self.level_index(m.level));
         self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].shared = Some(p);
@@ -412,7 +618,7 @@ impl Manager {
         }
         let pool_region = Arc::clone(&self.pool.as_ref().expect("checked").region);
         self.write_aot_len(POOL_CTX, &pool_region, p as usize, &meta, len)?;
-        self.share_stats.promoted += 1;
+        self.share_stats.entry(scope).or_default().promoted += 1;
         Ok(Some(p))
     }
 
@@ -421,12 +627,12 @@ impl Manager {
         let pool = self.pool.as_mut().expect("sharing");
         let e = pool.get_mut(p).expect("a live pool chunk");
         e.sharers.push((ctx, chunk_u32(i)));
-        let level = e.level;
+        let (level, scope) = (e.level, e.scope);
         let ptr = NonNull::new(pool.region.slot_ptr(p as usize)).expect("mapped");
         // SAFETY: the pool slot lives as long as the manager; `begin` makes it resident and
         // pins it before the engine reads it, and nothing writes a shared chunk.
         unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
-        self.share_stats.reused += 1;
+        self.share_stats.entry(scope).or_default().reused += 1;
         Ok(level)
     }
 
@@ -450,20 +656,32 @@ impl Manager {
             }
             return;
         }
-        let key = (e.scope, e.prefix_hash);
-        pool.index_remove(key, Ident::Pool(p));
-        pool.entries[p as usize] = None;
+        self.free_entry(p);
+    }
+
+    /// Frees pool chunk `p` (no context holds it): its slot, record, name and place in LCTRU.
+    fn free_entry(&mut self, p: u32) {
+        let Some(pool) = self.pool.as_mut() else { return };
+        let Some(e) = pool.entries.get_mut(p as usize).and_then(Option::take) else { return };
+        let region = Arc::clone(&pool.region);
+        pool.index_remove((e.scope, e.prefix_hash), Ident::Pool(p));
+        let named = Named { p, scope: e.scope, parent: e.parent, prefix_hash: e.prefix_hash, tokens: e.tokens.to_vec() };
+        if let Some(log) = &mut pool.log {
+            log.append(LOG_DEL, &named);
+        }
         if let Some(w) = &self.writer {
             if w.is_pending((POOL_CTX, p)) {
                 // The writer still holds the slot: let it finish before the slot is reused.
                 w.wait_context(POOL_CTX);
             }
         }
-        let _ = pool.region.discard(p as usize);
-        pool.free.push(p);
+        let _ = region.discard(p as usize);
+        if let Some(pool) = self.pool.as_mut() {
+            pool.free.push(p);
+        }
         self.lctru.remove((POOL_CTX, p));
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).remove(&(POOL_CTX, p));
-        self.store.invalidate(POOL_CTX, p);
+        self.store.discard(POOL_CTX, p);
         self.levelling.retain(|j| (j.ctx, j.chunk) != (POOL_CTX, p as usize));
     }
 
@@ -493,7 +711,8 @@ impl Manager {
                         region.discard(i)?;
                     }
                     region.copy_from(i, &self.arena.as_mut_slice()[..self.slot_size], room)?;
-                    self.share_stats.copied_on_write += 1;
+                    let scope = self.scopes.get(&ctx).copied().unwrap_or(0);
+                    self.share_stats.entry(scope).or_default().copied_on_write += 1;
                     m.level
                 }
                 Unshare::Copy | Unshare::Fresh if in_call => {
@@ -686,7 +905,7 @@ mod tests {
             }
         }
         let region = pager.region(4096, 2, Arc::new(Never)).unwrap();
-        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new() };
+        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log: None };
         pool.index_add((1, 7), Ident::Pool(0));
         pool.index_add((1, 7), Ident::Pool(0));
         pool.index_add((1, 7), Ident::Own(3, 0));

@@ -50,6 +50,9 @@ enum Cmd {
     /// The HTTP front: a stateless client's TTFT with its context continued vs its history
     /// prefilled in full (resident and after eviction), and the front's overhead per call.
     BenchHttp(bench::BenchHttpArgs),
+    /// Shared prefixes: conversations opening with one system prompt, a fork, a branch, each
+    /// beside the same run with prefix_sharing = false.
+    BenchPrefix(bench::BenchPrefixArgs),
     /// Decoding several contexts in one forward pass per step (Session::decode_batch):
     /// aggregate tokens/s and step time per batch size, against one context at a time.
     BenchBatch(bench::BenchBatchArgs),
@@ -123,6 +126,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BenchLoad(a) => a.run(),
         Cmd::BenchSwitch(a) => a.run(),
         Cmd::BenchHttp(a) => a.run(),
+        Cmd::BenchPrefix(a) => a.run(),
         Cmd::BenchBatch(a) => a.run(),
         Cmd::BenchTokenize(a) => a.run(),
         Cmd::BenchDoors(a) => a.run(),

@@ -83,6 +83,100 @@ impl BenchSwitchArgs {
     }
 }
 
+/// `llms bench-prefix`.
+#[derive(Args, Debug)]
+pub struct BenchPrefixArgs {
+    /// Conversations of one app that open with the same system prompt.
+    #[arg(long, default_value_t = 8)]
+    pub conversations: usize,
+    /// Tokens of the system prompt (about; text of the calibration file).
+    #[arg(long, default_value_t = 1024)]
+    pub system_tokens: usize,
+    /// Tokens each answer generates at most.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Tokens of the context forked.
+    #[arg(long, default_value_t = 4096)]
+    pub fork_tokens: usize,
+    /// Forks timed (each deleted after).
+    #[arg(long, default_value_t = 21)]
+    pub fork_reps: usize,
+    /// Turns of the conversation branched through the OpenAI front, and how many.
+    #[arg(long, default_value_t = 10)]
+    pub branch_turns: usize,
+    #[arg(long, default_value_t = 3)]
+    pub branch_reps: usize,
+    /// The service's KV levels. int8 alone by default: a shared chunk is then exactly what each
+    /// context computes, so the answers of both sides can be compared whole.
+    #[arg(long, value_delimiter = ',', default_value = "int8")]
+    pub levels: Vec<String>,
+    #[command(flatten)]
+    pub s: ServiceBenchArgs,
+}
+
+impl BenchPrefixArgs {
+    pub fn run(self) -> Result<()> {
+        let Self { conversations, system_tokens, max_tokens, fork_tokens, fork_reps, branch_turns, branch_reps, levels, s } = self;
+        if !(2..=64).contains(&conversations) || !(16..=8000).contains(&system_tokens) || !(1..=256).contains(&max_tokens) {
+            bail!("--conversations in 2..=64, --system-tokens in 16..=8000, --max-tokens in 1..=256");
+        }
+        if !(16..=16_000).contains(&fork_tokens) || fork_reps == 0 || !(2..=32).contains(&branch_turns) || branch_reps == 0 {
+            bail!("--fork-tokens in 16..=16000, --fork-reps and --branch-reps at least 1, --branch-turns in 2..=32");
+        }
+        let json = s.json;
+        let (dir, mut base, work) = s.setup("prefix")?;
+        base.levels = levels;
+        base.level_formats()?;
+        let text = read_text(Path::new(CALIB_TEXT))?;
+        let shape =
+            crate::prefixbench::Shape { conversations, system_tokens, max_tokens, fork_tokens, fork_reps, branch_turns, branch_reps };
+        let r = crate::prefixbench::run(&base, shape, &work, &dir, &text);
+        let _ = std::fs::remove_dir_all(&work);
+        let r = r?;
+        if json {
+            println!("{}", serde_json::to_string(&r)?);
+            return Ok(());
+        }
+        let mib = |b: u64| b as f64 / f64::from(1 << 20);
+        println!("{conversations} conversations of one app, one {system_tokens}-token system prompt, KV levels {}:", r.levels.join(","));
+        for (name, c) in [("shared", &r.shared), ("not shared", &r.plain)] {
+            println!(
+                "  {name:<11} KV {:>7.1} MiB (resident {:.1} + stored {:.1})   TTFT first {:>7.1} ms, others p50 {:>7.1} ms ({} tokens taken)",
+                mib(c.kv_bytes),
+                mib(c.resident_bytes),
+                mib(c.stored_bytes),
+                c.ttft_first_ms,
+                c.ttft_rest_ms,
+                c.cached_tokens_rest
+            );
+        }
+        println!(
+            "  KV bytes {:.3}x without sharing; the others' TTFT {:.3}x the first's; {}/{} answers identical",
+            r.kv_bytes_vs_plain, r.ttft_rest_vs_first, r.identical_answers, r.answers
+        );
+        println!(
+            "fork of a {}-token context: round trip p50 {:.2} ms (max {:.2}; in mm {:.3} ms, its context file {:.2} ms), {} resident bytes added (a chunk is {})",
+            r.fork.tokens,
+            r.fork.round_trip_ms_p50,
+            r.fork.round_trip_ms_max,
+            r.fork.mm_ms_p50,
+            r.fork.file_ms_p50,
+            r.fork.resident_added_bytes,
+            r.fork.chunk_bytes
+        );
+        println!(
+            "branch at turn {} through the OpenAI front: {} of {} prompt tokens cached; TTFT {:.1} ms vs {:.1} ms without sharing ({:.1}x)",
+            r.branch.turns,
+            r.branch.cached_tokens,
+            r.branch.prompt_tokens,
+            r.branch.ttft_shared_ms,
+            r.branch.ttft_plain_ms,
+            r.branch.speedup
+        );
+        Ok(())
+    }
+}
+
 /// `llms bench-http`.
 #[derive(Args, Debug)]
 pub struct BenchHttpArgs {

@@ -59,6 +59,13 @@ pub enum CtxCmd {
         #[command(flatten)]
         d: DaemonArgs,
     },
+    /// A new context holding CTX's tokens, to go on apart from it (its K/V shared, not
+    /// copied); prints the new id.
+    Fork {
+        ctx: String,
+        #[command(flatten)]
+        d: DaemonArgs,
+    },
     /// Deletes a context and its data.
     Del {
         ctx: String,
@@ -96,6 +103,7 @@ pub fn ctx_cmd(cmd: CtxCmd) -> Result<()> {
                 eprintln!("{}", call_line(&st));
             }
         }
+        CtxCmd::Fork { ctx, d } => println!("{}", d.connect()?.fork(&ctx)?),
         CtxCmd::Del { ctx, d } => d.connect()?.del_ctx(&ctx)?,
         CtxCmd::List { json, d } => {
             let v = d.connect()?.list()?;

@@ -461,12 +461,14 @@ fn finish_reason(stats: &CallStats) -> &'static str {
 
 impl Answer {
     fn usage(&self, s: &CallStats) -> Value {
+        // The continued context's tokens, and what a new (branched) context took from chunks
+        // its app holds: neither was prefilled.
         let prompt = s.prompt_tokens + self.cached;
         json!({
             "prompt_tokens": prompt,
             "completion_tokens": s.output_tokens,
             "total_tokens": prompt + s.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached},
+            "prompt_tokens_details": {"cached_tokens": self.cached + s.cached_tokens},
         })
     }
 
