@@ -183,7 +183,7 @@ fn kill_nine_and_corrupt_records_lose_nothing() {
     // Corrupt every record on flash: the next calls recompute and still answer exactly.
     let mut files = 0;
     for e in walk(&state.join("store")) {
-        if e.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("ctx-")) {
+        if is_context_store(&e) || e.to_string_lossy().contains(POOL_FILE) {
             let mut b = std::fs::read(&e).unwrap();
             for i in (4096 + 100..b.len()).step_by(4096) {
                 b[i] ^= 0x5a;
@@ -192,7 +192,8 @@ fn kill_nine_and_corrupt_records_lose_nothing() {
             files += 1;
         }
     }
-    assert_eq!(files, n, "one store file per context");
+    assert_eq!(walk(&state.join("store")).iter().filter(|e| is_context_store(e)).count(), n, "one store file per context");
+    assert!(files >= n, "the shared chunks' file (when some are shared) is corrupted too");
     let d = Daemon::start(dir.path(), "crash3", &state, &settings);
     let mut c = d.client("app");
     let mut recomputed = 0;
@@ -206,8 +207,16 @@ fn kill_nine_and_corrupt_records_lose_nothing() {
     c.del_ctx(&ids[0]).unwrap();
     assert_eq!(c.list().unwrap().len(), n - 1);
     d.stop();
-    let left = walk(&state.join("store")).into_iter().filter(|p| p.to_string_lossy().contains("ctx-")).count();
+    let left = walk(&state.join("store")).iter().filter(|p| is_context_store(p)).count();
     assert_eq!(left, n - 1, "the deleted context's store file is gone");
+}
+
+/// The store's file of shared chunks (`mm::POOL_CTX`'s), beside one file per context.
+const POOL_FILE: &str = "ctx-ffffffffffffffff.kv";
+
+/// Whether `p` is a context's own store file (not the shared chunks').
+fn is_context_store(p: &Path) -> bool {
+    p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("ctx-") && n != POOL_FILE)
 }
 
 fn base_call() -> Call {
@@ -646,7 +655,7 @@ fn one_bad_context_never_stops_the_service() {
     let err = c.call(&Call { ctx: good.clone(), ..base_call() }, &mut |_| {}).unwrap_err();
     assert!(format!("{err:#}").contains("max_context_tokens"), "{err:#}");
     d.stop();
-    let records = walk(&state.join("store")).into_iter().filter(|p| p.to_string_lossy().contains("ctx-")).count();
+    let records = walk(&state.join("store")).iter().filter(|p| is_context_store(p)).count();
     assert_eq!(records, 1, "the context's records were kept");
     let d = Daemon::start(dir.path(), "d", &state, settings);
     let mut c = d.client("app");
@@ -892,7 +901,7 @@ fn damaged_context_files_are_caught_never_continued() {
         call(&mut c, id, PROMPTS[1], 6);
     }
     d.stop();
-    let records = || walk(&state.join("store")).into_iter().filter(|p| p.to_string_lossy().contains("ctx-")).count();
+    let records = || walk(&state.join("store")).iter().filter(|p| is_context_store(p)).count();
     assert_eq!(records(), 3);
     let file = |id: &str| state.join("contexts").join(format!("{id}.json"));
 

@@ -196,3 +196,170 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// One client of the storm: what it knows of each of its contexts. `tokens` is what `list`
+/// said after the last acknowledged change; `history` the acknowledged (prompt, answer) turns;
+/// `tainted` when a kill may have left a turn in the context that was never acknowledged.
+#[derive(Debug, Clone)]
+struct Known {
+    ctx: String,
+    tokens: u32,
+    history: Vec<(String, String)>,
+    tainted: bool,
+}
+
+const STORM_PROMPTS: [&str; 5] = ["Is it cold?", "Any snow?", "What about wind?", "And fog?", "Thanks."];
+
+/// Forks, calls, deletes and new contexts on one app's contexts until `until`, through kills
+/// of the service (reconnecting as they happen).
+fn storm_client(socket: &std::path::Path, k: u64, until: std::time::Instant) -> Result<Vec<Known>, String> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(k);
+    let sys = system_prompt();
+    let mut mine: Vec<Known> = Vec::new();
+    let connect = || -> Option<Client> { Client::connect(socket, "storm").ok() };
+    let mut c: Option<Client> = None;
+    while std::time::Instant::now() < until {
+        let Some(cl) = c.as_mut() else {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            c = connect();
+            if let Some(cl) = c.as_mut() {
+                // After a reconnect: every acknowledged context is there, with at least its
+                // acknowledged tokens; one with more holds a turn nobody saw acknowledged.
+                let list = cl.list().map_err(|e| e.to_string())?;
+                for m in &mut mine {
+                    let Some(i) = list.iter().find(|i| i.ctx == m.ctx) else {
+                        return Err(format!("client {k}: context {} is gone", m.ctx));
+                    };
+                    if i.tokens < m.tokens {
+                        return Err(format!("client {k}: context {} holds {} tokens, {} acknowledged", m.ctx, i.tokens, m.tokens));
+                    }
+                    m.tainted |= i.tokens != m.tokens;
+                }
+            }
+            continue;
+        };
+        let tokens_of = |cl: &mut Client, ctx: &str| cl.list().ok().and_then(|l| l.into_iter().find(|i| i.ctx == ctx)).map(|i| i.tokens);
+        let r: Result<(), ()> = match rng.gen_range(0..10) {
+            0 | 1 if mine.len() < 6 => {
+                cl.new_ctx(Some(&sys)).map(|ctx| mine.push(Known { ctx, tokens: 0, history: vec![], tainted: false })).map_err(|_| ())
+            }
+            2 | 3 if !mine.is_empty() => {
+                let i = rng.gen_range(0..mine.len());
+                let src = mine[i].clone();
+                match cl.fork(&src.ctx) {
+                    Ok(ctx) => {
+                        let tokens = tokens_of(cl, &ctx).unwrap_or(src.tokens);
+                        mine.push(Known { ctx, tokens, ..src });
+                        Ok(())
+                    }
+                    Err(_) => Err(()),
+                }
+            }
+            4 if mine.len() > 1 => {
+                let i = rng.gen_range(0..mine.len());
+                let gone = mine.remove(i);
+                cl.del_ctx(&gone.ctx).map_err(|_| ())
+            }
+            _ if !mine.is_empty() => {
+                let i = rng.gen_range(0..mine.len());
+                let p = STORM_PROMPTS[rng.gen_range(0..STORM_PROMPTS.len())];
+                let call = Call {
+                    ctx: mine[i].ctx.clone(),
+                    prompt: p.into(),
+                    max_tokens: 6,
+                    temperature: 0.0,
+                    seed: 0,
+                    stop: vec![],
+                    raw: false,
+                    top_p: None,
+                };
+                match cl.call(&call, &mut |_| {}) {
+                    Ok((text, _)) => {
+                        let ctx = mine[i].ctx.clone();
+                        mine[i].history.push((p.into(), text));
+                        mine[i].tokens = tokens_of(cl, &ctx).unwrap_or(0);
+                        Ok(())
+                    }
+                    Err(_) => Err(()),
+                }
+            }
+            _ => Ok(()),
+        };
+        if r.is_err() {
+            // The service was killed (or is starting again): reconnect and check.
+            c = None;
+        }
+    }
+    Ok(mine)
+}
+
+#[test]
+fn a_storm_of_forks_deletes_and_kills_loses_nothing() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // One level (exact), and a budget that keeps evicting shared chunks.
+    let settings = "levels = [\"int8\"]\nratio = 1.0\nbudget = \"6MiB\"\nmax_contexts_per_app = 32\n";
+    let state = dir.path().join("state");
+    let mut d = Daemon::start(dir.path(), "storm", &state, settings);
+    let socket = d.socket.clone();
+    let t0 = std::time::Instant::now();
+    let until = t0 + std::time::Duration::from_secs(40);
+    let clients: Vec<_> = (0..3)
+        .map(|k| {
+            let s = socket.clone();
+            std::thread::spawn(move || storm_client(&s, k, until))
+        })
+        .collect();
+    for at in [12, 26] {
+        while t0.elapsed() < std::time::Duration::from_secs(at) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        d.kill9();
+        d = Daemon::start(dir.path(), "storm", &state, settings);
+    }
+    let known: Vec<Known> =
+        clients.into_iter().flat_map(|h| h.join().unwrap().unwrap_or_else(|e| panic!("{e}\n{}", d.log_text()))).collect();
+    d.stop();
+    let checked: Vec<&Known> = known.iter().filter(|k| !k.tainted && !k.history.is_empty()).collect();
+    eprintln!("storm: {} contexts known, {} checked against a run without sharing", known.len(), checked.len());
+    assert!(checked.len() >= 3, "the storm ran: {known:?}");
+    // Every acknowledged context is there, as acknowledged, after a start that sweeps what
+    // the kills left; a second start finds nothing left to free.
+    let d = Daemon::start(dir.path(), "after", &state, settings);
+    let mut c = d.client("storm");
+    let list = c.list().unwrap();
+    for k in &known {
+        let i = list.iter().find(|i| i.ctx == k.ctx).unwrap_or_else(|| panic!("context {} is gone", k.ctx));
+        assert!(k.tainted || i.tokens == k.tokens, "{k:?} vs {i:?}");
+    }
+    d.stop();
+    let d = Daemon::start(dir.path(), "again", &state, settings);
+    let log = d.log_text();
+    assert!(!log.contains("freed shared chunks"), "a start after a clean stop finds no shared chunk unreachable: {log}");
+    d.stop();
+    // Every acknowledged answer is the one a service without sharing gives to that history.
+    let p = Daemon::start(dir.path(), "plain", &dir.path().join("plain"), &format!("{settings}prefix_sharing = false\n"));
+    let mut c = p.client("storm");
+    let sys = system_prompt();
+    for k in checked {
+        let id = c.new_ctx(Some(&sys)).unwrap();
+        for (prompt, answer) in &k.history {
+            let call = Call {
+                ctx: id.clone(),
+                prompt: prompt.clone(),
+                max_tokens: 6,
+                temperature: 0.0,
+                seed: 0,
+                stop: vec![],
+                raw: false,
+                top_p: None,
+            };
+            let (text, _) = c.call(&call, &mut |_| {}).unwrap();
+            assert_eq!(&text, answer, "context {}: an answer differs from the run without sharing", k.ctx);
+        }
+    }
+    p.stop();
+}

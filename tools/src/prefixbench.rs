@@ -52,6 +52,10 @@ pub struct Conversations {
     pub ttft_rest_ms: f64,
     pub cached_tokens_rest: u64,
     pub prompt_tokens_first: u64,
+    /// Another app then opens a conversation with the same system prompt and first question:
+    /// its TTFT and the tokens it took (none: it never sees the first app's chunks).
+    pub other_app_ttft_ms: f64,
+    pub other_app_cached_tokens: u64,
     #[serde(skip)]
     pub answers: Vec<String>,
 }
@@ -92,6 +96,9 @@ pub struct Report {
     pub kv_bytes_vs_plain: f64,
     /// Conversations 2..N's TTFT over the first's, with sharing.
     pub ttft_rest_vs_first: f64,
+    /// Another app's TTFT for the first conversation's prompt over the first's, with sharing
+    /// (about 1: what the first app holds does not show in another's timing).
+    pub other_app_vs_first: f64,
     /// Answers identical to the run without sharing, of all.
     pub identical_answers: usize,
     pub answers: usize,
@@ -154,6 +161,9 @@ fn run_conversations(l: &Local, shape: &Shape, sys: &str) -> Result<Conversation
         answers.push(call(&mut c, &id, "Say more about that.")?.0);
     }
     let (resident, stored) = l.svc.kv_footprint(Duration::from_secs(60));
+    let mut other = Client::connect(&l.socket, "bench-prefix-other")?;
+    let id = other.new_ctx(Some(sys))?;
+    let (_, ost) = call(&mut other, &id, QUESTIONS[0])?;
     Ok(Conversations {
         resident_bytes: resident,
         stored_bytes: stored,
@@ -163,6 +173,8 @@ fn run_conversations(l: &Local, shape: &Shape, sys: &str) -> Result<Conversation
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         cached_tokens_rest: median(cached[1..].to_vec()) as u64,
         prompt_tokens_first: prompt_first,
+        other_app_ttft_ms: ost.ttft_ms,
+        other_app_cached_tokens: u64::from(ost.cached_tokens),
         answers,
     })
 }
@@ -292,6 +304,7 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
         levels: base.levels.clone(),
         kv_bytes_vs_plain: shared.kv_bytes as f64 / plain.kv_bytes as f64,
         ttft_rest_vs_first: shared.ttft_rest_ms / shared.ttft_first_ms,
+        other_app_vs_first: shared.other_app_ttft_ms / shared.ttft_first_ms,
         identical_answers: identical,
         answers: plain.answers.len(),
         shared,

@@ -77,6 +77,8 @@ pub(super) struct Pool {
     pub index: HashMap<(u64, u64), Vec<Ident>>,
     /// What names each pool chunk (scope, parent, tokens) across restarts (see [`PoolLog`]).
     log: Option<PoolLog>,
+    /// Chunks in the pool: with none, its store file goes too.
+    live: usize,
 }
 
 /// The pool's identities on flash: `pool.log` beside the store's files, a log of records
@@ -312,7 +314,7 @@ impl Manager {
                 None
             }
         };
-        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log };
+        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log, live: 0 };
         for n in live {
             let level = self.store.entry(POOL_CTX, n.p).map(|e| e.meta.format).expect("checked");
             let p = n.p as usize;
@@ -320,6 +322,7 @@ impl Manager {
                 pool.entries.resize_with(p + 1, || None);
             }
             pool.index_add((n.scope, n.prefix_hash), Ident::Pool(n.p));
+            pool.live += 1;
             self.epochs += 1;
             pool.entries[p] = Some(Entry {
                 scope: n.scope,
@@ -335,6 +338,10 @@ impl Manager {
             });
         }
         pool.free = (0..chunk_u32(pool.entries.len())).rev().filter(|&p| pool.entries[p as usize].is_none()).collect();
+        if pool.live == 0 {
+            // Nothing shared: no file left behind for it.
+            self.store.remove_context(POOL_CTX)?;
+        }
         self.pool = Some(pool);
         for p in 0..self.pool.as_ref().map_or(0, |pl| pl.entries.len()) {
             if let Some(meta) = self.pool_meta(chunk_u32(p)) {
@@ -584,6 +591,7 @@ impl Manager {
             return Err(e.into());
         }
         self.epochs += 1;
+        pool.live += 1;
         pool.entries[p as usize] = Some(Entry {
             scope,
             parent,
@@ -676,12 +684,17 @@ impl Manager {
             }
         }
         let _ = region.discard(p as usize);
+        self.store.discard(POOL_CTX, p);
         if let Some(pool) = self.pool.as_mut() {
             pool.free.push(p);
+            pool.live -= 1;
+            if pool.live == 0 {
+                // The last shared chunk went: so does the pool's store file.
+                let _ = self.store.remove_context(POOL_CTX);
+            }
         }
         self.lctru.remove((POOL_CTX, p));
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).remove(&(POOL_CTX, p));
-        self.store.discard(POOL_CTX, p);
         self.levelling.retain(|j| (j.ctx, j.chunk) != (POOL_CTX, p as usize));
     }
 
@@ -905,7 +918,7 @@ mod tests {
             }
         }
         let region = pager.region(4096, 2, Arc::new(Never)).unwrap();
-        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log: None };
+        let mut pool = Pool { region: Arc::new(region), entries: Vec::new(), free: Vec::new(), index: HashMap::new(), log: None, live: 0 };
         pool.index_add((1, 7), Ident::Pool(0));
         pool.index_add((1, 7), Ident::Pool(0));
         pool.index_add((1, 7), Ident::Own(3, 0));

@@ -155,6 +155,10 @@ impl BenchPrefixArgs {
             r.kv_bytes_vs_plain, r.ttft_rest_vs_first, r.identical_answers, r.answers
         );
         println!(
+            "  another app, same prompt after them: TTFT {:.1} ms ({:.2}x the first conversation's), {} tokens taken",
+            r.shared.other_app_ttft_ms, r.other_app_vs_first, r.shared.other_app_cached_tokens
+        );
+        println!(
             "fork of a {}-token context: round trip p50 {:.2} ms (max {:.2}; in mm {:.3} ms, its context file {:.2} ms), {} resident bytes added (a chunk is {})",
             r.fork.tokens,
             r.fork.round_trip_ms_p50,
