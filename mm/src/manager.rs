@@ -260,6 +260,10 @@ struct WriteJob {
     region: Arc<Region>,
     meta: RecordMeta,
     len: usize,
+    /// A record this one replaces, given back once this one is written (a promoted chunk's
+    /// own record: the chunk keeps a record on flash at every moment, and the hole punching
+    /// is off the caller's path).
+    replaces: Option<ChunkId>,
 }
 
 /// The AoT writer: a thread that writes chunks modified by a call right after it returns.
@@ -363,6 +367,13 @@ fn writer_loop(
             let mut f = failures.lock().unwrap_or_else(|e| e.into_inner());
             f.0 += 1;
             f.1 = e.to_string();
+        } else {
+            // (Not a record this batch wrote anew: the chunk became its context's own again.)
+            for (c, k) in jobs.iter().filter_map(|j| j.replaces) {
+                if !batch.iter().any(|(m, _)| (m.context, m.chunk) == (c, k)) {
+                    store.discard(c, k);
+                }
+            }
         }
         for j in &jobs {
             let _ = j.region.unpin(j.meta.chunk as usize);
@@ -1459,10 +1470,29 @@ impl Manager {
 
     /// [`Manager::write_aot`] of `len` bytes of slot `i` of `region` (a context's or the pool's).
     fn write_aot_len(&mut self, ctx: u64, region: &Arc<Region>, i: usize, meta: &RecordMeta, len: usize) -> Result<()> {
-        let Some(w) = &self.writer else { return Ok(()) };
+        self.write_aot_replacing(ctx, region, i, meta, len, None)
+    }
+
+    /// [`Manager::write_aot_len`], and once written the record `replaces` names is discarded
+    /// (at once when there is no writer).
+    fn write_aot_replacing(
+        &mut self,
+        ctx: u64,
+        region: &Arc<Region>,
+        i: usize,
+        meta: &RecordMeta,
+        len: usize,
+        replaces: Option<ChunkId>,
+    ) -> Result<()> {
+        let Some(w) = &self.writer else {
+            if let Some((c, k)) = replaces {
+                self.store.discard(c, k);
+            }
+            return Ok(());
+        };
         region.pin(i)?;
         w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
-        let job = WriteJob { region: Arc::clone(region), meta: *meta, len };
+        let job = WriteJob { region: Arc::clone(region), meta: *meta, len, replaces };
         if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
             self.stats.written_aot += 1;
         } else {

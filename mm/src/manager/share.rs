@@ -613,8 +613,9 @@ impl Manager {
         if region.state(i)? == SlotState::Resident {
             region.discard(i)?;
         }
-        // One record: the pool's (written below); the context's own copy gives its space back.
-        self.store.discard(ctx, chunk_u32(i));
+        // The context's own record is forgotten now and its space given back once the pool's
+        // is written (below): one record per chunk, and one on flash at every moment.
+        self.store.invalidate(ctx, chunk_u32(i));
         self.lctru.remove((ctx, chunk_u32(i)));
         self.lctru.touch((POOL_CTX, p), self.level_index(m.level));
         self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].shared = Some(p);
@@ -625,7 +626,7 @@ impl Manager {
             ex.insert((POOL_CTX, p), meta);
         }
         let pool_region = Arc::clone(&self.pool.as_ref().expect("checked").region);
-        self.write_aot_len(POOL_CTX, &pool_region, p as usize, &meta, len)?;
+        self.write_aot_replacing(POOL_CTX, &pool_region, p as usize, &meta, len, Some((ctx, chunk_u32(i))))?;
         self.share_stats.entry(scope).or_default().promoted += 1;
         Ok(Some(p))
     }
