@@ -172,13 +172,28 @@ fn shared_chunks_outlive_a_restart_and_a_kill() {
     assert_eq!(st.recomputed_chunks, 0, "{st:?}");
     let mid = c.stats().unwrap().sharing;
     assert_eq!(mid.logical_chunks, 2 * mid.unique_chunks, "{mid:?}");
-    c.del_ctx(&ids[1]).unwrap();
-    c.del_ctx(&ids[2]).unwrap();
     d.stop();
+    // The doctor finds every shared chunk reached by a saved context; with the two context
+    // files gone (lost while the service was down), none is, and the next start frees them.
+    let shared = |state: &std::path::Path| -> (u64, u64) {
+        let out = std::process::Command::new(common::llms_bin()).args(["doctor", "--json", "--state-dir"]).arg(state).output().unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+        let c = v.as_array().unwrap().iter().find(|c| c["facility"] == "shared chunks").cloned().unwrap_or_default();
+        (c["named"].as_u64().unwrap_or(0), c["reached"].as_u64().unwrap_or(0))
+    };
+    assert_eq!(shared(&state), (mid.unique_chunks, mid.unique_chunks));
+    for id in &ids[1..] {
+        for ext in ["json", "json.prev"] {
+            let _ = std::fs::remove_file(state.join("contexts").join(format!("{id}.{ext}")));
+        }
+    }
+    assert_eq!(shared(&state), (mid.unique_chunks, 0), "unreachable once no context file names them");
     let d = Daemon::start(dir.path(), "d", &state, exact);
     let mut c = d.client("weather");
     assert_eq!(c.stats().unwrap().sharing.unique_chunks, 0);
     d.stop();
+    assert_eq!(shared(&state), (0, 0), "the start freed them");
     let pool_files: Vec<_> = walk(&state).into_iter().filter(|p| p.to_string_lossy().contains("ctx-ffffffffffffffff")).collect();
     let held: u64 = pool_files.iter().map(|p| std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(p).unwrap()) * 512).sum();
     assert_eq!(held, 0, "no store space is left to shared chunks no context holds: {pool_files:?}");

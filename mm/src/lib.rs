@@ -24,7 +24,8 @@ pub mod weights;
 pub use context::{prefix_hashes, Codec, EngineError, FaultRecompute, Format, KvContext};
 pub use lctru::{ChunkId, Lctru};
 pub use manager::{
-    ChunkInfo, Features, LevelWork, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, SharingStats, Strategy, POOL_CTX,
+    shared_names, ChunkInfo, Features, LevelWork, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, SharedName, SharingStats,
+    Strategy, POOL_CTX,
 };
 pub use planner::{plan, plan_forced, Linear, Plan};
 pub use profile::{Profile, ProfileError};

@@ -21,7 +21,7 @@ use crate::store::{Entry, RecordMeta, Store, StoreError};
 
 mod share;
 use share::Unshare;
-pub use share::{SharingStats, POOL_CTX};
+pub use share::{shared_names, SharedName, SharingStats, POOL_CTX};
 
 /// How contexts are kept: LLMS and the baselines it is compared with, over the same store
 /// and engine.

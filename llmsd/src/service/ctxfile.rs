@@ -239,6 +239,48 @@ pub fn check_state_dir(state_dir: &Path) -> Result<Vec<ContextCheck>> {
     Ok(out)
 }
 
+/// The shared chunks of a state directory's store (one line per model's store).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SharedCheck {
+    pub store: String,
+    /// Chunks the pool's log names, and of them those a saved context reaches (its owner's
+    /// scope, its tokens from position 0): the others are unreachable, and the next start
+    /// frees them and their records.
+    pub named: usize,
+    pub reached: usize,
+}
+
+/// Checks the shared chunks of `state_dir` against its saved contexts (no model needed: the
+/// pool's log names each chunk by scope, parent and tokens; a context file by owner and tokens).
+pub fn check_shared(state_dir: &Path) -> Result<Vec<SharedCheck>> {
+    let mut saved = Vec::new();
+    for c in check_state_dir(state_dir)? {
+        if let Found::Current(s) | Found::Previous(s, _) = read(&state_dir.join("contexts"), &c.ctx) {
+            saved.push((s.owner.scope(), s.tokens));
+        }
+    }
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(state_dir.join("store")).into_iter().flatten().flatten() {
+        let dir = e.path();
+        if !dir.join("pool.log").exists() {
+            continue;
+        }
+        let names = mm::shared_names(&dir);
+        let ct = names.first().map_or(1, |n| n.tokens.len().max(1));
+        let mut reached = std::collections::HashSet::new();
+        for (scope, tokens) in &saved {
+            let mut prev = None;
+            for chunk in tokens.chunks_exact(ct) {
+                let Some(n) = names.iter().find(|n| n.scope == *scope && n.parent == prev && n.tokens == chunk) else { break };
+                reached.insert(n.chunk);
+                prev = Some(n.chunk);
+            }
+        }
+        out.push(SharedCheck { store: dir.display().to_string(), named: names.len(), reached: reached.len() });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

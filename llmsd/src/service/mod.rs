@@ -48,7 +48,7 @@ use crate::kvmm::EngineRecompute;
 use crate::proto::{ErrorCode, Event};
 use call::Job;
 pub use call::StepTrace;
-pub use ctxfile::{check_context_file, check_state_dir, ContextCheck};
+pub use ctxfile::{check_context_file, check_shared, check_state_dir, ContextCheck, SharedCheck};
 pub use http::{Listeners as HttpListeners, NETWORK_UID};
 use registry::CtxEntry;
 use turns::Turns;
@@ -61,6 +61,16 @@ pub struct Owner {
 }
 
 impl Owner {
+    /// The owner's sharing scope in mm ([`Service::scope`] keeps it once computed).
+    pub(crate) fn scope(&self) -> u64 {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(b"llms-scope\0");
+        h.update(self.uid.to_le_bytes());
+        h.update(self.app.as_bytes());
+        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+    }
+
     /// Whether `other` counts in the same per-uid limits as this owner (contexts, text, disk,
     /// queue places, batch share): the same uid — and on TCP, where every peer is
     /// [`NETWORK_UID`], the same app too (one token's app must not use up another's).
@@ -314,14 +324,7 @@ impl Service {
     /// cryptographic hash, so no app can pick a name whose scope is another's (finding a
     /// second preimage of 64 bits is out of reach; FNV, say, would be a few lines of algebra).
     fn scope(&self, owner: &Owner) -> u64 {
-        use sha2::Digest;
-        *lock(&self.scopes).entry(owner.clone()).or_insert_with(|| {
-            let mut h = sha2::Sha256::new();
-            h.update(b"llms-scope\0");
-            h.update(owner.uid.to_le_bytes());
-            h.update(owner.app.as_bytes());
-            u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
-        })
+        *lock(&self.scopes).entry(owner.clone()).or_insert_with(|| owner.scope())
     }
 
     fn session(&self) -> Session {

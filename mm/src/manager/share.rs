@@ -243,6 +243,22 @@ pub struct SharingStats {
     pub forks: u64,
 }
 
+/// A shared chunk as the pool's log names it (for `llms doctor --state-dir`, which reads a
+/// state directory without a model or a running service).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedName {
+    pub chunk: u32,
+    pub scope: u64,
+    pub parent: Option<u32>,
+    pub tokens: Vec<u32>,
+}
+
+/// The shared chunks the pool's log in `store_dir` (a model's store directory) names, as a
+/// start would read them (a damaged record ends the reading).
+pub fn shared_names(store_dir: &std::path::Path) -> Vec<SharedName> {
+    PoolLog::read(store_dir).into_iter().map(|n| SharedName { chunk: n.p, scope: n.scope, parent: n.parent, tokens: n.tokens }).collect()
+}
+
 /// How a chunk leaves the pool for its context's own memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Unshare {

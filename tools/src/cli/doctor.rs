@@ -20,13 +20,19 @@ impl DoctorArgs {
     pub fn run(self) -> Result<()> {
         let Self { json, state_dir } = self;
         let contexts = state_dir.as_deref().map(llmsd::service::check_state_dir).transpose()?;
-        doctor(json, state_dir.as_deref(), contexts.as_deref());
+        let shared = state_dir.as_deref().map(llmsd::service::check_shared).transpose()?;
+        doctor(json, state_dir.as_deref(), contexts.as_deref(), shared.as_deref());
         Ok(())
     }
 }
 
 /// One line per facility: present/usable, and the fix when not.
-fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[llmsd::service::ContextCheck]>) {
+fn doctor(
+    json: bool,
+    state_dir: Option<&std::path::Path>,
+    contexts: Option<&[llmsd::service::ContextCheck]>,
+    shared: Option<&[llmsd::service::SharedCheck]>,
+) {
     let mut checks = Vec::new();
     match uffd_handler::Pager::new() {
         Ok(p) => {
@@ -74,6 +80,13 @@ fn doctor(json: bool, state_dir: Option<&std::path::Path>, contexts: Option<&[ll
             checks.push(json!({"facility": format!("context {}", c.ctx), "ok": c.status != "damaged", "status": c.status,
                 "detail": c.detail, "app": c.app, "uid": c.uid, "tokens": c.tokens}));
         }
+    }
+    for s in shared.unwrap_or_default() {
+        // Unreachable chunks are not damage: the next start frees them (a kill -9 can leave some).
+        checks.push(json!({"facility": "shared chunks", "ok": true, "store": s.store, "named": s.named, "reached": s.reached,
+            "unreachable": s.named - s.reached,
+            "detail": format!("{}: {} shared chunk(s), {} reached by saved contexts, {} unreachable (the next start frees them)",
+                s.store, s.named, s.reached, s.named - s.reached)}));
     }
     if json {
         println!("{}", serde_json::to_string(&checks).unwrap_or_default());
