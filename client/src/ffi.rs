@@ -132,6 +132,26 @@ unsafe fn arg<'a>(p: *const c_char) -> Option<&'a str> {
     unsafe { CStr::from_ptr(p) }.to_str().ok()
 }
 
+/// Writes a new context's `id`, NUL-terminated, into `ctx_out` when `s` is success.
+///
+/// # Safety
+/// `ctx_out` is writable for `ctx_out_len` bytes.
+unsafe fn give_id(s: LlmsStatus, id: &str, ctx_out: *mut c_char, ctx_out_len: usize) -> LlmsStatus {
+    if s != LlmsStatus::LlmsOk {
+        return s;
+    }
+    let bytes = id.as_bytes();
+    if bytes.len() >= ctx_out_len {
+        return fail(LlmsStatus::LlmsErrProtocol, "a context id longer than LLMS_CTX_ID_LEN");
+    }
+    // SAFETY: `ctx_out` holds `ctx_out_len` > `bytes.len()` bytes (checked above).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), ctx_out.cast::<u8>(), bytes.len());
+        *ctx_out.add(bytes.len()) = 0;
+    }
+    s
+}
+
 /// Runs `f` with nothing unwinding into C.
 fn guard(f: impl FnOnce() -> LlmsStatus) -> LlmsStatus {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
@@ -246,18 +266,8 @@ pub unsafe extern "C" fn llms_new_ctx(
         }
         let mut id = String::new();
         let s = c.with(|cl| cl.new_ctx(system).map(|x| id = x));
-        if s == LlmsStatus::LlmsOk {
-            let bytes = id.as_bytes();
-            if bytes.len() >= ctx_out_len {
-                return fail(LlmsStatus::LlmsErrProtocol, "a context id longer than LLMS_CTX_ID_LEN");
-            }
-            // SAFETY: `ctx_out` holds `ctx_out_len` > `bytes.len()` bytes (checked above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), ctx_out.cast::<u8>(), bytes.len());
-                *ctx_out.add(bytes.len()) = 0;
-            }
-        }
-        s
+        // SAFETY: the caller's contract (`ctx_out` writable for `ctx_out_len` bytes).
+        unsafe { give_id(s, &id, ctx_out, ctx_out_len) }
     })
 }
 
@@ -280,18 +290,8 @@ pub unsafe extern "C" fn llms_fork(client: *const LlmsClient, ctx: *const c_char
         let Some(from) = (unsafe { arg(ctx) }) else { return fail(LlmsStatus::LlmsErrInvalidArgument, "ctx: NULL or not UTF-8") };
         let mut id = String::new();
         let s = c.with(|cl| cl.fork(from).map(|x| id = x));
-        if s == LlmsStatus::LlmsOk {
-            let bytes = id.as_bytes();
-            if bytes.len() >= ctx_out_len {
-                return fail(LlmsStatus::LlmsErrProtocol, "a context id longer than LLMS_CTX_ID_LEN");
-            }
-            // SAFETY: `ctx_out` holds `ctx_out_len` > `bytes.len()` bytes (checked above).
-            unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), ctx_out.cast::<u8>(), bytes.len());
-                *ctx_out.add(bytes.len()) = 0;
-            }
-        }
-        s
+        // SAFETY: the caller's contract.
+        unsafe { give_id(s, &id, ctx_out, ctx_out_len) }
     })
 }
 

@@ -78,6 +78,16 @@ int main(int argc, char **argv) {
         llms_free_string(text);
     }
 
+    /* A fork holds the context's tokens and goes on apart from it. */
+    char branch[LLMS_CTX_ID_LEN];
+    CHECK(llms_fork(c, ctx, branch, 8) == LLMS_ERR_INVALID_ARGUMENT, "a short id buffer is refused");
+    CHECK(llms_fork(c, NULL, branch, sizeof branch) == LLMS_ERR_INVALID_ARGUMENT, "a NULL context is refused");
+    CHECK(llms_fork(c, ctx, branch, sizeof branch) == LLMS_OK, "forks the context");
+    CHECK(strlen(branch) == 32 && strcmp(branch, ctx) != 0, "a new 32-digit id");
+    CHECK(llms_fork(c, "00000000000000000000000000000000", branch, sizeof branch) == LLMS_ERR_NOT_FOUND, "forking an unknown context");
+    LlmsCallOptions on_branch = {.ctx = branch, .prompt = "And then?", .max_tokens = 4};
+    CHECK(llms_call(c, &on_branch, NULL, NULL, NULL) == LLMS_OK, "the fork answers");
+
     /* llmsd's own errors come back as codes. */
     LlmsCallOptions bad = {.ctx = "00000000000000000000000000000000", .prompt = "hi", .max_tokens = 4};
     CHECK(llms_call(c, &bad, NULL, NULL, NULL) == LLMS_ERR_NOT_FOUND, "an unknown context");
