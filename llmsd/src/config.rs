@@ -97,6 +97,10 @@ pub struct Config {
     /// the app holds takes those chunks instead of computing them (docs/llmsd.md, "Shared
     /// prefixes"). Never across (uid, app). Off: every context keeps its own copy.
     pub prefix_sharing: bool,
+    /// Files of system-wide instructions every app may share (the one exception to sharing
+    /// inside an app): a context whose prompt opens with one of them, as its system prompt,
+    /// shares those chunks with every other app's. At most 64 KiB each.
+    pub public_prefixes: Vec<PathBuf>,
     /// When swap-store records reach the disk itself: `off`, `batch` or `group[:ms]`
     /// (mm::Durability; docs/llmsd.md). Acknowledged turns survive a power loss in every mode
     /// (the context file is synced per call); this sets how much KV is recomputed after one.
@@ -177,6 +181,7 @@ impl Default for Config {
             prefill_piece: 16,
             prefill_hold: 2.0,
             prefix_sharing: true,
+            public_prefixes: Vec::new(),
             durability: "batch".into(),
             max_connections_per_uid: 16,
             max_contexts_per_uid: 64,
@@ -363,6 +368,15 @@ impl Config {
         self.level_formats()?;
         self.ablations()?;
         self.socket_mode_bits()?;
+        for p in &self.public_prefixes {
+            let len = std::fs::metadata(p).with_context(|| format!("public_prefixes: {}", p.display()))?.len();
+            if len > 64 << 10 {
+                bail!("public_prefixes: {} is {len} bytes, over 64 KiB", p.display());
+            }
+        }
+        if !self.public_prefixes.is_empty() && !self.prefix_sharing {
+            bail!("public_prefixes needs prefix_sharing = true");
+        }
         if !(1.0..=100.0).contains(&self.prefill_hold) {
             bail!("prefill_hold {} must be in [1, 100] (times a decode pass)", self.prefill_hold);
         }

@@ -378,3 +378,47 @@ fn a_storm_of_forks_deletes_and_kills_loses_nothing() {
     }
     p.stop();
 }
+
+#[test]
+fn a_declared_public_prefix_is_shared_across_apps_and_nothing_else() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("instructions.txt");
+    std::fs::write(&file, system_prompt()).unwrap();
+    let exact = "levels = [\"int8\"]\nratio = 1.0\nbudget = \"1GiB\"\n";
+    let run = |name: &str, extra: &str| {
+        let d = Daemon::start(dir.path(), name, &dir.path().join(name), &format!("{exact}{extra}"));
+        let mut out = Vec::new();
+        for app in ["mail", "notes", "maps"] {
+            let mut c = d.client(app);
+            let sys = if app == "maps" { format!("{} Be brief.", system_prompt()) } else { system_prompt() };
+            let id = c.new_ctx(Some(&sys)).unwrap();
+            out.push(call(&mut c, &id, QUESTIONS[1]));
+        }
+        d.stop();
+        out
+    };
+    let plain = run("plain", "prefix_sharing = false\n");
+    let public = run("public", &format!("public_prefixes = [{file:?}]\n"));
+    for (k, ((a, _), (b, _))) in plain.iter().zip(&public).enumerate() {
+        assert_eq!(a, b, "app {k}: the answer is the one computed without sharing");
+    }
+    assert_eq!(public[0].1.cached_tokens, 0, "the first app computes the instructions");
+    // The whole chunks of the declared prefix (BOS and the system turn, ~120 tokens here).
+    let c = public[1].1.cached_tokens;
+    assert!(c >= 96 && c.is_multiple_of(16), "another app takes the declared prefix: {:?}", public[1].1);
+    // An app whose system prompt goes on past the declared text shares the whole chunks that
+    // lie within it, and nothing past them.
+    let within = public[1].1.cached_tokens;
+    assert!(public[2].1.cached_tokens > 0 && public[2].1.cached_tokens <= within, "{:?}", public[2].1);
+    // Without the declaration another app finds nothing (contexts_with_one_system_prompt_...).
+    let refused = refused_public(dir.path());
+    assert!(refused.contains("public_prefixes"), "{refused}");
+}
+
+/// A start with a public prefix file that does not exist: refused, naming the setting.
+fn refused_public(dir: &std::path::Path) -> String {
+    common::refused_start(dir, "bad-public", &format!("public_prefixes = [{:?}]\n", dir.join("missing.txt")))
+}

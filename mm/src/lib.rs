@@ -25,7 +25,7 @@ pub use context::{prefix_hashes, Codec, EngineError, FaultRecompute, Format, KvC
 pub use lctru::{ChunkId, Lctru};
 pub use manager::{
     shared_names, ChunkInfo, Features, LevelWork, LoadReport, Manager, MmConfig, MmError, MmStats, Policy, SharedName, SharingStats,
-    Strategy, POOL_CTX,
+    Strategy, POOL_CTX, PUBLIC_SCOPE,
 };
 pub use planner::{plan, plan_forced, Linear, Plan};
 pub use profile::{Profile, ProfileError};

@@ -21,7 +21,7 @@ use crate::store::{Entry, RecordMeta, Store, StoreError};
 
 mod share;
 use share::Unshare;
-pub use share::{shared_names, SharedName, SharingStats, POOL_CTX};
+pub use share::{shared_names, SharedName, SharingStats, POOL_CTX, PUBLIC_SCOPE};
 
 /// How contexts are kept: LLMS and the baselines it is compared with, over the same store
 /// and engine.
@@ -423,6 +423,8 @@ pub struct Manager {
     pool: Option<share::Pool>,
     /// Each context's sharing scope (the service's (uid, app)).
     scopes: HashMap<u64, u64>,
+    /// Token sequences the integrator declared shared by every scope ([`Manager::set_public_prefixes`]).
+    public: Vec<Vec<u32>>,
     /// Sharing's counters, per scope (an app's figures say nothing of another's).
     share_stats: HashMap<u64, SharingStats>,
     pub stats: MmStats,
@@ -492,6 +494,7 @@ impl Manager {
             epochs: 0,
             pool: None,
             scopes: HashMap::new(),
+            public: Vec::new(),
             share_stats: HashMap::new(),
             stats: MmStats::default(),
         })

@@ -792,3 +792,30 @@ fn a_damaged_pool_log_costs_recomputes_never_wrong_bytes() {
     a3.check().unwrap();
     mm.end(1, &mut a3).unwrap();
 }
+
+#[test]
+fn a_declared_public_prefix_and_only_it_crosses_scopes() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 6 * CT, &mut tok, None).unwrap();
+    let prompt = a.tokens.clone();
+    assert_eq!(mm.cached_prefix(8, &prompt), 0, "nothing is public yet");
+    // The first two chunks and a bit of the third are declared public: two chunks cross.
+    mm.set_public_prefixes(vec![prompt[..2 * CT + 1].to_vec()]);
+    mm.begin(1, &mut a, Load::Planned).unwrap();
+    mm.end(1, &mut a).unwrap();
+    assert_eq!(mm.cached_prefix(8, &prompt), 2, "the public chunks, not the rest");
+    assert_eq!(mm.cached_prefix(7, &prompt), 6, "its own app still finds all of it");
+    mm.set_scope(2, 8);
+    mm.create(2).unwrap();
+    let mut b = FakeKv { tokens: prompt[..2 * CT].to_vec(), ..FakeKv::default() };
+    assert_eq!(mm.restore(2, &mut b).unwrap(), 2);
+    append(&mut mm, 2, &mut b, prompt.len(), &mut tok, Some(&prompt)).unwrap();
+    b.check().unwrap();
+    assert_eq!(mm.sharing_stats(Some(mm::PUBLIC_SCOPE)).unique_chunks, 2);
+    assert_eq!(mm.sharing_stats(Some(7)).unique_chunks, 0, "app 7's own chunks stayed its own");
+}

@@ -68,7 +68,8 @@ impl Owner {
         h.update(b"llms-scope\0");
         h.update(self.uid.to_le_bytes());
         h.update(self.app.as_bytes());
-        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+        // Never mm's PUBLIC_SCOPE (0), the scope of the integrator's public prefixes.
+        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes")).max(1)
     }
 
     /// Whether `other` counts in the same per-uid limits as this owner (contexts, text, disk,
@@ -300,6 +301,7 @@ impl Service {
             ctx_dir,
             state_lock: Mutex::new(Some(state_lock)),
         };
+        svc.declare_public()?;
         svc.restore()?;
         Ok(Arc::new(svc))
     }

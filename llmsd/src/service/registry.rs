@@ -146,18 +146,7 @@ impl Service {
     pub(super) fn new_ctx(&self, owner: &Owner, system_prompt: Option<&str>, auto: bool) -> Result<String, Refusal> {
         let fail = |e: anyhow::Error| refuse(ErrorCode::Failed, crate::describe(&e));
         let (pending, pending_ids) = match system_prompt {
-            Some(p) => {
-                self.turns()?;
-                let text = Turns::system(&self.model, p).map_err(fail)?;
-                let segs = super::history::system_segments(&self.model, p).map_err(|e| refuse(ErrorCode::Failed, e))?;
-                let mut ids = Vec::new();
-                for s in &segs {
-                    ids.extend(
-                        self.model.tokenizer.encode(&s.text, false, s.special).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?,
-                    );
-                }
-                (text, ids)
-            }
+            Some(p) => (Turns::system(&self.model, p).map_err(fail)?, self.system_ids(p)?),
             None => (String::new(), Vec::new()),
         };
         let reg = lock(&self.registry);
@@ -197,6 +186,37 @@ impl Service {
         info!(ctx = %id, app = %owner.app, uid = owner.uid, "context created");
         reg.insert(id.clone(), CtxEntry::usable(saved, self.session()));
         Ok(id)
+    }
+
+    /// The tokens a system prompt `p` becomes at a context's start (after BOS): its turn in
+    /// the model's chat template.
+    pub(super) fn system_ids(&self, p: &str) -> Result<Vec<u32>, Refusal> {
+        self.turns()?;
+        let segs = super::history::system_segments(&self.model, p).map_err(|e| refuse(ErrorCode::Failed, e))?;
+        let mut ids = Vec::new();
+        for s in &segs {
+            ids.extend(self.model.tokenizer.encode(&s.text, false, s.special).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?);
+        }
+        Ok(ids)
+    }
+
+    /// Declares `public_prefixes` to mm: each file's text as a context opens with it as its
+    /// system prompt (BOS, the system turn); a model without turns takes the text as it is.
+    pub(super) fn declare_public(&self) -> Result<()> {
+        let tk = &self.model.tokenizer;
+        let mut all = Vec::new();
+        for path in &self.cfg.public_prefixes {
+            let text = std::fs::read_to_string(path).with_context(|| format!("public_prefixes: {}", path.display()))?;
+            let mut ids: Vec<u32> = tk.bos.filter(|_| tk.add_bos).into_iter().collect();
+            match self.system_ids(&text) {
+                Ok(s) => ids.extend(s),
+                Err(_) => ids.extend(tk.encode(&text, false, false)?),
+            }
+            info!(file = %path.display(), tokens = ids.len(), "a prefix every app may share");
+            all.push(ids);
+        }
+        lock(&self.mm).set_public_prefixes(all);
+        Ok(())
     }
 
     /// A new context of `owner` from `src`'s tokens (`fork`): its full chunks shared with

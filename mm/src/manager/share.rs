@@ -38,6 +38,11 @@ use crate::store::RecordMeta;
 /// in the AoT writer's bookkeeping. The service never gives a context this id.
 pub const POOL_CTX: u64 = u64::MAX;
 
+/// The scope of chunks within a prefix the integrator declared public
+/// ([`Manager::set_public_prefixes`]): found from every scope. A service's own scopes must
+/// not be this value.
+pub const PUBLIC_SCOPE: u64 = 0;
+
 /// A link of a prefix chain: a pool chunk, or a context's own full chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Ident {
@@ -396,6 +401,23 @@ impl Manager {
         self.scopes.insert(ctx, scope);
     }
 
+    /// Declares token sequences every scope may share (an integrator's system-wide
+    /// instructions): a full chunk whose tokens from position 0 lie within one of them is
+    /// found from any scope; nothing else crosses scopes. Chunks already indexed keep their
+    /// scope until their contexts' next call.
+    pub fn set_public_prefixes(&mut self, prefixes: Vec<Vec<u32>>) {
+        self.public = prefixes;
+    }
+
+    /// The scope chunk `i` of `ctx` (holding `tokens`) is shared in: [`PUBLIC_SCOPE`] when its
+    /// whole prefix lies within a declared public prefix, else its context's.
+    fn chunk_scope(&self, ctx: u64, i: usize, tokens: &[u32]) -> Option<u64> {
+        let own = *self.scopes.get(&ctx)?;
+        let end = (i + 1) * self.codec.chunk_tokens();
+        let public = tokens.len() >= end && self.public.iter().any(|p| p.len() >= end && p[..end] == tokens[..end]);
+        Some(if public { PUBLIC_SCOPE } else { own })
+    }
+
     /// What sharing holds and did: in `scope` (an app's), or in all of them.
     pub fn sharing_stats(&self, scope: Option<u64>) -> SharingStats {
         let mine = |s: u64| scope.is_none_or(|x| x == s);
@@ -440,6 +462,12 @@ impl Manager {
     /// A chunk of `scope` holding exactly `tokens` as chunk `i`, after `prev` (none for the
     /// first), whose prefix hashes to `h`.
     fn lookup(&self, scope: u64, h: u64, prev: Option<Ident>, i: usize, tokens: &[u32]) -> Option<Ident> {
+        let keys = [scope, PUBLIC_SCOPE];
+        keys[..if scope == PUBLIC_SCOPE { 1 } else { 2 }].iter().find_map(|&key| self.lookup_in(key, h, prev, i, tokens))
+    }
+
+    /// [`Manager::lookup`] among the chunks shared in `scope` alone.
+    fn lookup_in(&self, scope: u64, h: u64, prev: Option<Ident>, i: usize, tokens: &[u32]) -> Option<Ident> {
         let pool = self.pool.as_ref()?;
         let ct = self.codec.chunk_tokens();
         pool.index.get(&(scope, h))?.iter().copied().find(|&c| match c {
@@ -448,7 +476,7 @@ impl Manager {
                 let Some(x) = self.ctxs.get(&c2) else { return false };
                 j as usize == i
                     && !x.in_call
-                    && self.scopes.get(&c2) == Some(&scope)
+                    && self.chunk_scope(c2, i, &x.tokens) == Some(scope)
                     && x.chunks.get(i).is_some_and(|m| {
                         // Its bytes are at hand: resident, or on flash as they are.
                         let present = x.region.state(i).is_ok_and(|s| s == SlotState::Resident) || self.store.matches(&self.meta(c2, i, m));
@@ -566,8 +594,8 @@ impl Manager {
     /// chunk is neither resident nor readable.
     pub(super) fn promote_own(&mut self, ctx: u64, i: usize) -> Result<Option<u32>> {
         let ct = self.codec.chunk_tokens();
-        let Some(&scope) = self.scopes.get(&ctx) else { return Ok(None) };
         let c = self.ctx(ctx)?;
+        let Some(scope) = self.chunk_scope(ctx, i, &c.tokens) else { return Ok(None) };
         let Some(&m) = c.chunks.get(i) else { return Ok(None) };
         if let Some(p) = m.shared {
             return Ok(Some(p));
@@ -816,10 +844,18 @@ impl Manager {
 
     /// Removes `ctx`'s own chunks from the index (it is in a call, closing, or its tokens change).
     pub(super) fn unindex_own(&mut self, ctx: u64) {
-        let (Some(pool), Some(&scope), Some(c)) = (self.pool.as_mut(), self.scopes.get(&ctx), self.ctxs.get(&ctx)) else { return };
-        for (i, m) in c.chunks.iter().enumerate() {
-            if m.shared.is_none() {
-                pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
+        let Some(c) = self.ctxs.get(&ctx) else { return };
+        let keys: Vec<(usize, Option<u64>, u64)> = c
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.shared.is_none())
+            .map(|(i, m)| (i, self.chunk_scope(ctx, i, &c.tokens), m.prefix_hash))
+            .collect();
+        let Some(pool) = self.pool.as_mut() else { return };
+        for (i, scope, h) in keys {
+            if let Some(scope) = scope {
+                pool.index_remove((scope, h), Ident::Own(ctx, chunk_u32(i)));
             }
         }
     }
@@ -827,12 +863,24 @@ impl Manager {
     /// Adds `ctx`'s own full live chunks to the index (its tokens copied for the check).
     pub(super) fn index_own(&mut self, ctx: u64, tokens: &[u32]) {
         let ct = self.codec.chunk_tokens();
-        let (Some(pool), Some(&scope), Some(c)) = (self.pool.as_mut(), self.scopes.get(&ctx), self.ctxs.get_mut(&ctx)) else { return };
+        if self.pool.is_none() || !self.scopes.contains_key(&ctx) {
+            return;
+        }
+        let Some(c) = self.ctxs.get_mut(&ctx) else { return };
         c.tokens.clear();
         c.tokens.extend_from_slice(tokens);
-        for (i, m) in c.chunks.iter().enumerate() {
-            if m.shared.is_none() && !m.dead && m.tokens as usize == ct {
-                pool.index_add((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
+        let c = &self.ctxs[&ctx];
+        let keys: Vec<(usize, Option<u64>, u64)> = c
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.shared.is_none() && !m.dead && m.tokens as usize == ct)
+            .map(|(i, m)| (i, self.chunk_scope(ctx, i, tokens), m.prefix_hash))
+            .collect();
+        let pool = self.pool.as_mut().expect("checked");
+        for (i, scope, h) in keys {
+            if let Some(scope) = scope {
+                pool.index_add((scope, h), Ident::Own(ctx, chunk_u32(i)));
             }
         }
     }
