@@ -181,6 +181,18 @@ fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
     if s.write_failures > 0 {
         println!("swap store: {} write batch(es) failed, last: {}", s.write_failures, s.last_write_error);
     }
+    let sh = &s.sharing;
+    if sh.logical_chunks > 0 || sh.forks > 0 || sh.reused_tokens > 0 {
+        println!(
+            "shared prefixes (this app): {} chunks held once for {} references, {:.1} MiB saved; {} prompt tokens taken, {} forks, {} copies on write",
+            sh.unique_chunks,
+            sh.logical_chunks,
+            sh.bytes_saved as f64 / 1048576.0,
+            sh.reused_tokens,
+            sh.forks,
+            sh.copied_on_write
+        );
+    }
     if s.weights_budget_bytes > 0 {
         println!(
             "weights paged: {:.1} MiB of the budget, {:.1} MiB resident, {:.1} MiB read from flash",
