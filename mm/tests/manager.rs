@@ -648,6 +648,21 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     mm.begin(2, &mut b, Load::Planned).unwrap();
     b.check().unwrap();
     mm.end(2, &mut b).unwrap();
+    // A fork of a context whose chunks are all on flash: its partial chunk comes from the
+    // source's record, so its first load recomputes nothing.
+    mm.set_scope(4, 7);
+    mm.create(4).unwrap();
+    let mut s = FakeKv::default();
+    append(&mut mm, 4, &mut s, 2 * CT + 2, &mut tok, None).unwrap();
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    mm.set_budget(1 << 30).unwrap();
+    let mut f = FakeKv { tokens: s.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(4, 5, &mut f).unwrap(), 2);
+    let r = mm.begin(5, &mut f, Load::Planned).unwrap();
+    assert_eq!((r.missing, r.recomputed), (0, 0), "{r:?}");
+    f.check().unwrap();
+    mm.end(5, &mut f).unwrap();
 }
 
 #[test]

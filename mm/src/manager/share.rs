@@ -542,22 +542,26 @@ impl Manager {
         self.restore(dst, kv)?;
         self.share_stats.entry(scope).or_default().forks += 1;
         let shared = (0..self.n_chunks(dst)).filter(|&i| self.ctx(dst).is_ok_and(|c| c.chunks[i].shared.is_some())).count();
-        // The partial chunk: a copy of `src`'s when it is resident (else the first load
-        // recomputes it from its few tokens).
+        // The partial chunk: a copy of `src`'s, from its memory or else its record (with
+        // neither, the first load recomputes it from its few tokens).
         let j = n_tok / ct;
         let (sc, dc) = (self.ctx(src)?, self.ctx(dst)?);
         let (Some(&m), Some(&dm)) = (sc.chunks.get(j), dc.chunks.get(j)) else { return Ok(shared) };
         let (sr, dr) = (Arc::clone(&sc.region), Arc::clone(&dc.region));
-        if m.shared.is_some() || m.dead || dm.shared.is_some() || sr.state(j)? != SlotState::Resident {
+        if m.shared.is_some() || m.dead || dm.shared.is_some() || m.tokens != dm.tokens {
             return Ok(shared);
         }
         let len = self.codec.live_bytes(m.level, false);
+        let record = self.meta(src, j, &m);
         let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-        // SAFETY: resident and not in a call: nothing writes it while we copy.
-        buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), len) });
+        if sr.state(j)? == SlotState::Resident {
+            // SAFETY: resident and not in a call: nothing writes it while we copy.
+            buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), len) });
+        } else if self.store.read(&record, buf).is_err() {
+            return Ok(shared);
+        }
         let tail = len.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
         buf[len..tail].fill(0);
-        self.reclaim_for(len)?;
         if dr.state(j)? == SlotState::Resident {
             dr.discard(j)?;
         }
@@ -570,6 +574,8 @@ impl Manager {
         let meta = self.meta(dst, j, &dm);
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((dst, chunk_u32(j)), meta);
         self.lctru.touch((dst, chunk_u32(j)), self.level_index(m.level));
+        // Within the budget again (the copy may be the one thing over it: it is then written).
+        self.reclaim()?;
         Ok(shared)
     }
 
