@@ -764,13 +764,9 @@ impl Manager {
             let level = match how {
                 Unshare::Copy if pool_region.state(p as usize)? == SlotState::Resident => {
                     let len = self.codec.live_bytes(m.level, false);
-                    let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-                    // SAFETY: resident; pinned by this call or by no one while we copy under the lock.
-                    buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(pool_region.slot_ptr(p as usize), len) });
                     // Room for the base format: the engine brings a chunk it cuts into back to it.
                     let room = len.max(self.codec.chunk_bytes(base));
-                    let tail = room.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
-                    buf[len..tail].fill(0);
+                    self.stage_slot(&pool_region, p as usize, len, room);
                     if region.state(i)? == SlotState::Resident {
                         region.discard(i)?;
                     }
@@ -808,6 +804,18 @@ impl Manager {
         Ok(())
     }
 
+    /// Stages the first `len` bytes of resident `slot` of `region` in the arena for
+    /// `Region::copy_from` (page-aligned, whole pages), zeroed after them up to `room`: the
+    /// slot's own pages past `len` may be gone, so it is not copied from in place.
+    fn stage_slot(&mut self, region: &Region, slot: usize, len: usize, room: usize) {
+        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+        // SAFETY: the caller holds the slot resident and nothing writes it meanwhile (its
+        // context is not in a call, or the call is the one asking, and mm holds its lock).
+        buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(region.slot_ptr(slot), len) });
+        let tail = room.max(len).next_multiple_of(uffd_handler::PAGE).min(buf.len());
+        buf[len..tail].fill(0);
+    }
+
     /// The engine is about to forget positions `n..` of `ctx` and write new ones there: the
     /// shared chunks holding any of those positions become the context's own first (a chunk
     /// partly kept is copied; one dropped whole gets fresh memory), so a write never reaches
@@ -832,11 +840,7 @@ impl Manager {
         if m.shared.is_some() || m.dead || len >= room || region.state(j)? != SlotState::Resident {
             return Ok(());
         }
-        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-        // SAFETY: resident; the engine does not run while mm is called.
-        buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(region.slot_ptr(j), len) });
-        let tail = room.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
-        buf[len..tail].fill(0);
+        self.stage_slot(&region, j, len, room);
         if in_call {
             region.unpin(j)?;
         }
