@@ -10,7 +10,7 @@ GEMMA3              := models/gemma-3-270m-q4_k_m.gguf
 CARGO               ?= cargo
 export LLMS_MODEL   ?= $(CURDIR)/$(MODEL)
 
-.PHONY: demo-gemma3 model-gemma3 fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
+.PHONY: lab lab-deps demo-gemma3 model-gemma3 fuzz fuzz-smoke fuzz-build pyenv all deps demo demo-engine test model build lint fmt bench-vs-llama-cpp fixtures clean check-cross test-arm64 test-arm64-ci same-logits-arm64 arm64-tools build-arm64 insns-arm64
 
 all: build
 
@@ -91,11 +91,18 @@ $(PYENV): llmsd/tests/py/requirements.txt
 # The kernel sets tests/isa.rs must cover here (a missing one fails under LLMS_REQUIRE_KERNEL):
 # AVX2 on x86_64 (add avx2+vnni on a CPU with AVX512-VNNI: KERNEL_SETS=avx2,avx2+vnni).
 KERNEL_SETS ?= $(if $(filter x86_64,$(shell uname -m)),avx2,$(if $(filter aarch64,$(shell uname -m)),neon,))
-test: model model-gemma3 deps lint pyenv
+test: model model-gemma3 deps lint pyenv lab-deps
 	LLMS_REQUIRE_KERNEL=1 LLMS_KERNEL_SETS=$(KERNEL_SETS) $(CARGO) test --workspace
 
 fmt:
 	$(CARGO) fmt --all
+
+# The device lab (docs/lab.md): llmsd on a real kernel under qemu. lab-deps installs
+# qemu-system-x86 when missing and downloads the guest kernel and busybox (target/lab/cache).
+lab-deps:
+	tools/lab/lab.sh deps
+lab: build lab-deps
+	tools/lab/lab.sh run smoke
 
 # ARM64: the aarch64 build linked with Debian's gcc-aarch64-linux-gnu and run under qemu-user
 # (qemu-user-static for the tests; qemu-user, whose qemu-aarch64 loads plugins, for the

@@ -190,6 +190,18 @@ pub struct CgroupMem {
     pub events_oom: u64,
 }
 
+impl CgroupMem {
+    /// The limit the group meets first: memory.high (v2: above it the kernel throttles the
+    /// group's allocations and reclaims from it — in the lab's guest, a group held at its
+    /// memory.high stalled 30-90% of the time while memory.max was unset) or memory.max.
+    pub fn limit(&self) -> Option<u64> {
+        match (self.max, self.high) {
+            (Some(m), Some(h)) => Some(m.min(h)),
+            (m, h) => m.or(h),
+        }
+    }
+}
+
 /// Which cgroup files a path holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CgroupKind {
@@ -228,7 +240,8 @@ pub fn read_cgroup(dir: &Path, kind: &CgroupKind) -> Result<CgroupMem> {
         CgroupKind::V1 => Ok(CgroupMem {
             usage: read_limit(&f("memory.usage_in_bytes"))?.unwrap_or(0),
             max: read_limit(&f("memory.limit_in_bytes"))?,
-            high: read_limit(&f("memory.soft_limit_in_bytes")).ok().flatten(),
+            // v1's soft limit is no limit: it only orders reclaim under global pressure.
+            high: None,
             low: None,
             events_high: 0,
             events_max: read_limit(&f("memory.failcnt")).ok().flatten().unwrap_or(0),
@@ -255,21 +268,21 @@ pub struct Sample {
 
 impl Sample {
     /// Free memory as a fraction of what this process may use: the tighter of the system's
-    /// MemAvailable/MemTotal and the cgroup's room under its limit. Works without PSI and
+    /// MemAvailable/MemTotal and the cgroup's room under its limit ([`CgroupMem::limit`]). Works without PSI and
     /// without swap.
     #[allow(clippy::cast_precision_loss)]
     pub fn headroom(&self) -> f64 {
         let sys = if self.mem.total > 0 { self.mem.available as f64 / self.mem.total as f64 } else { 1.0 };
-        let cg = self.cgroup.and_then(|c| c.max.map(|m| m.saturating_sub(c.usage) as f64 / m.max(1) as f64)).unwrap_or(1.0);
+        let cg = self.cgroup.and_then(|c| c.limit().map(|m| m.saturating_sub(c.usage) as f64 / m.max(1) as f64)).unwrap_or(1.0);
         sys.min(cg)
     }
     /// Bytes free before the tighter of the two limits.
     pub fn headroom_bytes(&self) -> u64 {
-        let cg = self.cgroup.and_then(|c| c.max.map(|m| m.saturating_sub(c.usage))).unwrap_or(u64::MAX);
+        let cg = self.cgroup.and_then(|c| c.limit().map(|m| m.saturating_sub(c.usage))).unwrap_or(u64::MAX);
         self.mem.available.min(cg)
     }
     /// The base of [`Sample::headroom`] in bytes.
     pub fn headroom_base(&self) -> u64 {
-        self.cgroup.and_then(|c| c.max).map_or(self.mem.total, |m| m.min(self.mem.total))
+        self.cgroup.and_then(|c| c.limit()).map_or(self.mem.total, |m| m.min(self.mem.total))
     }
 }

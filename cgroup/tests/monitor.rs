@@ -97,6 +97,7 @@ fn fixture_cgroup_trees_v1_v2_and_none() {
     write(&v1, "memory.usage_in_bytes", "536870912\n");
     write(&v1, "memory.limit_in_bytes", "9223372036854771712\n");
     write(&v1, "memory.failcnt", "2\n");
+    write(&v1, "memory.soft_limit_in_bytes", "268435456\n");
     let src = |cg| Sources { proc_root: proc.clone(), psi: Some(proc.join("pressure")), cgroup: cg };
     let s = src(Some((v2.clone(), CgroupKind::V2))).sample(5).unwrap();
     let c = s.cgroup.unwrap();
@@ -105,8 +106,15 @@ fn fixture_cgroup_trees_v1_v2_and_none() {
     assert_eq!(s.headroom_bytes(), 1 << 28);
     assert_eq!(s.cgroup_psi.unwrap().some.total_us, 77, "the v2 group's own memory.pressure");
     assert_eq!(s.watermarks.unwrap(), cgroup::Watermarks { free: 1000 * 4096, min: 40960, low: 81920, high: 122_880 });
+    // memory.high under memory.max is the limit the group meets first.
+    write(&v2, "memory.high", "1946157056\n");
+    let s = src(Some((v2.clone(), CgroupKind::V2))).sample(5).unwrap();
+    assert_eq!(s.cgroup.unwrap().limit(), Some(1_946_157_056));
+    assert_eq!(s.headroom_bytes(), 64 << 20, "the room under memory.high");
+    assert_eq!(s.headroom_base(), 1_946_157_056);
     let s = src(Some((v1.clone(), CgroupKind::V1))).sample(5).unwrap();
     assert_eq!(s.cgroup.unwrap().max, None, "v1's LONG_MAX means unlimited");
+    assert_eq!(s.cgroup.unwrap().limit(), None, "v1's soft limit throttles nothing");
     assert!((s.headroom() - 0.25).abs() < 1e-9);
     let s = src(None).sample(5).unwrap();
     assert!(s.cgroup.is_none() && s.psi.is_some());

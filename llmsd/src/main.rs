@@ -145,6 +145,8 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a log file or the journal gets plain `key=value` fields.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run() {
         eprintln!("llmsd: error: {}", llmsd::describe(&e));

@@ -67,9 +67,11 @@ impl Service {
             match lock(&self.mm).set_budget(target) {
                 Ok(freed) if freed > 0 => {
                     evictions.note();
-                    info!(freed, budget = target, level = ?e.level, need = e.need_to_free, "reclaim under pressure; the monitor holds off headroom until it is re-measured");
+                    info!(freed, budget = target, level = ?e.level, need = e.need_to_free, stall = e.signals.stall, headroom = e.signals.headroom, "reclaim under pressure; the monitor holds off headroom until it is re-measured");
                 }
-                Ok(_) => info!(budget = target, level = ?e.level, "budget follows pressure"),
+                Ok(_) => {
+                    info!(budget = target, level = ?e.level, stall = e.signals.stall, headroom = e.signals.headroom, "budget follows pressure")
+                }
                 Err(err) => warn!("setting the budget to {target}: {err}"),
             }
         }
