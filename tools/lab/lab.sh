@@ -76,6 +76,8 @@ add_module() {
 add_program() {
     local src=$1 dst=$2 lib
     install -D -m 0755 "$src" "$STAGE$dst"
+    # Without debug info: the initramfs lives in the guest's memory.
+    strip "$STAGE$dst" 2>/dev/null || true
     for lib in $(ldd "$src" | awk '/=>/ {print $3} /^[ \t]*\/lib/ {print $1}'); do
         [ -e "$STAGE$lib" ] || install -D -m 0755 "$lib" "$STAGE$lib"
     done
@@ -91,6 +93,7 @@ initramfs() {
     add_program "${LLMS_BIN:-$ROOT/target/release/llms}" /bin/llms
     add_program "${LLMSD_BIN:-$ROOT/target/release/llmsd}" /bin/llmsd
     cp "$LAB/model.gguf" "$STAGE/lab/model.gguf"
+    cp "$LAB/trace.jsonl" "$STAGE/lab/trace.jsonl"
     cp "$HERE"/guest/*.sh "$STAGE/lab/"
     echo "${LAB_ARGS:-}" > "$STAGE/lab/args"
     install -m 0755 "$HERE/guest/init" "$STAGE/init"
@@ -102,9 +105,21 @@ initramfs() {
 # slower than the host; the point is the memory dynamics). Made once by `llms synth`.
 model() {
     [ -s "$LAB/model.gguf" ] && return
+    # Few, wide layers: under TCG each operation has a high fixed cost (a 128-wide 16-layer
+    # shape with twice the KV per token prefilled at 14 tok/s against this one's 34).
     "${LLMS_BIN:-$ROOT/target/release/llms}" synth --dim 256 --layers 4 --heads 4 --kv-heads 4 --ffn 512 \
         --type q8_0 --out "$LAB/model.gguf.tmp" >/dev/null
     mv "$LAB/model.gguf.tmp" "$LAB/model.gguf"
+}
+
+# The apps' trace (docs/traces.md): 8 apps with a context each, Table 3's tasks at a fifth of
+# their lengths, Markov switching, Poisson arrivals; seeded, made on the host (the guest has no
+# corpus).
+trace() {
+    [ -s "$LAB/trace.jsonl" ] && return
+    "${LLMS_BIN:-$ROOT/target/release/llms}" trace gen --out "$LAB/trace.jsonl.tmp" --contexts 8 --apps 8 --calls 48 \
+        --rate 0.4 --seed 1 --scale 0.2 >/dev/null
+    mv "$LAB/trace.jsonl.tmp" "$LAB/trace.jsonl"
 }
 
 qemu_cmd() {
@@ -130,6 +145,7 @@ run() {
     [ -f "$HERE/guest/$scenario.sh" ] || die "no scenario $scenario (tools/lab/guest/$scenario.sh)"
     deps
     model
+    trace
     # The scenario's arguments, quoted for the guest's shell.
     LAB_ARGS=""
     [ $# -eq 0 ] || LAB_ARGS=$(printf '%q ' "$@")
@@ -137,7 +153,7 @@ run() {
     local out="${LAB_OUT:-$LAB/out/$scenario}" acc rc=0
     rm -rf "$out" && mkdir -p "$out"
     DISKS=$(mktemp -d "$LAB/disks.XXXXXX")
-    trap 'rm -rf "$DISKS"' EXIT
+    trap 'rm -rf "$DISKS"' EXIT INT TERM
     local disks=$DISKS
     # vda: llmsd's flash (the guest formats it); vdb: the results, a tar stream the guest writes.
     truncate -s "${LAB_STORE:-2G}" "$disks/store.img"

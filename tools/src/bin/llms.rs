@@ -5,9 +5,10 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use tools::cli::experiment::{ExperimentCmd, TraceCmd};
+use tools::cli::lab::LabCmd;
 use tools::cli::pressure::PressureCmd;
 use tools::cli::service::CtxCmd;
-use tools::cli::{bench, doctor, experiment, model, pressure, record, service, weights};
+use tools::cli::{bench, doctor, experiment, lab, model, pressure, record, service, weights};
 
 #[derive(Parser, Debug)]
 #[command(name = "llms", version, about = "LLMS: an LLM as a system service — command line")]
@@ -95,6 +96,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: PressureCmd,
     },
+    /// The device lab's programs, run inside its guest (docs/lab.md): a memory hog, a
+    /// PSI-driven low-memory killer, the status quo's app, the trace driver, the summary.
+    Lab {
+        #[command(subcommand)]
+        cmd: LabCmd,
+    },
     /// What this machine offers LLMS (userfaultfd, ...), and how to fix what is missing.
     Doctor(doctor::DoctorArgs),
     /// Prefill (pp512) and decode (tg128) speed, like llama-bench.
@@ -139,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::PlanWeights(a) => a.run(),
         Cmd::BenchUffd(a) => a.run(),
         Cmd::Pressure { cmd } => pressure::pressure(cmd),
+        Cmd::Lab { cmd } => lab::lab(cmd),
         Cmd::Doctor(a) => a.run(),
         Cmd::Bench(a) => a.run(),
         Cmd::Synth(a) => a.run(),

@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod doctor;
 pub mod experiment;
+pub mod lab;
 pub mod model;
 pub mod pressure;
 pub mod record;

@@ -1,0 +1,777 @@
+//! `llms lab`: the programs the device lab runs inside its guest (docs/lab.md). They drive the
+//! same apps, trace and memory pressure against three systems and measure what the kernel does:
+//! - `hog`: a process that takes and releases memory in steps, the way a camera or a game does;
+//! - `killer`: a low-memory killer on the guest's PSI triggers, written to lmkd's documented
+//!   rules (no packaged killer runs in a busybox guest: nohang needs Python, earlyoom ignores PSI);
+//! - `app`: the status quo's app, an engine of its own holding its context in plain memory;
+//! - `drive`: replays a trace's calls against llmsd or the status quo's apps, samples the
+//!   kernel's signals, and writes one run's result;
+//! - `summary`: gathers the runs into `summary.json`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use llmsd::stats::percentile;
+
+#[derive(Subcommand, Debug)]
+pub enum LabCmd {
+    /// Holds anonymous memory following a plan of steps `SECONDS:MIB,...` (from its start;
+    /// `SECONDS:N%` is N% of MemTotal),
+    /// touching every held page each `--touch-ms` (a working set, not a cold allocation);
+    /// writes each step's time to get the memory as JSON lines to --out.
+    Hog {
+        #[arg(long)]
+        plan: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 500)]
+        touch_ms: u64,
+    },
+    /// A low-memory killer on the system's PSI triggers, after lmkd's rules: a `full` stall of
+    /// --full-ms in a second kills at once; a `some` stall of --some-ms in a second kills when
+    /// swap is nearly used up (free < 10%) or MemAvailable is under 5%. The victim is the
+    /// process of --cgroup with the highest oom_score_adj (never below 0), the largest first.
+    Killer {
+        #[arg(long)]
+        cgroup: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 70)]
+        some_ms: u64,
+        #[arg(long, default_value_t = 700)]
+        full_ms: u64,
+    },
+    /// The status quo's app: its own engine and context in plain memory, serving JSON-line
+    /// requests on stdin (`{"history": TEXT}` recomputes a lost context, `{"prompt": TEXT,
+    /// "max_tokens": N}` is a call).
+    App {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        #[arg(long, default_value_t = 4096)]
+        capacity: usize,
+    },
+    /// Replays a trace against a system (`llmsd`, `fixed-budget`: llmsd's socket; `status-quo`:
+    /// one `llms lab app` process per context in --apps-cgroup) and writes `result.json` and
+    /// `timeline.jsonl` to --out.
+    Drive {
+        #[arg(long)]
+        system: String,
+        #[arg(long)]
+        scenario: String,
+        #[arg(long)]
+        trace: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        model: PathBuf,
+        /// The apps' cgroup (llmsd's for the llmsd systems).
+        #[arg(long)]
+        apps_cgroup: PathBuf,
+        /// The pressure processes' cgroup.
+        #[arg(long)]
+        pressure_cgroup: PathBuf,
+        #[arg(long, default_value = "/run/llmsd.sock")]
+        socket: PathBuf,
+        /// The killer's and the hog's logs, read into the result.
+        #[arg(long)]
+        killer_log: Option<PathBuf>,
+        #[arg(long)]
+        hog_log: Option<PathBuf>,
+        /// Start no call after this many seconds, of the trace or of the wall (the trace is cut).
+        #[arg(long, default_value_t = 600.0)]
+        max_seconds: f64,
+    },
+    /// Gathers the runs' `result.json` files under DIR into one summary (docs/lab.md).
+    Summary {
+        dir: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+pub fn lab(cmd: LabCmd) -> Result<()> {
+    match cmd {
+        LabCmd::Hog { plan, out, touch_ms } => hog(&parse_plan(&plan)?, &out, touch_ms),
+        LabCmd::Killer { cgroup, out, some_ms, full_ms } => killer(&cgroup, &out, some_ms, full_ms),
+        LabCmd::App { model, threads, capacity } => app(&model, threads, capacity),
+        LabCmd::Drive { system, scenario, trace, out, model, apps_cgroup, pressure_cgroup, socket, killer_log, hog_log, max_seconds } => {
+            let d = Drive { system, scenario, trace, out, model, apps_cgroup, pressure_cgroup, socket, killer_log, hog_log, max_seconds };
+            d.run()
+        }
+        LabCmd::Summary { dir, out } => summary(&dir, &out),
+    }
+}
+
+/// `SECONDS:MIB,...`, times increasing.
+fn parse_plan(s: &str) -> Result<Vec<(f64, usize)>> {
+    let mut v: Vec<(f64, usize)> = Vec::new();
+    for step in s.split(',').filter(|x| !x.is_empty()) {
+        let (t, mb) = step.split_once(':').with_context(|| format!("plan step {step:?}: SECONDS:MIB"))?;
+        let t: f64 = t.parse().with_context(|| format!("plan step {step:?}: {t:?} is not seconds"))?;
+        let mb: usize = match mb.strip_suffix('%') {
+            // A share of the machine's memory: one plan squeezes guests of any size alike.
+            Some(pct) => {
+                let pct: f64 =
+                    pct.parse().ok().filter(|p| (0.0..=100.0).contains(p)).with_context(|| format!("plan step {step:?}: {mb:?}"))?;
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+                let v = (mem_total()? as f64 * pct / 100.0 / MIB as f64) as usize;
+                v
+            }
+            None => mb.parse().with_context(|| format!("plan step {step:?}: {mb:?} is not MiB or a share of memory"))?,
+        };
+        if !t.is_finite() || t < 0.0 || v.last().is_some_and(|&(p, _)| t < p) || mb > 1 << 20 {
+            bail!("plan step {step:?}: times must increase from 0, sizes stay under 1 TiB");
+        }
+        v.push((t, mb));
+    }
+    if v.is_empty() {
+        bail!("an empty plan");
+    }
+    Ok(v)
+}
+
+const MIB: usize = 1 << 20;
+const PAGE: usize = 4096;
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn hog(plan: &[(f64, usize)], out: &Path, touch_ms: u64) -> Result<()> {
+    let mut log = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let start = Instant::now();
+    let mut held: Vec<Box<[u8]>> = Vec::new();
+    let mut last_touch = Instant::now();
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    for &(t, mb) in plan {
+        // Hold (and keep touching) what is held until the step's time.
+        while start.elapsed().as_secs_f64() < t {
+            if last_touch.elapsed() >= Duration::from_millis(touch_ms) {
+                touch(&mut held);
+                last_touch = Instant::now();
+            }
+            std::thread::sleep(Duration::from_millis(touch_ms.clamp(10, 100)));
+        }
+        let asked = Instant::now();
+        held.truncate(mb);
+        while held.len() < mb {
+            // A fresh MiB of noise: the kernel has to find the memory now, and zram cannot
+            // store it as same-filled or well-compressed pages (a game's textures, not zeros).
+            let mut b = vec![0u8; MIB].into_boxed_slice();
+            for w in b.chunks_exact_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                w.copy_from_slice(&x.to_le_bytes());
+            }
+            held.push(b);
+        }
+        writeln!(log, "{}", json!({"t_s": start.elapsed().as_secs_f64(), "mib": mb, "got_ms": ms_since(asked)}))?;
+    }
+    Ok(())
+}
+
+fn touch(held: &mut [Box<[u8]>]) {
+    for b in held {
+        for p in (0..b.len()).step_by(PAGE) {
+            b[p] = b[p].wrapping_add(1);
+        }
+    }
+}
+
+/// `MemTotal` in bytes.
+fn mem_total() -> Result<u64> {
+    let t = std::fs::read_to_string("/proc/meminfo")?;
+    let kb = t.lines().find_map(|l| l.strip_prefix("MemTotal:")?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok());
+    Ok(kb.context("/proc/meminfo: no MemTotal")? * 1024)
+}
+
+/// `MemAvailable`, `SwapTotal`, `SwapFree` in bytes.
+fn meminfo() -> Result<(u64, u64, u64)> {
+    let t = std::fs::read_to_string("/proc/meminfo")?;
+    let get = |k: &str| -> u64 {
+        t.lines().find_map(|l| l.strip_prefix(k)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()).unwrap_or(0) * 1024
+    };
+    Ok((get("MemAvailable:"), get("SwapTotal:"), get("SwapFree:")))
+}
+
+fn procs(cgroup: &Path) -> Vec<i32> {
+    std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap_or_default().lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+fn read_i64(path: &str) -> Option<i64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Resident bytes of a process (statm's second field).
+fn rss(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/statm")).ok().and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok()).unwrap_or(0)
+        * PAGE as u64
+}
+
+fn killer(cgroup: &Path, out: &Path, some_ms: u64, full_ms: u64) -> Result<()> {
+    let psi = Path::new("/proc/pressure/memory");
+    let some = cgroup::PsiTrigger::register(psi, false, some_ms * 1000, 1_000_000, true).context("arming the some trigger")?;
+    let full = cgroup::PsiTrigger::register(psi, true, full_ms * 1000, 1_000_000, true).context("arming the full trigger")?;
+    let mut log = std::fs::File::create(out)?;
+    let start = Instant::now();
+    let mut last_kill: Option<Instant> = None;
+    loop {
+        let fired_some = some.wait(100).unwrap_or(false);
+        let fired_full = full.wait(0).unwrap_or(false);
+        if !fired_some && !fired_full {
+            continue;
+        }
+        // lmkd waits for a victim to die and lets its memory show before the next kill.
+        if last_kill.is_some_and(|k| k.elapsed() < Duration::from_millis(200)) {
+            continue;
+        }
+        let (avail, swap_total, swap_free) = meminfo()?;
+        let total = mem_total()?;
+        let swap_low = swap_total > 0 && swap_free * 10 < swap_total;
+        let mem_low = avail * 20 < total;
+        let reason = if fired_full {
+            "critical: full stall"
+        } else if swap_low {
+            "some stall, swap nearly full"
+        } else if mem_low {
+            "some stall, MemAvailable under 5%"
+        } else {
+            continue;
+        };
+        let victim = procs(cgroup)
+            .into_iter()
+            .filter_map(|pid| Some((read_i64(&format!("/proc/{pid}/oom_score_adj"))?, rss(pid), pid)))
+            .filter(|&(adj, _, _)| adj >= 0)
+            .max();
+        let Some((adj, bytes, pid)) = victim else { continue };
+        // SAFETY: kill(2) with a pid read from the cgroup and SIGKILL; no memory is touched.
+        let r = unsafe { libc::kill(pid, libc::SIGKILL) };
+        let t = Instant::now();
+        while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        last_kill = Some(Instant::now());
+        writeln!(
+            log,
+            "{}",
+            json!({"t_s": start.elapsed().as_secs_f64(), "pid": pid, "adj": adj, "rss": bytes, "reason": reason, "ok": r == 0,
+                   "mem_available": avail, "swap_free": swap_free})
+        )?;
+        log.flush()?;
+    }
+}
+
+#[derive(Deserialize)]
+struct AppReq {
+    #[serde(default)]
+    history: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    max_tokens: usize,
+}
+
+fn app(model_path: &Path, threads: usize, capacity: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let model = Arc::new(::engine::Model::load(model_path)?);
+    let pool = Arc::new(::engine::ThreadPool::new(threads.max(1)));
+    let mut s = ::engine::Session::new(Arc::clone(&model), pool, capacity);
+    let load_ms = ms_since(t0);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    writeln!(out, "{}", json!({"ready": true, "load_ms": load_ms}))?;
+    out.flush()?;
+    for line in std::io::stdin().lock().lines() {
+        let req: AppReq = serde_json::from_str(&line?).context("a request line")?;
+        let reply = if let Some(h) = req.history {
+            let t = Instant::now();
+            let ids = model.tokenizer.encode(&h, true, false)?;
+            let n = ids.len().min(capacity.saturating_sub(256));
+            s.truncate(0);
+            s.eval(&ids[..n], ::engine::Logits::None)?;
+            json!({"recompute_ms": ms_since(t), "tokens": n})
+        } else if let Some(p) = req.prompt {
+            // The context made ready: every page of the process read once, so what the
+            // kernel swapped to zram comes back now (the engine would fault on it anyway).
+            let t = Instant::now();
+            let pages = touch_own_memory();
+            let ready_ms = ms_since(t);
+            let ids = model.tokenizer.encode(&p, s.n_past() == 0, false)?;
+            if s.n_past() + ids.len() + req.max_tokens >= capacity {
+                bail!("the context is full ({} of {capacity} tokens)", s.n_past());
+            }
+            let mut tok = ::engine::sampler::argmax(s.eval(&ids, ::engine::Logits::Last)?);
+            let ttft_ms = ms_since(t);
+            let mut text = Vec::new();
+            for _ in 1..req.max_tokens.max(1) {
+                model.tokenizer.token_bytes(tok, false, &mut text);
+                tok = ::engine::sampler::argmax(s.eval(&[tok], ::engine::Logits::Last)?);
+            }
+            json!({"ready_ms": ready_ms, "pages": pages, "ttft_ms": ttft_ms, "total_ms": ms_since(t), "prompt_tokens": ids.len(),
+                   "output": String::from_utf8_lossy(&text)})
+        } else {
+            bail!("a request with neither history nor prompt");
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// Reads one byte of every page of this process's private writable mappings; returns how many.
+fn touch_own_memory() -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut n = 0;
+    for l in maps.lines() {
+        let mut f = l.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else { continue };
+        if !perms.starts_with("rw") || !perms.ends_with('p') || l.contains("[vvar") || l.contains("[vsyscall") {
+            continue;
+        }
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else { continue };
+        for p in (a..b).step_by(PAGE) {
+            // SAFETY: p lies in a readable mapping of this process (rw-p in /proc/self/maps,
+            // read just now; nothing unmaps memory on this thread meanwhile).
+            unsafe { std::ptr::read_volatile(p as *const u8) };
+            n += 1;
+        }
+    }
+    n
+}
+
+/// One call's measures, as every system reports them.
+#[derive(Debug, Clone, Serialize)]
+struct CallRec {
+    t_s: f64,
+    ctx: usize,
+    /// Call sent → context ready (llmsd: its switch; status quo: restart, reload and
+    /// recompute of a killed app, or faulting its memory back).
+    switch_ms: f64,
+    ttft_ms: f64,
+    total_ms: f64,
+    prompt_tokens: u64,
+    lost: bool,
+    error: Option<String>,
+}
+
+struct StatusQuoApp {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+struct Drive {
+    system: String,
+    scenario: String,
+    trace: PathBuf,
+    out: PathBuf,
+    model: PathBuf,
+    apps_cgroup: PathBuf,
+    pressure_cgroup: PathBuf,
+    socket: PathBuf,
+    killer_log: Option<PathBuf>,
+    hog_log: Option<PathBuf>,
+    max_seconds: f64,
+}
+
+fn write_adj(pid: u32, adj: i32) {
+    let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj.to_string());
+}
+
+impl Drive {
+    fn spawn_app(&self) -> Result<(StatusQuoApp, f64)> {
+        let t = Instant::now();
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["lab", "app", "--model"])
+            .arg(&self.model)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        // Into the apps' group, as a cached background app until it is called.
+        std::fs::write(self.apps_cgroup.join("cgroup.procs"), child.id().to_string()).context("moving an app into its cgroup")?;
+        write_adj(child.id(), 900);
+        let stdin = child.stdin.take().context("stdin")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        if !line.contains("ready") {
+            bail!("the app did not start: {line:?}");
+        }
+        Ok((StatusQuoApp { child, stdin, stdout }, ms_since(t)))
+    }
+
+    fn ask(app: &mut StatusQuoApp, req: &Value) -> Result<Value> {
+        writeln!(app.stdin, "{req}")?;
+        app.stdin.flush()?;
+        let mut line = String::new();
+        if app.stdout.read_line(&mut line)? == 0 {
+            bail!("the app died");
+        }
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    fn run(&self) -> Result<()> {
+        let (_, recs) = crate::trace::read(&self.trace)?;
+        std::fs::create_dir_all(&self.out)?;
+        let llmsd = matches!(self.system.as_str(), "llmsd" | "fixed-budget");
+        if !llmsd && self.system != "status-quo" {
+            bail!("system {:?}: llmsd, fixed-budget or status-quo", self.system);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let sampler = {
+            let (stop, out, apps, pressure, socket) = (
+                Arc::clone(&stop),
+                self.out.join("timeline.jsonl"),
+                self.apps_cgroup.clone(),
+                self.pressure_cgroup.clone(),
+                self.socket.clone(),
+            );
+            std::thread::spawn(move || sample_loop(&stop, &out, &apps, &pressure, llmsd.then_some(socket.as_path())))
+        };
+        let psi0 = (psi_totals(Path::new("/proc/pressure/memory")), psi_totals(&self.apps_cgroup.join("memory.pressure")));
+        let vm0 = vmstat();
+        let start = Instant::now();
+        let mut calls = Vec::new();
+        let mut lost = 0u64;
+        // Per context: llmsd's client and context id, or the status quo's app and its history.
+        let mut clients: HashMap<usize, (llmsd::client::Client, String)> = HashMap::new();
+        let mut apps: HashMap<usize, StatusQuoApp> = HashMap::new();
+        let mut history: HashMap<usize, String> = HashMap::new();
+        for r in &recs {
+            // Bounded by the trace's clock and the wall's: an overloaded system falls behind
+            // the trace, and the guest has a deadline.
+            if r.t > self.max_seconds || start.elapsed().as_secs_f64() > self.max_seconds {
+                break;
+            }
+            let wait = r.t - start.elapsed().as_secs_f64();
+            if wait > 0.0 {
+                std::thread::sleep(Duration::from_secs_f64(wait));
+            }
+            let t_s = start.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let mut rec =
+                CallRec { t_s, ctx: r.ctx, switch_ms: 0.0, ttft_ms: 0.0, total_ms: 0.0, prompt_tokens: 0, lost: false, error: None };
+            if llmsd {
+                let res = (|| -> Result<llmsd::proto::CallStats> {
+                    if let std::collections::hash_map::Entry::Vacant(e) = clients.entry(r.ctx) {
+                        let mut c = llmsd::client::Client::connect(&self.socket, &r.app)?;
+                        let id = c.new_ctx(None)?;
+                        e.insert((c, id));
+                    }
+                    let (c, id) = clients.get_mut(&r.ctx).context("client")?;
+                    let call = llmsd::proto::Call {
+                        ctx: id.clone(),
+                        prompt: r.prompt.clone(),
+                        max_tokens: r.max_tokens,
+                        temperature: 0.0,
+                        seed: 0,
+                        stop: Vec::new(),
+                        raw: true,
+                        top_p: None,
+                    };
+                    Ok(c.call(&call, &mut |_| {})?.1)
+                })();
+                match res {
+                    Ok(st) => {
+                        rec.switch_ms = st.switch_ms;
+                        rec.ttft_ms = st.ttft_ms;
+                        rec.prompt_tokens = u64::from(st.prompt_tokens);
+                    }
+                    Err(e) => {
+                        rec.error = Some(format!("{e:#}"));
+                        clients.remove(&r.ctx);
+                    }
+                }
+            } else {
+                let res = (|| -> Result<Value> {
+                    let mut restart_ms = 0.0;
+                    let dead = apps.get_mut(&r.ctx).is_some_and(|a| a.child.try_wait().ok().flatten().is_some());
+                    if dead {
+                        apps.remove(&r.ctx);
+                        rec.lost = true;
+                    }
+                    let a = match apps.entry(r.ctx) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            let (mut a, ms) = self.spawn_app()?;
+                            restart_ms = ms;
+                            if let Some(h) = history.get(&r.ctx) {
+                                match Self::ask(&mut a, &json!({"history": h})) {
+                                    Ok(v) => restart_ms += v["recompute_ms"].as_f64().unwrap_or(0.0),
+                                    Err(e) => {
+                                        // Killed again while recomputing: no orphan is left.
+                                        let _ = a.child.kill();
+                                        let _ = a.child.wait();
+                                        return Err(e);
+                                    }
+                                }
+                            }
+                            e.insert(a)
+                        }
+                    };
+                    // The called app is in the foreground for its call.
+                    write_adj(a.child.id(), 0);
+                    let v = Self::ask(a, &json!({"prompt": r.prompt, "max_tokens": r.max_tokens}));
+                    write_adj(a.child.id(), 900);
+                    let mut v = v?;
+                    v["restart_ms"] = json!(restart_ms);
+                    Ok(v)
+                })();
+                match res {
+                    Ok(v) => {
+                        rec.switch_ms = v["restart_ms"].as_f64().unwrap_or(0.0) + v["ready_ms"].as_f64().unwrap_or(0.0);
+                        rec.ttft_ms = v["restart_ms"].as_f64().unwrap_or(0.0) + v["ttft_ms"].as_f64().unwrap_or(0.0);
+                        rec.prompt_tokens = v["prompt_tokens"].as_u64().unwrap_or(0);
+                        let h = history.entry(r.ctx).or_default();
+                        h.push_str(&r.prompt);
+                        h.push_str(v["output"].as_str().unwrap_or(""));
+                    }
+                    Err(e) => {
+                        // Killed in the middle of its call: lost, and the call fails.
+                        rec.error = Some(format!("{e:#}"));
+                        rec.lost = true;
+                        apps.remove(&r.ctx);
+                    }
+                }
+            }
+            lost += u64::from(rec.lost);
+            rec.total_ms = ms_since(t);
+            eprintln!(
+                "t {:.1} s ctx {} switch {:.1} ms ttft {:.1} ms tokens {}{}{}",
+                rec.t_s,
+                rec.ctx,
+                rec.switch_ms,
+                rec.ttft_ms,
+                rec.prompt_tokens,
+                if rec.lost { " (context lost)" } else { "" },
+                rec.error.as_deref().map(|e| format!(" error: {e}")).unwrap_or_default()
+            );
+            calls.push(rec);
+        }
+        let wall_s = start.elapsed().as_secs_f64();
+        stop.store(true, Ordering::SeqCst);
+        let _ = sampler.join();
+        for (_, mut a) in apps {
+            let _ = a.child.kill();
+            let _ = a.child.wait();
+        }
+        let psi1 = (psi_totals(Path::new("/proc/pressure/memory")), psi_totals(&self.apps_cgroup.join("memory.pressure")));
+        let vm1 = vmstat();
+        let read_lines = |p: &Option<PathBuf>| -> Vec<Value> {
+            p.as_ref()
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect()
+        };
+        let kills = read_lines(&self.killer_log);
+        let hog = read_lines(&self.hog_log);
+        let mut sw: Vec<f64> = calls.iter().filter(|c| c.error.is_none()).map(|c| c.switch_ms).collect();
+        let mut ttft: Vec<f64> = calls.iter().filter(|c| c.error.is_none()).map(|c| c.ttft_ms).collect();
+        let events = counters(&self.apps_cgroup.join("memory.events"));
+        let oom_kills = events.get("oom_kill").copied().unwrap_or(0)
+            + counters(&self.pressure_cgroup.join("memory.events")).get("oom_kill").copied().unwrap_or(0);
+        let ms = |a: Option<(u64, u64)>, b: Option<(u64, u64)>, full: bool| -> f64 {
+            match (a, b) {
+                #[allow(clippy::cast_precision_loss)]
+                (Some(a), Some(b)) => (if full { b.1.saturating_sub(a.1) } else { b.0.saturating_sub(a.0) }) as f64 / 1e3,
+                _ => f64::NAN,
+            }
+        };
+        let result = json!({
+            "system": self.system,
+            "scenario": self.scenario,
+            "apps": recs.iter().map(|r| r.ctx).max().map_or(0, |m| m + 1),
+            "calls": calls.len(),
+            "failed_calls": calls.iter().filter(|c| c.error.is_some()).count(),
+            "contexts_lost": lost,
+            "oom_kills": oom_kills,
+            "killer_kills": kills.len(),
+            "switch_ms_p50": percentile(&mut sw, 0.5),
+            "switch_ms_p99": percentile(&mut sw, 0.99),
+            "ttft_ms_p50": percentile(&mut ttft, 0.5),
+            "ttft_ms_p99": percentile(&mut ttft, 0.99),
+            "psi_full_ms": ms(psi0.1, psi1.1, true),
+            "psi_some_ms": ms(psi0.1, psi1.1, false),
+            "system_psi_full_ms": ms(psi0.0, psi1.0, true),
+            "system_psi_some_ms": ms(psi0.0, psi1.0, false),
+            "swapped_out_pages": vm1.get("pswpout").copied().unwrap_or(0).saturating_sub(vm0.get("pswpout").copied().unwrap_or(0)),
+            "swapped_in_pages": vm1.get("pswpin").copied().unwrap_or(0).saturating_sub(vm0.get("pswpin").copied().unwrap_or(0)),
+            "hog_got_ms": hog.iter().map(|h| h["got_ms"].clone()).collect::<Vec<_>>(),
+            "hog_got_ms_total": hog.iter().filter_map(|h| h["got_ms"].as_f64()).sum::<f64>(),
+            "wall_s": wall_s,
+            "kills": kills,
+            "calls_detail": calls,
+        });
+        std::fs::write(self.out.join("result.json"), serde_json::to_string_pretty(&result)?)?;
+        println!("{}", serde_json::to_string(&json!({"system": self.system, "contexts_lost": lost, "calls": calls.len()}))?);
+        Ok(())
+    }
+}
+
+fn counters(path: &Path) -> HashMap<String, u64> {
+    std::fs::read_to_string(path).ok().and_then(|t| cgroup::parse_counters(&path.display().to_string(), &t).ok()).unwrap_or_default()
+}
+
+fn vmstat() -> HashMap<String, u64> {
+    counters(Path::new("/proc/vmstat"))
+}
+
+/// PSI `some` and `full` totals, µs.
+fn psi_totals(path: &Path) -> Option<(u64, u64)> {
+    let t = std::fs::read_to_string(path).ok()?;
+    let p = cgroup::parse_psi(&path.display().to_string(), &t).ok()?;
+    Some((p.some.total_us, p.full.total_us))
+}
+
+fn sample_loop(stop: &AtomicBool, out: &Path, apps: &Path, pressure: &Path, socket: Option<&Path>) {
+    let Ok(mut f) = std::fs::File::create(out) else { return };
+    let start = Instant::now();
+    let mut client = socket.and_then(|s| llmsd::client::Client::connect(s, "lab-sampler").ok());
+    while !stop.load(Ordering::SeqCst) {
+        let (avail, swap_total, swap_free) = meminfo().unwrap_or_default();
+        let read = |p: PathBuf| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let budget = client.as_mut().and_then(|c| c.stats().ok()).map(|s| (s.budget_bytes, s.resident_bytes));
+        let v = json!({
+            "t_s": start.elapsed().as_secs_f64(),
+            "mem_available": avail,
+            "swap_used": swap_total.saturating_sub(swap_free),
+            "psi": psi_totals(Path::new("/proc/pressure/memory")),
+            "apps_psi": psi_totals(&apps.join("memory.pressure")),
+            "apps_current": read(apps.join("memory.current")),
+            "pressure_current": read(pressure.join("memory.current")),
+            "budget": budget.map(|b| b.0),
+            "resident": budget.map(|b| b.1),
+        });
+        let _ = writeln!(f, "{v}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn summary(dir: &Path, out: &Path) -> Result<()> {
+    let mut runs = Vec::new();
+    let mut kernel = String::new();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)?.flatten().map(|e| e.path()).filter(|p| p.join("result.json").exists()).collect();
+    dirs.sort();
+    for d in &dirs {
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(d.join("result.json"))?)?;
+        if kernel.is_empty() {
+            kernel = std::fs::read_to_string(d.join("kernel")).unwrap_or_default().trim().to_string();
+        }
+        let mut keep = serde_json::Map::new();
+        for k in [
+            "system",
+            "scenario",
+            "apps",
+            "contexts_lost",
+            "oom_kills",
+            "killer_kills",
+            "switch_ms_p50",
+            "switch_ms_p99",
+            "psi_full_ms",
+            "ttft_ms_p50",
+            "ttft_ms_p99",
+            "hog_got_ms_total",
+            "failed_calls",
+            "calls",
+        ] {
+            keep.insert(k.into(), r[k].clone());
+        }
+        runs.push(Value::Object(keep));
+    }
+    if runs.is_empty() {
+        bail!("no result.json under {}", dir.display());
+    }
+    let s = json!({"guest_kernel": kernel, "runs": runs});
+    std::fs::write(out, serde_json::to_string_pretty(&s)?)?;
+    plots(dir, out.parent().unwrap_or(Path::new(".")))?;
+    println!("{}", serde_json::to_string_pretty(&s)?);
+    Ok(())
+}
+
+/// The runs over time (budget, the apps' PSI full stall, MemAvailable; one line per run) and
+/// their switch latencies as CDFs: `lab-timeline.{svg,png}`, `lab-switch-cdf.{svg,png}` in `to`.
+fn plots(dir: &Path, to: &Path) -> Result<()> {
+    use crate::figure::{Figure, Panel, Series};
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)?.flatten().map(|e| e.path()).filter(|p| p.join("result.json").exists()).collect();
+    dirs.sort();
+    let mut panels = vec![
+        Panel { title: "llmsd's KV budget".into(), y_desc: "MiB".into(), series: vec![] },
+        Panel { title: "apps' PSI full stall".into(), y_desc: "ms, cumulative".into(), series: vec![] },
+        Panel { title: "MemAvailable".into(), y_desc: "MiB".into(), series: vec![] },
+    ];
+    let mut cdf = Panel { title: "switch latency".into(), y_desc: "share of calls".into(), series: vec![] };
+    #[allow(clippy::cast_precision_loss)]
+    for d in &dirs {
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(d.join("result.json"))?)?;
+        let label = format!("{} ({})", r["system"].as_str().unwrap_or("?"), r["scenario"].as_str().unwrap_or("?"));
+        let rows: Vec<Value> = std::fs::read_to_string(d.join("timeline.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let (mut b, mut st, mut av) = (vec![], vec![], vec![]);
+        let (mut next, mut psi0) = (0.0, None);
+        for v in &rows {
+            let t = v["t_s"].as_f64().unwrap_or(0.0);
+            if t < next {
+                continue;
+            }
+            next = t + 1.0;
+            if let Some(x) = v["budget"].as_f64() {
+                b.push((t, x / MIB as f64));
+            }
+            if let Some(full) = v["apps_psi"][1].as_f64() {
+                let base = *psi0.get_or_insert(full);
+                st.push((t, (full - base) / 1e3));
+            }
+            av.push((t, v["mem_available"].as_f64().unwrap_or(0.0) / MIB as f64));
+        }
+        // Every run in every panel, even with no points (the status quo has no budget): a
+        // run keeps its colour across the panels.
+        for (p, pts) in panels.iter_mut().zip([b, st, av]) {
+            p.series.push(Series { label: label.clone(), points: pts });
+        }
+        let mut sw: Vec<f64> =
+            r["calls_detail"].as_array().into_iter().flatten().filter_map(|c| c["switch_ms"].as_f64()).map(|x| x.max(0.01)).collect();
+        sw.sort_by(f64::total_cmp);
+        let n = sw.len().max(1) as f64;
+        cdf.series.push(Series { label, points: sw.iter().enumerate().map(|(i, &x)| (x, (i + 1) as f64 / n)).collect() });
+    }
+    let caption = "The device lab's runs (docs/lab.md)".to_string();
+    Figure { caption: caption.clone(), x_desc: "seconds".into(), log_x: false, log_y: false, decimals: 1, panels }
+        .plot(to, "lab-timeline")?;
+    Figure { caption, x_desc: "switch latency, ms".into(), log_x: true, log_y: false, decimals: 2, panels: vec![cdf] }
+        .plot(to, "lab-switch-cdf")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_parse_and_bad_ones_are_refused() {
+        assert_eq!(parse_plan("0:0,10:200,30:0").unwrap(), vec![(0.0, 0), (10.0, 200), (30.0, 0)]);
+        let half = parse_plan("0:50%").unwrap()[0].1;
+        assert_eq!(half, usize::try_from(mem_total().unwrap() / 2 / MIB as u64).unwrap());
+        for bad in ["", "10", "x:1", "1:x", "5:1,2:1", "-1:3", "0:99999999999", "0:101%", "0:x%"] {
+            assert!(parse_plan(bad).is_err(), "{bad:?}");
+        }
+    }
+}
