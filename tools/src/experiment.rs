@@ -38,7 +38,13 @@ use llmsd::stats::median;
 /// them, f16; `swap` and `lmk` int8 (the cheaper format is only to their advantage).
 /// `llms@R` is llms at the fixed global ratio R (a second llms row beside the chosen one:
 /// the paper's 0.5 next to the ratio found by quality).
+/// The llms policy with `prefix_sharing = false`: what sharing a prefix buys, beside `llms`.
+pub const NOSHARE: &str = "llms-noshare";
+
 pub fn policy_config(base: &Config, policy: &str) -> Config {
+    if policy == NOSHARE {
+        return Config { prefix_sharing: false, ..policy_config(base, "llms") };
+    }
     let (name, levels, ratio): (&str, Vec<String>, f64) = match (policy, policy.strip_prefix("llms@").and_then(parse_ratio)) {
         (_, Some(r)) => ("llms", base.levels.clone(), r),
         ("llms", None) => ("llms", base.levels.clone(), base.ratio),
@@ -55,10 +61,10 @@ pub fn parse_ratio(s: &str) -> Option<f64> {
 
 /// Checks an experiment's policy name: one of [`mm::Policy`]'s, or `llms@R`.
 pub fn check_policy(p: &str) -> Result<()> {
-    if mm::Policy::parse(p).is_some() || p.strip_prefix("llms@").and_then(parse_ratio).is_some() {
+    if mm::Policy::parse(p).is_some() || p.strip_prefix("llms@").and_then(parse_ratio).is_some() || p == NOSHARE {
         return Ok(());
     }
-    bail!("policy {p:?}: llms, llms@R (R a ratio in (0, 1]), vllm-sq, vllm-s, swap or lmk")
+    bail!("policy {p:?}: llms, llms@R (R a ratio in (0, 1]), {NOSHARE}, vllm-sq, vllm-s, swap or lmk")
 }
 
 /// One ratio tried by [`ratio_by_quality`]: its perplexity on each text and the change from
@@ -222,6 +228,7 @@ fn trace_params(
         scale,
         markov_decay: 0.5,
         corpus: corpus.to_vec(),
+        system_tokens: 0,
     })
 }
 
@@ -354,9 +361,17 @@ pub struct MaxContexts {
     pub scale_with_length: bool,
     pub seed: u64,
     pub corpus: Vec<PathBuf>,
+    /// Tokens of each app's system prompt (at the largest length, scaled as the deltas are).
+    pub system_tokens: usize,
 }
 
 impl MaxContexts {
+    /// The system prompt's tokens at `length` (scaled with the deltas).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    pub fn system_tokens_at(&self, length: usize) -> usize {
+        (self.system_tokens as f64 * self.scale_at(length) / self.scale).round() as usize
+    }
+
     /// The delta scale of the traces for maximum context length `length`.
     #[allow(clippy::cast_precision_loss)]
     pub fn scale_at(&self, length: usize) -> f64 {
@@ -429,7 +444,10 @@ pub fn max_contexts(
                 let mut curve = Vec::new();
                 for &n in &s.contexts {
                     let scale = s.scale_at(length);
-                    let p = trace_params(n, s.calls_per_context, &s.pattern, 1.0, scale, s.seed, &s.corpus)?;
+                    let p = GenParams {
+                        system_tokens: s.system_tokens_at(length),
+                        ..trace_params(n, s.calls_per_context, &s.pattern, 1.0, scale, s.seed, &s.corpus)?
+                    };
                     let sum = run_trace(&cfg, &p, Pace::Compressed, work, profiles)?;
                     let r = MaxRun {
                         budget: budget.clone(),
@@ -482,7 +500,11 @@ pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRu
         if s.scale_with_length { " at the largest length, proportional to the length below it" } else { "" },
         s.seed,
         s.contexts.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
-    );
+    ) + &if s.system_tokens > 0 {
+        format!(" Every context opens with its app's system prompt of {} tokens (4 apps){}.", s.system_tokens, if by_length { " at the largest length, proportional below" } else { "" })
+    } else {
+        String::new()
+    };
     let fig = Figure {
         caption,
         x_desc: if by_length { "max context length (tokens)".into() } else { "budget (MiB)".into() },

@@ -35,6 +35,8 @@ pub struct CallResult {
     /// Positions the sliding window dropped before this call (the context was rebuilt from
     /// its start and its most recent tokens: its prefill, not its switch, pays for that).
     pub slid_tokens: u32,
+    /// Prompt tokens taken from chunks the app's other contexts hold (prefix sharing).
+    pub cached_tokens: u32,
     pub missing_chunks: u32,
     pub read_chunks: u32,
     pub recomputed_chunks: u32,
@@ -61,6 +63,8 @@ pub struct Summary {
     pub recomputed_chunks: u64,
     /// Calls whose context slid (was rebuilt) before them.
     pub slid_calls: usize,
+    /// Prompt tokens taken from shared chunks instead of prefilled.
+    pub cached_tokens: u64,
     pub max_resident_bytes: u64,
     pub seconds: f64,
 }
@@ -85,6 +89,7 @@ pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
         read_chunks: rs.iter().map(|r| u64::from(r.read_chunks)).sum(),
         recomputed_chunks: rs.iter().map(|r| u64::from(r.recomputed_chunks)).sum(),
         slid_calls: rs.iter().filter(|r| r.slid_tokens > 0).count(),
+        cached_tokens: rs.iter().map(|r| u64::from(r.cached_tokens)).sum(),
         max_resident_bytes: rs.iter().map(|r| r.resident_bytes).max().unwrap_or(0),
         seconds,
     }
@@ -129,7 +134,7 @@ pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each
                 Some((app, id)) if *app == r.app => id.clone(),
                 Some(_) => bail!("record {i}: context {} changes app", r.ctx),
                 None => {
-                    let id = c.new_ctx(None)?;
+                    let id = c.new_ctx(r.system.as_deref())?;
                     ids.insert(r.ctx, (r.app.clone(), id.clone()));
                     id
                 }
@@ -178,6 +183,7 @@ pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each
                 output_tokens: st.output_tokens,
                 context_tokens: st.context_tokens,
                 slid_tokens: st.slid_tokens,
+                cached_tokens: st.cached_tokens,
                 missing_chunks: st.missing_chunks,
                 read_chunks: st.read_chunks,
                 recomputed_chunks: st.recomputed_chunks,

@@ -98,6 +98,10 @@ pub struct GenParams {
     pub markov_decay: f64,
     /// Files the prompts' text comes from.
     pub corpus: Vec<PathBuf>,
+    /// Tokens of each app's system prompt (corpus text, one per app), which every context of
+    /// the app opens with: what prefix sharing shares. 0: none.
+    #[serde(default)]
+    pub system_tokens: usize,
 }
 
 /// The first line of a trace.
@@ -123,6 +127,9 @@ pub struct Record {
     pub delta_words: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expected_output: Option<String>,
+    /// On a context's first call: the system prompt its app opens every context with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system: Option<String>,
 }
 
 /// Words per token, roughly, for English under BPE tokenizers: delta lengths are in tokens,
@@ -159,6 +166,19 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
         bail!("rate must be > 0, scale in (0, 4], markov_decay in (0, 1)");
     }
     let words = load_words(&p.corpus)?;
+    // Each app's system prompt, from a generator of its own: the calls are the same with and
+    // without system prompts, so a comparison changes only what they add.
+    let systems: Vec<Option<String>> = (0..p.apps)
+        .map(|a| {
+            (p.system_tokens > 0).then(|| {
+                let mut r = ChaCha8Rng::seed_from_u64(p.seed ^ 0x5157_0000 ^ a as u64);
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+                let n = ((p.system_tokens as f64 * WORDS_PER_TOKEN).round() as usize).clamp(1, words.len() / 2);
+                let start = r.gen_range(0..words.len() - n);
+                words[start..start + n].join(" ")
+            })
+        })
+        .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
     let tasks: Vec<Task> = (0..p.contexts).map(|i| TASKS[(i + rng.gen_range(0..TASKS.len())) % TASKS.len()]).collect();
     let mean_delta = |t: &Task| (t.delta.0 + t.delta.1) as f64 / 2.0;
@@ -204,6 +224,7 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
             max_tokens: task.max_tokens,
             delta_words: n,
             expected_output: None,
+            system: if i < p.contexts { systems[ctx % p.apps].clone() } else { None },
         });
     }
     let header = Header { llms_trace: TRACE_VERSION, generator: p.clone(), tasks: tasks.iter().map(|t| t.name.to_string()).collect() };
@@ -263,7 +284,18 @@ mod tests {
 
     fn params(pattern: Pattern) -> GenParams {
         let corpus = vec![PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/gpl-3.txt"))];
-        GenParams { contexts: 8, apps: 3, calls: 4000, pattern, rate: 2.0, seed: 7, scale: 1.0, markov_decay: 0.5, corpus }
+        GenParams {
+            contexts: 8,
+            apps: 3,
+            calls: 4000,
+            pattern,
+            rate: 2.0,
+            seed: 7,
+            scale: 1.0,
+            markov_decay: 0.5,
+            corpus,
+            system_tokens: 0,
+        }
     }
 
     #[test]
@@ -323,6 +355,28 @@ mod tests {
         let near = (0..8).min_by(|&a, &b| (mean(&h.tasks[a]) - mu).abs().total_cmp(&(mean(&h.tasks[b]) - mu).abs())).unwrap();
         let n = |c: usize| g.iter().filter(|r| r.ctx == c).count();
         assert!(n(near) > n(far), "moderate {} vs extreme {}", n(near), n(far));
+    }
+
+    #[test]
+    fn system_prompts_are_per_app_and_change_nothing_else() {
+        let base = GenParams { calls: 40, ..params(Pattern::Markov) };
+        let (_, plain) = generate(&base).unwrap();
+        let (_, with) = generate(&GenParams { system_tokens: 200, ..base }).unwrap();
+        let strip = |r: &Record| Record { system: None, ..r.clone() };
+        assert_eq!(plain, with.iter().map(strip).collect::<Vec<_>>(), "the calls are the same");
+        // Every context's first call carries its app's prompt; no later call does.
+        let mut by_app = std::collections::HashMap::new();
+        for (i, r) in with.iter().enumerate() {
+            let first = with[..i].iter().all(|x| x.ctx != r.ctx);
+            assert_eq!(r.system.is_some(), first, "call {i}");
+            if let Some(s) = &r.system {
+                assert_eq!(by_app.entry(r.app.clone()).or_insert_with(|| s.clone()), s, "one prompt per app");
+                let words = s.split_whitespace().count();
+                assert_eq!(words, 150, "200 tokens of words");
+            }
+        }
+        assert_eq!(by_app.len(), 3);
+        assert_eq!(by_app.values().collect::<std::collections::HashSet<_>>().len(), 3, "apps differ");
     }
 
     #[test]

@@ -24,6 +24,7 @@ fn a_short_trace_replays_under_every_policy() {
         scale: 0.06,
         markov_decay: 0.5,
         corpus: vec![fixture("gpl-3.txt")],
+        system_tokens: 0,
     };
     let (h, recs) = generate(&p).unwrap();
     let path = dir.path().join("trace.jsonl");
@@ -73,6 +74,58 @@ fn a_short_trace_replays_under_every_policy() {
     for (i, o) in outputs.iter().enumerate().skip(2) {
         assert_eq!(*o, outputs[1], "policy #{i} differs from vllm-sq");
     }
+}
+
+/// A trace whose contexts open with their app's system prompt: with prefix sharing the later
+/// contexts of an app take the prompt's whole chunks (`cached_tokens`), without it none, and
+/// with one KV level the answers are the same either way.
+#[test]
+fn system_prompts_are_shared_by_an_apps_contexts() {
+    if require_kernel("userfaultfd", uffd_handler::Pager::new()).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = GenParams {
+        contexts: 4,
+        apps: 2,
+        calls: 6,
+        pattern: Pattern::Random,
+        rate: 1.0,
+        seed: 5,
+        scale: 0.05,
+        markov_decay: 0.5,
+        corpus: vec![fixture("gpl-3.txt")],
+        system_tokens: 80,
+    };
+    let (h, recs) = generate(&p).unwrap();
+    let mut runs = Vec::new();
+    for policy in ["llms", "llms-noshare"] {
+        let state = dir.path().join(policy);
+        let base = Config {
+            model: model_path(),
+            socket: state.join("s.sock"),
+            state_dir: state.clone(),
+            budget: "64MiB".into(),
+            levels: vec!["int8".into()],
+            ratio: 1.0,
+            load_profile: false,
+            pressure: false,
+            threads: 2,
+            ..Config::default()
+        };
+        let local = Local::start(tools::experiment::policy_config(&base, policy)).unwrap();
+        let results = tools::replay::replay(&local.socket, &h, &recs, &mut |_| {}).unwrap();
+        local.stop().unwrap();
+        runs.push(results);
+    }
+    let cached = |rs: &[tools::replay::CallResult]| rs.iter().map(|r| r.cached_tokens).sum::<u32>();
+    // Contexts 2 and 3 are their apps' second: each takes the whole chunks of its prompt's
+    // system part (80 tokens of words and the turn markup: at least 3 chunks of 16).
+    assert!(cached(&runs[0]) >= 2 * 48, "shared: {} tokens", cached(&runs[0]));
+    assert!(runs[0].iter().take(2).all(|r| r.cached_tokens == 0), "an app's first context has nothing to take");
+    assert_eq!(cached(&runs[1]), 0, "prefix_sharing = false takes nothing");
+    let out = |rs: &[tools::replay::CallResult]| rs.iter().map(|r| r.output.clone()).collect::<Vec<_>>();
+    assert_eq!(out(&runs[0]), out(&runs[1]), "the same answers with and without sharing");
 }
 
 #[test]
@@ -302,6 +355,7 @@ fn the_other_experiments_run_and_write_their_figures() {
         scale: 0.05,
         markov_decay: 0.5,
         corpus: corpus.clone(),
+        system_tokens: 0,
     })
     .unwrap();
     assert_eq!(h.generator.rate, 4.0);
@@ -314,19 +368,24 @@ fn the_other_experiments_run_and_write_their_figures() {
         lengths: vec![256, 512],
         bounds_ms: vec![1e-6],
         contexts: vec![2, 3],
-        policies: vec!["lmk".into()],
+        policies: vec!["lmk".into(), "llms-noshare".into()],
         pattern: "random".into(),
         calls_per_context: 2,
         scale: 0.05,
         scale_with_length: true,
         seed: 1,
         corpus,
+        system_tokens: 64,
     };
     assert!((s.scale_at(256) - 0.025).abs() < 1e-12 && (s.scale_at(512) - 0.05).abs() < 1e-12);
+    assert_eq!((s.system_tokens_at(256), s.system_tokens_at(512)), (32, 64), "the system prompt scales with the deltas");
     let (runs, rows) = ex::max_contexts(&base, &s, &work, dir.path(), &mut |_| {}).unwrap();
-    assert_eq!(runs.len(), 2, "lmk passes a bound of 1 ns at once: one run per length");
+    assert_eq!(runs.len(), 4, "a bound of 1 ns is passed at once: one run per length and policy");
     assert!(rows.iter().all(|r| !r.at_least && r.max_contexts < 2.0), "{rows:?}");
-    check(ex::write_max_contexts(&out, "maxctx", &s, &runs, &rows).unwrap(), &["under 0.000001 ms", " 512 |"]);
+    check(
+        ex::write_max_contexts(&out, "maxctx", &s, &runs, &rows).unwrap(),
+        &["under 0.000001 ms", " 512 |", "system prompt of 64 tokens", "| llms-noshare |"],
+    );
 
     let model = std::sync::Arc::new(engine::Model::load(&model_path()).unwrap());
     let pool = std::sync::Arc::new(engine::ThreadPool::new(2));

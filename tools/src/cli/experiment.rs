@@ -49,6 +49,11 @@ pub struct TraceExp {
     /// Text files for the prompts [default: /usr/share/common-licenses/*].
     #[arg(long)]
     corpus: Vec<PathBuf>,
+    /// Tokens of a system prompt per app that every context of the app opens with (at the
+    /// largest length when the deltas scale with it, proportionally fewer below): what prefix
+    /// sharing shares; the policy `llms-noshare` is llms with `prefix_sharing = false`. 0: none.
+    #[arg(long, default_value_t = 0)]
+    system_tokens: usize,
     #[arg(long, default_value = "docs/results")]
     out_dir: PathBuf,
     /// Where the load profiles are (measured there if missing); runs use fresh stores under it.
@@ -510,6 +515,7 @@ fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale
         scale_with_length,
         seed: x.t.seed,
         corpus: env.corpus.clone(),
+        system_tokens: x.t.system_tokens,
     };
     println!("{:<8} {:>8} {:<8} {:>8} {:>12} {:>6}", "budget", "length", "policy", "contexts", "switch_ms", "slid");
     let r = ex::max_contexts(&env.base, &s, &env.work, &env.profiles, &mut |r| {
@@ -562,6 +568,10 @@ pub enum TraceCmd {
         /// Text files the prompts come from [default: /usr/share/common-licenses/*].
         #[arg(long)]
         corpus: Vec<PathBuf>,
+        /// Tokens of a system prompt per app that every context of the app opens with (corpus
+        /// text): what the service's prefix sharing shares. 0: none.
+        #[arg(long, default_value_t = 0)]
+        system_tokens: usize,
     },
     /// Replays a trace: against a running llmsd (--socket) or one started here with the given
     /// policy and budget; per-call results as JSON lines (--out) and a summary.
@@ -610,11 +620,11 @@ pub enum TraceCmd {
 
 pub fn trace_cmd(cmd: TraceCmd) -> Result<()> {
     match cmd {
-        TraceCmd::Gen { out, contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus } => {
+        TraceCmd::Gen { out, contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus, system_tokens } => {
             let pattern =
                 crate::trace::Pattern::parse(&pattern).with_context(|| format!("--pattern {pattern:?}: random, markov or gaussian"))?;
             let corpus = if corpus.is_empty() { crate::trace::default_corpus() } else { corpus };
-            let p = crate::trace::GenParams { contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus };
+            let p = crate::trace::GenParams { contexts, apps, calls, pattern, rate, seed, scale, markov_decay, corpus, system_tokens };
             let (h, recs) = crate::trace::generate(&p)?;
             crate::trace::write(&out, &h, &recs)?;
             eprintln!("wrote {} calls over {contexts} contexts to {}", recs.len(), out.display());
