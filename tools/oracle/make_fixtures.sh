@@ -8,6 +8,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/
   python3 -m venv "$VENV"
   CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install --quiet "llama-cpp-python==0.3.36"
 fi
+# gguf-py (llama.cpp's own Python package) dequantizes every tensor type for the f64 reference.
+"$VENV/bin/python" -c "import gguf" 2>/dev/null || "$VENV/bin/pip" install --quiet "gguf==0.19.0"
 mkdir -p tests/fixtures
 cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
 # The KV accuracy texts: the GPL-3 text and tests/fixtures/heapq.py.txt (Python 3.11's heapq
@@ -17,6 +19,10 @@ cp /usr/share/common-licenses/GPL-3 tests/fixtures/gpl-3.txt
 # Gemma 3 270M (make model-gemma3): its own texts and prompts, the same measures.
 FIXTURE_SET=gemma3 "$VENV/bin/python" tools/oracle/make_fixtures.py models/gemma-3-270m-q4_k_m.gguf tests/fixtures/gpl-3.txt tests/fixtures/gemma3.json \
   tests/fixtures/gpl-3.txt tests/fixtures/heapq.py.txt
+# An exact f64 forward pass of each real model, and llama.cpp's distance from it with the spread
+# its own rounding scheme shows (tests/fixtures/f64_*.json; engine/tests/llama_cpp_oracle.rs).
+"$VENV/bin/python" tools/oracle/f64_reference.py "${LLMS_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}" tests/fixtures/f64_smollm2.json --noise-runs 5 >/dev/null
+"$VENV/bin/python" tools/oracle/f64_reference.py models/gemma-3-270m-q4_k_m.gguf tests/fixtures/f64_gemma3.json --noise-runs 5 >/dev/null
 # The architecture cases (tests/fixtures/synth.json): random-weight models written by
 # `llms synth`, llama.cpp's logits on each.
 cargo build --release -p tools --bin llms

@@ -42,13 +42,17 @@ pub struct LogitsArgs {
     pub prompt_file: PathBuf,
     #[arg(long, default_value_t = 10)]
     pub top: usize,
+    /// The highest logits at every position (`"positions": [[..], ..]`), not only the last:
+    /// what a comparison against a reference over a whole text needs.
+    #[arg(long)]
+    pub all_positions: bool,
     #[command(flatten)]
     pub m: ModelArgs,
 }
 
 impl LogitsArgs {
     pub fn run(self) -> Result<()> {
-        let Self { prompt_file, top, m } = self;
+        let Self { prompt_file, top, all_positions, m } = self;
         let (model, pool, sp) = load_sparse(&m)?;
         let ids = encode(&model, &read_text(&prompt_file)?, true)?;
         if ids.is_empty() {
@@ -56,11 +60,18 @@ impl LogitsArgs {
         }
         let mut s = Session::new(Arc::clone(&model), pool, ids.len());
         s.set_sparsity(sp)?;
-        let logits = s.eval(&ids, Logits::Last)?;
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        let top: Vec<_> = idx.iter().take(top).map(|&i| json!({"id": i, "logit": logits[i]})).collect();
-        println!("{}", json!({"tokens": ids, "top": top}));
+        let highest = |logits: &[f32]| {
+            let mut idx: Vec<usize> = (0..logits.len()).collect();
+            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            idx.iter().take(top).map(|&i| json!({"id": i, "logit": logits[i]})).collect::<Vec<_>>()
+        };
+        if all_positions {
+            let logits = s.eval(&ids, Logits::All)?;
+            let positions: Vec<_> = logits.chunks_exact(model.config.vocab).map(highest).collect();
+            println!("{}", json!({"tokens": ids, "positions": positions}));
+        } else {
+            println!("{}", json!({"tokens": ids, "top": highest(s.eval(&ids, Logits::Last)?)}));
+        }
         Ok(())
     }
 }
