@@ -363,6 +363,8 @@ pub struct MaxContexts {
     pub corpus: Vec<PathBuf>,
     /// Tokens of each app's system prompt (at the largest length, scaled as the deltas are).
     pub system_tokens: usize,
+    /// Apps the contexts belong to (context k to app k mod apps; at most one per context).
+    pub apps: usize,
 }
 
 impl MaxContexts {
@@ -446,6 +448,7 @@ pub fn max_contexts(
                     let scale = s.scale_at(length);
                     let p = GenParams {
                         system_tokens: s.system_tokens_at(length),
+                        apps: n.min(s.apps.max(1)),
                         ..trace_params(n, s.calls_per_context, &s.pattern, 1.0, scale, s.seed, &s.corpus)?
                     };
                     let sum = run_trace(&cfg, &p, Pace::Compressed, work, profiles)?;
@@ -501,7 +504,7 @@ pub fn write_max_contexts(dir: &Path, name: &str, s: &MaxContexts, runs: &[MaxRu
         s.seed,
         s.contexts.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
     ) + &if s.system_tokens > 0 {
-        format!(" Every context opens with its app's system prompt of {} tokens (4 apps){}.", s.system_tokens, if by_length { " at the largest length, proportional below" } else { "" })
+        format!(" Every context opens with its app's system prompt of {} tokens ({} apps){}.", s.system_tokens, s.apps, if by_length { " at the largest length, proportional below" } else { "" })
     } else {
         String::new()
     };

@@ -376,6 +376,7 @@ fn the_other_experiments_run_and_write_their_figures() {
         seed: 1,
         corpus,
         system_tokens: 64,
+        apps: 4,
     };
     assert!((s.scale_at(256) - 0.025).abs() < 1e-12 && (s.scale_at(512) - 0.05).abs() < 1e-12);
     assert_eq!((s.system_tokens_at(256), s.system_tokens_at(512)), (32, 64), "the system prompt scales with the deltas");

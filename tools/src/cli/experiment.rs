@@ -54,6 +54,9 @@ pub struct TraceExp {
     /// sharing shares; the policy `llms-noshare` is llms with `prefix_sharing = false`. 0: none.
     #[arg(long, default_value_t = 0)]
     system_tokens: usize,
+    /// Apps the contexts belong to (Fig. 10, 11: context k to app k mod N).
+    #[arg(long, default_value_t = 4)]
+    apps: usize,
     #[arg(long, default_value = "docs/results")]
     out_dir: PathBuf,
     /// Where the load profiles are (measured there if missing); runs use fresh stores under it.
@@ -516,6 +519,7 @@ fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale
         seed: x.t.seed,
         corpus: env.corpus.clone(),
         system_tokens: x.t.system_tokens,
+        apps: x.t.apps,
     };
     println!("{:<8} {:>8} {:<8} {:>8} {:>12} {:>6}", "budget", "length", "policy", "contexts", "switch_ms", "slid");
     let r = ex::max_contexts(&env.base, &s, &env.work, &env.profiles, &mut |r| {
