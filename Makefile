@@ -110,6 +110,7 @@ lab: build lab-deps
 	tools/lab/lab.sh run smoke
 	for s in $(LAB_SYSTEMS); do LAB_OUT=target/lab/out/squeeze-$$s tools/lab/lab.sh run squeeze $$s || exit 1; done
 	for s in llmsd fixed-budget; do LAB_OUT=target/lab/out/squeeze85-$$s tools/lab/lab.sh run squeeze $$s $(SQUEEZE85) squeeze-85 || exit 1; done
+	LAB_TIMEOUT=900 tools/lab/lab.sh run weights
 	target/release/llms lab summary target/lab/out --out target/lab/summary.json
 
 # ARM64: the aarch64 build linked with Debian's gcc-aarch64-linux-gnu and run under qemu-user

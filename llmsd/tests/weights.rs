@@ -462,3 +462,27 @@ fn modified_image_data_poisons_the_slot_not_the_logits() {
         assert!(stderr.contains("checksum mismatch"), "preload {preload}: stderr names no checksum failure: {stderr}");
     }
 }
+
+/// `--weights mmap` (the lab's page-cache baseline): the packed image mapped from its file
+/// computes exactly what resident weights compute; a slot modified on flash is refused at open
+/// (the mapping would read it behind the pager's checks), and the image is then rebuilt only
+/// by deleting it.
+#[test]
+fn mapped_weights_give_the_resident_logits_and_refuse_a_modified_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("m.img");
+    let (model, mapped) = llmsd::weights::load_mapped(&model_path(), Some(img.clone())).unwrap();
+    assert!(same_bits(&run(&model), resident_logits()), "mapped weights compute what resident ones do");
+    assert!(mapped.weight_bytes > 0);
+    drop((model, mapped));
+    // One byte of the first slot flipped, the trailer kept: the CRC check at open refuses it.
+    let mut bytes = std::fs::read(&img).unwrap();
+    bytes[100] ^= 0x10;
+    std::fs::write(&img, &bytes).unwrap();
+    let e = llmsd::weights::load_mapped(&model_path(), Some(img.clone())).unwrap_err();
+    assert!(format!("{e:#}").contains("checksum mismatch"), "{e:#}");
+    // A truncated image (no trailer) is rebuilt, as for paged weights.
+    std::fs::write(&img, &bytes[..1000]).unwrap();
+    let (model, _) = llmsd::weights::load_mapped(&model_path(), Some(img)).unwrap();
+    assert!(same_bits(&run(&model), resident_logits()));
+}

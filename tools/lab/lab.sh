@@ -93,6 +93,7 @@ initramfs() {
     add_program "${LLMS_BIN:-$ROOT/target/release/llms}" /bin/llms
     add_program "${LLMSD_BIN:-$ROOT/target/release/llmsd}" /bin/llmsd
     cp "$LAB/model.gguf" "$STAGE/lab/model.gguf"
+    [ "$SCENARIO" != weights ] || cp "$LAB/weights.gguf" "$STAGE/lab/weights.gguf"
     cp "$LAB/trace.jsonl" "$STAGE/lab/trace.jsonl"
     cp "$HERE"/guest/*.sh "$STAGE/lab/"
     echo "${LAB_ARGS:-}" > "$STAGE/lab/args"
@@ -110,6 +111,15 @@ model() {
     "${LLMS_BIN:-$ROOT/target/release/llms}" synth --dim 256 --layers 4 --heads 4 --kv-heads 4 --ffn 512 \
         --type q8_0 --out "$LAB/model.gguf.tmp" >/dev/null
     mv "$LAB/model.gguf.tmp" "$LAB/model.gguf"
+}
+
+# The weights scenario's model: larger, so that half its weights is well above what the
+# process's own memory varies by (~54 MB of weights: 8 layers of 512, Q8_0).
+weights_model() {
+    [ -s "$LAB/weights.gguf" ] && return
+    "${LLMS_BIN:-$ROOT/target/release/llms}" synth --dim 512 --layers 8 --heads 8 --kv-heads 8 --ffn 2048 \
+        --type q8_0 --out "$LAB/weights.gguf.tmp" >/dev/null
+    mv "$LAB/weights.gguf.tmp" "$LAB/weights.gguf"
 }
 
 # The apps' trace (docs/traces.md): 8 apps with a context each, Table 3's tasks at a fifth of
@@ -146,6 +156,8 @@ run() {
     deps
     model
     trace
+    SCENARIO=$scenario
+    [ "$scenario" != weights ] || weights_model
     # The scenario's arguments, quoted for the guest's shell.
     LAB_ARGS=""
     [ $# -eq 0 ] || LAB_ARGS=$(printf '%q ' "$@")

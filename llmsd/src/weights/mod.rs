@@ -336,3 +336,74 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
         .with_context(|| format!("loading {}", model.display()))?;
     Ok((Arc::new(model), paged))
 }
+
+/// A packed weight image mapped from its file as it is (`mmap`, read-only, shared): the kernel's
+/// page cache pages it, under whatever memory limit the process runs in. The baseline paged
+/// weights are measured against on a real kernel (docs/lab.md, the `weights` scenario): the
+/// same bytes in the same layout, read by the same forward pass.
+#[derive(Debug)]
+pub struct MappedWeights {
+    map: memmap2::Mmap,
+    /// Bytes of group data at the start of the file (the trailer follows).
+    data_len: usize,
+    /// Bytes of the groups read every pass (layers and head).
+    pub weight_bytes: usize,
+    pub image: PathBuf,
+}
+
+impl WeightMemory for MappedWeights {
+    fn bytes(&self) -> &[u8] {
+        &self.map[..self.data_len]
+    }
+}
+
+/// The model over its packed weight image mapped by the kernel (built first when missing or
+/// stale, as [`load_paged`] does).
+pub fn load_mapped(model: &Path, image: Option<PathBuf>) -> Result<(Arc<Model>, Arc<MappedWeights>)> {
+    let format = ImageFormat::Packed;
+    let fp = Fingerprint::of(model)?;
+    let slot = slot_for(format);
+    let layout = WeightLayout::for_file(model, slot, format).with_context(|| format!("loading {}", model.display()))?;
+    let (_, weight_bytes) = weight_groups(&layout, slot);
+    let image = image.unwrap_or_else(|| default_image_path(model, format));
+    let fits = |info: &mm::weights::ImageInfo| {
+        info.source == fp
+            && info.slot_size == slot
+            && info.groups.len() == layout.groups.len()
+            && info.groups.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
+    };
+    let info = match mm::weights::ImageInfo::read(&image) {
+        Ok(i) if fits(&i) => i,
+        _ => {
+            tracing::info!(image = %image.display(), "building the weight image (missing, stale or damaged)");
+            build(model, &image, fp, format)?;
+            let i = mm::weights::ImageInfo::read(&image)?;
+            if !fits(&i) {
+                bail!("weight image {}: layout differs from the model's right after building it", image.display());
+            }
+            i
+        }
+    };
+    let file = std::fs::File::open(&image).with_context(|| format!("opening {}", image.display()))?;
+    // Every slot checked against its CRC once (the pagers check each slot as they read it; a
+    // mapping reads behind our back), then dropped from the page cache: the runs start cold.
+    let mut buf = vec![0u8; info.slot_size];
+    for (i, &want) in info.slot_crc.iter().enumerate() {
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, (i * info.slot_size) as u64)
+            .with_context(|| format!("reading {}", image.display()))?;
+        if crc32c::crc32c(&buf) != want {
+            bail!("weight image {}: slot {i}: checksum mismatch (the image was modified); delete it to rebuild", image.display());
+        }
+    }
+    // SAFETY: advisory call on our own open file.
+    unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    // SAFETY: a read-only shared mapping of a file this process does not write, checked just
+    // above. Were it truncated or rewritten under us, reads would fault or change: the same
+    // contract as any mmapped model file (llama.cpp's default).
+    let map =
+        unsafe { memmap2::MmapOptions::new().len(info.data_len).map(&file) }.with_context(|| format!("mapping {}", image.display()))?;
+    let mapped = Arc::new(MappedWeights { map, data_len: info.data_len, weight_bytes, image });
+    let model = Model::load_with_image(model, Arc::clone(&mapped) as Arc<dyn WeightMemory>, slot, format)
+        .with_context(|| format!("loading {}", model.display()))?;
+    Ok((Arc::new(model), mapped))
+}

@@ -694,14 +694,54 @@ fn summary(dir: &Path, out: &Path) -> Result<()> {
         }
         runs.push(Value::Object(keep));
     }
-    if runs.is_empty() {
-        bail!("no result.json under {}", dir.display());
+    let weights = weights_summary(&dir.join("weights").join("weights.jsonl"))?;
+    if runs.is_empty() && weights.is_none() {
+        bail!("no result.json or weights/weights.jsonl under {}", dir.display());
     }
-    let s = json!({"guest_kernel": kernel, "runs": runs});
+    if kernel.is_empty() {
+        kernel = std::fs::read_to_string(dir.join("weights").join("kernel")).unwrap_or_default().trim().to_string();
+    }
+    let mut s = json!({"guest_kernel": kernel, "runs": runs});
+    if let Some(w) = weights {
+        s["weights"] = w;
+    }
     std::fs::write(out, serde_json::to_string_pretty(&s)?)?;
     plots(dir, out.parent().unwrap_or(Path::new(".")))?;
     println!("{}", serde_json::to_string_pretty(&s)?);
     Ok(())
+}
+
+/// The weights scenario (tools/lab/guest/weights.sh): for each way of holding the weights, the
+/// bytes read from the disk per decoded token — the difference between its long and its short
+/// run over the tokens between them (`llms bench --reps 1` decodes each count twice: a warm-up
+/// and the timed run), so loading and prefill cancel — its decode rate, and paged against the
+/// page cache under the same memory.max. None without the file.
+fn weights_summary(path: &Path) -> Result<Option<Value>> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    let lines: Vec<Value> = text.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let mut out = serde_json::Map::new();
+    for name in ["paged", "mmap", "mmap-unlimited"] {
+        let mut rs: Vec<&Value> = lines.iter().filter(|l| l["run"] == name).collect();
+        rs.sort_by_key(|l| l["tokens"].as_u64());
+        let (Some(short), Some(long)) = (rs.first(), rs.last()) else { continue };
+        let (a, b) = (short["tokens"].as_u64().unwrap_or(0), long["tokens"].as_u64().unwrap_or(0));
+        if b <= a {
+            bail!("{}: {name} needs two runs of different lengths", path.display());
+        }
+        let bytes = long["read_bytes"].as_f64().unwrap_or(0.0) - short["read_bytes"].as_f64().unwrap_or(0.0);
+        #[allow(clippy::cast_precision_loss)]
+        let per_token = bytes / (2 * (b - a)) as f64;
+        out.insert(
+            name.into(),
+            json!({"read_mib_per_token": per_token / f64::from(1 << 20), "tg_tok_s": long["tg_tok_s"], "memory_max": long["memory_max"],
+                   "anon_peak_mib": long["anon_peak"].as_f64().unwrap_or(0.0) / f64::from(1 << 20)}),
+        );
+    }
+    let per = |k: &str| out.get(k).and_then(|v| v["read_mib_per_token"].as_f64());
+    if let (Some(p), Some(m)) = (per("paged"), per("mmap")) {
+        out.insert("paged_vs_mmap_read".into(), json!(p / m));
+    }
+    Ok(Some(Value::Object(out)))
 }
 
 /// The runs over time (budget, the apps' PSI full stall, MemAvailable; one line per run) and
@@ -773,5 +813,29 @@ mod tests {
         for bad in ["", "10", "x:1", "1:x", "5:1,2:1", "-1:3", "0:99999999999", "0:101%", "0:x%"] {
             assert!(parse_plan(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_weights_scenario_is_summarized_per_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("weights.jsonl");
+        let line = |run: &str, tokens: u64, read: u64| {
+            format!(r#"{{"run":"{run}","tokens":{tokens},"memory_max":"max","read_bytes":{read},"anon_peak":1048576,"tg_tok_s":1.5}}"#)
+        };
+        // 2 x 16 more tokens read 32 MiB more paged, 64 MiB more mapped: 1 and 2 MiB a token.
+        let text =
+            [line("paged", 8, 100 << 20), line("paged", 24, 132 << 20), line("mmap", 8, 50 << 20), line("mmap", 24, 114 << 20)].join("\n");
+        std::fs::write(&p, text).unwrap();
+        let w = weights_summary(&p).unwrap().unwrap();
+        assert_eq!(w["paged"]["read_mib_per_token"], 1.0);
+        assert_eq!(w["mmap"]["read_mib_per_token"], 2.0);
+        assert_eq!(w["paged_vs_mmap_read"], 0.5);
+        assert!(w.get("mmap-unlimited").is_none());
+        // Two runs of one length cannot be told apart; a damaged line is an error; no file, no summary.
+        std::fs::write(&p, [line("paged", 8, 1), line("paged", 8, 2)].join("\n")).unwrap();
+        assert!(weights_summary(&p).is_err());
+        std::fs::write(&p, "{not json").unwrap();
+        assert!(weights_summary(&p).is_err());
+        assert!(weights_summary(&dir.path().join("none")).unwrap().is_none());
     }
 }

@@ -36,9 +36,10 @@ pub struct ModelArgs {
     /// Worker threads [default: number of cores]
     #[arg(long, global = true)]
     threads: Option<usize>,
-    /// Where the weights live: `resident` (packed in memory) or `paged` (served from a weight
-    /// image on flash under --weights-budget; docs/weights.md) [default: resident, paged when
-    /// --weights-budget is given]
+    /// Where the weights live: `resident` (packed in memory), `paged` (served from a weight
+    /// image on flash under --weights-budget; docs/weights.md) or `mmap` (the same image mapped
+    /// from its file, paged by the kernel's page cache: the baseline for `paged`) [default:
+    /// resident, paged when --weights-budget is given]
     #[arg(long, global = true, value_enum)]
     weights: Option<WeightsMode>,
     /// Weight budget with paged weights: bytes (48M) or a share of the weight bytes (50%)
@@ -89,6 +90,9 @@ pub enum FormatArg {
 pub enum WeightsMode {
     Resident,
     Paged,
+    /// The packed weight image mapped from its file and paged by the kernel's page cache (the
+    /// baseline paged weights are compared with; docs/lab.md).
+    Mmap,
 }
 
 /// The paged weights of the model `load` loaded, if any (for their statistics).
@@ -231,8 +235,10 @@ pub(crate) fn plan_inputs(m: &ModelArgs, levels: &[f32]) -> Result<(mm::weightpl
 
 /// `--weights-plan`: the plan for the budget picks the sparsity and the image's group size.
 pub(crate) fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>, Sparsity)> {
-    if m.sparsity.is_some() || m.weight_format.is_some() || m.weights == Some(WeightsMode::Resident) {
-        bail!("--weights-plan chooses the sparsity and layout of paged weights: drop --sparsity, --weight-format and --weights resident");
+    if m.sparsity.is_some() || m.weight_format.is_some() || matches!(m.weights, Some(WeightsMode::Resident | WeightsMode::Mmap)) {
+        bail!(
+            "--weights-plan chooses the sparsity and layout of paged weights: drop --sparsity, --weight-format and --weights resident/mmap"
+        );
     }
     let path = existing_model(m)?;
     let threads = valid_threads(m)?;
@@ -246,6 +252,13 @@ pub(crate) fn load_planned(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>
 pub(crate) fn load_model(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>)> {
     let path = existing_model(m)?;
     let threads = valid_threads(m)?;
+    if m.weights == Some(WeightsMode::Mmap) {
+        if m.weights_budget.is_some() || m.no_preload || m.sparsity.is_some() || m.weight_format == Some(FormatArg::ChannelMajor) {
+            bail!("--weights mmap maps the packed image whole (the kernel decides what stays): no --weights-budget, --no-preload, --sparsity or channel-major");
+        }
+        let (model, _) = llmsd::weights::load_mapped(&path, m.weights_image.clone())?;
+        return Ok((model, Arc::new(ThreadPool::new(threads))));
+    }
     let paged = m.weights == Some(WeightsMode::Paged) || (m.weights.is_none() && m.weights_budget.is_some());
     if !paged && (m.weights_budget.is_some() || m.weights_image.is_some() || m.no_preload) {
         bail!("--weights-budget, --weights-image and --no-preload go with --weights paged");

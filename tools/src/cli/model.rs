@@ -669,7 +669,9 @@ fn bench(
         };
         pool_json = json!({"pp": report(&format!("pp{pp}"), pp, &run_pp)?, "tg": report(&format!("tg{tg}"), tg, &run_tg)?});
     }
-    let format_name = if model.uses_image() {
+    let format_name = if m.weights == Some(super::WeightsMode::Mmap) {
+        "mmap"
+    } else if model.uses_image() {
         "paged"
     } else if model.is_channel_major() {
         "channel-major"
