@@ -52,9 +52,68 @@ fn relative(from: &Path, to: &Path) -> String {
     r.to_string_lossy().into_owned()
 }
 
-/// A directory of `results` holding the same experiments run on another model (its
-/// `intro.md` says which and what else was measured there), reported after the main ones.
-pub const MODEL_SECTIONS: [(&str, &str); 1] = [("7b-shape", "At the 7B shape (Llama 2 7B's dimensions, random weights)")];
+/// A directory of `results` holding the same experiments run on another model or in another
+/// setting (its `intro.md`, when there, says which), reported after the main ones.
+pub const MODEL_SECTIONS: [(&str, &str); 3] = [
+    ("7b-shape", "At the 7B shape (Llama 2 7B's dimensions, random weights)"),
+    ("shared-prompt-2apps", "With a system prompt per app, prefix sharing on and off (2 apps)"),
+    ("shared-prompt", "With a system prompt per app, prefix sharing on and off (4 apps)"),
+];
+
+/// The device lab's stored summary (`llms record` of `llms lab summary`; docs/lab.md): one
+/// table of its runs and one of its weights scenario, after the experiments.
+fn lab_section(results: &Path, md: &mut String) -> Result<bool> {
+    let Ok(text) = std::fs::read_to_string(results.join("lab.json")) else { return Ok(false) };
+    let v: serde_json::Value = serde_json::from_str(&text).context("lab.json")?;
+    let r = &v["result"];
+    let _ = write!(
+        md,
+        "\n## The device lab: a real kernel under memory pressure (docs/lab.md)\n\n```sh\nmake lab\n{}\n```\n\nMeasured: {}; guest kernel {}. \
+         Single runs (a guest run takes minutes under emulation).\n\n",
+        v["command"].as_str().unwrap_or("llms lab summary target/lab/out"),
+        v["measured"].as_str().unwrap_or("not recorded"),
+        r["guest_kernel"].as_str().unwrap_or("?"),
+    );
+    let num = |x: &serde_json::Value| {
+        x.as_f64().map_or_else(|| "–".to_string(), |f| if f.fract() == 0.0 { format!("{f:.0}") } else { format!("{f:.2}") })
+    };
+    if let Some(runs) = r["runs"].as_array().filter(|a| !a.is_empty()) {
+        md.push_str("| scenario | system | contexts lost | killer / OOM kills | switch p50 / p99 (ms) | apps' PSI full (ms) | calls |\n|---|---|---|---|---|---|---|\n");
+        for x in runs {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} / {} | {} / {} | {} | {} |",
+                x["scenario"].as_str().unwrap_or("?"),
+                x["system"].as_str().unwrap_or("?"),
+                num(&x["contexts_lost"]),
+                num(&x["killer_kills"]),
+                num(&x["oom_kills"]),
+                num(&x["switch_ms_p50"]),
+                num(&x["switch_ms_p99"]),
+                num(&x["psi_full_ms"]),
+                num(&x["calls"]),
+            );
+        }
+    }
+    if let Some(w) = r["weights"].as_object() {
+        md.push_str("\n| weights | MiB read per token | decode tok/s | memory.max |\n|---|---|---|---|\n");
+        for name in ["paged", "mmap", "mmap-unlimited"] {
+            if let Some(x) = w.get(name) {
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | {} | {} |",
+                    num(&x["read_mib_per_token"]),
+                    num(&x["tg_tok_s"]),
+                    x["memory_max"].as_str().unwrap_or("?")
+                );
+            }
+        }
+        if let Some(ratio) = w.get("paged_vs_mmap_read").and_then(serde_json::Value::as_f64) {
+            let _ = writeln!(md, "\nPaged weights read {ratio:.2}x the page cache's bytes per token in the same room.");
+        }
+    }
+    Ok(true)
+}
 
 /// Writes the report of the figures in `results` to `out`; `results/intro.md`, when there,
 /// goes after the machine paragraph. Each figure says where and when it was measured (its
@@ -97,6 +156,9 @@ pub fn write(results: &Path, out: &Path) -> Result<Report> {
         let mut found = Vec::new();
         figures(&sub, &format!("{rel}/{dir}"), "###", &mut md, &mut found, None)?;
         included.extend(found.into_iter().map(|n| format!("{dir}/{n}")));
+    }
+    if lab_section(results, &mut md)? {
+        included.push("lab".into());
     }
     std::fs::write(out, md).with_context(|| format!("writing {}", out.display()))?;
     Ok(Report { included, missing })
@@ -219,9 +281,18 @@ mod tests {
             r#"{"command": "llms experiment ablation --seed 3", "measured": "Linux X; commit abc, 2 Jan 2026"}"#,
         )
         .unwrap();
+        // The lab's stored summary: a section of its own, last.
+        std::fs::write(
+            results.join("lab.json"),
+            r#"{"command": "llms lab summary target/lab/out", "measured": "ML", "result": {"guest_kernel": "6.12.1",
+                "runs": [{"system": "llmsd", "scenario": "squeeze", "contexts_lost": 0, "killer_kills": 0, "oom_kills": 0,
+                          "switch_ms_p50": 5.14, "switch_ms_p99": 36.9, "psi_full_ms": 0.0, "calls": 25}],
+                "weights": {"paged": {"read_mib_per_token": 30.6, "tg_tok_s": 0.7, "memory_max": "max"}, "paged_vs_mmap_read": 0.512}}}"#,
+        )
+        .unwrap();
         let out = dir.path().join("docs/RESULTS.md");
         let r = write(&results, &out).unwrap();
-        assert_eq!(r.included, ["switch_vs_contexts", "ablation", "chunk_size", "7b-shape/switch_vs_contexts"], "the paper's order");
+        assert_eq!(r.included, ["switch_vs_contexts", "ablation", "chunk_size", "7b-shape/switch_vs_contexts", "lab"], "the paper's order");
         assert_eq!(r.missing.len(), EXPERIMENTS.len() - 3, "a model section's missing figures are not listed");
         assert_eq!(&std::fs::read(results.join("chunk_size.png")).unwrap()[1..4], b"PNG", "drawn again from its JSON");
         let md = std::fs::read_to_string(&out).unwrap();
@@ -246,6 +317,11 @@ mod tests {
                 && at("What the 7B shape is.") < at("### Switch latency vs active contexts")
         );
         assert!(at("llms experiment switch-vs-contexts --model l7.gguf") < at("Measured: M7.") && at("Measured: M7.") < at("table at 7B"));
+        assert!(at("## At the 7B shape") < at("## The device lab"));
+        at("Measured: ML; guest kernel 6.12.1.");
+        at("| squeeze | llmsd | 0 | 0 / 0 | 5.14 / 36.90 | 0 | 25 |");
+        at("| paged | 30.60 | 0.70 | max |");
+        at("Paged weights read 0.51x");
         at(&format!("{}.", today()));
         let t = today();
         let parts: Vec<&str> = t.split(' ').collect();
