@@ -269,8 +269,6 @@ pub fn build(model: &Path, image: &Path, fp: Fingerprint, format: ImageFormat) -
     Ok(layout)
 }
 
-/// Loads `model` with its weights paged from its image under `opts.budget`, building the image
-/// first when it is missing, stale (the model file changed) or damaged.
 /// The groups a budget covers (layers and head; the embedding table is read by row) and their
 /// bytes in whole slots of `slot`: what "100%" of an image's weights means.
 pub fn weight_groups(layout: &WeightLayout, slot: usize) -> (Vec<usize>, usize) {
@@ -279,6 +277,16 @@ pub fn weight_groups(layout: &WeightLayout, slot: usize) -> (Vec<usize>, usize) 
     (cycle, bytes)
 }
 
+/// Whether an image's trailer describes `layout` cut in slots of `slot` bytes.
+fn same_layout(info: &mm::weights::ImageInfo, layout: &WeightLayout, slot: usize) -> bool {
+    let g = &info.groups;
+    info.slot_size == slot
+        && g.len() == layout.groups.len()
+        && g.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
+}
+
+/// Loads `model` with its weights paged from its image under `opts.budget`, building the image
+/// first when it is missing, stale (the model file changed) or damaged.
 pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<PagedWeights>)> {
     let fp = Fingerprint::of(model)?;
     let slot = slot_for(opts.format);
@@ -290,12 +298,7 @@ pub fn load_paged(model: &Path, opts: &PagedOptions) -> Result<(Arc<Model>, Arc<
         Budget::Percent(p) => (weight_bytes as f64 * p / 100.0) as usize,
     };
     let image = opts.image.clone().unwrap_or_else(|| default_image_path(model, opts.format));
-    let same_layout = |info: &mm::weights::ImageInfo| {
-        let g = &info.groups;
-        info.slot_size == slot
-            && g.len() == layout.groups.len()
-            && g.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
-    };
+    let same_layout = |info: &mm::weights::ImageInfo| same_layout(info, &layout, slot);
     let open = || -> Result<Paging, WeightError> {
         Ok(match opts.format {
             ImageFormat::Packed => {
@@ -366,12 +369,7 @@ pub fn load_mapped(model: &Path, image: Option<PathBuf>) -> Result<(Arc<Model>, 
     let layout = WeightLayout::for_file(model, slot, format).with_context(|| format!("loading {}", model.display()))?;
     let (_, weight_bytes) = weight_groups(&layout, slot);
     let image = image.unwrap_or_else(|| default_image_path(model, format));
-    let fits = |info: &mm::weights::ImageInfo| {
-        info.source == fp
-            && info.slot_size == slot
-            && info.groups.len() == layout.groups.len()
-            && info.groups.iter().zip(&layout.groups).all(|(a, b)| a.offset == b.offset as u64 && a.len == b.len as u64)
-    };
+    let fits = |info: &mm::weights::ImageInfo| info.source == fp && same_layout(info, &layout, slot);
     let info = match mm::weights::ImageInfo::read(&image) {
         Ok(i) if fits(&i) => i,
         _ => {
