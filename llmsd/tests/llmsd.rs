@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{kernel_ok, refused_start, Daemon};
+use common::{fill_disk, kernel_ok, refused_start, small_disk, Daemon};
 use llmsd::client::{Client, ClientError};
 use llmsd::proto::{self, Call, CallStats, ErrorCode, Event, Request};
 
@@ -661,58 +661,6 @@ fn one_bad_context_never_stops_the_service() {
     let mut c = d.client("app");
     call(&mut c, &good, PROMPTS[2], 4);
     d.stop();
-}
-
-/// A small ext4 image of `bytes` with `inodes` inodes (few, so they run out fast: see
-/// [`fill_disk`]) and the directory to mount it on ([`Daemon::start_on`]): a temporary
-/// directory, the image, the mount point. `None` where the test cannot run (loop mounts need
-/// root; with LLMS_REQUIRE_KERNEL=1 that is a failure).
-fn small_disk(bytes: u64, inodes: u32) -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
-    if !kernel_ok() {
-        return None;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(!llms_tests::kernel_required(), "a full disk is made by loop-mounting a small file system, which needs root");
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
-    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
-    let mkfs = Command::new("mkfs.ext4").args(["-q", "-F", "-N", &inodes.to_string()]).arg(&img).output().expect("mkfs.ext4 runs");
-    assert!(mkfs.status.success(), "{}", String::from_utf8_lossy(&mkfs.stderr));
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    Some((dir, img, mnt))
-}
-
-/// Fills the file system llmsd's state is on (through its mount namespace) until ENOSPC: its
-/// blocks, then its inodes (a small file can still be written into a full ext4 — the context
-/// files are small — but not created without an inode). Returns the filler directory.
-fn fill_disk(d: &Daemon, mnt: &Path) -> PathBuf {
-    let filler = PathBuf::from(format!("/proc/{}/root{}", d.child.id(), mnt.join("filler").display()));
-    std::fs::create_dir_all(&filler).expect("the filler directory");
-    let mut f = std::fs::File::create(filler.join("blocks")).expect("the filler file");
-    let block = vec![0u8; 64 << 10];
-    loop {
-        match f.write(&block) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) => {
-                assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
-                break;
-            }
-        }
-    }
-    let _ = f.sync_all();
-    for i in 0.. {
-        if let Err(e) = std::fs::File::create(filler.join(i.to_string())) {
-            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
-            break;
-        }
-        assert!(i < 100_000, "the file system's inodes do not run out");
-    }
-    filler
 }
 
 /// On a full disk a call fails whole: the caller hears ENOSPC, the context is as before the
