@@ -734,7 +734,7 @@ fn weights_summary(path: &Path) -> Result<Option<Value>> {
         out.insert(
             name.into(),
             json!({"read_mib_per_token": per_token / f64::from(1 << 20), "tg_tok_s": long["tg_tok_s"], "memory_max": long["memory_max"],
-                   "anon_peak_mib": long["anon_peak"].as_f64().unwrap_or(0.0) / f64::from(1 << 20)}),
+                   "anon_peak_mib": long["anon_peak"].as_f64().unwrap_or(0.0) / f64::from(1 << 20), "tokens": [a, b]}),
         );
     }
     let per = |k: &str| out.get(k).and_then(|v| v["read_mib_per_token"].as_f64());
@@ -830,6 +830,7 @@ mod tests {
         assert_eq!(w["paged"]["read_mib_per_token"], 1.0);
         assert_eq!(w["mmap"]["read_mib_per_token"], 2.0);
         assert_eq!(w["paged_vs_mmap_read"], 0.5);
+        assert_eq!(w["paged"]["tokens"], json!([8, 24]), "which runs the figure comes from");
         assert!(w.get("mmap-unlimited").is_none());
         // Two runs of one length cannot be told apart; a damaged line is an error; no file, no summary.
         std::fs::write(&p, [line("paged", 8, 1), line("paged", 8, 2)].join("\n")).unwrap();
