@@ -170,13 +170,9 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
     // without system prompts, so a comparison changes only what they add.
     let systems: Vec<Option<String>> = (0..p.apps)
         .map(|a| {
-            (p.system_tokens > 0).then(|| {
-                let mut r = ChaCha8Rng::seed_from_u64(p.seed ^ 0x5157_0000 ^ a as u64);
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-                let n = ((p.system_tokens as f64 * WORDS_PER_TOKEN).round() as usize).clamp(1, words.len() / 2);
-                let start = r.gen_range(0..words.len() - n);
-                words[start..start + n].join(" ")
-            })
+            #[allow(clippy::cast_precision_loss)]
+            (p.system_tokens > 0)
+                .then(|| passage(&mut ChaCha8Rng::seed_from_u64(p.seed ^ 0x5157_0000 ^ a as u64), &words, p.system_tokens as f64).0)
         })
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
@@ -212,10 +208,7 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
         let task = &tasks[ctx];
         let (lo, hi) = task.delta;
         let toks = rng.gen_range(lo..=hi) as f64 * p.scale;
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let n = ((toks * WORDS_PER_TOKEN).round() as usize).clamp(1, words.len() / 2);
-        let start = rng.gen_range(0..words.len() - n);
-        let passage = words[start..start + n].join(" ");
+        let (passage, n) = passage(&mut rng, &words, toks);
         out.push(Record {
             t: (t * 1e6).round() / 1e6,
             ctx,
@@ -229,6 +222,14 @@ pub fn generate(p: &GenParams) -> Result<(Header, Vec<Record>)> {
     }
     let header = Header { llms_trace: TRACE_VERSION, generator: p.clone(), tasks: tasks.iter().map(|t| t.name.to_string()).collect() };
     Ok((header, out))
+}
+
+/// About `tokens` tokens of consecutive corpus words from a place `rng` picks, and how many words.
+fn passage(rng: &mut ChaCha8Rng, words: &[String], tokens: f64) -> (String, usize) {
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let n = ((tokens * WORDS_PER_TOKEN).round() as usize).clamp(1, words.len() / 2);
+    let start = rng.gen_range(0..words.len() - n);
+    (words[start..start + n].join(" "), n)
 }
 
 /// An index drawn with probability ∝ `w`.
