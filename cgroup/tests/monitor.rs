@@ -196,15 +196,15 @@ fn real_memory_pressure_moves_headroom_and_level() {
     let during = src.sample(1000).unwrap();
     child.stdin.take().unwrap().write_all(b"\n").unwrap();
     child.wait().unwrap();
-    // The machine is shared: other processes' memory moves too. Wait (bounded) for
-    // MemAvailable to come back near the baseline before taking the "after" sample, so the
-    // check below is about the classifier, not about what a neighbour allocated meanwhile.
-    // (Up to 90 s: on this VM freed memory has been seen to take more than 5 s to show in
-    // MemAvailable again — the balloon's free-page reporting — and, after a session of
-    // multi-GiB runs, to trickle back at ~15 MiB/s: 1.5 GiB freed showed +744 MiB at once,
-    // +1170 MiB after 60 s.)
+    // The machine is shared, and this VM gives freed memory back to MemAvailable slowly: it
+    // has been seen to take more than 5 s to show (the balloon's free-page reporting), and,
+    // after a session of multi-GiB runs, to trickle back at ~15 MiB/s — 1.5 GiB freed showed
+    // +744 MiB at once, +1170 MiB after 60 s, and in one CI run +1004 MiB after 90 s. How
+    // fast the host returns pages is not the monitor's to decide, so wait (bounded) for most
+    // of it and then ask only that the release is seen at all, with the classifier's
+    // thresholds placed inside what was measured.
     let mut after = src.sample(3000).unwrap();
-    for _ in 0..360 {
+    for _ in 0..120 {
         if after.mem.available + (256 << 20) >= before.mem.available {
             break;
         }
@@ -213,19 +213,21 @@ fn real_memory_pressure_moves_headroom_and_level() {
     }
     let drop = before.mem.available.saturating_sub(during.mem.available);
     assert!(drop > 1 << 30, "MemAvailable fell by {} MiB while the child held 1.5 GiB", drop >> 20);
+    let rise = after.mem.available.saturating_sub(during.mem.available);
     assert!(
-        after.mem.available > during.mem.available + (1 << 30),
+        rise > 512 << 20,
         "and came back: MemAvailable {} MiB before, {} during, {} after",
         before.mem.available >> 20,
         during.mem.available >> 20,
         after.mem.available >> 20
     );
-    // Thresholds set just under the baseline: the classifier sees the child's allocation.
-    let base = before.headroom();
-    let half = (1.5 * (1u64 << 30) as f64 / before.headroom_base() as f64) / 2.0;
+    // Thresholds between the pressed and released samples: the classifier, fed the real
+    // samples, enters a level on the child's allocation and leaves it on the release.
+    let (low, high) = (during.headroom(), after.headroom().min(before.headroom()));
+    assert!(low < high, "headroom fell with MemAvailable: {low} during, {high} after");
     let th = Thresholds {
-        headroom_enter: [base - half, 0.0, 0.0],
-        headroom_exit: [base - half / 2.0, 0.0, 0.0],
+        headroom_enter: [low + 0.4 * (high - low), 0.0, 0.0],
+        headroom_exit: [low + 0.8 * (high - low), 0.0, 0.0],
         min_level_ms: 0,
         hold_off_ms: 0,
         ..Thresholds::default()
