@@ -558,6 +558,7 @@ pub fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
 // ---------------------------------------------------------------------------------------------
 // Scalar reference dot products: one weight row against one activation row.
 
+/// As llama.cpp's `ggml_vec_dot_q4_0_q8_0`: the integer sum of `(q - 8) x`, then both scales.
 pub fn dot_q4_0_ref(w: &[BlockQ4_0], a: &Q8Acts, row: usize) -> f32 {
     let mut sum = 0.0f32;
     for (i, b) in w.iter().enumerate() {
@@ -565,11 +566,9 @@ pub fn dot_q4_0_ref(w: &[BlockQ4_0], a: &Q8Acts, row: usize) -> f32 {
         let q = &a.qs[k];
         let mut s = 0i32;
         for j in 0..QK / 2 {
-            s += i32::from(b.qs[j] & 0xF) * i32::from(q[j]) + i32::from(b.qs[j] >> 4) * i32::from(q[j + 16]);
+            s += (i32::from(b.qs[j] & 0xF) - 8) * i32::from(q[j]) + (i32::from(b.qs[j] >> 4) - 8) * i32::from(q[j + 16]);
         }
-        // (q - 8) * x = q * x - 8 * x; s_x carries d_x * sum(x_q).
-        let d = b.d.to_f32();
-        sum += d * a.d[k] * s as f32 - 8.0 * d * a.s[k];
+        sum += b.d.to_f32() * a.d[k] * s as f32;
     }
     sum
 }

@@ -18,9 +18,9 @@ use crate::quant::{blocks, BlockQ8_0, GgmlType, KBlock, QK, QK_K};
 /// Rows per packed group.
 pub const ROWS: usize = 8;
 
-/// 8 rows x 32 columns of 4-bit weights, `w = q * d + m` (Q4_0 packs with `m = -8 d`, exact in
-/// f16). `qs[32k + 4r + j]` holds columns `4k + j` (low nibble) and `16 + 4k + j` (high nibble)
-/// of row `r`.
+/// 8 rows x 32 columns of 4-bit weights with an offset (Q4_1: `w = q * d + m`).
+/// `qs[32k + 4r + j]` holds columns `4k + j` (low nibble) and `16 + 4k + j` (high nibble) of row
+/// `r`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct BlockQ4x8 {
@@ -29,6 +29,18 @@ pub struct BlockQ4x8 {
     pub qs: [u8; QK * ROWS / 2],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4x8>() == 160);
+
+/// 8 rows x 32 columns of Q4_0 (`w = (q - 8) d`), laid out as [`BlockQ4x8`] without the
+/// offsets: 4.5 bits a weight, as in the file. (Packing Q4_0 as Q4_1 with `m = -8 d` read 11%
+/// more bytes per decoded token, and decode is bound by those bytes; the offset comes off the
+/// integer sum instead, as `8 sum(x)`: llama.cpp's own arithmetic for Q4_0.)
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub struct BlockQ4Sx8 {
+    pub d: [f16; ROWS],
+    pub qs: [u8; QK * ROWS / 2],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ4Sx8>() == 144);
 
 /// 8 rows x 32 columns of 8-bit weights, `w = q * d`. `qs[32k + 4r + j]` is column `4k + j` of
 /// row `r`.
@@ -179,6 +191,8 @@ pub fn q5_code(qh: &[u8; QK], qs: &[u8; QK * ROWS / 2], lane: usize, c: usize) -
 #[derive(Debug)]
 pub enum Packed {
     Q4(Blocks<BlockQ4x8>),
+    /// Q4_0: codes 0..16 less 8.
+    Q4S(Blocks<BlockQ4Sx8>),
     Q5(Blocks<BlockQ5x8>),
     Q5M(Blocks<BlockQ5Mx8>),
     Q8(Blocks<BlockQ8x8>),
@@ -248,6 +262,7 @@ impl PackedWeight {
     pub fn as_bytes(&self) -> &[u8] {
         match &self.data {
             Packed::Q4(v) => bytemuck::cast_slice(v),
+            Packed::Q4S(v) => bytemuck::cast_slice(v),
             Packed::Q5(v) => bytemuck::cast_slice(v),
             Packed::Q5M(v) => bytemuck::cast_slice(v),
             Packed::Q8(v) => bytemuck::cast_slice(v),
@@ -261,7 +276,8 @@ impl PackedWeight {
     pub fn packed_len(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
         let blocks = rows.div_ceil(ROWS) * (cols / QK);
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
+            GgmlType::Q4_0 => Some(blocks * std::mem::size_of::<BlockQ4Sx8>()),
+            GgmlType::Q4_1 => Some(blocks * std::mem::size_of::<BlockQ4x8>()),
             GgmlType::Q5_0 => Some(blocks * std::mem::size_of::<BlockQ5x8>()),
             GgmlType::Q5_1 => Some(blocks * std::mem::size_of::<BlockQ5Mx8>()),
             GgmlType::Q8_0 => Some(blocks * std::mem::size_of::<BlockQ8x8>()),
@@ -287,7 +303,8 @@ impl PackedWeight {
             Some(Blocks::Borrowed { ptr: s.as_ptr(), len: s.len() })
         }
         let data = match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
+            GgmlType::Q4_0 => Packed::Q4S(cast(bytes)?),
+            GgmlType::Q4_1 => Packed::Q4(cast(bytes)?),
             GgmlType::Q5_0 => Packed::Q5(cast(bytes)?),
             GgmlType::Q5_1 => Packed::Q5M(cast(bytes)?),
             GgmlType::Q4K => Packed::Q4K(cast(bytes)?),
@@ -304,7 +321,22 @@ impl PackedWeight {
         let groups = rows.div_ceil(ROWS);
         let row_bytes = ty.row_bytes(cols);
         let packed = match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            GgmlType::Q4_0 => {
+                let mut out = vec![BlockQ4Sx8::zeroed(); groups * nb];
+                for r in 0..rows {
+                    let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                    let (g, lane) = (r / ROWS, r % ROWS);
+                    for (b, blk) in blocks::<crate::quant::BlockQ4_0>(row).iter().enumerate() {
+                        let o = &mut out[g * nb + b];
+                        o.d[lane] = blk.d;
+                        for k in 0..4 {
+                            o.qs[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
+                        }
+                    }
+                }
+                Packed::Q4S(Blocks::Owned(out))
+            }
+            GgmlType::Q4_1 => {
                 let mut out = vec![BlockQ4x8::zeroed(); groups * nb];
                 for r in 0..rows {
                     let row = &data[r * row_bytes..(r + 1) * row_bytes];

@@ -35,7 +35,7 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
 /// how 4-byte dot products accumulate. Every variant computes the same integers (the sums
 /// never overflow), so they agree bit for bit.
 macro_rules! packed_kernels {
-    ($all:ident, $tile:ident, $q5sums:ident, $feat:literal, $q4:ident, $q4_end:ident, $q8:ident, $q5:ident, $q5codes:ident) => {
+    ($all:ident, $tile:ident, $q4sums:ident, $q5sums:ident, $feat:literal, $q4:ident, $q4_end:ident, $q8:ident, $q5:ident, $q5codes:ident) => {
         /// # Safety
         /// Needs AVX2, FMA and F16C.
         #[target_feature(enable = $feat)]
@@ -49,30 +49,33 @@ macro_rules! packed_kernels {
         #[target_feature(enable = $feat)]
         unsafe fn $tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
             let nb = w.blocks_per_row();
-            let mask = _mm256_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); T];
             let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
             match &w.data {
                 Packed::Q4(v) => {
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
-                        let mut p = [_mm256_setzero_si256(); T];
-                        for k in 0..4 {
-                            let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
-                            let lo = _mm256_and_si256(wv, mask);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
-                            for t in 0..T {
-                                let xq = a.qs[xrow[t] + b].as_ptr();
-                                p[t] = $q4(p[t], lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
-                            }
-                        }
+                        let p = $q4sums::<T>(&blk.qs, a, &xrow, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                         for t in 0..T {
                             let k8 = xrow[t] + b;
-                            let pf = _mm256_cvtepi32_ps($q4_end(p[t]));
+                            let pf = _mm256_cvtepi32_ps(p[t]);
                             acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
                             acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                        }
+                    }
+                }
+                Packed::Q4S(v) => {
+                    // Codes 0..16: the offset of 8 comes off the integer sum as `8 sum(x)`.
+                    let blks = &v[g * nb..(g + 1) * nb];
+                    for (b, blk) in blks.iter().enumerate() {
+                        let p = $q4sums::<T>(&blk.qs, a, &xrow, b);
+                        let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
+                        for t in 0..T {
+                            let k8 = xrow[t] + b;
+                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(8 * a.isum[k8])));
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
                         }
                     }
                 }
@@ -131,6 +134,25 @@ macro_rules! packed_kernels {
             store_group(&acc, w.rows, g, t0, out, ldo);
         }
 
+        /// The 8 rows' integer sums `sum q x` (codes 0..16) of one packed 4-bit block against `T`
+        /// tokens, in i32 lanes.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn $q4sums<const T: usize>(qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [__m256i; T] {
+            let mask = _mm256_set1_epi8(0x0F);
+            let mut p = [_mm256_setzero_si256(); T];
+            for k in 0..4 {
+                let wv = _mm256_loadu_si256(qs.as_ptr().add(32 * k).cast());
+                let lo = _mm256_and_si256(wv, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
+                for (t, pt) in p.iter_mut().enumerate() {
+                    let xq = a.qs[xrow[t] + b].as_ptr();
+                    *pt = $q4(*pt, lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+                }
+            }
+            p.map(|x| $q4_end(x))
+        }
+
         /// The 8 rows' integer sums `sum q x` (codes 0..32) of one packed Q5 block against `T`
         /// tokens: each 32-byte load's nibbles get their fifth bits from the block's `qh`.
         #[inline]
@@ -153,10 +175,11 @@ macro_rules! packed_kernels {
     };
 }
 
-packed_kernels!(matmul_packed, packed_tile, q5_sums, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs, q5_maddubs, q5_codes);
+packed_kernels!(matmul_packed, packed_tile, q4_sums, q5_sums, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs, q5_maddubs, q5_codes);
 packed_kernels!(
     matmul_packed_vnni,
     packed_tile_vnni,
+    q4_sums_vnni,
     q5_sums_vnni,
     "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw",
     q4_dpbusd,

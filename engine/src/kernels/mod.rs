@@ -269,6 +269,17 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
                     }
                     (s, blk.d[lane], Some(blk.m[lane]))
                 }
+                Packed::Q4S(v) => {
+                    let blk = &v[g * nb + b];
+                    let mut s = 0i32;
+                    for k in 0..4 {
+                        for j in 0..4 {
+                            let q = blk.qs[32 * k + 4 * lane + j];
+                            s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
+                        }
+                    }
+                    (s - 8 * a.isum[k8], blk.d[lane], None)
+                }
                 Packed::Q8(v) => {
                     let blk = &v[g * nb + b];
                     (q8_lane_sum(&blk.qs, lane, xq), blk.d[lane], None)

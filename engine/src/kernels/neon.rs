@@ -92,8 +92,6 @@ unsafe fn packed_all<D: Dot>(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usi
 #[inline(always)]
 unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
     let nb = w.blocks_per_row();
-    let mask = vdupq_n_u8(0x0F);
-    let zero = vdupq_n_s32(0);
     let mut acc = [(vdupq_n_f32(0.0), vdupq_n_f32(0.0)); T];
     let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
     // Per block: the rows' integer sums in `p`, then `acc += p (d d_x)`, `acc += m s_x` (fused).
@@ -110,25 +108,23 @@ unsafe fn packed_tile<D: Dot, const T: usize>(w: &PackedWeight, a: &Q8Acts, g: u
     match &w.data {
         Packed::Q4(v) => {
             for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
-                let mut p = [(zero, zero); T];
-                for k in 0..4 {
-                    let q = blk.qs.as_ptr().add(32 * k);
-                    let (w0, w1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
-                    let lo = (vreinterpretq_s8_u8(vandq_u8(w0, mask)), vreinterpretq_s8_u8(vandq_u8(w1, mask)));
-                    let hi = (vreinterpretq_s8_u8(vshrq_n_u8(w0, 4)), vreinterpretq_s8_u8(vshrq_n_u8(w1, 4)));
-                    for t in 0..T {
-                        let xq = a.qs[xrow[t] + b].as_ptr();
-                        let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
-                        p[t].0 = D::dot(D::dot(p[t].0, lo.0, xl), hi.0, xh);
-                        p[t].1 = D::dot(D::dot(p[t].1, lo.1, xl), hi.1, xh);
-                    }
-                }
+                let p = q4_sums::<D, T, 0>(&blk.qs, a, &xrow, b);
                 let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
                 let m = (f16x4(blk.m.as_ptr()), f16x4(blk.m.as_ptr().add(4)));
                 for t in 0..T {
                     let k8 = xrow[t] + b;
                     combine(&mut acc[t], p[t], d, a.d[k8]);
                     offset(&mut acc[t], m, a.s[k8]);
+                }
+            }
+        }
+        Packed::Q4S(v) => {
+            // The codes less 8 are signed bytes: `sum((q - 8) x)` directly.
+            for (b, blk) in v[g * nb..(g + 1) * nb].iter().enumerate() {
+                let p = q4_sums::<D, T, 8>(&blk.qs, a, &xrow, b);
+                let d = (f16x4(blk.d.as_ptr()), f16x4(blk.d.as_ptr().add(4)));
+                for t in 0..T {
+                    combine(&mut acc[t], p[t], d, a.d[xrow[t] + b]);
                 }
             }
         }
@@ -300,6 +296,29 @@ unsafe fn packed_q6k_block<D: Dot, const T: usize>(
         acc[t].0 = vaddq_f32(acc[t].0, vmulq_f32(vmulq_f32(dv.0, dx), vcvtq_f32_s32(isum[t].0)));
         acc[t].1 = vaddq_f32(acc[t].1, vmulq_f32(vmulq_f32(dv.1, dx), vcvtq_f32_s32(isum[t].1)));
     }
+}
+
+/// The 8 rows' integer sums `sum (q - OFF) x` of one packed 4-bit block (codes 0..16) against
+/// `T` tokens (`.0` rows 0-3, `.1` rows 4-7).
+#[inline(always)]
+unsafe fn q4_sums<D: Dot, const T: usize, const OFF: u8>(qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [(int32x4_t, int32x4_t); T] {
+    let zero = vdupq_n_s32(0);
+    let mask = vdupq_n_u8(0x0F);
+    let codes = |v: uint8x16_t| vreinterpretq_s8_u8(if OFF == 0 { v } else { vsubq_u8(v, vdupq_n_u8(OFF)) });
+    let mut p = [(zero, zero); T];
+    for k in 0..4 {
+        let q = qs.as_ptr().add(32 * k);
+        let (w0, w1) = (vld1q_u8(q), vld1q_u8(q.add(16)));
+        let lo = (codes(vandq_u8(w0, mask)), codes(vandq_u8(w1, mask)));
+        let hi = (codes(vshrq_n_u8(w0, 4)), codes(vshrq_n_u8(w1, 4)));
+        for (t, pt) in p.iter_mut().enumerate() {
+            let xq = a.qs[xrow[t] + b].as_ptr();
+            let (xl, xh) = (bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
+            pt.0 = D::dot(D::dot(pt.0, lo.0, xl), hi.0, xh);
+            pt.1 = D::dot(D::dot(pt.1, lo.1, xl), hi.1, xh);
+        }
+    }
+    p
 }
 
 /// The 8 rows' integer sums `sum (q - offset) x` of one packed Q5 block against `T` tokens:
