@@ -1,9 +1,11 @@
 //! Decode's matrix-vector product on one thread and on all of them, by where the weights sit:
-//! a matrix that fits in L2, one that fits in L3, and one far larger than any cache, each in
-//! Q4_0 and Q4_K; beside a plain streaming read of the large one. Weight bytes per second, the best of several
-//! passes. The gap between the cache-resident rate and the streaming read says whether decode
-//! is bound by the kernel's arithmetic or by memory on this machine (#56: tg against the
-//! memory floor).
+//! a matrix that fits in L2, one that fits in L3, one far larger than any cache, and many
+//! distinct matrices of a 1.7B model's sizes each in its own dispatch (as decode meets them),
+//! in Q4_0 and Q4_K; beside a streaming read of the large one by the same threads (as
+//! `llms bench --floor`). Weight bytes per second, the best of 5 passes. The cache-resident
+//! rates say what the kernel's arithmetic allows; the DRAM ones against the read say how near
+//! the memory floor the kernel alone gets (#56: tg against the floor). The last line is JSON
+//! (for `llms record`).
 //!
 //! `cargo run --release -p engine --example matvec_rate [-- MiB_of_the_large_matrix]`
 //!
@@ -36,21 +38,24 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     m
 }
 
-/// Weight bytes per second of single-token products against `w` by `pool`'s threads, handed
-/// out 8 groups at a time as the model's decode does (the best of `rounds`, each repeating the
-/// product until it has read ~256 MiB).
-fn rate(pool: &ThreadPool, w: &PackedWeight, acts: &Acts, rounds: usize) -> f64 {
-    let mut out = vec![0f32; w.rows];
-    let reps = ((256usize << 20) / w.bytes()).max(1);
+/// Weight bytes per second of single-token products against each of `mats` in turn by
+/// `pool`'s threads, each its own dispatch handed out 8 groups at a time as the model's decode
+/// does (the best of `rounds`, each repeating the products until they have read ~256 MiB).
+fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) -> f64 {
+    let total: usize = mats.iter().map(PackedWeight::bytes).sum();
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows]).collect();
+    let reps = ((256usize << 20) / total).max(1);
     let mut best = 0.0f64;
     for _ in 0..rounds {
         let t = Instant::now();
         for _ in 0..reps {
-            let o = OutPtr::new(&mut out);
-            pool.for_chunks("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b));
-            black_box(&out);
+            for (w, out) in mats.iter().zip(&mut outs) {
+                let o = OutPtr::new(out);
+                pool.for_chunks("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b));
+                black_box(&out);
+            }
         }
-        best = best.max((reps * w.bytes()) as f64 / t.elapsed().as_secs_f64());
+        best = best.max((reps * total) as f64 / t.elapsed().as_secs_f64());
     }
     best
 }
@@ -81,27 +86,38 @@ fn main() {
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cols = 2048;
+    let gb = |x: f64| (x / 1e8).round() / 10.0;
+    let mut runs = Vec::new();
     for n in [1, threads] {
         let pool = ThreadPool::new(n);
         println!("{n} thread(s); weight bytes read per second (GB/s), best of 5 passes");
-        println!("{:8} {:>10} {:>10} {:>10} {:>10}", "type", "L2 (0.5M)", "L3 (8M)", format!("{big_mib} MiB"), "read");
+        println!("{:8} {:>10} {:>10} {:>10} {:>10} {:>10}", "type", "L2 (0.5M)", "L3 (8M)", format!("{big_mib} MiB"), "many 2-9M", "read");
         for ty in [GgmlType::Q4_0, GgmlType::Q4K] {
-            let row_bytes = ty.row_bytes(cols);
             let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.37).sin()).collect();
             let mut acts = Acts::default();
             acts.prepare(&x, 1, cols, &[act_kind(ty)], &pool);
-            let mut line = format!("{:8}", format!("{ty:?}"));
-            let mut last = Vec::new();
-            for bytes in [n * (512usize << 10), 8 << 20, big_mib << 20] {
-                let rows = (bytes / row_bytes).div_ceil(8) * 8;
-                let raw = matrix(ty, rows, cols);
-                let w = PackedWeight::pack(ty, rows, cols, &raw).expect("a packed type");
-                drop(raw);
-                line += &format!(" {:>10.1}", rate(&pool, &w, &acts, 5) / 1e9);
-                last = w.as_bytes().to_vec();
+            let packed = |rows: usize| PackedWeight::pack(ty, rows, cols, &matrix(ty, rows, cols)).expect("a packed type");
+            let rows_of = |bytes: usize| (bytes / ty.row_bytes(cols)).div_ceil(8) * 8;
+            let l2 = rate(&pool, &[packed(rows_of(n * (512 << 10)))], &acts, 5);
+            let l3 = rate(&pool, &[packed(rows_of(8 << 20))], &acts, 5);
+            let big = packed(rows_of(big_mib << 20));
+            let dram = rate(&pool, std::slice::from_ref(&big), &acts, 5);
+            let read = read_rate(&pool, big.as_bytes(), 5);
+            drop(big);
+            // As decode meets them: many distinct matrices of a 1.7B model's sizes (2048 and
+            // 8192 rows), 256 MiB in all, each its own dispatch.
+            let mut mats = Vec::new();
+            while mats.iter().map(PackedWeight::bytes).sum::<usize>() < 256 << 20 {
+                mats.push(packed(if mats.len() % 3 == 2 { 8192 } else { 2048 }));
             }
-            line += &format!(" {:>10.1}", read_rate(&pool, &last, 5) / 1e9);
-            println!("{line}");
+            let many = rate(&pool, &mats, &acts, 5);
+            println!("{:8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", format!("{ty:?}"), l2 / 1e9, l3 / 1e9, dram / 1e9, many / 1e9, read / 1e9);
+            runs.push(serde_json::json!({
+                "threads": n, "type": format!("{ty:?}"), "l2_gb_s": gb(l2), "l3_gb_s": gb(l3), "dram_gb_s": gb(dram),
+                "many_gb_s": gb(many), "read_gb_s": gb(read), "dram_vs_read": dram / read, "many_vs_read": many / read,
+            }));
         }
     }
+    // The last line is for `llms record`.
+    println!("{}", serde_json::json!({ "big_mib": big_mib, "cols": cols, "runs": runs }));
 }
