@@ -260,25 +260,11 @@ pub fn matmul_packed_ref(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, 
             let (s, d, m) = match &w.data {
                 Packed::Q4(v) => {
                     let blk = &v[g * nb + b];
-                    let mut s = 0i32;
-                    for k in 0..4 {
-                        for j in 0..4 {
-                            let q = blk.qs[32 * k + 4 * lane + j];
-                            s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
-                        }
-                    }
-                    (s, blk.d[lane], Some(blk.m[lane]))
+                    (q4_lane_sum(&blk.qs, lane, xq), blk.d[lane], Some(blk.m[lane]))
                 }
                 Packed::Q4S(v) => {
                     let blk = &v[g * nb + b];
-                    let mut s = 0i32;
-                    for k in 0..4 {
-                        for j in 0..4 {
-                            let q = blk.qs[32 * k + 4 * lane + j];
-                            s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
-                        }
-                    }
-                    (s - 8 * a.isum[k8], blk.d[lane], None)
+                    (q4_lane_sum(&blk.qs, lane, xq) - 8 * a.isum[k8], blk.d[lane], None)
                 }
                 Packed::Q8(v) => {
                     let blk = &v[g * nb + b];
@@ -323,6 +309,18 @@ fn each_packed_output(
             }
         }
     }
+}
+
+/// One row's integer sum `sum q x` in an 8-row block of 4-bit codes (0..16).
+fn q4_lane_sum(qs: &[u8; 4 * 32], lane: usize, xq: &[i8; 32]) -> i32 {
+    let mut s = 0i32;
+    for k in 0..4 {
+        for j in 0..4 {
+            let q = qs[32 * k + 4 * lane + j];
+            s += i32::from(q & 0xF) * i32::from(xq[4 * k + j]) + i32::from(q >> 4) * i32::from(xq[16 + 4 * k + j]);
+        }
+    }
+    s
 }
 
 /// One row's integer sum in an 8-row block of byte codes (4 bytes of each row in turn).
