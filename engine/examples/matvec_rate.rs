@@ -111,7 +111,15 @@ fn main() {
                 mats.push(packed(if mats.len() % 3 == 2 { 8192 } else { 2048 }));
             }
             let many = rate(&pool, &mats, &acts, 5);
-            println!("{:8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}", format!("{ty:?}"), l2 / 1e9, l3 / 1e9, dram / 1e9, many / 1e9, read / 1e9);
+            println!(
+                "{:8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+                format!("{ty:?}"),
+                l2 / 1e9,
+                l3 / 1e9,
+                dram / 1e9,
+                many / 1e9,
+                read / 1e9
+            );
             runs.push(serde_json::json!({
                 "threads": n, "type": format!("{ty:?}"), "l2_gb_s": gb(l2), "l3_gb_s": gb(l3), "dram_gb_s": gb(dram),
                 "many_gb_s": gb(many), "read_gb_s": gb(read), "dram_vs_read": dram / read, "many_vs_read": many / read,

@@ -175,7 +175,18 @@ macro_rules! packed_kernels {
     };
 }
 
-packed_kernels!(matmul_packed, packed_tile, q4_sums, q5_sums, "avx2,fma,f16c", q4_maddubs, q4_end_maddubs, q8_maddubs, q5_maddubs, q5_codes);
+packed_kernels!(
+    matmul_packed,
+    packed_tile,
+    q4_sums,
+    q5_sums,
+    "avx2,fma,f16c",
+    q4_maddubs,
+    q4_end_maddubs,
+    q8_maddubs,
+    q5_maddubs,
+    q5_codes
+);
 packed_kernels!(
     matmul_packed_vnni,
     packed_tile_vnni,

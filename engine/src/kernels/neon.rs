@@ -301,7 +301,12 @@ unsafe fn packed_q6k_block<D: Dot, const T: usize>(
 /// The 8 rows' integer sums `sum (q - OFF) x` of one packed 4-bit block (codes 0..16) against
 /// `T` tokens (`.0` rows 0-3, `.1` rows 4-7).
 #[inline(always)]
-unsafe fn q4_sums<D: Dot, const T: usize, const OFF: u8>(qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [(int32x4_t, int32x4_t); T] {
+unsafe fn q4_sums<D: Dot, const T: usize, const OFF: u8>(
+    qs: &[u8; 128],
+    a: &Q8Acts,
+    xrow: &[usize; T],
+    b: usize,
+) -> [(int32x4_t, int32x4_t); T] {
     let zero = vdupq_n_s32(0);
     let mask = vdupq_n_u8(0x0F);
     let codes = |v: uint8x16_t| vreinterpretq_s8_u8(if OFF == 0 { v } else { vsubq_u8(v, vdupq_n_u8(OFF)) });
