@@ -168,6 +168,14 @@ fn put_k<B: KBlock>(
 }
 
 /// Puts the 32 five-bit `codes` of one block row into lane `lane` of a packed Q5 block.
+/// Row `lane`'s bytes of one block into a packed group's: 4 bytes of each row in turn
+/// (`dst[32 k + 4 lane + j] = src[4 k + j]`).
+fn interleave<T: Copy>(dst: &mut [T], lane: usize, src: &[T]) {
+    for (k, four) in src.chunks_exact(4).enumerate() {
+        dst[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(four);
+    }
+}
+
 fn put_q5(qh: &mut [u8; QK], qs: &mut [u8; QK * ROWS / 2], lane: usize, codes: &[u8; QK]) {
     for k in 0..4 {
         for j in 0..4 {
@@ -329,9 +337,7 @@ impl PackedWeight {
                     for (b, blk) in blocks::<crate::quant::BlockQ4_0>(row).iter().enumerate() {
                         let o = &mut out[g * nb + b];
                         o.d[lane] = blk.d;
-                        for k in 0..4 {
-                            o.qs[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
-                        }
+                        interleave(&mut o.qs, lane, &blk.qs);
                     }
                 }
                 Packed::Q4S(Blocks::Owned(out))
@@ -341,14 +347,11 @@ impl PackedWeight {
                 for r in 0..rows {
                     let row = &data[r * row_bytes..(r + 1) * row_bytes];
                     let (g, lane) = (r / ROWS, r % ROWS);
-                    for b in 0..nb {
-                        let (d, m, qs) = crate::quant::q4_block(ty, row, b);
+                    for (b, blk) in blocks::<crate::quant::BlockQ4_1>(row).iter().enumerate() {
                         let o = &mut out[g * nb + b];
-                        o.d[lane] = d;
-                        o.m[lane] = m;
-                        for k in 0..4 {
-                            o.qs[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
-                        }
+                        o.d[lane] = blk.d;
+                        o.m[lane] = blk.m;
+                        interleave(&mut o.qs, lane, &blk.qs);
                     }
                 }
                 Packed::Q4(Blocks::Owned(out))
@@ -361,9 +364,7 @@ impl PackedWeight {
                     for (b, blk) in blocks::<BlockQ8_0>(row).iter().enumerate() {
                         let o = &mut out[g * nb + b];
                         o.d[lane] = blk.d;
-                        for k in 0..8 {
-                            o.qs[32 * k + 4 * lane..32 * k + 4 * lane + 4].copy_from_slice(&blk.qs[4 * k..4 * k + 4]);
-                        }
+                        interleave(&mut o.qs, lane, &blk.qs);
                     }
                 }
                 Packed::Q8(Blocks::Owned(out))
