@@ -632,25 +632,34 @@ pub fn convert_chunk(g: &KvGeometry, from: KvFormat, src: &[u8], to: KvFormat, d
 /// every exponent is the same f32 on every CPU.
 const SIXTH_POW: [f32; 6] = [1.0, 0.890_898_7, 0.793_700_5, 0.707_106_77, 0.629_960_54, 0.561_231];
 
-/// A K channel's step: the block's reference step scaled by 2^(-e/6), `e` in 0..16 (5.66x
-/// below the reference at most). Steps 12% apart over 2.5 octaves spend the exponent's 4 bits
-/// where channels need them: at 2^(-e/4) (19% apart, 3.75 octaves) K alone lost 12% more
-/// (docs/kv.md, "K's parameters at the same 12 bits").
-fn k_step(reference: f32, e: u8) -> f32 {
-    reference * K_STEP_SCALE[usize::from(e & 0xF)]
+/// A K channel's step: the block's reference step scaled by its table's entry for `e` in
+/// 0..16. The fine table, 2^(-e/6) (5.66x below the reference at most): steps 12% apart over
+/// 2.5 octaves spend the exponent's 4 bits where channels need them — at 2^(-e/4) (19% apart,
+/// 3.75 octaves) K alone lost 12% more (docs/kv.md, "K's parameters at the same 12 bits").
+fn k_step(table: &[f32; 16], reference: f32, e: u8) -> f32 {
+    reference * table[usize::from(e & 0xF)]
 }
 
-/// 2^(-e/6) for every exponent: `SIXTH_POW` over a power of two, exact, so a step is one
-/// multiplication (attention derives every K block's steps when it reads the block).
-const K_STEP_SCALE: [f32; 16] = {
+/// 2^(-e/6 x `sixths`) for every exponent: `SIXTH_POW` over a power of two, exact, so a step
+/// is one multiplication (attention derives every K block's steps when it reads the block).
+const fn k_step_table(sixths: usize) -> [f32; 16] {
     let mut t = [0.0f32; 16];
     let mut e = 0;
     while e < 16 {
-        t[e] = SIXTH_POW[e % 6] / (1u32 << (e / 6)) as f32;
+        t[e] = SIXTH_POW[(sixths * e) % 6] / (1u32 << (sixths * e / 6)) as f32;
         e += 1;
     }
     t
-};
+}
+
+/// The fine table, 2^(-e/6).
+const K_STEP_SCALE: [f32; 16] = k_step_table(1);
+/// The wide table: for a block whose channels' ranges lie further apart than
+/// the fine table reaches (Gemma 3's one KV head of 256 channels: a third of its channels
+/// asked for steps 4-128x below the block's widest, where the fine table stops at 5.66x).
+/// 2^(-e/3): steps 26% apart over 5 octaves; 2^(-e/2) (7.5 octaves) lost more on Gemma's
+/// texts (docs/notes/kv.md, "A wide step table").
+const K_STEP_WIDE: [f32; 16] = k_step_table(2);
 
 /// A K channel's zero point is an i8 in units of its step: a quarter step (`x = (code - z/4) x
 /// step`), so a channel's grid can sit a quarter step off zero where whole steps made its range
@@ -665,13 +674,30 @@ fn k_zero_reach(unit: f32) -> f32 {
     127.0 * unit
 }
 
-/// A stored K reference: (the reference step, the zero points' unit).
-fn k_reference(stored: f32) -> (f32, f32) {
+/// A stored K reference (an f16's bits): (the reference step, the zero points' unit, the step
+/// table). Its sign says the unit, the lowest bit of its mantissa the table (the encoder
+/// rounds the reference up to the f16 whose lowest bit says the table it chose).
+fn k_reference(bits: u16) -> (f32, f32, &'static [f32; 16]) {
+    let table = if bits & 1 == 1 { &K_STEP_WIDE } else { &K_STEP_SCALE };
+    let stored = f16::from_bits(bits).to_f32();
     if stored.is_sign_negative() {
-        (-stored, 1.0)
+        (-stored, 1.0, table)
     } else {
-        (stored, K_ZERO_QUARTER)
+        (stored, K_ZERO_QUARTER, table)
     }
+}
+
+/// The f16 bits of a K reference: `reference` rounded up to the f16 whose lowest mantissa bit
+/// says the table (`wide`), negative for whole-step zero points.
+fn k_reference_bits(reference: f32, wide: bool, whole: bool) -> u16 {
+    let mut bits = f16::from_f32(f16_up(reference)).to_bits();
+    if (bits & 1 == 1) != wide {
+        bits += 1;
+    }
+    if whole {
+        bits |= 0x8000;
+    }
+    bits
 }
 
 /// The V codebooks, in units of a token's scale. 3 and 2 bits: the quantiles of a unit
@@ -776,24 +802,21 @@ fn split_k_outliers_at(hd: usize) -> usize {
 pub struct SplitK<'a> {
     pub reference: f32,
     pub zero_unit: f32,
+    /// The step table the block chose ([`K_STEP_SCALE`] or [`K_STEP_WIDE`]).
+    pub table: &'static [f32; 16],
     pub zeros: &'a [u8],
     pub exps: &'a [u8],
     pub outliers: &'a [u8],
     pub codes: &'a [u8],
 }
 
-/// 2^(-e/6) for every exponent nibble: a channel's step is `reference x K_STEP_SCALE[e]`.
-pub fn k_step_scale() -> &'static [f32; 16] {
-    &K_STEP_SCALE
-}
-
 /// A split-level K block's fields, read in place.
 pub fn split_k_fields(blk: &[u8], t_cap: usize, hd: usize) -> SplitK<'_> {
-    let (reference, zero_unit) = k_reference(f16_at(blk, 0));
+    let (reference, zero_unit, table) = k_reference(u16::from_le_bytes([blk[0], blk[1]]));
     let at = split_k_outliers_at(hd);
     let (zeros, exps) = blk[2..at].split_at(hd);
     let end = split_k_header(t_cap, hd);
-    SplitK { reference, zero_unit, zeros, exps, outliers: &blk[at..end], codes: &blk[end..] }
+    SplitK { reference, zero_unit, table, zeros, exps, outliers: &blk[at..end], codes: &blk[end..] }
 }
 
 /// A split-level K block's per-channel zero points and steps (`head_dim` each), its outliers
@@ -802,24 +825,24 @@ pub fn split_k_fields(blk: &[u8], t_cap: usize, hd: usize) -> SplitK<'_> {
 /// attention reads K blocks in place with `kernels::split_k_params`, the same floats.
 pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f32], step: &mut [f32]) -> (&'a [u8], &'a [u8]) {
     let f = split_k_fields(blk, t_cap, hd);
-    k_params(f.reference, f.zeros, f.zero_unit, f.exps, &mut zero[..hd], &mut step[..hd]);
+    k_params(f.reference, f.zeros, f.zero_unit, f.exps, f.table, &mut zero[..hd], &mut step[..hd]);
     (f.outliers, f.codes)
 }
 
 /// [`split_k_params`]'s zero points and steps (it runs for every K block attention reads where
 /// no vector kernel does: straight-line loops, no per-channel branch or bounds check).
-pub fn k_params(reference: f32, zeros: &[u8], unit: f32, exps: &[u8], zero: &mut [f32], step: &mut [f32]) {
+pub fn k_params(reference: f32, zeros: &[u8], unit: f32, exps: &[u8], table: &[f32; 16], zero: &mut [f32], step: &mut [f32]) {
     for (z, &b) in zero.iter_mut().zip(zeros) {
         *z = f32::from(b as i8) * unit;
     }
     // Two channels' exponents a byte, low nibble first.
     let (pairs, odd) = step.split_at_mut(step.len() & !1);
     for (pair, &b) in pairs.chunks_exact_mut(2).zip(exps) {
-        pair[0] = k_step(reference, b & 0xF);
-        pair[1] = k_step(reference, b >> 4);
+        pair[0] = k_step(table, reference, b & 0xF);
+        pair[1] = k_step(table, reference, b >> 4);
     }
     if let (Some(s), Some(&b)) = (odd.first_mut(), exps.last()) {
-        *s = k_step(reference, b & 0xF);
+        *s = k_step(table, reference, b & 0xF);
     }
 }
 
@@ -949,24 +972,33 @@ fn write_split_k(bits: usize, blk: &mut [u8], t_cap: usize, hd: usize, n: usize,
         .collect();
     // The reference for zero points in `unit` steps: the coarsest step any channel needs,
     // either to span its range or to reach its middle with its zero point.
-    let reference = |unit: f32| f16_up(ranges.iter().fold(0.0f32, |r, &(lo, hi)| r.max(k_step_needed(lo, hi, top, unit))));
-    let quarter = reference(K_ZERO_QUARTER);
-    put_f16(head, 0, quarter);
+    let needed = |unit: f32| ranges.iter().fold(0.0f32, |r, &(lo, hi)| r.max(k_step_needed(lo, hi, top, unit)));
+    head[..2].copy_from_slice(&k_reference_bits(needed(K_ZERO_QUARTER), false, false).to_le_bytes());
+    let (quarter, _, _) = k_reference(u16::from_le_bytes([head[0], head[1]]));
     if !quarter.is_finite() {
         return;
     }
     if quarter > 0.0 {
-        let err = k_channels(bits, head, data, hd, vals, &ranges, quarter, K_ZERO_QUARTER);
-        // A channel whose middle is too far from zero for a quarter-step zero point to reach
-        // with the step its range needs (or the finest there is): code the block with whole
-        // steps too and keep the better.
+        let mut err = k_channels(bits, head, data, hd, vals, &ranges);
         let finest = quarter * K_STEP_SCALE[15];
+        // A channel whose middle is too far from zero for a quarter-step zero point to reach
+        // with the step its range needs (or the finest there is): whole steps too. A channel
+        // whose range needs a step finer than the fine table's finest: the wide table too.
+        // The block keeps whichever codes it with the least squared error.
         let far = ranges.iter().any(|&(lo, hi)| k_step_needed(lo, hi, top, K_ZERO_QUARTER) > ((hi - lo) / top).max(finest));
-        if far {
-            let whole = reference(1.0);
-            let (mut h2, mut d2) = (vec![0u8; head.len()], vec![0u8; data.len()]);
-            put_f16(&mut h2, 0, -whole);
-            if k_channels(bits, &mut h2, &mut d2, hd, vals, &ranges, whole, 1.0) < err {
+        let clamped = ranges.iter().any(|&(lo, hi)| hi - lo < top * finest);
+        let (mut h2, mut d2) = (vec![0u8; head.len()], vec![0u8; data.len()]);
+        for (whole, wide) in [(false, true), (true, false), (true, true)] {
+            if (whole && !far) || (wide && !clamped) {
+                continue;
+            }
+            let unit = if whole { 1.0 } else { K_ZERO_QUARTER };
+            h2.fill(0);
+            d2.fill(0);
+            h2[..2].copy_from_slice(&k_reference_bits(needed(unit), wide, whole).to_le_bytes());
+            let e2 = k_channels(bits, &mut h2, &mut d2, hd, vals, &ranges);
+            if e2 < err {
+                err = e2;
                 head.copy_from_slice(&h2);
                 data.copy_from_slice(&d2);
             }
@@ -1061,16 +1093,8 @@ fn k_step_needed(lo: f32, hi: f32, top: f32, unit: f32) -> f32 {
 /// reference step is `reference` (finite, positive) with zero points in `unit` steps; returns
 /// the codes' squared error (outliers aside).
 #[allow(clippy::too_many_arguments)]
-fn k_channels(
-    bits: usize,
-    head: &mut [u8],
-    data: &mut [u8],
-    hd: usize,
-    vals: &[f32],
-    ranges: &[(f32, f32)],
-    reference: f32,
-    unit: f32,
-) -> f32 {
+fn k_channels(bits: usize, head: &mut [u8], data: &mut [u8], hd: usize, vals: &[f32], ranges: &[(f32, f32)]) -> f32 {
+    let (reference, unit, table) = k_reference(u16::from_le_bytes([head[0], head[1]]));
     let top = ((1u32 << bits) - 1) as f32;
     let n = vals.len() / hd;
     // A channel's values side by side, and their squared errors (summed in token order after,
@@ -1096,7 +1120,7 @@ fn k_channels(
         }
         let mid = 0.5 * (lo + hi);
         let fits = |e: u8| {
-            let step = k_step(reference, e);
+            let step = k_step(table, reference, e);
             step * top >= hi - lo && reach(centred(mid, step))
         };
         // The finest step that spans the range with its zero point in reach (e = 0 always
@@ -1105,7 +1129,7 @@ fn k_channels(
         let e0 = (0..16u8).rev().find(|&e| fits(e)).unwrap_or(0);
         let mut best = (f32::INFINITY, 0u8, 0i8);
         for e in e0.saturating_sub(1)..=(e0 + 2).min(15) {
-            let step = k_step(reference, e);
+            let step = k_step(table, reference, e);
             let zc = centred(mid, step);
             for zq in [zc - 1.0, zc, zc + 1.0] {
                 if !reach(zq) {
@@ -1121,7 +1145,7 @@ fn k_channels(
         total += err;
         head[2 + c] = zq as u8;
         head[2 + hd + c / 2] |= e << (4 * (c % 2));
-        let (inv, z) = (1.0 / k_step(reference, e), f32::from(zq) * unit);
+        let (inv, z) = (1.0 / k_step(table, reference, e), f32::from(zq) * unit);
         for (t, &x) in col.iter().enumerate() {
             put_code(data, t * hd + c, bits, round_code(x * inv + z, top) as u8);
         }
@@ -1587,13 +1611,13 @@ mod tests {
             write_block_f32(f, 0, &mut blk, t, hd, t, &vals);
             let mut out = vec![0.0f32; t * hd];
             read_block_f32(f, 0, &blk, t, hd, t, &mut out);
-            let (reference, unit) = k_reference(f16_at(&blk, 0));
+            let (reference, unit, table) = k_reference(u16::from_le_bytes([blk[0], blk[1]]));
             let need = |c: usize| {
                 let (lo, hi) = (0..t).map(|k| vals[k * hd + c]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
-                k_step_needed(lo, hi, top, unit).max(reference * K_STEP_SCALE[15])
+                k_step_needed(lo, hi, top, unit).max(reference * table[15])
             };
             for c in 0..hd {
-                let bound = need(c) * K_STEP_SCALE[0] / K_STEP_SCALE[1] * 1.001;
+                let bound = need(c) * table[0] / table[1] * 1.001;
                 let rms = ((0..t).map(|k| (out[k * hd + c] - vals[k * hd + c]).powi(2)).sum::<f32>() / t as f32).sqrt();
                 assert!(rms <= bound, "{f:?} K channel {c}: rms {rms} > {bound}");
             }
@@ -1690,13 +1714,49 @@ mod tests {
             for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
                 let mut blk = vec![0u8; KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: t }.head_block_bytes(f, 0)];
                 write_block_f32(f, 0, &mut blk, t, hd, t, &vals);
-                let (_, unit) = k_reference(f16_at(&blk, 0));
+                let (_, unit, table) = k_reference(u16::from_le_bytes([blk[0], blk[1]]));
                 assert_eq!(unit, if far { 1.0 } else { K_ZERO_QUARTER }, "{f:?} far {far}");
+                // Alike channels keep the fine table (a far one's whole steps may need the wide).
+                assert!(far || std::ptr::eq(table, &K_STEP_SCALE), "{f:?}: the channels are alike, the fine table serves");
                 let mut out = vec![0.0f32; t * hd];
                 read_block_f32(f, 0, &blk, t, hd, t, &mut out);
                 // Whole steps reach 20 with steps of 20 / 120 or finer; quarter ones would need 0.8.
                 let worst = out.iter().zip(&vals).map(|(o, v)| (o - v).abs()).fold(0.0f32, f32::max);
                 assert!(worst < 0.1, "{f:?} far {far}: worst error {worst}");
+            }
+        }
+    }
+
+    /// A K block whose channels' ranges spread over 8 octaves (as Gemma 3's one head of 256
+    /// channels does) takes the wide step table, and its narrow channels get steps their ranges
+    /// need where the fine table would stop 5.66x below the widest; channels within the fine
+    /// table's reach keep it (the test above).
+    #[test]
+    fn k_channels_spread_wide_take_the_wide_table() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        let (hd, t) = (256, 16);
+        let width = |c: usize| 2f32.powf(-((c % 64) as f32) / 8.0);
+        let vals: Vec<f32> = (0..t * hd).map(|i| width(i % hd) * rng.gen_range(-1.0..1.0)).collect();
+        let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: t };
+        for f in [KvFormat::K4V4, KvFormat::K3V3, KvFormat::K2V2] {
+            let mut blk = vec![0u8; g.head_block_bytes(f, 0)];
+            write_block_f32(f, 0, &mut blk, t, hd, t, &vals);
+            let (reference, _, table) = k_reference(u16::from_le_bytes([blk[0], blk[1]]));
+            assert!(std::ptr::eq(table, &K_STEP_WIDE), "{f:?}: the fine table was kept");
+            let mut out = vec![0.0f32; t * hd];
+            read_block_f32(f, 0, &blk, t, hd, t, &mut out);
+            let rms = |c: usize| ((0..t).map(|k| (out[k * hd + c] - vals[k * hd + c]).powi(2)).sum::<f32>() / t as f32).sqrt();
+            // Channel 20 is 5.7x narrower than the widest, channel 40 32x: the fine table's
+            // finest step (the reference / 5.66) is about channel 20's need, so channel 40
+            // would be coded with 2-3 of its bits; the wide table's steps reach both.
+            let top = ((1u32 << f.bits()) - 1) as f32;
+            for c in [20, 40] {
+                assert!(
+                    rms(c) <= 2.0 * width(c) / top * table[0] / table[1],
+                    "{f:?} channel {c}: rms {} (step of the fine table {})",
+                    rms(c),
+                    reference * K_STEP_SCALE[15]
+                );
             }
         }
     }
@@ -1725,19 +1785,27 @@ mod tests {
             }
             assert!(scales[t_cap].is_nan(), "written past t_cap");
         }
-        // A negative reference says whole-step zero points.
-        for (hd, stored, unit) in [1, 5, 8, 63, 64].into_iter().flat_map(|hd| [(hd, 0.25f32, 0.25f32), (hd, -0.25, 1.0)]) {
+        // A negative reference says whole-step zero points, an odd one the wide step table.
+        let quarter = f16::from_f32(0.25).to_bits();
+        let cases = [
+            (quarter, 0.25f32, &K_STEP_SCALE),
+            (quarter | 0x8000, 1.0, &K_STEP_SCALE),
+            (quarter | 1, 0.25, &K_STEP_WIDE),
+            (quarter | 0x8001, 1.0, &K_STEP_WIDE),
+        ];
+        for (hd, stored, unit, table) in [1, 5, 8, 63, 64].into_iter().flat_map(|hd| cases.map(|(s, u, t)| (hd, s, u, t))) {
             let t_cap = 4;
             let hdr = split_k_header(t_cap, hd);
             let mut blk: Vec<u8> = (0..hdr + 8).map(|_| rng.gen()).collect();
-            blk[..2].copy_from_slice(&f16::from_f32(stored).to_le_bytes());
+            blk[..2].copy_from_slice(&stored.to_le_bytes());
+            let reference = f16::from_bits(stored & 0x7FFF).to_f32();
             let (mut zero, mut step) = (vec![f32::NAN; hd + 1], vec![f32::NAN; hd + 1]);
             let (outliers, codes) = split_k_params(&blk, t_cap, hd, &mut zero, &mut step);
             assert_eq!((outliers.len(), codes.len()), (OUTLIER_BYTES * k_outliers(t_cap, hd), 8));
             for c in 0..hd {
                 assert_eq!(zero[c], f32::from(blk[2 + c] as i8) * unit, "hd {hd} zero {c}");
                 let e = get_code(&blk[2 + hd..], c, 4);
-                assert_eq!(step[c].to_bits(), k_step(0.25, e).to_bits(), "hd {hd} step {c}");
+                assert_eq!(step[c].to_bits(), k_step(table, reference, e).to_bits(), "hd {hd} step {c}");
             }
             assert!(zero[hd].is_nan() && step[hd].is_nan(), "written past hd");
             // Attention's vector path gives the same bits.
@@ -1945,6 +2013,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(h, 0x6a77_e3dc_46c0_5d9b, "split encoders' digest");
+        assert_eq!(h, 0x3ed5_f71a_236e_3bbc, "split encoders' digest");
     }
 }

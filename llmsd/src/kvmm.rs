@@ -68,8 +68,9 @@ impl EngineCodec {
         // (one was: layout 3's smaller split headers first shipped under layout 2's number);
         // layout 4: the split levels' 4-bit V codes refine the 3-bit ones, at the same sizes;
         // layout 5: the same bytes, V decoded times its level's gain (kv.rs `V_GAIN`);
-        // layout 6: the same bytes, K's zero points in quarter steps and its steps 2^(-e/6).
-        const LAYOUT: u64 = 6;
+        // layout 6: the same bytes, K's zero points in quarter steps and its steps 2^(-e/6);
+        // layout 7: the same bytes, the K reference's lowest bit choosing 2^(-e/6) or 2^(-e/3).
+        const LAYOUT: u64 = 7;
         let sizes = KvFormat::ALL.iter().flat_map(|&f| [geom.head_block_bytes(f, 0) as u64, geom.head_block_bytes(f, 1) as u64]);
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for v in [

@@ -829,10 +829,10 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
     if hd.is_multiple_of(8) && crate::simd::has_avx2() {
         // SAFETY: AVX2 checked; `zeros` holds `hd` bytes, `exps` `hd / 2`, `zero` and `step`
         // `hd` floats.
-        unsafe { avx2::k_params(f.reference, f.zeros, f.zero_unit, f.exps, crate::kv::k_step_scale(), zero, step) };
+        unsafe { avx2::k_params(f.reference, f.zeros, f.zero_unit, f.exps, f.table, zero, step) };
         return (f.outliers, f.codes);
     }
-    crate::kv::k_params(f.reference, f.zeros, f.zero_unit, f.exps, zero, step);
+    crate::kv::k_params(f.reference, f.zeros, f.zero_unit, f.exps, f.table, zero, step);
     (f.outliers, f.codes)
 }
 
