@@ -802,7 +802,7 @@ fn split_k_outliers_at(hd: usize) -> usize {
 pub struct SplitK<'a> {
     pub reference: f32,
     pub zero_unit: f32,
-    /// The step table the block chose ([`K_STEP_SCALE`] or [`K_STEP_WIDE`]).
+    /// The step table the block chose: the fine one, 2^(-e/6), or the wide one, 2^(-e/3).
     pub table: &'static [f32; 16],
     pub zeros: &'a [u8],
     pub exps: &'a [u8],
