@@ -652,14 +652,14 @@ const fn k_step_table(sixths: usize) -> [f32; 16] {
     t
 }
 
-/// The fine table, 2^(-e/6).
-const K_STEP_SCALE: [f32; 16] = k_step_table(1);
+/// The fine table, 2^(-e/6). (Statics, not consts: a block's table is one of two addresses.)
+static K_STEP_SCALE: [f32; 16] = k_step_table(1);
 /// The wide table: for a block whose channels' ranges lie further apart than
 /// the fine table reaches (Gemma 3's one KV head of 256 channels: a third of its channels
 /// asked for steps 4-128x below the block's widest, where the fine table stops at 5.66x).
 /// 2^(-e/3): steps 26% apart over 5 octaves; 2^(-e/2) (7.5 octaves) lost more on Gemma's
 /// texts (docs/notes/kv.md, "A wide step table").
-const K_STEP_WIDE: [f32; 16] = k_step_table(2);
+static K_STEP_WIDE: [f32; 16] = k_step_table(2);
 
 /// A K channel's zero point is an i8 in units of its step: a quarter step (`x = (code - z/4) x
 /// step`), so a channel's grid can sit a quarter step off zero where whole steps made its range
