@@ -893,10 +893,10 @@ impl Manager {
             self.unshare_from(ctx, kv, lost, Unshare::Missing, false)?;
             missing.sort_unstable();
         }
-        let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
-        if !missing.is_empty() {
-            self.load(ctx, kv, &region, &missing, strategy, &mut report)?;
-        }
+        // The engine reads each shared chunk at the pool's slot before anything is loaded: a
+        // recompute below attends to them, and an engine whose view of a shared chunk is still
+        // its own slot (a session made anew, say after lmk ended the context) would read that
+        // empty slot — a fault no record answers, so a SIGBUS.
         for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
             let m = self.ctx(ctx)?.chunks[i];
             if let (Some(p), Some(pool)) = (m.shared, &self.pool) {
@@ -907,6 +907,15 @@ impl Manager {
                 self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
                 // SAFETY: resident and pinned for the call; nothing writes a shared chunk.
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            }
+        }
+        let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
+        if !missing.is_empty() {
+            self.load(ctx, kv, &region, &missing, strategy, &mut report)?;
+        }
+        for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
+            let m = self.ctx(ctx)?.chunks[i];
+            if m.shared.is_some() {
                 continue;
             }
             region.pin(i)?;

@@ -208,8 +208,14 @@ impl KvContext for FakeKv {
         for l in 0..2 {
             before_layer(l);
         }
+        let hashes = prefix_hashes(&self.tokens, CT);
         for &c in chunks {
             assert_eq!(self.chunks[c].2, 0, "recompute writes the base format");
+            // Chunk c attends to every chunk before it, each read where mm attached it (an
+            // empty slot would fault with nothing to fill it: a SIGBUS).
+            if let Some(j) = (0..c).find(|&j| self.bytes(j) != &pattern(hashes[j], self.chunks[j].2)[..self.len(j)]) {
+                return Err(mm::EngineError::new(format!("recomputing chunk {c}: chunk {j} before it does not hold its bytes")));
+            }
             self.write(c);
         }
         Ok(())
@@ -491,6 +497,46 @@ proptest! {
     ) {
         run_with(policy, &ops, windowed, background, true)?;
     }
+}
+
+/// A context whose chunks another context's prefix promoted into the pool, then ended by lmk:
+/// its next call recomputes its own chunk, attending to the shared ones, which the engine must
+/// read at the pool's slots — its own slots gave their pages back at the promotion (read there,
+/// the recompute faulted with nothing to fill it: a SIGBUS in Fig. 9's lmk runs).
+#[test]
+fn a_recompute_after_lmk_reads_the_shared_chunks_at_the_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
+    let cfg = MmConfig {
+        policy: Policy::Lmk,
+        budget: 1 << 30,
+        ratio: 1.0,
+        levels: vec![0],
+        max_chunks: MAX_CHUNKS,
+        features: mm::Features::default(),
+    };
+    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
+    mm.enable_sharing(POOL_SLOTS).unwrap();
+    for c in 0..2 {
+        mm.set_scope(c, 7);
+        mm.create(c).unwrap();
+    }
+    let mut tok = 1u32;
+    let mut a = FakeKv::default();
+    append(&mut mm, 0, &mut a, 3 * CT + 3, &mut tok, None).unwrap();
+    // Context 1 opens with context 0's three whole chunks: they move into the pool.
+    let k = mm.cached_prefix(7, &a.tokens[..3 * CT]);
+    assert_eq!(k, 3);
+    let mut b = FakeKv { tokens: a.tokens[..3 * CT].to_vec(), ..FakeKv::default() };
+    mm.restore(1, &mut b).unwrap();
+    assert!((0..3).all(|i| mm.chunk_info(0, i).is_some_and(|c| c.shared)), "context 0's whole chunks are the pool's");
+    // lmk ends context 0 (its own partial chunk goes, unsaved), then it is called again.
+    mm.set_budget(0).unwrap();
+    assert!(mm.chunk_info(0, 3).is_some_and(|c| c.state != uffd_handler::SlotState::Resident && !c.on_flash), "lmk ended context 0");
+    mm.set_budget(1 << 30).unwrap();
+    mm.begin(0, &mut a, Load::Planned).unwrap();
+    a.check().unwrap();
+    mm.end(0, &mut a).unwrap();
 }
 
 #[test]
