@@ -8,8 +8,9 @@
 //!   the others, the tokens the others took from the first, and whether every answer is the one
 //!   computed without sharing.
 //! - **Fork**: a context of F tokens forked R times (each fork deleted after): the round trip of
-//!   `fork` as the client sees it (the service's work, the context file's fsync, the socket) and
-//!   the resident bytes it added.
+//!   `fork` as the client sees it (the service's work, the context file's fsync, the socket),
+//!   the service's time in mm and on the file beside the floor of making an empty file durable
+//!   on the same disk (timed after each fork), and the resident bytes it added.
 //! - **Branch**: a conversation of T turns through the OpenAI front, then the same history with
 //!   the last user message edited: the front branches, and its time to first token and
 //!   `cached_tokens` are measured against the same request without sharing.
@@ -74,6 +75,12 @@ pub struct Fork {
     /// writing the new context's file (fsynced before the answer).
     pub mm_ms_p50: f64,
     pub file_ms_p50: f64,
+    /// The floor under the file: an empty file made durable beside the state directory the
+    /// same way (written, fsynced, renamed into place, its directory fsynced), timed after
+    /// each fork (the median): what any acknowledged context's file costs on this disk.
+    pub file_floor_ms_p50: f64,
+    /// The service's own part: mm's time and the file's time above its floor (medians).
+    pub own_ms_p50: f64,
     /// Resident KV bytes one fork added (the median).
     pub resident_added_bytes: u64,
     /// A chunk of this model at the base level, for scale.
@@ -184,7 +191,18 @@ fn run_conversations(l: &Local, shape: &Shape, sys: &str) -> Result<Conversation
     })
 }
 
-fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64) -> Result<Fork> {
+/// An empty file made durable in `dir` as the service makes a context's file (a temporary
+/// file fsynced, renamed into place, the directory fsynced): the floor of any such save.
+fn durable_empty_file_ms(dir: &Path) -> Result<f64> {
+    let (tmp, to) = (dir.join("floor.tmp"), dir.join("floor"));
+    let t0 = Instant::now();
+    std::fs::File::create(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &to)?;
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(ms(t0.elapsed()))
+}
+
+fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64, floor_dir: &Path) -> Result<Fork> {
     let mut c = Client::connect(&l.socket, "bench-fork")?;
     let src = c.new_ctx(None)?;
     let mut k = 0;
@@ -204,6 +222,8 @@ fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64) -> Result<Fork> {
     }
     let tokens = u64::from(c.list()?.iter().find(|x| x.ctx == src).map_or(0, |x| x.tokens));
     let (mut rt, mut added, mut in_mm, mut file) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut floor, mut own) = (Vec::new(), Vec::new());
+    std::fs::create_dir_all(floor_dir)?;
     for _ in 0..shape.fork_reps {
         let (before, _) = l.svc.kv_footprint(Duration::ZERO);
         let t0 = Instant::now();
@@ -212,6 +232,9 @@ fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64) -> Result<Fork> {
         let (m, f) = l.svc.last_fork_ms();
         in_mm.push(m);
         file.push(f);
+        let fl = durable_empty_file_ms(floor_dir)?;
+        floor.push(fl);
+        own.push(m + (f - fl).max(0.0));
         let (after, _) = l.svc.kv_footprint(Duration::ZERO);
         #[allow(clippy::cast_precision_loss)]
         added.push(after.saturating_sub(before) as f64);
@@ -222,6 +245,8 @@ fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64) -> Result<Fork> {
         rt.remove(0);
         in_mm.remove(0);
         file.remove(0);
+        floor.remove(0);
+        own.remove(0);
         added.remove(0);
     }
     let max = rt.iter().copied().fold(0.0, f64::max);
@@ -234,6 +259,8 @@ fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64) -> Result<Fork> {
         round_trip_ms_max: max,
         mm_ms_p50: median(in_mm),
         file_ms_p50: median(file),
+        file_floor_ms_p50: median(floor),
+        own_ms_p50: median(own),
         resident_added_bytes: median(added) as u64,
         chunk_bytes,
     })
@@ -286,7 +313,8 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
         let l = Local::start(cfg)?;
         let r = (|| {
             let conv = run_conversations(&l, &shape, &sys)?;
-            let fork = if sharing { Some(run_fork(&l, &shape, chunk_bytes)?) } else { None };
+            // The floor's directory on the state directory's file system, beside it.
+            let fork = if sharing { Some(run_fork(&l, &shape, chunk_bytes, &work.join("fsync-floor"))?) } else { None };
             let branch = run_branch(&l, &shape, if sharing { "s" } else { "p" })?;
             Ok((conv, fork, branch))
         })();
