@@ -539,6 +539,39 @@ fn a_recompute_after_lmk_reads_the_shared_chunks_at_the_pool() {
     mm.end(0, &mut a).unwrap();
 }
 
+/// With levels lowered in the background, a budget the lowered chunks fit is met by doing the
+/// queued lowerings, not by evicting chunks about to shrink (which the next switch would read
+/// back: Fig. 9's llms read 5x the chunks while the leveller lagged behind its calls).
+#[test]
+fn reclaim_lowers_queued_chunks_before_it_evicts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
+    let cfg = MmConfig {
+        policy: Policy::Llms,
+        budget: 1 << 30,
+        ratio: 0.4,
+        levels: vec![0, 1, 2],
+        max_chunks: MAX_CHUNKS,
+        features: mm::Features::default(),
+    };
+    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
+    mm.set_background_levels(true);
+    mm.create(9).unwrap();
+    let mut kv = FakeKv::default();
+    append(&mut mm, 9, &mut kv, 10 * CT, &mut 1, None).unwrap();
+    mm.flush();
+    assert!(mm.level_jobs() > 0, "end queued the lowerings");
+    let full = mm.resident_bytes();
+    // Room for the chunks at their chosen levels, not at the base one.
+    mm.set_budget(full * 3 / 4).unwrap();
+    assert_eq!(mm.stats.evicted_chunks, 0, "a chunk about to shrink was evicted");
+    assert!(mm.resident_bytes() <= full * 3 / 4);
+    assert!((0..10).all(|i| mm.chunk_info(9, i).is_some_and(|c| c.state == uffd_handler::SlotState::Resident)));
+    mm.begin(9, &mut kv, Load::Planned).unwrap();
+    kv.check().unwrap();
+    mm.end(9, &mut kv).unwrap();
+}
+
 #[test]
 fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();
