@@ -187,6 +187,9 @@ pub struct ServiceStats {
     pub switch_p99_ms: f64,
     /// Chunks the AoT writer has yet to write.
     pub aot_pending: u64,
+    /// Chunk lowerings the leveller has yet to finish (each is then written: `aot_pending`).
+    #[serde(default)]
+    pub level_pending: u64,
     pub evicted_chunks: u64,
     pub written_aot: u64,
     pub written_sync: u64,

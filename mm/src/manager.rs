@@ -418,6 +418,8 @@ pub struct Manager {
     /// lowerings waiting for it.
     background_levels: bool,
     levelling: VecDeque<LevelJob>,
+    /// Lowerings taken and not yet finished (encoding outside the lock).
+    levelling_taken: usize,
     epochs: u64,
     /// Chunks shared between contexts, when on ([`Manager::enable_sharing`]).
     pool: Option<share::Pool>,
@@ -491,6 +493,7 @@ impl Manager {
             arena,
             background_levels: false,
             levelling: VecDeque::new(),
+            levelling_taken: 0,
             epochs: 0,
             pool: None,
             scopes: HashMap::new(),
@@ -1526,15 +1529,16 @@ impl Manager {
         }
     }
 
-    /// Lowerings queued for the leveller (some may turn out stale).
+    /// Lowerings queued for the leveller (some may turn out stale) or being encoded by it.
     pub fn level_jobs(&self) -> usize {
-        self.levelling.len()
+        self.levelling.len() + self.levelling_taken
     }
 
     /// The next queued lowering still valid, with a copy of its chunk's bytes.
     pub fn take_level_work(&mut self) -> Option<LevelWork> {
         while let Some(job) = self.levelling.pop_front() {
             if let Some(w) = self.take_job(job) {
+                self.levelling_taken += 1;
                 return Some(w);
             }
         }
@@ -1575,6 +1579,7 @@ impl Manager {
     /// at its level and stays there).
     pub fn finish_level_work(&mut self, w: LevelWork, lowered: std::result::Result<Vec<u8>, crate::EngineError>) -> Result<bool> {
         let job = w.job;
+        self.levelling_taken = self.levelling_taken.saturating_sub(1);
         let Some((mut m, region)) = self.valid(&job).filter(|(m, _)| m.dead == w.dead) else { return Ok(false) };
         let region = Arc::clone(region);
         let len = self.codec.live_bytes(job.to, m.dead);

@@ -360,6 +360,9 @@ fn run_with(policy: Policy, ops: &[Op], windowed: bool, background: bool, sharin
             }
             Op::Take(n) => {
                 held.extend((0..*n).map_while(|_| mm.take_level_work()));
+                // Work being encoded is still pending: a replayer waiting for an idle
+                // leveller must not start the next call under it.
+                prop_assert!(mm.level_jobs() >= held.len(), "{} taken lowerings, {} pending", held.len(), mm.level_jobs());
                 None
             }
             Op::Install => {

@@ -98,8 +98,8 @@ pub fn summarize(rs: &[CallResult], seconds: f64) -> Summary {
 /// How the replayer spaces the calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pace {
-    /// Back to back, each call once the AoT writer is idle (the gap's work done, its time not
-    /// waited).
+    /// Back to back, each call once the leveller and the AoT writer are idle (the gap's work
+    /// done, its time not waited).
     Compressed,
     /// At the trace's times (a call that comes due while the last one runs goes as soon as it
     /// returns, as from one app thread): the AoT writer races the next call.
@@ -140,12 +140,13 @@ pub fn replay_paced(socket: &Path, h: &Header, recs: &[Record], pace: Pace, each
                 }
             };
             match pace {
-                // The gap: let the AoT writer finish what the last call left.
+                // The gap: let the leveller and the AoT writer finish what the last call left
+                // (a lowering is written once done, so both must be idle at once).
                 Pace::Compressed => {
                     let t = Instant::now();
-                    while c.stats()?.aot_pending > 0 {
+                    while c.stats().map(|s| s.aot_pending + s.level_pending)? > 0 {
                         if t.elapsed() > Duration::from_secs(60) {
-                            bail!("the service's AoT writer did not go idle in 60 s");
+                            bail!("the service's leveller and AoT writer did not go idle in 60 s");
                         }
                         std::thread::sleep(Duration::from_millis(1));
                     }

@@ -185,7 +185,7 @@ impl Collector for Levels {
             }
             (m, reg.len())
         };
-        let (resident, budget, flash, evicted, aot, sync, pending, failures, releveled) = {
+        let (resident, budget, flash, evicted, aot, sync, pending, levelling, failures, releveled) = {
             let mm = lock(&svc.mm);
             (
                 mm.resident_bytes() as u64,
@@ -195,6 +195,7 @@ impl Collector for Levels {
                 mm.stats.written_aot,
                 mm.stats.written_sync,
                 mm.pending_writes() as u64,
+                mm.level_jobs() as u64,
                 mm.write_failures().0,
                 mm.stats.releveled,
             )
@@ -222,7 +223,7 @@ impl Collector for Levels {
         let pressure = lock(&svc.pressure).clone();
         let w = svc.weights.as_ref().map(|w| w.stats());
         let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let gauges: [(&str, &str, i64); 11] = [
+        let gauges: [(&str, &str, i64); 12] = [
             ("shared_chunks", "KV chunks held once for several contexts (shared prefixes)", i(sharing.unique_chunks)),
             ("shared_chunk_refs", "References contexts hold to shared chunks", i(sharing.logical_chunks)),
             ("sharing_saved_bytes", "Bytes of memory shared chunks would take again per extra holder", i(sharing.bytes_saved)),
@@ -236,6 +237,7 @@ impl Collector for Levels {
                 i(w.as_ref().map_or(0, |w| w.resident_bytes)),
             ),
             ("aot_pending_chunks", "Chunks the ahead-of-time writer has yet to write", i(pending)),
+            ("level_pending_chunks", "Chunk lowerings the leveller has yet to finish", i(levelling)),
             ("queue_depth", "Calls waiting for the model", queue),
             ("contexts", "Contexts the service holds", i64::try_from(n_ctx).unwrap_or(i64::MAX)),
         ];

@@ -434,6 +434,7 @@ impl Service {
             switch_p90_ms: pct(0.9),
             switch_p99_ms: pct(0.99),
             aot_pending: mm.pending_writes() as u64,
+            level_pending: mm.level_jobs() as u64,
             evicted_chunks: mm.stats.evicted_chunks,
             written_aot: mm.stats.written_aot,
             written_sync: mm.stats.written_sync,
