@@ -111,6 +111,20 @@ impl PassCost {
     }
 }
 
+/// How many prompt tokens each call feeds in a pass with `room` for them: `left[i]` is call
+/// i's prompt tokens still to run (None: it decodes). Shortest first, each as much as is left
+/// of the room.
+fn prompt_pieces(left: &[Option<usize>], mut room: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..left.len()).filter(|&i| left[i].is_some()).collect();
+    order.sort_by_key(|&i| left[i]);
+    let mut take = vec![0; left.len()];
+    for i in order {
+        take[i] = left[i].unwrap_or(0).min(room);
+        room -= take[i];
+    }
+    take
+}
+
 /// The steps traced since tracing was switched on.
 #[derive(Debug)]
 pub(super) struct Trace {
@@ -704,8 +718,8 @@ impl Service {
         Ok(ids)
     }
 
-    /// One forward pass for the running calls: each decoding call's sampled token and a piece
-    /// of the shortest prompt still to prefill (all of it, up to a pass's 512 tokens, when no
+    /// One forward pass for the running calls: each decoding call's sampled token and pieces
+    /// of the shortest prompts still to prefill (as many as fit a pass's 512 tokens when no
     /// call decodes). Then each call takes its logits; the calls that ended leave the batch.
     fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost) -> StepTrace {
         let mut trace = StepTrace::default();
@@ -713,10 +727,18 @@ impl Service {
         let mut rows: Vec<usize> = Vec::new();
         let mut pieces: Vec<Vec<u32>> = Vec::new();
         let decoding = active.iter().filter(|a| a.next.is_some()).count();
-        // The prompt with the fewest tokens left goes first: a short prompt does not wait
-        // behind a long one's pieces (its caller waits for a first token; the long one's
-        // caller waits far longer anyway).
-        let prefill = active.iter().enumerate().filter(|(_, a)| a.next.is_none()).min_by_key(|(_, a)| a.ids.len() - a.fed).map(|(k, _)| k);
+        // The pass's prompt tokens: up to a pass's 512 when no call decodes, else what fits
+        // `prefill_hold`. They go to the prompts with the fewest tokens left first: a short
+        // prompt does not wait behind a long one's pieces (its caller waits for a first
+        // token; the long one's caller waits far longer anyway), and calls that start
+        // together (a convoy: they ended together) are prefilled in one pass, not one by one.
+        let room = if decoding == 0 {
+            MAX_PASS
+        } else {
+            cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS))
+        };
+        let left: Vec<Option<usize>> = active.iter().map(|a| a.next.is_none().then(|| a.ids.len() - a.fed)).collect();
+        let piece_of = prompt_pieces(&left, room);
         for (i, a) in active.iter_mut().enumerate() {
             if let Some(t) = a.next {
                 match catch_unwind(AssertUnwindSafe(|| self.put_token(a, t))) {
@@ -728,12 +750,10 @@ impl Service {
                     Ok(Err(r)) => ended.push((i, Outcome::Failed(r))),
                     Err(p) => ended.push((i, Outcome::Panicked(panic_message(p.as_ref())))),
                 }
-            } else if prefill == Some(i) {
-                let most = self.cfg.prefill_piece.clamp(1, MAX_PASS);
-                let piece = if decoding == 0 { MAX_PASS } else { cost.piece(decoding, self.cfg.prefill_hold, most) };
-                let end = (a.fed + piece).min(a.ids.len());
+            } else if piece_of[i] > 0 || a.fed == a.ids.len() {
+                // (An empty piece, which cannot happen, fails the call below: never stuck.)
                 rows.push(i);
-                pieces.push(a.ids[a.fed..end].to_vec());
+                pieces.push(a.ids[a.fed..a.fed + piece_of[i]].to_vec());
             }
         }
         // What the pass would refuse for one call fails that call alone, not the whole pass.
@@ -1097,3 +1117,19 @@ fn injected_fault(pieces: &[&[u32]]) {
 
 #[cfg(not(debug_assertions))]
 fn injected_fault(_: &[&[u32]]) {}
+
+#[cfg(test)]
+mod tests {
+    use super::prompt_pieces;
+
+    #[test]
+    fn prompts_that_start_together_share_a_pass_shortest_first() {
+        // Nothing decodes: a convoy of four 40-token prompts goes in one pass of 160.
+        assert_eq!(prompt_pieces(&[Some(40); 4], 512), vec![40; 4]);
+        // Room for less: the shortest prompts first, the next one cut, the longest waits.
+        assert_eq!(prompt_pieces(&[Some(300), Some(10), None, Some(50)], 40), vec![0, 10, 0, 30]);
+        // Decoding calls feed no prompt; no room, no prompt token.
+        assert_eq!(prompt_pieces(&[None, Some(5)], 0), vec![0, 0]);
+        assert_eq!(prompt_pieces(&[None, None], 16), vec![0, 0]);
+    }
+}
