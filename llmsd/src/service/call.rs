@@ -732,11 +732,8 @@ impl Service {
         // prompt does not wait behind a long one's pieces (its caller waits for a first
         // token; the long one's caller waits far longer anyway), and calls that start
         // together (a convoy: they ended together) are prefilled in one pass, not one by one.
-        let room = if decoding == 0 {
-            MAX_PASS
-        } else {
-            cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS))
-        };
+        let room =
+            if decoding == 0 { MAX_PASS } else { cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS)) };
         let left: Vec<Option<usize>> = active.iter().map(|a| a.next.is_none().then(|| a.ids.len() - a.fed)).collect();
         let piece_of = prompt_pieces(&left, room);
         for (i, a) in active.iter_mut().enumerate() {

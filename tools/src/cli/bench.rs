@@ -356,6 +356,39 @@ pub fn batch_decode(
     Ok((median(rates), median(steps)))
 }
 
+/// One forward pass of `b` contexts at `depth` tokens each taking a `prompt`-token piece
+/// (several calls' prompts prefilled together, as the service does when they start together):
+/// the pass's ms, median of `reps`.
+pub fn batch_prefill(
+    model: &Arc<::engine::Model>,
+    pool: &Arc<::engine::ThreadPool>,
+    ids: &[u32],
+    b: usize,
+    depth: usize,
+    prompt: usize,
+    reps: usize,
+) -> Result<f64> {
+    use ::engine::model::{Scratch, SessionOptions};
+    use ::engine::{Logits, Session};
+    let opts = SessionOptions { capacity: depth + prompt + 1, ..SessionOptions::new(depth + prompt + 1) };
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();
+        for (i, s) in sessions.iter_mut().enumerate() {
+            if depth > 0 {
+                s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?;
+            }
+        }
+        let pieces: Vec<&[u32]> = (0..b).map(|i| &ids[i * 7 + depth..i * 7 + depth + prompt]).collect();
+        let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+        let mut scratch = Scratch::default();
+        let t0 = std::time::Instant::now();
+        Session::step_batch(&mut refs, &pieces, &mut scratch)?;
+        times.push(t0.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(median(times))
+}
+
 /// `llms bench-serve`.
 #[derive(Args, Debug)]
 pub struct BenchServeArgs {
@@ -387,7 +420,8 @@ pub struct BenchServeArgs {
     pub long_prefill: usize,
     /// Run the same calls with one client first (same service settings) and report the ratios,
     /// beside the engine's own batching gain for as many contexts (`llms bench-batch`: B
-    /// contexts decoded together against one), measured in the same run.
+    /// contexts decoded together against one), and the engine's pass prefilling N prompts
+    /// together against one, measured in the same run.
     #[arg(long)]
     pub vs_solo: bool,
     /// The service's KV levels [default: the service's, int8,k4v4,k4v3,k3v3].
@@ -457,7 +491,11 @@ impl BenchServeArgs {
                 let depth = prompt_tokens + max_tokens / 2;
                 let (one, _) = batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
                 let (many, _) = batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
-                Some(many / one)
+                // Calls that start together wait for all their prompts: the pass that prefills
+                // them all against one prompt's pass is what the TTFT ratio can reach then.
+                let p1 = batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3)?;
+                let pn = batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3)?;
+                Some((many / one, pn / p1))
             } else {
                 None
             };
@@ -473,9 +511,10 @@ impl BenchServeArgs {
                 v["itl_p99_vs_solo"] = json!(r.itl_ms_p99 / s.itl_ms_p99);
                 v["ttft_p50_vs_solo"] = json!(r.ttft_ms_p50 / s.ttft_ms_p50);
             }
-            if let (Some(g), Some(s)) = (gain, &solo) {
+            if let (Some((g, p)), Some(s)) = (gain, &solo) {
                 v["engine_batch_gain"] = json!(g);
                 v["aggregate_vs_engine_gain"] = json!(r.aggregate_tok_s / s.aggregate_tok_s / g);
+                v["engine_prefill_together"] = json!(p);
             }
             println!("{}", serde_json::to_string(&v)?);
             return Ok(());
@@ -510,8 +549,11 @@ impl BenchServeArgs {
                 r.itl_ms_p99 / s.itl_ms_p99,
                 r.ttft_ms_p50 / s.ttft_ms_p50
             );
-            if let Some(g) = gain {
+            if let Some((g, p)) = gain {
                 println!("  the engine decodes {clients} contexts together at {g:.2}x one's (llms bench-batch): the service keeps {:.2} of that gain", agg / g);
+                println!(
+                    "  the engine prefills {clients} prompts together in {p:.2}x one prompt's pass (the TTFT of calls that start together)"
+                );
             }
         }
         if let Some(w) = &r.worker {
