@@ -939,24 +939,42 @@ impl Manager {
     /// record is missing or damaged; it and those after it are not pinned.
     fn load_shared(&mut self, shared: &[(usize, u32)]) -> Result<Option<usize>> {
         let Some(pool_region) = self.pool.as_ref().map(|p| Arc::clone(&p.region)) else { return Ok(None) };
+        // The missing ones are read together, as a context's chunks are (two lanes, reads in
+        // flight), not one blocking read after another: up to the first without a record.
+        let mut lost = None;
+        let (mut want, mut lens, mut at) = (Vec::new(), Vec::new(), Vec::new());
         for &(i, p) in shared {
-            let slot = p as usize;
-            if pool_region.state(slot)? != SlotState::Resident {
-                let Some(meta) = self.pool_meta(p) else { return Ok(Some(i)) };
-                let len = self.codec.live_bytes(meta.format, false);
-                let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-                if self.store.read(&meta, buf).is_err() {
-                    return Ok(Some(i));
-                }
-                let tail = len.next_multiple_of(PAGE).min(buf.len());
-                buf[len..tail].fill(0);
-                pool_region.copy_from(slot, &self.arena.as_mut_slice()[..self.slot_size], len)?;
-                // Reclaim may take it once no sharer is in a call (LCTRU skips it until then).
-                self.lctru.touch((POOL_CTX, p), self.level_index(meta.format));
+            if pool_region.state(p as usize)? == SlotState::Resident {
+                continue;
             }
-            pool_region.pin(slot)?;
+            match self.pool_meta(p).map(|m| self.store.expect(&m).map(|e| (m, e))) {
+                Some(Ok((m, e))) => {
+                    want.push((p as usize, e));
+                    lens.push(self.codec.live_bytes(m.format, false));
+                    at.push((i, p, m.format));
+                }
+                _ => {
+                    lost = Some(i);
+                    break;
+                }
+            }
         }
-        Ok(None)
+        let (ok, _) = self.read_records(POOL_CTX, &pool_region, &want, &lens)?;
+        for (&(i, p, format), good) in at.iter().zip(ok) {
+            if good {
+                // Reclaim may take it once no sharer is in a call (LCTRU skips it until then).
+                self.lctru.touch((POOL_CTX, p), self.level_index(format));
+            } else {
+                lost = Some(lost.map_or(i, |l: usize| l.min(i)));
+            }
+        }
+        for &(i, p) in shared {
+            if lost.is_some_and(|l| i >= l) {
+                break;
+            }
+            pool_region.pin(p as usize)?;
+        }
+        Ok(lost)
     }
 
     fn chunk_len(&self, ctx: u64, i: usize) -> usize {
@@ -1154,17 +1172,41 @@ impl Manager {
         readable: &[(usize, Entry)],
         levels: &HashMap<usize, Format>,
     ) -> Result<(Vec<usize>, f64)> {
+        if readable.is_empty() {
+            return Ok((Vec::new(), 0.0));
+        }
+        let lens: Vec<usize> = readable.iter().map(|(i, _)| self.chunk_len(ctx, *i)).collect();
+        kv.before_wait();
+        let (ok, wait) = self.read_records(ctx, region, readable, &lens)?;
+        let mut bad = Vec::new();
+        for ((i, _), ok) in readable.iter().zip(ok) {
+            if ok {
+                let ptr = NonNull::new(region.slot_ptr(*i)).expect("mapped");
+                // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
+                unsafe { kv.attach(*i, ptr, self.slot_size, levels[i]) }.map_err(engine)?;
+            } else {
+                bad.push(*i);
+            }
+        }
+        Ok((bad, wait))
+    }
+
+    /// [`Manager::read_all`]'s reads: each record of `readable` (slot of `region`, its entry in
+    /// `file_ctx`'s file: a context's, or the pool's) read, checked and copied into its slot
+    /// (`lens` bytes), in two lanes. Whether each one was good, and the time this thread
+    /// waited for the disk.
+    fn read_records(&mut self, file_ctx: u64, region: &Region, readable: &[(usize, Entry)], lens: &[usize]) -> Result<(Vec<bool>, f64)> {
         let n = readable.len();
         if n == 0 {
             return Ok((Vec::new(), 0.0));
         }
+        let ctx = file_ctx;
         let ss = self.slot_size;
         let n_buf = self.arena.len() / ss;
         let store = &*self.store;
         let file = store.file(ctx)?;
         let fd = std::os::fd::AsRawFd::as_raw_fd(&*file);
         let arena = SendPtr(self.arena.as_mut_slice().as_mut_ptr());
-        let lens: Vec<usize> = readable.iter().map(|(i, _)| self.chunk_len(ctx, *i)).collect();
         // Two lanes (this thread and a helper), each with its own ring and its own half of the
         // arena, each taking every other chunk: read, wait, check, copy into the slot, and the
         // buffer takes the lane's next read at once. Lanes share nothing, so a buffer is never
@@ -1212,7 +1254,6 @@ impl Manager {
         };
         let mut ok = vec![false; n];
         let mut wait = 0.0;
-        kv.before_wait();
         let Lanes { rings: [r0, r1], helper } = &mut self.lanes;
         // Every way out of a lane, the ring waits for what is still in flight (an error or a
         // panic can leave reads queued): no read lands in the arena after this returns, and the
@@ -1243,17 +1284,7 @@ impl Manager {
                 ok[k] = good;
             }
         }
-        let mut bad = Vec::new();
-        for ((i, _), ok) in readable.iter().zip(ok) {
-            if ok {
-                let ptr = NonNull::new(region.slot_ptr(*i)).expect("mapped");
-                // SAFETY: the slot is resident and stays so while pinned (begin pins it next).
-                unsafe { kv.attach(*i, ptr, self.slot_size, levels[i]) }.map_err(engine)?;
-            } else {
-                bad.push(*i);
-            }
-        }
-        Ok((bad, wait))
+        Ok((ok, wait))
     }
 
     /// Staging for `chunks`, zeroed (an empty chunk is staged as zeros; a recomputed one

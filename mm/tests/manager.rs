@@ -916,3 +916,48 @@ fn a_declared_public_prefix_and_only_it_crosses_scopes() {
     assert_eq!(mm.sharing_stats(Some(mm::PUBLIC_SCOPE)).unique_chunks, 2);
     assert_eq!(mm.sharing_stats(Some(7)).unique_chunks, 0, "app 7's own chunks stayed its own");
 }
+
+/// Shared chunks evicted from the pool come back from its records, read together; one whose
+/// record fails its checksum costs a recompute of it and what follows it, never a wrong byte.
+#[test]
+fn a_pool_record_that_fails_its_checksum_is_recomputed_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 5 * CT, &mut tok, None).unwrap();
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    mm.fork(1, 2, &mut b).unwrap();
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    assert!(
+        (0..5).all(|i| mm.chunk_info(1, i).is_some_and(|c| c.shared && c.on_flash && c.state != uffd_handler::SlotState::Resident)),
+        "every shared chunk is on flash only"
+    );
+    mm.set_budget(1 << 30).unwrap();
+    // The first load reads them all back, good.
+    let r = mm.begin(1, &mut a, Load::Planned).unwrap();
+    a.check().unwrap();
+    assert_eq!(r.recomputed, 0, "{r:?}");
+    mm.end(1, &mut a).unwrap();
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    mm.set_budget(1 << 30).unwrap();
+    // Flip a byte in the body of the pool record with the most bytes past the start of the file.
+    let store = mm.store();
+    let (p, e) = (0..64).filter_map(|p| store.entry(mm::POOL_CTX, p).map(|e| (p, e))).max_by_key(|(_, e)| store.body_extent(e).0).unwrap();
+    let (offset, len) = store.body_extent(&e);
+    let path = store.dir().join(format!("ctx-{:016x}.kv", mm::POOL_CTX));
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[offset as usize + len / 2] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let r = mm.begin(2, &mut b, Load::Planned).unwrap();
+    b.check().unwrap();
+    assert!(r.recomputed > 0, "pool chunk {p}'s bad record was not noticed: {r:?}");
+    mm.end(2, &mut b).unwrap();
+    mm.begin(1, &mut a, Load::Planned).unwrap();
+    a.check().unwrap();
+    mm.end(1, &mut a).unwrap();
+}

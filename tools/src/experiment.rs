@@ -397,6 +397,9 @@ pub struct MaxRun {
     pub switch_mean_ms: f64,
     /// Calls whose context had to slide (see `CallResult::slid_tokens`).
     pub slid_calls: usize,
+    /// Chunks the switches read from flash and recomputed, over the run.
+    pub read_chunks: u64,
+    pub recomputed_chunks: u64,
 }
 
 /// The most contexts under one bound, for one (budget, length, policy).
@@ -460,6 +463,8 @@ pub fn max_contexts(
                         scale,
                         switch_mean_ms: sum.switch_mean_ms,
                         slid_calls: sum.slid_calls,
+                        read_chunks: sum.read_chunks,
+                        recomputed_chunks: sum.recomputed_chunks,
                     };
                     log(&r);
                     curve.push((n, r.switch_mean_ms));

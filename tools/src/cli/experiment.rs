@@ -521,9 +521,15 @@ fn max_contexts_cmd(budgets: Vec<String>, lengths: Vec<usize>, x: MaxArgs, scale
         system_tokens: x.t.system_tokens,
         apps: x.t.apps,
     };
-    println!("{:<8} {:>8} {:<8} {:>8} {:>12} {:>6}", "budget", "length", "policy", "contexts", "switch_ms", "slid");
+    println!(
+        "{:<8} {:>8} {:<8} {:>8} {:>12} {:>6} {:>6} {:>6}",
+        "budget", "length", "policy", "contexts", "switch_ms", "slid", "read", "recomp"
+    );
     let r = ex::max_contexts(&env.base, &s, &env.work, &env.profiles, &mut |r| {
-        println!("{:<8} {:>8} {:<8} {:>8} {:>12.2} {:>6}", r.budget, r.length, r.policy, r.contexts, r.switch_mean_ms, r.slid_calls);
+        println!(
+            "{:<8} {:>8} {:<8} {:>8} {:>12.2} {:>6} {:>6} {:>6}",
+            r.budget, r.length, r.policy, r.contexts, r.switch_mean_ms, r.slid_calls, r.read_chunks, r.recomputed_chunks
+        );
     });
     env.done(r.and_then(|(runs, rows)| {
         for r in &rows {
