@@ -1192,15 +1192,14 @@ impl Manager {
     }
 
     /// [`Manager::read_all`]'s reads: each record of `readable` (slot of `region`, its entry in
-    /// `file_ctx`'s file: a context's, or the pool's) read, checked and copied into its slot
-    /// (`lens` bytes), in two lanes. Whether each one was good, and the time this thread
+    /// `ctx`'s file: a context's, or the pool's, [`POOL_CTX`]) read, checked and copied into its
+    /// slot (`lens` bytes), in two lanes. Whether each one was good, and the time this thread
     /// waited for the disk.
-    fn read_records(&mut self, file_ctx: u64, region: &Region, readable: &[(usize, Entry)], lens: &[usize]) -> Result<(Vec<bool>, f64)> {
+    fn read_records(&mut self, ctx: u64, region: &Region, readable: &[(usize, Entry)], lens: &[usize]) -> Result<(Vec<bool>, f64)> {
         let n = readable.len();
         if n == 0 {
             return Ok((Vec::new(), 0.0));
         }
-        let ctx = file_ctx;
         let ss = self.slot_size;
         let n_buf = self.arena.len() / ss;
         let store = &*self.store;
