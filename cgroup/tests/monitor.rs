@@ -147,10 +147,12 @@ fn psi_triggers_register_with_window_rounding() {
     }
     // A copy of a pressure file (a fixture tree) is sampled, never armed: arming would
     // overwrite it.
-    let copy = tmpdir("psi-copy").join("memory.pressure");
+    let dir = tmpdir("psi-copy");
+    let copy = dir.join("memory.pressure");
     std::fs::write(&copy, PSI).unwrap();
     assert!(matches!(PsiTrigger::register(&copy, false, 150_000, 2_000_000, false), Err(TriggerError::NotPsi { .. })));
     assert_eq!(std::fs::read_to_string(&copy).unwrap(), PSI);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Run in a child by `real_memory_pressure_moves_headroom_and_level`: holds 1.5 GiB of

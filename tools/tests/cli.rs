@@ -18,12 +18,12 @@ fn json_ok(args: &[&str]) -> Value {
         .unwrap_or_else(|e| panic!("llms {args:?} printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("llms-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
+/// A file with `contents` in a directory of its own, removed when the guard goes.
+fn temp_file(name: &str, contents: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join(name);
     std::fs::write(&p, contents).unwrap();
-    p
+    (dir, p)
 }
 
 fn s(p: &Path) -> &str {
@@ -32,7 +32,7 @@ fn s(p: &Path) -> &str {
 
 #[test]
 fn tokenize_prints_the_ids_and_parses_special_tokens() {
-    let f = temp_file("tok.txt", "<|im_start|>user\nHello world<|im_end|>");
+    let (_dir, f) = temp_file("tok.txt", "<|im_start|>user\nHello world<|im_end|>");
     let ids = json_ok(&["tokenize", "--text-file", s(&f)]);
     let ids: Vec<u64> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_eq!(ids.first(), Some(&1), "<|im_start|> is token 1");
@@ -43,7 +43,7 @@ fn tokenize_prints_the_ids_and_parses_special_tokens() {
 
 #[test]
 fn logits_lists_the_top_n_highest_first() {
-    let f = temp_file("p.txt", "The capital of France is");
+    let (_dir, f) = temp_file("p.txt", "The capital of France is");
     let v = json_ok(&["logits", "--prompt-file", s(&f), "--top", "7"]);
     assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
     let top = v["top"].as_array().unwrap();
@@ -131,7 +131,7 @@ fn errors_are_clear_and_exit_nonzero() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
-    let junk = temp_file("junk.gguf", "this is not a model");
+    let (_dir, junk) = temp_file("junk.gguf", "this is not a model");
     let out = Command::new(env!("CARGO_BIN_EXE_llms")).args(["generate", "--prompt", "x", "--model", s(&junk)]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
