@@ -848,18 +848,23 @@ fn shared_chunks_outlive_a_restart_and_unreachable_ones_are_freed() {
     assert_eq!(pool_records(&mm), 0, "and they stay freed");
 }
 
-#[test]
-fn a_damaged_pool_log_costs_recomputes_never_wrong_bytes() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
+/// Context 1 of 5 full chunks (scope 7) and its fork, context 2, every chunk shared and on flash.
+fn forked_pair(dir: &std::path::Path) -> Option<(Manager, FakeKv, FakeKv)> {
+    let mut mm = sharing_manager(dir)?;
     mm.set_scope(1, 7);
     mm.create(1).unwrap();
     let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 5 * CT, &mut tok, None).unwrap();
+    append(&mut mm, 1, &mut a, 5 * CT, &mut 0, None).unwrap();
     let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
     mm.fork(1, 2, &mut b).unwrap();
     mm.flush();
+    Some((mm, a, b))
+}
+
+#[test]
+fn a_damaged_pool_log_costs_recomputes_never_wrong_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((mm, a, _b)) = forked_pair(dir.path()) else { return };
     let log = mm.store().dir().join("pool.log");
     drop(mm);
     // Flip a byte in the middle: the records from there on are not trusted.
@@ -922,15 +927,7 @@ fn a_declared_public_prefix_and_only_it_crosses_scopes() {
 #[test]
 fn a_pool_record_that_fails_its_checksum_is_recomputed_not_served() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
-    mm.set_scope(1, 7);
-    mm.create(1).unwrap();
-    let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 5 * CT, &mut tok, None).unwrap();
-    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
-    mm.fork(1, 2, &mut b).unwrap();
-    mm.flush();
+    let Some((mut mm, mut a, mut b)) = forked_pair(dir.path()) else { return };
     mm.set_budget(0).unwrap();
     assert!(
         (0..5).all(|i| mm.chunk_info(1, i).is_some_and(|c| c.shared && c.on_flash && c.state != uffd_handler::SlotState::Resident)),
