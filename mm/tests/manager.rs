@@ -542,13 +542,10 @@ fn a_recompute_after_lmk_reads_the_shared_chunks_at_the_pool() {
     mm.end(0, &mut a).unwrap();
 }
 
-/// With levels lowered in the background, a budget the lowered chunks fit is met by doing the
-/// queued lowerings, not by evicting chunks about to shrink (which the next switch would read
-/// back: Fig. 9's llms read 5x the chunks while the leveller lagged behind its calls).
-#[test]
-fn reclaim_lowers_queued_chunks_before_it_evicts() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
+/// An llms manager over three levels at a ratio of 0.4: below b4's 0.5, a mix of b4 and b2
+/// (the solver's loss makes 3 b8 + 7 b2 dearer).
+fn levelled_manager(dir: &std::path::Path) -> Option<Manager> {
+    let store = Arc::new(Store::open(dir, 42, StoreGeometry::new(2, 6000), false).unwrap());
     let cfg = MmConfig {
         policy: Policy::Llms,
         budget: 1 << 30,
@@ -557,7 +554,16 @@ fn reclaim_lowers_queued_chunks_before_it_evicts() {
         max_chunks: MAX_CHUNKS,
         features: mm::Features::default(),
     };
-    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
+    require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))
+}
+
+/// With levels lowered in the background, a budget the lowered chunks fit is met by doing the
+/// queued lowerings, not by evicting chunks about to shrink (which the next switch would read
+/// back: Fig. 9's llms read 5x the chunks while the leveller lagged behind its calls).
+#[test]
+fn reclaim_lowers_queued_chunks_before_it_evicts() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = levelled_manager(dir.path()) else { return };
     mm.set_background_levels(true);
     mm.create(9).unwrap();
     let mut kv = FakeKv::default();
@@ -578,17 +584,7 @@ fn reclaim_lowers_queued_chunks_before_it_evicts() {
 #[test]
 fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path(), 42, StoreGeometry::new(2, 6000), false).unwrap());
-    let cfg = MmConfig {
-        policy: Policy::Llms,
-        budget: 1 << 30,
-        // Below b4's 0.5: a mix of b4 and b2 (the solver's loss makes 3 b8 + 7 b2 dearer).
-        ratio: 0.4,
-        levels: vec![0, 1, 2],
-        max_chunks: MAX_CHUNKS,
-        features: mm::Features::default(),
-    };
-    let Some(mut mm) = require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None)) else { return };
+    let Some(mut mm) = levelled_manager(dir.path()) else { return };
     mm.create(9).unwrap();
     let mut kv = FakeKv::default();
     mm.prepare(9, &mut kv, 10 * CT).unwrap();
