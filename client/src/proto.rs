@@ -193,6 +193,10 @@ pub struct ServiceStats {
     pub evicted_chunks: u64,
     pub written_aot: u64,
     pub written_sync: u64,
+    /// Chunks evicted without a record because their write failed (a full disk): each is
+    /// recomputed from its context's tokens at its next load.
+    #[serde(default)]
+    pub dropped_unsaved: u64,
     pub faults: u64,
     pub pressure: String,
     /// The caller's contexts.

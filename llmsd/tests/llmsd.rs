@@ -62,6 +62,33 @@ fn uffd_rss(pid: u32) -> u64 {
     total
 }
 
+/// The peak of [`uffd_rss`] of a process, sampled every 5 ms on a thread until stopped.
+struct PeakSampler {
+    done: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl PeakSampler {
+    fn start(pid: u32) -> Self {
+        let done = Arc::new(AtomicBool::new(false));
+        let d = Arc::clone(&done);
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0;
+            while !d.load(Ordering::SeqCst) {
+                peak = peak.max(uffd_rss(pid));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            peak
+        });
+        Self { done, thread }
+    }
+
+    fn stop(self) -> u64 {
+        self.done.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}
+
 const TIGHT: u64 = 3 << 20;
 
 #[test]
@@ -73,28 +100,15 @@ fn interleaved_contexts_under_a_tight_budget_match_unlimited_memory() {
     let exact = "levels = [\"int8\"]\nratio = 1.0\n";
     let run = |name: &str, settings: &str, watch: bool| {
         let d = Daemon::start(dir.path(), name, &dir.path().join(name), settings);
-        let peak = Arc::new(AtomicU64::new(0));
-        let done = Arc::new(AtomicBool::new(false));
-        let sampler = watch.then(|| {
-            let (peak, done, pid) = (Arc::clone(&peak), Arc::clone(&done), d.child.id());
-            std::thread::spawn(move || {
-                while !done.load(Ordering::SeqCst) {
-                    peak.fetch_max(uffd_rss(pid), Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            })
-        });
+        let sampler = watch.then(|| PeakSampler::start(d.child.id()));
         let mut c = d.client("app");
         let ids = new_contexts(&mut c, 8);
         let out = rounds(&mut c, &ids, 0..3);
-        done.store(true, Ordering::SeqCst);
-        if let Some(s) = sampler {
-            s.join().unwrap();
-        }
+        let peak = sampler.map_or(0, PeakSampler::stop);
         let st = c.stats().unwrap();
         let biggest = st.mine.iter().map(|x| u64::from(x.chunks)).max().unwrap();
         d.stop();
-        (out, st, biggest, peak.load(Ordering::SeqCst))
+        (out, st, biggest, peak)
     };
     let (free, _, _, _) = run("free", &format!("budget = \"1GiB\"\n{exact}"), false);
     let (tight, st, biggest, peak) = run("tight", &format!("budget = {TIGHT}\n{exact}"), true);
@@ -711,6 +725,53 @@ fn a_full_disk_fails_calls_whole_and_the_stop_tells_the_truth() {
     d.stop();
 }
 
+/// A swap store that cannot take chunks (its own file system full; the contexts' files are
+/// elsewhere, so calls are acknowledged) does not stop the service or push it past its
+/// budget: a chunk whose write fails is evicted unwritten and recomputed at its next load,
+/// and every answer is what it is with the disk free.
+#[test]
+fn chunks_a_full_store_cannot_take_are_recomputed_and_the_budget_holds() {
+    let Some((dir, img, mnt)) = small_disk(64 << 20, 2048) else { return };
+    let Some((_store_dir, store_img, _)) = small_disk(16 << 20, 256) else { return };
+    let settings = format!("budget = {TIGHT}\nlevels = [\"int8\"]\nratio = 1.0\n");
+    let reference = {
+        let d = Daemon::start(dir.path(), "free", &dir.path().join("free"), &settings);
+        let mut c = d.client("app");
+        let ids = new_contexts(&mut c, 4);
+        let out = rounds(&mut c, &ids, 0..3);
+        d.stop();
+        out
+    };
+    let state = mnt.join("state");
+    let store = state.join("store");
+    let d = Daemon::start_mounted(dir.path(), "full", &state, &settings, &[(&img, &mnt), (&store_img, &store)]);
+    let mut c = d.client("app");
+    let ids = new_contexts(&mut c, 4);
+    // Full but for 100 KiB: less than a chunk's record (about 200 KiB), which a write fails
+    // part-way through.
+    let filler = fill_disk(&d, &store);
+    let blocks = std::fs::OpenOptions::new().write(true).open(filler.join("blocks")).unwrap();
+    blocks.set_len(blocks.metadata().unwrap().len() - (100 << 10)).unwrap();
+    blocks.sync_all().unwrap();
+    let sampler = PeakSampler::start(d.child.id());
+    let out = rounds(&mut c, &ids, 0..3);
+    let peak = sampler.stop();
+    let st = c.stats().unwrap();
+    assert!(st.write_failures > 0, "the store took the chunks: {st:?}");
+    assert!(st.dropped_unsaved > 0, "nothing was evicted unwritten: {st:?}");
+    let recomputed: u32 = out.iter().flatten().map(|(_, s)| s.recomputed_chunks).sum();
+    assert!(recomputed > 0, "no chunk was recomputed");
+    for (r, (a, b)) in reference.iter().zip(&out).enumerate() {
+        for (k, (x, y)) in a.iter().zip(b).enumerate() {
+            assert_eq!(x.0, y.0, "round {r} context {k}: output differs with the store full");
+        }
+    }
+    let biggest = st.mine.iter().map(|x| u64::from(x.chunks)).max().unwrap();
+    let bound = TIGHT + biggest * (200 << 10);
+    assert!(peak > 0 && peak <= bound, "uffd-resident {peak} over budget {TIGHT} + working set ({biggest} chunks)");
+    d.stop();
+}
+
 /// Limits per uid (app names are the client's to choose, the uid is the kernel's): connections,
 /// contexts over all its apps, text held, calls waiting and records on flash; each refusal
 /// names its limit. A frame trickled a byte at a time is cut off at `io_timeout_s`.
@@ -1010,7 +1071,7 @@ fn soak_many_clients_a_full_disk_and_a_kill() {
         }
         if t > Duration::from_secs(25) {
             if let Some(f) = filled.take() {
-                std::fs::remove_dir_all(f).unwrap();
+                std::fs::remove_dir_all(f).unwrap_or_else(|e| panic!("freeing the disk: {e}; llmsd: {}", d.log_text()));
             }
         }
         if !killed && t > Duration::from_secs(35) {

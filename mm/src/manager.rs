@@ -221,6 +221,9 @@ pub struct MmStats {
     pub evicted_bytes: u64,
     pub written_sync: u64,
     pub written_aot: u64,
+    /// Chunks evicted without a record because writing one failed: recomputed at their
+    /// next load.
+    pub dropped_unsaved: u64,
     pub releveled: u64,
     pub killed_contexts: u64,
 }
@@ -270,24 +273,20 @@ struct WriteJob {
 struct Writer {
     tx: Option<Sender<WriteJob>>,
     pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)>,
-    /// Batches that failed (a full disk, say) and the last error: their chunks stay dirty in
-    /// memory and are written at reclaim, or recomputed from their tokens after a restart.
-    failures: Arc<Mutex<(u64, String)>>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Writer {
-    fn spawn(store: Arc<Store>) -> Self {
+    fn spawn(store: Arc<Store>, failures: &WriteFailures) -> Self {
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)> = Arc::default();
         let p = Arc::clone(&pending);
-        let failures: Arc<Mutex<(u64, String)>> = Arc::default();
-        let f = Arc::clone(&failures);
+        let f = Arc::clone(failures);
         let handle = std::thread::Builder::new()
             .name("llms-aot-writer".into())
             .spawn(move || writer_loop(&store, &rx, &p, &f))
             .expect("spawn the AoT writer");
-        Self { tx: Some(tx), pending, failures, handle: Some(handle) }
+        Self { tx: Some(tx), pending, handle: Some(handle) }
     }
 
     fn is_pending(&self, c: ChunkId) -> bool {
@@ -364,9 +363,7 @@ fn writer_loop(
         }
         if let Err(e) = store.write_batch(&mut ring, &batch) {
             eprintln!("llms: AoT write of {} chunk(s) failed: {e}; they will be written at reclaim", batch.len());
-            let mut f = failures.lock().unwrap_or_else(|e| e.into_inner());
-            f.0 += 1;
-            f.1 = e.to_string();
+            note_failure(failures, &e);
         } else {
             // (Not a record this batch wrote anew: the chunk became its context's own again.)
             for (c, k) in jobs.iter().filter_map(|j| j.replaces) {
@@ -381,6 +378,17 @@ fn writer_loop(
         let ids: Vec<ChunkId> = jobs.iter().map(|j| (j.meta.context, j.meta.chunk)).collect();
         finish(pending, &ids);
     }
+}
+
+/// Chunk write batches that failed (a full disk, say) and the last error. An AoT batch's
+/// chunks stay dirty in memory and are written at reclaim; a chunk reclaim cannot write is
+/// dropped and recomputed from its tokens (see [`Manager::save_and_evict_as`]).
+type WriteFailures = Arc<Mutex<(u64, String)>>;
+
+fn note_failure(failures: &Mutex<(u64, String)>, e: &StoreError) {
+    let mut f = failures.lock().unwrap_or_else(|e| e.into_inner());
+    f.0 += 1;
+    f.1 = e.to_string();
 }
 
 fn finish(pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar), ids: &[ChunkId]) {
@@ -403,6 +411,7 @@ pub struct Manager {
     expected: Expected,
     fallback: Fallback,
     writer: Option<Writer>,
+    write_failures: WriteFailures,
     ring: Ring,
     slot_size: usize,
     zero: Staging,
@@ -473,7 +482,8 @@ impl Manager {
         let max = cfg.levels.iter().map(|&f| codec.chunk_bytes(f)).max().unwrap_or(0);
         let slot_size = max.max(1).div_ceil(PAGE) * PAGE;
         let n_levels = if cfg.policy == Policy::Llms && cfg.features.lctru { cfg.levels.len() } else { 1 };
-        let writer = (cfg.policy == Policy::Llms && cfg.features.aot).then(|| Writer::spawn(Arc::clone(&store)));
+        let write_failures = WriteFailures::default();
+        let writer = (cfg.policy == Policy::Llms && cfg.features.aot).then(|| Writer::spawn(Arc::clone(&store), &write_failures));
         let arena = Staging::huge((ARENA_BYTES / slot_size.max(1)).max(1) * slot_size)?;
         Ok(Self {
             lctru: Lctru::new(n_levels),
@@ -486,6 +496,7 @@ impl Manager {
             expected: Arc::default(),
             fallback: Arc::default(),
             writer,
+            write_failures,
             ring: Ring::new(256)?,
             slot_size,
             zero: Staging::new(slot_size)?,
@@ -910,6 +921,15 @@ impl Manager {
                 self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
                 // SAFETY: resident and pinned for the call; nothing writes a shared chunk.
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            } else if kv.format(i) != m.level && !missing.contains(&i) {
+                // A resident chunk lowered in the background since the last call: the engine
+                // learns its level before the load, whose recompute attends to it. Read in
+                // the old format it would be wrong bytes, and past the lowered length pages
+                // that are gone (a fault served from the lowered record, or a SIGBUS when the
+                // store has none). A loaded chunk is attached at its level by the load.
+                let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
+                // SAFETY: resident (not missing) and in a call: reclaim passes it by.
+                unsafe { kv.attach(i, ptr, self.slot_size, m.level) }.map_err(engine)?;
             }
         }
         let mut report = LoadReport { missing: missing.len(), ..LoadReport::default() };
@@ -917,17 +937,8 @@ impl Manager {
             self.load(ctx, kv, &region, &missing, strategy, &mut report)?;
         }
         for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
-            let m = self.ctx(ctx)?.chunks[i];
-            if m.shared.is_some() {
-                continue;
-            }
-            region.pin(i)?;
-            // A chunk lowered in the background since the last call: the engine learns its
-            // level now (the bytes are in the slot it already points at).
-            if kv.format(i) != m.level {
-                let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
-                // SAFETY: resident and pinned for the call; the slot is the context's own.
-                unsafe { kv.attach(i, ptr, self.slot_size, m.level) }.map_err(engine)?;
+            if self.ctx(ctx)?.chunks[i].shared.is_none() {
+                region.pin(i)?;
             }
         }
         report.seconds = t0.elapsed().as_secs_f64();
@@ -1668,9 +1679,10 @@ impl Manager {
         self.writer.as_ref().map_or(0, |w| w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).len())
     }
 
-    /// AoT write batches that failed so far, and the last error (empty when none did).
+    /// Chunk write batches (AoT, or one chunk at reclaim) that failed so far, and the last
+    /// error (empty when none did).
     pub fn write_failures(&self) -> (u64, String) {
-        self.writer.as_ref().map_or((0, String::new()), |w| w.failures.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        self.write_failures.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Waits until every AoT write is on flash (or failed: see [`Manager::write_failures`]).
@@ -1783,8 +1795,18 @@ impl Manager {
             region.clean(i)?;
             // SAFETY: resident (checked by the caller) and not in a call: nothing writes it.
             let bytes = unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) };
-            self.store.write_batch(&mut self.ring, &[(meta, bytes)])?;
-            self.stats.written_sync += 1;
+            match self.store.write_batch(&mut self.ring, &[(meta, bytes)]) {
+                Ok(()) => self.stats.written_sync += 1,
+                // The store cannot take it (a full disk, a failing device): the chunk goes
+                // anyway and its next load recomputes it from its context's tokens (no record
+                // matches it). Holding it instead would let a full disk push the service past
+                // its budget — the integrator's bound, and memory the pressure monitor may be
+                // giving back to the system — and fail every call that needs room.
+                Err(e) => {
+                    note_failure(&self.write_failures, &e);
+                    self.stats.dropped_unsaved += 1;
+                }
+            }
         } else {
             region.clean(i)?;
         }

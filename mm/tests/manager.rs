@@ -581,6 +581,40 @@ fn reclaim_lowers_queued_chunks_before_it_evicts() {
     mm.end(9, &mut kv).unwrap();
 }
 
+/// A chunk lowered in the background while its context was out of a call is read at its new
+/// level by the next call's recompute: the engine learns the level before the load, not after
+/// it (read in the old format, it was wrong bytes, and a SIGBUS where the store had nothing
+/// to fault in past the lowered length).
+#[test]
+fn a_recompute_reads_chunks_lowered_in_the_background_at_their_level() {
+    use uffd_handler::SlotState::Resident;
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = levelled_manager(dir.path()) else { return };
+    mm.set_background_levels(true);
+    mm.create(9).unwrap();
+    let mut kv = FakeKv::default();
+    append(&mut mm, 9, &mut kv, 10 * CT, &mut 1, None).unwrap();
+    mm.flush();
+    mm.finish_levelling().unwrap();
+    mm.flush();
+    // Room for about half: LCTRU takes the heaviest chunks, so light (lowered) ones stay.
+    mm.set_budget(mm.resident_bytes() / 2).unwrap();
+    let info: Vec<_> = (0..10).map(|i| mm.chunk_info(9, i).unwrap()).collect();
+    let lowered = info.iter().position(|c| c.state == Resident && c.format != 0);
+    let after = lowered.and_then(|j| (j + 1..10).find(|&k| info[k].state != Resident));
+    let (Some(j), Some(k)) = (lowered, after) else { panic!("no resident lowered chunk before an evicted one: {info:?}") };
+    assert_ne!(kv.format(j), info[j].format, "the engine has not been told of the lowering yet");
+    // Chunk k has no record: the next call recomputes it, attending to chunk j.
+    for i in (0..10).filter(|&i| info[i].state != Resident) {
+        mm.store().invalidate(9, u32::try_from(i).unwrap());
+    }
+    mm.set_budget(1 << 30).unwrap();
+    let report = mm.begin(9, &mut kv, Load::Planned).unwrap();
+    assert!(report.recomputed > 0, "chunk {k} was recomputed: {report:?}");
+    kv.check().unwrap();
+    mm.end(9, &mut kv).unwrap();
+}
+
 #[test]
 fn levels_follow_density_and_shrink_pages() {
     let dir = tempfile::tempdir().unwrap();

@@ -185,7 +185,7 @@ impl Collector for Levels {
             }
             (m, reg.len())
         };
-        let (resident, budget, flash, evicted, aot, sync, pending, levelling, failures, releveled) = {
+        let (resident, budget, flash, evicted, aot, sync, pending, levelling, failures, dropped, releveled) = {
             let mm = lock(&svc.mm);
             (
                 mm.resident_bytes() as u64,
@@ -197,6 +197,7 @@ impl Collector for Levels {
                 mm.pending_writes() as u64,
                 mm.level_jobs() as u64,
                 mm.write_failures().0,
+                mm.stats.dropped_unsaved,
                 mm.stats.releveled,
             )
         };
@@ -245,7 +246,7 @@ impl Collector for Levels {
             let g = ConstGauge::new(v);
             g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        let counters: [(&str, &str, u64); 10] = [
+        let counters: [(&str, &str, u64); 11] = [
             (
                 "prefix_reused_tokens",
                 "Prompt tokens taken from shared chunks instead of computed (forks included)",
@@ -257,6 +258,7 @@ impl Collector for Levels {
             ("aot_writes", "KV chunks written ahead of time (when a call returned)", aot),
             ("sync_writes", "KV chunks written on the eviction path", sync),
             ("write_failures", "Chunk write batches that failed", failures),
+            ("dropped_unsaved_chunks", "KV chunks evicted unwritten because their write failed (recomputed when next loaded)", dropped),
             ("releveled_chunks", "KV chunks lowered to a smaller level", releveled),
             ("faults", "userfaultfd faults served on KV regions", faults),
             ("weights_read_bytes", "Paged weight bytes read from flash", w.as_ref().map_or(0, |w| w.bytes_read)),

@@ -438,6 +438,7 @@ impl Service {
             evicted_chunks: mm.stats.evicted_chunks,
             written_aot: mm.stats.written_aot,
             written_sync: mm.stats.written_sync,
+            dropped_unsaved: mm.stats.dropped_unsaved,
             faults,
             weights_budget_bytes: self.weights.as_ref().map_or(0, |w| w.stats().budget),
             weights_resident_bytes: self.weights.as_ref().map_or(0, |w| w.stats().resident_bytes),

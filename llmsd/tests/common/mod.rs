@@ -42,15 +42,23 @@ impl Daemon {
     /// [`Daemon::start`], with `disk` (a file system image) loop-mounted at `state`'s parent in
     /// a mount namespace of llmsd's own (nothing outside it sees the mount).
     pub fn start_on(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>) -> Self {
-        Self::start_full(dir, name, state, settings, disk, &[])
+        let mounts: Vec<(&Path, &Path)> = disk.iter().map(|img| (*img, state.parent().unwrap())).collect();
+        Self::start_full(dir, name, state, settings, &mounts, &[])
+    }
+
+    /// [`Daemon::start`] with file system images loop-mounted in llmsd's own mount namespace,
+    /// each `(image, mount point)` in order (a later one may lie inside an earlier one: the
+    /// swap store on a file system of its own, say).
+    pub fn start_mounted(dir: &Path, name: &str, state: &Path, settings: &str, mounts: &[(&Path, &Path)]) -> Self {
+        Self::start_full(dir, name, state, settings, mounts, &[])
     }
 
     /// [`Daemon::start`] with environment variables for llmsd (fault injection).
     pub fn start_env(dir: &Path, name: &str, state: &Path, settings: &str, env: &[(&str, String)]) -> Self {
-        Self::start_full(dir, name, state, settings, None, env)
+        Self::start_full(dir, name, state, settings, &[], env)
     }
 
-    fn start_full(dir: &Path, name: &str, state: &Path, settings: &str, disk: Option<&Path>, env: &[(&str, String)]) -> Self {
+    fn start_full(dir: &Path, name: &str, state: &Path, settings: &str, mounts: &[(&Path, &Path)], env: &[(&str, String)]) -> Self {
         let socket = dir.join(format!("{name}.sock"));
         let cfg = dir.join(format!("{name}.toml"));
         // A `model` line in `settings` replaces the default (TOML refuses a key twice).
@@ -63,17 +71,25 @@ impl Daemon {
         );
         std::fs::write(&cfg, toml).unwrap();
         let log = dir.join(format!("{name}.log"));
-        let mut cmd = match disk {
-            None => Command::new(llmsd_bin()),
-            Some(img) => {
-                // unshare(1) and sh exec in place: the child's pid is llmsd's.
-                let mut c = Command::new("unshare");
-                c.args(["-m", "sh", "-c", "mount -o loop \"$0\" \"$1\" && exec \"$2\" \"$3\" \"$4\""])
-                    .arg(img)
-                    .arg(state.parent().unwrap())
-                    .arg(llmsd_bin());
-                c
+        let mut cmd = if mounts.is_empty() {
+            Command::new(llmsd_bin())
+        } else {
+            // unshare(1) and sh exec in place: the child's pid is llmsd's. Paths are passed
+            // as arguments ($1, $2, ...), never spliced into the script.
+            let mut script = String::new();
+            for k in 0..mounts.len() {
+                let (img, at) = (2 * k + 1, 2 * k + 2);
+                script.push_str(&format!("mkdir -p \"${{{at}}}\" && mount -o loop \"${{{img}}}\" \"${{{at}}}\" && "));
             }
+            let bin = 2 * mounts.len() + 1;
+            script.push_str(&format!("exec \"${{{bin}}}\" \"${{{}}}\" \"${{{}}}\"", bin + 1, bin + 2));
+            let mut c = Command::new("unshare");
+            c.args(["-m", "sh", "-c", &script, "sh"]);
+            for (img, at) in mounts {
+                c.arg(img).arg(at);
+            }
+            c.arg(llmsd_bin());
+            c
         };
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let child =

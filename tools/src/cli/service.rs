@@ -179,7 +179,10 @@ fn stats_cmd(json: bool, d: &DaemonArgs) -> Result<()> {
         s.calls, s.switch_p50_ms, s.switch_p90_ms, s.switch_p99_ms, s.faults, s.evicted_chunks, s.written_aot, s.written_sync
     );
     if s.write_failures > 0 {
-        println!("swap store: {} write batch(es) failed, last: {}", s.write_failures, s.last_write_error);
+        println!(
+            "swap store: {} write batch(es) failed, last: {}; {} chunk(s) evicted unwritten (recomputed when next loaded)",
+            s.write_failures, s.last_write_error, s.dropped_unsaved
+        );
     }
     let sh = &s.sharing;
     if sh.logical_chunks > 0 || sh.forks > 0 || sh.reused_tokens > 0 {
