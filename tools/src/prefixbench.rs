@@ -16,6 +16,7 @@
 //!   `cached_tokens` are measured against the same request without sharing.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
@@ -95,6 +96,13 @@ pub struct Branch {
     pub ttft_shared_ms: f64,
     pub ttft_plain_ms: f64,
     pub speedup: f64,
+    /// The engine alone, same run, the service stopped: one forward pass of the prompt tokens
+    /// that were not cached, after the cached ones (median of 5). Any TTFT of the branch
+    /// includes it; what the service adds is `ttft_shared_ms` above it.
+    pub engine_floor_ms: f64,
+    /// `ttft_plain_ms / engine_floor_ms`: the most a branch sharing these cached tokens can
+    /// gain (the edited turn's own tokens and the chunk tail are prefilled in any case).
+    pub speedup_floor: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -331,13 +339,26 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
     }
     let (ts, tp) = (median(sb.iter().map(|x| ms(x.0)).collect()), median(pb.iter().map(|x| ms(x.0)).collect()));
     let u0 = &sb[0].1;
+    let (prompt_tokens, cached_tokens) = (u0["prompt_tokens"].as_u64().unwrap_or(0), cached(u0));
+    let engine_floor_ms = {
+        let model = Arc::new(engine::Model::load(&base.model)?);
+        let pool = Arc::new(engine::ThreadPool::new(crate::cli::config_threads(base.threads)));
+        let ids = model.tokenizer.encode(text, false, false)?;
+        let (depth, rest) = (usize::try_from(cached_tokens)?, usize::try_from(prompt_tokens.saturating_sub(cached_tokens))?.max(1));
+        if ids.len() < depth + rest {
+            bail!("the text holds {} tokens, fewer than the branch's {}", ids.len(), depth + rest);
+        }
+        crate::cli::bench::batch_prefill(&model, &pool, &ids, 1, depth, rest, 5)?
+    };
     let branch = Branch {
         turns: shape.branch_turns,
-        prompt_tokens: u0["prompt_tokens"].as_u64().unwrap_or(0),
-        cached_tokens: cached(u0),
+        prompt_tokens,
+        cached_tokens,
         ttft_shared_ms: ts,
         ttft_plain_ms: tp,
         speedup: tp / ts,
+        engine_floor_ms,
+        speedup_floor: tp / engine_floor_ms,
     };
     let identical = plain.answers.iter().zip(&shared.answers).filter(|(a, b)| a == b).count();
     #[allow(clippy::cast_precision_loss)]

@@ -181,6 +181,12 @@ impl BenchPrefixArgs {
             r.branch.ttft_plain_ms,
             r.branch.speedup
         );
+        println!(
+            "  the engine's floor for it (one pass of the {} uncached tokens after the cached ones): {:.1} ms; at most {:.1}x",
+            r.branch.prompt_tokens - r.branch.cached_tokens,
+            r.branch.engine_floor_ms,
+            r.branch.speedup_floor
+        );
         Ok(())
     }
 }
@@ -484,9 +490,7 @@ impl BenchServeArgs {
             // The engine's gain for this many contexts at about the calls' depth, 3 reps each.
             let gain = if vs_solo {
                 let model = Arc::new(::engine::Model::load(&base.model)?);
-                let threads =
-                    if base.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { base.threads };
-                let pool = Arc::new(::engine::ThreadPool::new(threads));
+                let pool = Arc::new(::engine::ThreadPool::new(super::config_threads(base.threads)));
                 let ids = model.tokenizer.encode(&text, false, false)?;
                 let depth = prompt_tokens + max_tokens / 2;
                 let (one, _) = batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
