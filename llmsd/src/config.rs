@@ -235,6 +235,15 @@ impl Config {
         }
     }
 
+    /// The engine's threads: `threads`, 0 meaning every core.
+    pub fn pool_threads(&self) -> usize {
+        if self.threads == 0 {
+            std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+        } else {
+            self.threads
+        }
+    }
+
     pub fn budget_bytes(&self) -> Result<usize> {
         parse_bytes(&self.budget).with_context(|| format!("budget {:?}", self.budget))
     }

@@ -640,7 +640,7 @@ pub struct ChunkSize {
 pub fn chunk_size(base: &Config, s: &ChunkSize, work: &Path, profiles: &Path, log: &mut dyn FnMut(&SweepRun)) -> Result<Vec<SweepRun>> {
     if s.policies.iter().any(|p| policy_config(base, p).policy == "llms") && base.load_profile {
         let model = Arc::new(engine::Model::load(&base.model).with_context(|| format!("loading {}", base.model.display()))?);
-        let pool = Arc::new(engine::ThreadPool::new(crate::cli::config_threads(base.threads)));
+        let pool = Arc::new(engine::ThreadPool::new(base.pool_threads()));
         for &ct in &s.chunk_tokens {
             llmsd::profile::load_or_measure(profiles, &model, &pool, ct, false)?;
         }

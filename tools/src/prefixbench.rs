@@ -342,13 +342,13 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
     let (prompt_tokens, cached_tokens) = (u0["prompt_tokens"].as_u64().unwrap_or(0), cached(u0));
     let engine_floor_ms = {
         let model = Arc::new(engine::Model::load(&base.model)?);
-        let pool = Arc::new(engine::ThreadPool::new(crate::cli::config_threads(base.threads)));
+        let pool = Arc::new(engine::ThreadPool::new(base.pool_threads()));
         let ids = model.tokenizer.encode(text, false, false)?;
         let (depth, rest) = (usize::try_from(cached_tokens)?, usize::try_from(prompt_tokens.saturating_sub(cached_tokens))?.max(1));
         if ids.len() < depth + rest {
             bail!("the text holds {} tokens, fewer than the branch's {}", ids.len(), depth + rest);
         }
-        crate::cli::bench::batch_prefill(&model, &pool, &ids, 1, depth, rest, 5)?
+        crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, rest, 5)?
     };
     let branch = Branch {
         turns: shape.branch_turns,

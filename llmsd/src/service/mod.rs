@@ -197,7 +197,7 @@ impl Service {
         // included): it must be ours, and only one service may use it.
         let state_lock = state_dir::claim(&cfg.state_dir)?;
         let total = cfg.budget_bytes()?;
-        let threads = if cfg.threads == 0 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get) } else { cfg.threads };
+        let threads = cfg.pool_threads();
         let (model, weights, sparsity) = match cfg.weights_budget()? {
             None => (Arc::new(Model::load(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?), None, None),
             Some(wb) if cfg.weights_plan => {

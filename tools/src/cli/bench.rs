@@ -296,7 +296,7 @@ impl BenchBatchArgs {
         }
         let mut rows = Vec::new();
         for &b in &sizes {
-            let (rate, step) = batch_decode(&model, &pool, &ids, b, depth, tokens, reps)?;
+            let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps)?;
             rows.push((b, rate, step));
         }
         let base = rows.iter().find(|r| r.0 == 1).map(|r| (r.1, r.2));
@@ -319,80 +319,6 @@ impl BenchBatchArgs {
         }
         Ok(())
     }
-}
-
-/// B contexts of `depth` tokens of `ids` (each from its own offset), then `tokens` decode steps
-/// with `Session::decode_batch` (one forward pass per step for all B), timed: the median over
-/// `reps` of the aggregate tokens/s and of the step time (ms). `ids` holds at least
-/// `depth + 7 b` tokens.
-pub fn batch_decode(
-    model: &Arc<::engine::Model>,
-    pool: &Arc<::engine::ThreadPool>,
-    ids: &[u32],
-    b: usize,
-    depth: usize,
-    tokens: usize,
-    reps: usize,
-) -> Result<(f64, f64)> {
-    use ::engine::model::{Scratch, SessionOptions};
-    use ::engine::{Logits, Session};
-    let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
-    let (mut rates, mut steps) = (Vec::new(), Vec::new());
-    for _ in 0..reps {
-        let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();
-        let mut next = Vec::with_capacity(b);
-        for (i, s) in sessions.iter_mut().enumerate() {
-            next.push(::engine::sampler::argmax(s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?));
-        }
-        let mut scratch = Scratch::default();
-        let t0 = std::time::Instant::now();
-        for _ in 0..tokens {
-            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
-            let logits = Session::decode_batch(&mut refs, &next, &mut scratch)?;
-            for (n, row) in next.iter_mut().zip(logits.chunks_exact(model.config.vocab)) {
-                *n = ::engine::sampler::argmax(row);
-            }
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        #[allow(clippy::cast_precision_loss)]
-        rates.push((b * tokens) as f64 / secs);
-        #[allow(clippy::cast_precision_loss)]
-        steps.push(secs * 1000.0 / tokens as f64);
-    }
-    Ok((median(rates), median(steps)))
-}
-
-/// One forward pass of `b` contexts at `depth` tokens each taking a `prompt`-token piece
-/// (several calls' prompts prefilled together, as the service does when they start together):
-/// the pass's ms, median of `reps`.
-pub fn batch_prefill(
-    model: &Arc<::engine::Model>,
-    pool: &Arc<::engine::ThreadPool>,
-    ids: &[u32],
-    b: usize,
-    depth: usize,
-    prompt: usize,
-    reps: usize,
-) -> Result<f64> {
-    use ::engine::model::{Scratch, SessionOptions};
-    use ::engine::{Logits, Session};
-    let opts = SessionOptions { capacity: depth + prompt + 1, ..SessionOptions::new(depth + prompt + 1) };
-    let mut times = Vec::new();
-    for _ in 0..reps {
-        let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();
-        for (i, s) in sessions.iter_mut().enumerate() {
-            if depth > 0 {
-                s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?;
-            }
-        }
-        let pieces: Vec<&[u32]> = (0..b).map(|i| &ids[i * 7 + depth..i * 7 + depth + prompt]).collect();
-        let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
-        let mut scratch = Scratch::default();
-        let t0 = std::time::Instant::now();
-        Session::step_batch(&mut refs, &pieces, &mut scratch)?;
-        times.push(t0.elapsed().as_secs_f64() * 1000.0);
-    }
-    Ok(median(times))
 }
 
 /// `llms bench-serve`.
@@ -490,15 +416,15 @@ impl BenchServeArgs {
             // The engine's gain for this many contexts at about the calls' depth, 3 reps each.
             let gain = if vs_solo {
                 let model = Arc::new(::engine::Model::load(&base.model)?);
-                let pool = Arc::new(::engine::ThreadPool::new(super::config_threads(base.threads)));
+                let pool = Arc::new(::engine::ThreadPool::new(base.pool_threads()));
                 let ids = model.tokenizer.encode(&text, false, false)?;
                 let depth = prompt_tokens + max_tokens / 2;
-                let (one, _) = batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
-                let (many, _) = batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
+                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
+                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
                 // them all against one prompt's pass is what the TTFT ratio can reach then.
-                let p1 = batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3)?;
-                let pn = batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3)?;
+                let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3)?;
+                let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3)?;
                 Some((many / one, pn / p1))
             } else {
                 None

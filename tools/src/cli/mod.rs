@@ -192,15 +192,6 @@ pub(crate) fn load_sparse(m: &ModelArgs) -> Result<(Arc<Model>, Arc<ThreadPool>,
     Ok((model, pool, sp))
 }
 
-/// A configuration's `threads`, 0 meaning every core.
-pub(crate) fn config_threads(n: usize) -> usize {
-    if n == 0 {
-        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
-    } else {
-        n
-    }
-}
-
 pub(crate) fn threads_of(m: &ModelArgs) -> usize {
     m.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
