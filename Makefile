@@ -102,14 +102,13 @@ fmt:
 lab-deps:
 	tools/lab/lab.sh deps
 LAB_SYSTEMS := llmsd fixed-budget status-quo
-# The squeeze held at 85% of memory instead of 75%: llmsd's own memory is squeezed too (what
-# pressure-following is for), compared with a fixed budget.
-SQUEEZE85   := 0:0,15:40%,20:60%,25:75%,30:85%,90:85%,100:0
+# held: the squeeze with llmsd holding long conversations from before the run (what
+# pressure-following has to give back), with and without following pressure.
 lab: build lab-deps
 	rm -rf target/lab/out
 	tools/lab/lab.sh run smoke
 	for s in $(LAB_SYSTEMS); do LAB_OUT=target/lab/out/squeeze-$$s tools/lab/lab.sh run squeeze $$s || exit 1; done
-	for s in llmsd fixed-budget; do LAB_OUT=target/lab/out/squeeze85-$$s tools/lab/lab.sh run squeeze $$s $(SQUEEZE85) squeeze-85 || exit 1; done
+	for s in llmsd fixed-budget; do LAB_OUT=target/lab/out/held-$$s tools/lab/lab.sh run held $$s || exit 1; done
 	LAB_TIMEOUT=900 tools/lab/lab.sh run weights
 	target/release/llms lab summary target/lab/out --out target/lab/summary.json
 

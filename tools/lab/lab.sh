@@ -95,6 +95,7 @@ initramfs() {
     cp "$LAB/model.gguf" "$STAGE/lab/model.gguf"
     [ "$SCENARIO" != weights ] || cp "$LAB/weights.gguf" "$STAGE/lab/weights.gguf"
     cp "$LAB/trace.jsonl" "$STAGE/lab/trace.jsonl"
+    [ "$SCENARIO" != held ] || cp "$LAB/trace-held.jsonl" "$STAGE/lab/trace-held.jsonl"
     cp "$HERE"/guest/*.sh "$STAGE/lab/"
     echo "${LAB_ARGS:-}" > "$STAGE/lab/args"
     install -m 0755 "$HERE/guest/init" "$STAGE/init"
@@ -132,6 +133,26 @@ trace() {
     mv "$LAB/trace.jsonl.tmp" "$LAB/trace.jsonl"
 }
 
+# The held scenario's trace and state (tools/lab/guest/held.sh): short calls (Table 3's deltas
+# at a fiftieth) over 8 contexts that each already hold a conversation of LAB_HELD_TOKENS tokens,
+# built here by llmsd itself (`llms lab prebuild`) and put on the guest's flash.
+trace_held() {
+    [ -s "$LAB/trace-held.jsonl" ] && return
+    "${LLMS_BIN:-$ROOT/target/release/llms}" trace gen --out "$LAB/trace-held.jsonl.tmp" --contexts 8 --apps 8 --calls 60 \
+        --rate 0.4 --seed 2 --scale 0.02 >/dev/null
+    mv "$LAB/trace-held.jsonl.tmp" "$LAB/trace-held.jsonl"
+}
+
+held_state() {
+    # Made again when the model is newer (its records and contexts are the model's).
+    [ -d "$LAB/held/state" ] && [ "$LAB/held/state" -nt "$LAB/model.gguf" ] && return
+    rm -rf "$LAB/held.tmp"
+    "${LLMS_BIN:-$ROOT/target/release/llms}" lab prebuild --trace "$LAB/trace-held.jsonl" --model "$LAB/model.gguf" \
+        --state-dir "$LAB/held.tmp/state" --tokens "${LAB_HELD_TOKENS:-7168}" --max-context-tokens 8192 >/dev/null
+    rm -f "$LAB/held.tmp/state/llmsd.lock"
+    mv "$LAB/held.tmp" "$LAB/held"
+}
+
 qemu_cmd() {
     local accel=$1
     echo qemu-system-x86_64 -accel "$accel" -cpu max -smp "${LAB_CPUS:-2}" -m "${LAB_MEM:-1G}" \
@@ -158,6 +179,7 @@ run() {
     trace
     SCENARIO=$scenario
     [ "$scenario" != weights ] || weights_model
+    if [ "$scenario" = held ]; then trace_held; held_state; fi
     # The scenario's arguments, quoted for the guest's shell.
     LAB_ARGS=""
     [ $# -eq 0 ] || LAB_ARGS=$(printf '%q ' "$@")
@@ -170,7 +192,10 @@ run() {
     # vda: llmsd's flash (the guest formats it); vdb: the results, a tar stream the guest writes.
     truncate -s "${LAB_STORE:-2G}" "$disks/store.img"
     # ext4 made here (busybox's mke2fs makes ext2 only); mkfs writes a plain file, no loop device.
-    mkfs.ext4 -q -F -E lazy_itable_init=1 "$disks/store.img"
+    # (held: with the conversations built on the host in it, as /store/state.)
+    local from=()
+    [ "$scenario" != held ] || from=(-d "$LAB/held")
+    mkfs.ext4 -q -F -E lazy_itable_init=1 "${from[@]}" "$disks/store.img"
     truncate -s 256M "$disks/out.img"
     acc=$(accel)
     echo "lab: booting $(kernel_release) ($acc, ${LAB_MEM:-1G}, ${LAB_CPUS:-2} vCPUs): $scenario $*"

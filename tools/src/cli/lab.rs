@@ -6,6 +6,8 @@
 //! - `app`: the status quo's app, an engine of its own holding its context in plain memory;
 //! - `drive`: replays a trace's calls against llmsd or the status quo's apps, samples the
 //!   kernel's signals, and writes one run's result;
+//! - `prebuild`: on the host, conversations the trace's apps held before the run (long contexts
+//!   on flash in a state directory the guest's llmsd starts from);
 //! - `summary`: gathers the runs into `summary.json`.
 
 use std::collections::HashMap;
@@ -92,6 +94,30 @@ pub enum LabCmd {
         /// Start no call after this many seconds, of the trace or of the wall (the trace is cut).
         #[arg(long, default_value_t = 600.0)]
         max_seconds: f64,
+        /// llmsd: continue the app's context held from before the run (`llms lab prebuild`)
+        /// instead of opening a new one.
+        #[arg(long)]
+        adopt: bool,
+        /// Decode at most this many tokens a call (the trace's own counts when 0).
+        #[arg(long, default_value_t = 0)]
+        max_tokens: u32,
+    },
+    /// On the host: a state directory in which every context of the trace's apps already holds
+    /// a conversation of --tokens tokens (the trace's prompts, cycled), on flash: what the
+    /// guest's llmsd holds from earlier use when a run starts (TCG prefills far too slowly to
+    /// build long contexts in the guest).
+    Prebuild {
+        #[arg(long)]
+        trace: PathBuf,
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        state_dir: PathBuf,
+        #[arg(long)]
+        tokens: usize,
+        /// The guest's llmsd must allow as many (its `max_context_tokens`).
+        #[arg(long, default_value_t = 8192)]
+        max_context_tokens: usize,
     },
     /// Gathers the runs' `result.json` files under DIR into one summary (docs/lab.md).
     Summary {
@@ -106,9 +132,40 @@ pub fn lab(cmd: LabCmd) -> Result<()> {
         LabCmd::Hog { plan, out, touch_ms } => hog(&parse_plan(&plan)?, &out, touch_ms),
         LabCmd::Killer { cgroup, out, some_ms, full_ms } => killer(&cgroup, &out, some_ms, full_ms),
         LabCmd::App { model, threads, capacity } => app(&model, threads, capacity),
-        LabCmd::Drive { system, scenario, trace, out, model, apps_cgroup, pressure_cgroup, socket, killer_log, hog_log, max_seconds } => {
-            let d = Drive { system, scenario, trace, out, model, apps_cgroup, pressure_cgroup, socket, killer_log, hog_log, max_seconds };
+        LabCmd::Drive {
+            system,
+            scenario,
+            trace,
+            out,
+            model,
+            apps_cgroup,
+            pressure_cgroup,
+            socket,
+            killer_log,
+            hog_log,
+            max_seconds,
+            adopt,
+            max_tokens,
+        } => {
+            let d = Drive {
+                system,
+                scenario,
+                trace,
+                out,
+                model,
+                apps_cgroup,
+                pressure_cgroup,
+                socket,
+                killer_log,
+                hog_log,
+                max_seconds,
+                adopt,
+                max_tokens,
+            };
             d.run()
+        }
+        LabCmd::Prebuild { trace, model, state_dir, tokens, max_context_tokens } => {
+            prebuild(&trace, &model, &state_dir, tokens, max_context_tokens)
         }
         LabCmd::Summary { dir, out } => summary(&dir, &out),
     }
@@ -386,6 +443,71 @@ struct Drive {
     killer_log: Option<PathBuf>,
     hog_log: Option<PathBuf>,
     max_seconds: f64,
+    adopt: bool,
+    max_tokens: u32,
+}
+
+/// `llms lab prebuild`: an in-process llmsd over `state_dir`; each context of the trace gets
+/// its app's connection and prompts (raw, cycled) until it holds `tokens` tokens; a clean stop
+/// leaves every chunk on flash.
+fn prebuild(trace: &Path, model: &Path, state_dir: &Path, tokens: usize, max_context_tokens: usize) -> Result<()> {
+    let (_, recs) = crate::trace::read(trace)?;
+    if tokens + 64 > max_context_tokens {
+        bail!("--tokens {tokens} leaves no room for the run's calls under --max-context-tokens {max_context_tokens}");
+    }
+    std::fs::create_dir_all(state_dir)?;
+    let socket = std::env::temp_dir().join(format!("llms-prebuild-{}.sock", std::process::id()));
+    let cfg = llmsd::config::Config {
+        model: model.to_path_buf(),
+        state_dir: state_dir.to_path_buf(),
+        socket: socket.clone(),
+        budget: "1GiB".into(),
+        pressure: false,
+        load_profile: false,
+        max_context_tokens,
+        ..llmsd::config::Config::default()
+    };
+    cfg.validate()?;
+    let l = llmsd::service::Local::start(cfg)?;
+    let r = (|| -> Result<()> {
+        let mut apps: Vec<(usize, &str)> = recs.iter().map(|r| (r.ctx, r.app.as_str())).collect();
+        apps.sort_unstable();
+        apps.dedup_by_key(|a| a.0);
+        let prompts: Vec<&str> = recs.iter().map(|r| r.prompt.as_str()).collect();
+        for (k, (ctx, app)) in apps.iter().enumerate() {
+            let mut c = llmsd::client::Client::connect(&socket, app)?;
+            if c.list()?.iter().any(|i| i.tokens > 0) {
+                bail!("app {app} already holds a context in {}", state_dir.display());
+            }
+            let id = c.new_ctx(None)?;
+            let mut held = 0usize;
+            // Pieces of several prompts, so each call prefills a few hundred tokens.
+            let mut at = k;
+            while held < tokens {
+                let piece: String = (0..8).map(|j| prompts[(at + j) % prompts.len()]).collect::<Vec<_>>().join(" ");
+                at += 8;
+                let call = llmsd::proto::Call {
+                    ctx: id.clone(),
+                    prompt: piece,
+                    max_tokens: 1,
+                    temperature: 0.0,
+                    seed: 0,
+                    stop: Vec::new(),
+                    raw: true,
+                    top_p: None,
+                };
+                let (_, st) = c.call(&call, &mut |_| {})?;
+                held = c.list()?.iter().find(|i| i.ctx == id).map_or(0, |i| i.tokens as usize);
+                if st.prompt_tokens == 0 {
+                    bail!("context {ctx}: a call took no tokens");
+                }
+            }
+            eprintln!("prebuild: app {app}: context {id}, {held} tokens");
+        }
+        Ok(())
+    })();
+    l.stop()?;
+    r
 }
 
 fn write_adj(pid: u32, adj: i32) {
@@ -443,6 +565,7 @@ impl Drive {
             std::thread::spawn(move || sample_loop(&stop, &out, &apps, &pressure, llmsd.then_some(socket.as_path())))
         };
         let psi0 = (psi_totals(Path::new("/proc/pressure/memory")), psi_totals(&self.apps_cgroup.join("memory.pressure")));
+        let hog_psi0 = psi_totals(&self.pressure_cgroup.join("memory.pressure"));
         let vm0 = vmstat();
         let start = Instant::now();
         let mut calls = Vec::new();
@@ -469,14 +592,19 @@ impl Drive {
                 let res = (|| -> Result<llmsd::proto::CallStats> {
                     if let std::collections::hash_map::Entry::Vacant(e) = clients.entry(r.ctx) {
                         let mut c = llmsd::client::Client::connect(&self.socket, &r.app)?;
-                        let id = c.new_ctx(None)?;
+                        let held = if self.adopt { c.list()?.into_iter().max_by_key(|i| i.tokens).map(|i| i.ctx) } else { None };
+                        let id = match held {
+                            Some(id) => id,
+                            None if self.adopt => bail!("app {} holds no context to continue", r.app),
+                            None => c.new_ctx(None)?,
+                        };
                         e.insert((c, id));
                     }
                     let (c, id) = clients.get_mut(&r.ctx).context("client")?;
                     let call = llmsd::proto::Call {
                         ctx: id.clone(),
                         prompt: r.prompt.clone(),
-                        max_tokens: r.max_tokens,
+                        max_tokens: if self.max_tokens > 0 { r.max_tokens.min(self.max_tokens) } else { r.max_tokens },
                         temperature: 0.0,
                         seed: 0,
                         stop: Vec::new(),
@@ -525,7 +653,8 @@ impl Drive {
                     };
                     // The called app is in the foreground for its call.
                     write_adj(a.child.id(), 0);
-                    let v = Self::ask(a, &json!({"prompt": r.prompt, "max_tokens": r.max_tokens}));
+                    let max_tokens = if self.max_tokens > 0 { r.max_tokens.min(self.max_tokens) } else { r.max_tokens };
+                    let v = Self::ask(a, &json!({"prompt": r.prompt, "max_tokens": max_tokens}));
                     write_adj(a.child.id(), 900);
                     let mut v = v?;
                     v["restart_ms"] = json!(restart_ms);
@@ -570,6 +699,7 @@ impl Drive {
             let _ = a.child.wait();
         }
         let psi1 = (psi_totals(Path::new("/proc/pressure/memory")), psi_totals(&self.apps_cgroup.join("memory.pressure")));
+        let hog_psi1 = psi_totals(&self.pressure_cgroup.join("memory.pressure"));
         let vm1 = vmstat();
         let read_lines = |p: &Option<PathBuf>| -> Vec<Value> {
             p.as_ref()
@@ -608,6 +738,8 @@ impl Drive {
             "ttft_ms_p99": percentile(&mut ttft, 0.99),
             "psi_full_ms": ms(psi0.1, psi1.1, true),
             "psi_some_ms": ms(psi0.1, psi1.1, false),
+            "pressure_psi_full_ms": ms(hog_psi0, hog_psi1, true),
+            "pressure_psi_some_ms": ms(hog_psi0, hog_psi1, false),
             "system_psi_full_ms": ms(psi0.0, psi1.0, true),
             "system_psi_some_ms": ms(psi0.0, psi1.0, false),
             "swapped_out_pages": vm1.get("pswpout").copied().unwrap_or(0).saturating_sub(vm0.get("pswpout").copied().unwrap_or(0)),
@@ -653,6 +785,7 @@ fn sample_loop(stop: &AtomicBool, out: &Path, apps: &Path, pressure: &Path, sock
             "swap_used": swap_total.saturating_sub(swap_free),
             "psi": psi_totals(Path::new("/proc/pressure/memory")),
             "apps_psi": psi_totals(&apps.join("memory.pressure")),
+            "pressure_psi": psi_totals(&pressure.join("memory.pressure")),
             "apps_current": read(apps.join("memory.current")),
             "pressure_current": read(pressure.join("memory.current")),
             "budget": budget.map(|b| b.0),
@@ -687,10 +820,22 @@ fn summary(dir: &Path, out: &Path) -> Result<()> {
             "ttft_ms_p50",
             "ttft_ms_p99",
             "hog_got_ms_total",
+            "pressure_psi_some_ms",
+            "pressure_psi_full_ms",
+            "system_psi_some_ms",
+            "system_psi_full_ms",
             "failed_calls",
             "calls",
         ] {
             keep.insert(k.into(), r[k].clone());
+        }
+        let rows: Vec<Value> = std::fs::read_to_string(d.join("timeline.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        if let Some(b) = budget_over_run(&rows) {
+            keep.extend(b);
         }
         runs.push(Value::Object(keep));
     }
@@ -709,6 +854,21 @@ fn summary(dir: &Path, out: &Path) -> Result<()> {
     plots(dir, out.parent().unwrap_or(Path::new(".")))?;
     println!("{}", serde_json::to_string_pretty(&s)?);
     Ok(())
+}
+
+/// llmsd's budget over a run's timeline: where it started, how far it followed the pressure
+/// down, where it ended, and the most KV it held (MiB). None for a run without llmsd.
+#[allow(clippy::cast_precision_loss)]
+fn budget_over_run(rows: &[Value]) -> Option<serde_json::Map<String, Value>> {
+    let mib = |k: &str| rows.iter().filter_map(|v| v[k].as_f64()).map(|x| x / MIB as f64).collect::<Vec<f64>>();
+    let (budget, resident) = (mib("budget"), mib("resident"));
+    let (first, last) = (*budget.first()?, *budget.last()?);
+    let mut m = serde_json::Map::new();
+    m.insert("budget_start_mib".into(), json!(first));
+    m.insert("budget_min_mib".into(), json!(budget.iter().copied().fold(f64::INFINITY, f64::min)));
+    m.insert("budget_end_mib".into(), json!(last));
+    m.insert("resident_max_mib".into(), json!(resident.iter().copied().fold(0.0, f64::max)));
+    Some(m)
 }
 
 /// The weights scenario (tools/lab/guest/weights.sh): for each way of holding the weights, the
@@ -754,6 +914,7 @@ fn plots(dir: &Path, to: &Path) -> Result<()> {
         Panel { title: "llmsd's KV budget".into(), y_desc: "MiB".into(), series: vec![] },
         Panel { title: "apps' PSI full stall".into(), y_desc: "ms, cumulative".into(), series: vec![] },
         Panel { title: "MemAvailable".into(), y_desc: "MiB".into(), series: vec![] },
+        Panel { title: "pressure processes' PSI some stall".into(), y_desc: "ms, cumulative".into(), series: vec![] },
     ];
     let mut cdf = Panel { title: "switch latency".into(), y_desc: "share of calls".into(), series: vec![] };
     #[allow(clippy::cast_precision_loss)]
@@ -765,8 +926,8 @@ fn plots(dir: &Path, to: &Path) -> Result<()> {
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect();
-        let (mut b, mut st, mut av) = (vec![], vec![], vec![]);
-        let (mut next, mut psi0) = (0.0, None);
+        let (mut b, mut st, mut av, mut hs) = (vec![], vec![], vec![], vec![]);
+        let (mut next, mut psi0, mut hog0) = (0.0, None, None);
         for v in &rows {
             let t = v["t_s"].as_f64().unwrap_or(0.0);
             if t < next {
@@ -781,10 +942,14 @@ fn plots(dir: &Path, to: &Path) -> Result<()> {
                 st.push((t, (full - base) / 1e3));
             }
             av.push((t, v["mem_available"].as_f64().unwrap_or(0.0) / MIB as f64));
+            if let Some(some) = v["pressure_psi"][0].as_f64() {
+                let base = *hog0.get_or_insert(some);
+                hs.push((t, (some - base) / 1e3));
+            }
         }
         // Every run in every panel, even with no points (the status quo has no budget): a
         // run keeps its colour across the panels.
-        for (p, pts) in panels.iter_mut().zip([b, st, av]) {
+        for (p, pts) in panels.iter_mut().zip([b, st, av, hs]) {
             p.series.push(Series { label: label.clone(), points: pts });
         }
         let mut sw: Vec<f64> =
@@ -813,6 +978,17 @@ mod tests {
         for bad in ["", "10", "x:1", "1:x", "5:1,2:1", "-1:3", "0:99999999999", "0:101%", "0:x%"] {
             assert!(parse_plan(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_runs_budget_is_summarized_from_its_timeline() {
+        let row = |t: f64, budget: Option<u64>, resident: u64| json!({"t_s": t, "budget": budget, "resident": resident});
+        let rows = [row(0.0, Some(96 << 20), 10 << 20), row(1.0, Some(32 << 20), 40 << 20), row(2.0, Some(80 << 20), 20 << 20)];
+        let b = budget_over_run(&rows).unwrap();
+        assert_eq!((b["budget_start_mib"].clone(), b["budget_min_mib"].clone()), (json!(96.0), json!(32.0)));
+        assert_eq!((b["budget_end_mib"].clone(), b["resident_max_mib"].clone()), (json!(80.0), json!(40.0)));
+        // The status quo's timeline has no budget: nothing to say.
+        assert!(budget_over_run(&[row(0.0, None, 0)]).is_none());
     }
 
     #[test]
