@@ -97,17 +97,18 @@ fn lab_section(results: &Path, md: &mut String) -> Result<bool> {
         // What the pressure processes met: their stall, the whole guest's, their time to get
         // memory, and llmsd's budget following them (docs/lab.md "What the monitor is worth").
         md.push_str(
-            "\n| scenario | system | pressure processes' PSI some / full (ms) | guest PSI full (ms) | pressure got its memory in (ms) | budget start / min / end (MiB) |\n|---|---|---|---|---|---|\n",
+            "\n| scenario | system | pressure processes' PSI some / full (ms) | guest PSI full: total / worst second (ms) | pressure got its memory in (ms) | budget start / min / end (MiB) |\n|---|---|---|---|---|---|\n",
         );
         for x in runs {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} / {} | {} | {} | {} / {} / {} |",
+                "| {} | {} | {} / {} | {} / {} | {} | {} / {} / {} |",
                 x["scenario"].as_str().unwrap_or("?"),
                 x["system"].as_str().unwrap_or("?"),
                 num(&x["pressure_psi_some_ms"]),
                 num(&x["pressure_psi_full_ms"]),
                 num(&x["system_psi_full_ms"]),
+                num(&x["system_psi_full_peak_ms"]),
                 num(&x["hog_got_ms_total"]),
                 num(&x["budget_start_mib"]),
                 num(&x["budget_min_mib"]),

@@ -837,6 +837,10 @@ fn summary(dir: &Path, out: &Path) -> Result<()> {
         if let Some(b) = budget_over_run(&rows) {
             keep.extend(b);
         }
+        keep.extend(stall_peaks(&rows));
+        for k in ["swapped_out_pages", "swapped_in_pages"] {
+            keep.insert(k.into(), r[k].clone());
+        }
         runs.push(Value::Object(keep));
     }
     let weights = weights_summary(&dir.join("weights").join("weights.jsonl"))?;
@@ -869,6 +873,33 @@ fn budget_over_run(rows: &[Value]) -> Option<serde_json::Map<String, Value>> {
     m.insert("budget_end_mib".into(), json!(last));
     m.insert("resident_max_mib".into(), json!(resident.iter().copied().fold(0.0, f64::max)));
     Some(m)
+}
+
+/// The worst second of each PSI stall in a run's timeline (its cumulative totals sampled every
+/// 250 ms): `<group>_psi_<some|full>_peak_ms`, the most stall any 1 s window held, for the
+/// apps' group (`psi`), the pressure processes' (`pressure_psi`) and the whole guest
+/// (`system_psi`). Totals say how much; peaks say whether anything stalled long at once.
+#[allow(clippy::cast_precision_loss)]
+fn stall_peaks(rows: &[Value]) -> serde_json::Map<String, Value> {
+    let mut m = serde_json::Map::new();
+    for (col, name) in [("apps_psi", "psi"), ("pressure_psi", "pressure_psi"), ("psi", "system_psi")] {
+        for (i, kind) in ["some", "full"].into_iter().enumerate() {
+            let pts: Vec<(f64, f64)> = rows.iter().filter_map(|v| Some((v["t_s"].as_f64()?, v[col][i].as_f64()?))).collect();
+            if pts.len() < 2 {
+                continue;
+            }
+            let mut peak: f64 = 0.0;
+            let mut k = 0;
+            for &(t, total) in &pts {
+                while pts[k].0 < t - 1.0 {
+                    k += 1;
+                }
+                peak = peak.max(total - pts[k].1);
+            }
+            m.insert(format!("{name}_{kind}_peak_ms"), json!(peak / 1e3));
+        }
+    }
+    m
 }
 
 /// The weights scenario (tools/lab/guest/weights.sh): for each way of holding the weights, the
@@ -989,6 +1020,18 @@ mod tests {
         assert_eq!((b["budget_end_mib"].clone(), b["resident_max_mib"].clone()), (json!(80.0), json!(40.0)));
         // The status quo's timeline has no budget: nothing to say.
         assert!(budget_over_run(&[row(0.0, None, 0)]).is_none());
+    }
+
+    #[test]
+    fn a_runs_worst_second_of_stall_is_found() {
+        // Totals in microseconds, as PSI counts them: 300 ms of `full` stall between 1.0 and
+        // 1.75 s, 100 ms more by 3 s; `some` twice that. A group without PSI says nothing.
+        let row = |t: f64, full: u64| json!({"t_s": t, "psi": [2 * full, full], "apps_psi": [2 * full, full], "pressure_psi": null});
+        let rows = [row(0.0, 0), row(0.5, 0), row(1.0, 0), row(1.25, 100_000), row(1.75, 300_000), row(2.5, 300_000), row(3.0, 400_000)];
+        let p = stall_peaks(&rows);
+        assert_eq!(p["psi_full_peak_ms"], json!(300.0));
+        assert_eq!(p["system_psi_some_peak_ms"], json!(600.0));
+        assert!(!p.contains_key("pressure_psi_full_peak_ms"));
     }
 
     #[test]
