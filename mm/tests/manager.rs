@@ -557,18 +557,25 @@ fn levelled_manager(dir: &std::path::Path) -> Option<Manager> {
     require_kernel("userfaultfd", Manager::new(cfg, Arc::new(FakeCodec), store, None))
 }
 
+/// [`levelled_manager`] lowering in the background, with context 9 of 10 chunks written out
+/// and its lowerings queued.
+fn levelled_context(dir: &std::path::Path) -> Option<(Manager, FakeKv)> {
+    let mut mm = levelled_manager(dir)?;
+    mm.set_background_levels(true);
+    mm.create(9).unwrap();
+    let mut kv = FakeKv::default();
+    append(&mut mm, 9, &mut kv, 10 * CT, &mut 1, None).unwrap();
+    mm.flush();
+    Some((mm, kv))
+}
+
 /// With levels lowered in the background, a budget the lowered chunks fit is met by doing the
 /// queued lowerings, not by evicting chunks about to shrink (which the next switch would read
 /// back: Fig. 9's llms read 5x the chunks while the leveller lagged behind its calls).
 #[test]
 fn reclaim_lowers_queued_chunks_before_it_evicts() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = levelled_manager(dir.path()) else { return };
-    mm.set_background_levels(true);
-    mm.create(9).unwrap();
-    let mut kv = FakeKv::default();
-    append(&mut mm, 9, &mut kv, 10 * CT, &mut 1, None).unwrap();
-    mm.flush();
+    let Some((mut mm, mut kv)) = levelled_context(dir.path()) else { return };
     assert!(mm.level_jobs() > 0, "end queued the lowerings");
     let full = mm.resident_bytes();
     // Room for the chunks at their chosen levels, not at the base one.
@@ -589,12 +596,7 @@ fn reclaim_lowers_queued_chunks_before_it_evicts() {
 fn a_recompute_reads_chunks_lowered_in_the_background_at_their_level() {
     use uffd_handler::SlotState::Resident;
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = levelled_manager(dir.path()) else { return };
-    mm.set_background_levels(true);
-    mm.create(9).unwrap();
-    let mut kv = FakeKv::default();
-    append(&mut mm, 9, &mut kv, 10 * CT, &mut 1, None).unwrap();
-    mm.flush();
+    let Some((mut mm, mut kv)) = levelled_context(dir.path()) else { return };
     mm.finish_levelling().unwrap();
     mm.flush();
     // Room for about half: LCTRU takes the heaviest chunks, so light (lowered) ones stay.

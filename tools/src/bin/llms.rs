@@ -97,7 +97,8 @@ enum Cmd {
         cmd: PressureCmd,
     },
     /// The device lab's programs, run inside its guest (docs/lab.md): a memory hog, a
-    /// PSI-driven low-memory killer, the status quo's app, the trace driver, the summary.
+    /// PSI-driven low-memory killer, the status quo's app, the trace driver, the prebuilt
+    /// conversations of the held scenario (on the host), the summary.
     Lab {
         #[command(subcommand)]
         cmd: LabCmd,

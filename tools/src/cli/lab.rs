@@ -67,41 +67,7 @@ pub enum LabCmd {
     /// Replays a trace against a system (`llmsd`, `fixed-budget`: llmsd's socket; `status-quo`:
     /// one `llms lab app` process per context in --apps-cgroup) and writes `result.json` and
     /// `timeline.jsonl` to --out.
-    Drive {
-        #[arg(long)]
-        system: String,
-        #[arg(long)]
-        scenario: String,
-        #[arg(long)]
-        trace: PathBuf,
-        #[arg(long)]
-        out: PathBuf,
-        #[arg(long)]
-        model: PathBuf,
-        /// The apps' cgroup (llmsd's for the llmsd systems).
-        #[arg(long)]
-        apps_cgroup: PathBuf,
-        /// The pressure processes' cgroup.
-        #[arg(long)]
-        pressure_cgroup: PathBuf,
-        #[arg(long, default_value = "/run/llmsd.sock")]
-        socket: PathBuf,
-        /// The killer's and the hog's logs, read into the result.
-        #[arg(long)]
-        killer_log: Option<PathBuf>,
-        #[arg(long)]
-        hog_log: Option<PathBuf>,
-        /// Start no call after this many seconds, of the trace or of the wall (the trace is cut).
-        #[arg(long, default_value_t = 600.0)]
-        max_seconds: f64,
-        /// llmsd: continue the app's context held from before the run (`llms lab prebuild`)
-        /// instead of opening a new one.
-        #[arg(long)]
-        adopt: bool,
-        /// Decode at most this many tokens a call (the trace's own counts when 0).
-        #[arg(long, default_value_t = 0)]
-        max_tokens: u32,
-    },
+    Drive(Drive),
     /// On the host: a state directory in which every context of the trace's apps already holds
     /// a conversation of --tokens tokens (the trace's prompts, cycled), on flash: what the
     /// guest's llmsd holds from earlier use when a run starts (TCG prefills far too slowly to
@@ -132,38 +98,7 @@ pub fn lab(cmd: LabCmd) -> Result<()> {
         LabCmd::Hog { plan, out, touch_ms } => hog(&parse_plan(&plan)?, &out, touch_ms),
         LabCmd::Killer { cgroup, out, some_ms, full_ms } => killer(&cgroup, &out, some_ms, full_ms),
         LabCmd::App { model, threads, capacity } => app(&model, threads, capacity),
-        LabCmd::Drive {
-            system,
-            scenario,
-            trace,
-            out,
-            model,
-            apps_cgroup,
-            pressure_cgroup,
-            socket,
-            killer_log,
-            hog_log,
-            max_seconds,
-            adopt,
-            max_tokens,
-        } => {
-            let d = Drive {
-                system,
-                scenario,
-                trace,
-                out,
-                model,
-                apps_cgroup,
-                pressure_cgroup,
-                socket,
-                killer_log,
-                hog_log,
-                max_seconds,
-                adopt,
-                max_tokens,
-            };
-            d.run()
-        }
+        LabCmd::Drive(d) => d.run(),
         LabCmd::Prebuild { trace, model, state_dir, tokens, max_context_tokens } => {
             prebuild(&trace, &model, &state_dir, tokens, max_context_tokens)
         }
@@ -431,19 +366,41 @@ struct StatusQuoApp {
     stdout: BufReader<ChildStdout>,
 }
 
-struct Drive {
+/// One replay of `llms lab drive` (its flags: [`LabCmd::Drive`]).
+#[derive(clap::Args, Debug)]
+pub struct Drive {
+    #[arg(long)]
     system: String,
+    #[arg(long)]
     scenario: String,
+    #[arg(long)]
     trace: PathBuf,
+    #[arg(long)]
     out: PathBuf,
+    #[arg(long)]
     model: PathBuf,
+    /// The apps' cgroup (llmsd's for the llmsd systems).
+    #[arg(long)]
     apps_cgroup: PathBuf,
+    /// The pressure processes' cgroup.
+    #[arg(long)]
     pressure_cgroup: PathBuf,
+    #[arg(long, default_value = "/run/llmsd.sock")]
     socket: PathBuf,
+    /// The killer's and the hog's logs, read into the result.
+    #[arg(long)]
     killer_log: Option<PathBuf>,
+    #[arg(long)]
     hog_log: Option<PathBuf>,
+    /// Start no call after this many seconds, of the trace or of the wall (the trace is cut).
+    #[arg(long, default_value_t = 600.0)]
     max_seconds: f64,
+    /// llmsd: continue the app's context held from before the run (`llms lab prebuild`)
+    /// instead of opening a new one.
+    #[arg(long)]
     adopt: bool,
+    /// Decode at most this many tokens a call (the trace's own counts when 0).
+    #[arg(long, default_value_t = 0)]
     max_tokens: u32,
 }
 
