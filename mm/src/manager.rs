@@ -921,7 +921,8 @@ impl Manager {
                 self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
                 // SAFETY: resident and pinned for the call; nothing writes a shared chunk.
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
-            } else if kv.format(i) != m.level && !missing.contains(&i) {
+            } else if kv.format(i) != m.level && missing.binary_search(&i).is_err() {
+                // (`missing` is in chunk order: built so, and sorted after a lost pool chunk.)
                 // A resident chunk lowered in the background since the last call: the engine
                 // learns its level before the load, whose recompute attends to it. Read in
                 // the old format it would be wrong bytes, and past the lowered length pages
