@@ -14,6 +14,8 @@ use std::sync::LazyLock;
 struct Isa {
     avx2: bool,
     vnni: bool,
+    /// 512-bit vectors (AVX512F) beside VNNI: the VNNI set's pair tiles.
+    zmm: bool,
     neon: bool,
     dotprod: bool,
 }
@@ -31,7 +33,8 @@ static ISA: LazyLock<Isa> = LazyLock::new(|| {
         use std::arch::is_x86_feature_detected as has;
         let avx2 = has!("avx2") && has!("fma") && has!("f16c");
         let vnni = avx2 && want != "avx2" && has!("avx512vnni") && has!("avx512vl") && has!("avx512bw");
-        Isa { avx2, vnni, ..Isa::default() }
+        let zmm = vnni && has!("avx512f");
+        Isa { avx2, vnni, zmm, ..Isa::default() }
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -116,7 +119,7 @@ pub fn use_set(set: KernelSet) {
 fn isa() -> Isa {
     match CAP.load(Ordering::Relaxed) {
         0 => Isa::default(),
-        1 => Isa { vnni: false, dotprod: false, ..*ISA },
+        1 => Isa { vnni: false, zmm: false, dotprod: false, ..*ISA },
         _ => *ISA,
     }
 }
@@ -132,6 +135,13 @@ pub fn has_avx2() -> bool {
 #[inline]
 pub fn has_vnni() -> bool {
     isa().vnni
+}
+
+/// Whether the VNNI kernels may use 512-bit vectors (AVX512F too: every CPU with VNNI has it,
+/// but the OS must enable the 512-bit state, which the detection checks).
+#[inline]
+pub fn has_zmm() -> bool {
+    isa().zmm
 }
 
 /// Whether the NEON kernels run (every AArch64 CPU, unless turned off).

@@ -215,7 +215,7 @@ packed_kernels!(
     q5_codes
 );
 packed_kernels!(
-    matmul_packed_vnni,
+    matmul_packed_vnni256,
     packed_tile_vnni,
     q4_sums_vnni,
     q5_sums_vnni,
@@ -226,6 +226,91 @@ packed_kernels!(
     q4_dpbusd,
     q5_codes_bw
 );
+
+/// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's
+/// groups go two at a time: group `g`'s 8 rows in the low half of each vector and `g + 1`'s in
+/// the high half, against the same broadcast activations. Every lane does the 256-bit
+/// kernel's integer and float operations in the same order, so the bits are the same; the
+/// instructions per row halve, which prefill (bound by them, not by memory) gains from where
+/// the CPU executes 512-bit vectors at full width: pp512 1.50x at the 1.7B shape in Q4_0 and
+/// 1.36x in Q4_K_M on a Zen 5 host (`tools/bench/ab`). One token (decode) is bound by memory,
+/// and two streams a thread read it slower than one (tg128 0.79x in Q4_K_M): it stays on the
+/// 256-bit tile.
+///
+/// # Safety
+/// Needs AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW; and AVX512F for the pairs ([`crate::simd`]).
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    if !(matches!(w.data, Packed::Q4S(_)) && a.rows > 1 && crate::simd::has_zmm()) {
+        return matmul_packed_vnni256(w, a, out, ldo, g0, g1);
+    }
+    let n_tok = a.rows;
+    let mut g = g0;
+    while g + 2 <= g1 {
+        let mut t = 0;
+        while t + 4 <= n_tok {
+            q4s_pair_tile::<4>(w, a, g, t, out, ldo);
+            t += 4;
+        }
+        match n_tok - t {
+            3 => q4s_pair_tile::<3>(w, a, g, t, out, ldo),
+            2 => q4s_pair_tile::<2>(w, a, g, t, out, ldo),
+            1 => q4s_pair_tile::<1>(w, a, g, t, out, ldo),
+            _ => {}
+        }
+        g += 2;
+    }
+    if g < g1 {
+        matmul_packed_vnni256(w, a, out, ldo, g, g1);
+    }
+}
+
+/// Q4_0 groups `g` and `g + 1` against `T` tokens from `t0` (see [`matmul_packed_vnni`]): the
+/// 256-bit tile's `Q4S` arm, lane for lane.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
+unsafe fn q4s_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let Packed::Q4S(v) = &w.data else { unreachable!("matmul_packed_vnni sends only Q4_0 here") };
+    let nb = w.blocks_per_row();
+    let (lo_g, hi_g) = (&v[g * nb..(g + 1) * nb], &v[(g + 1) * nb..(g + 2) * nb]);
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    for b in 0..nb {
+        let (x0, x1) = (&lo_g[b], &hi_g[b]);
+        prefetch_ahead(x0);
+        prefetch_ahead(x1);
+        let mut p = [_mm512_setzero_si512(); T];
+        for k in 0..4 {
+            let w0 = _mm256_loadu_si256(x0.qs.as_ptr().add(32 * k).cast());
+            let w1 = _mm256_loadu_si256(x1.qs.as_ptr().add(32 * k).cast());
+            let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
+            let lo = _mm512_and_si512(wv, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wv), mask);
+            for (t, pt) in p.iter_mut().enumerate() {
+                let xq = a.qs[xrow[t] + b].as_ptr();
+                let xl = _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(4 * k).cast::<i32>()));
+                let xh = _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(16 + 4 * k).cast::<i32>()));
+                *pt = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*pt, lo, xl), hi, xh);
+            }
+        }
+        let d16 = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(x0.d.as_ptr().cast())),
+            _mm_loadu_si128(x1.d.as_ptr().cast()),
+        );
+        let dv = _mm512_cvtph_ps(d16);
+        for t in 0..T {
+            let k8 = xrow[t] + b;
+            let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], _mm512_set1_epi32(8 * a.isum[k8])));
+            acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
+        }
+    }
+    let lo: [__m256; T] = std::array::from_fn(|t| _mm512_castps512_ps256(acc[t]));
+    let hi: [__m256; T] = std::array::from_fn(|t| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[t]))));
+    store_group(&lo, w.rows, g, t0, out, ldo);
+    store_group(&hi, w.rows, g + 1, t0, out, ldo);
+}
 
 /// The packed K-quant kernels (Q4_K, Q5_K in groups of 8 rows against Q8_K activations),
 /// stamped out per instruction set: `$madd` multiplies i16 pairs by the scales into the i32
@@ -395,13 +480,116 @@ macro_rules! packed_k_kernels {
 
 packed_k_kernels!(matmul_packed_k, packed_k_tile, packed_q6k_block, "avx2,fma,f16c", madd_add, q5_codes);
 packed_k_kernels!(
-    matmul_packed_k_vnni,
+    matmul_packed_k_vnni256,
     packed_k_tile_vnni,
     packed_q6k_block_vnni,
     "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw",
     madd_dpwssd,
     q5_codes_bw
 );
+
+/// The VNNI set's K-quant products: Q4_K's groups in pairs on 512-bit vectors, as Q4_0's
+/// ([`matmul_packed_vnni`]); Q5_K and Q6_K as they were.
+///
+/// # Safety
+/// As [`matmul_packed_vnni`].
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
+    if !(matches!(w.data, Packed::Q4K(_)) && a.rows > 1 && crate::simd::has_zmm()) {
+        return matmul_packed_k_vnni256(w, a, out, ldo, g0, g1);
+    }
+    let n_tok = a.rows;
+    let mut g = g0;
+    while g + 2 <= g1 {
+        let mut t = 0;
+        while t + 4 <= n_tok {
+            q4k_pair_tile::<4>(w, a, g, t, out, ldo);
+            t += 4;
+        }
+        match n_tok - t {
+            3 => q4k_pair_tile::<3>(w, a, g, t, out, ldo),
+            2 => q4k_pair_tile::<2>(w, a, g, t, out, ldo),
+            1 => q4k_pair_tile::<1>(w, a, g, t, out, ldo),
+            _ => {}
+        }
+        g += 2;
+    }
+    if g < g1 {
+        matmul_packed_k_vnni256(w, a, out, ldo, g, g1);
+    }
+}
+
+/// Q4_K groups `g` and `g + 1` against `T` tokens from `t0`: the 256-bit K tile's Q4_K path
+/// (`packed_k_kernels!`), lane for lane, group `g` in the low halves.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
+unsafe fn q4k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+    let Packed::Q4K(v) = &w.data else { unreachable!("matmul_packed_k_vnni sends only Q4_K here") };
+    let nb = w.blocks_per_row();
+    let mask = _mm512_set1_epi8(0x0F);
+    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+    let mut acc = [_mm512_setzero_ps(); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    for b in 0..nb {
+        let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+        prefetch_ahead(x0);
+        prefetch_ahead(x1);
+        let mut isum = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            // Row r's scale in both i16 of i32 lane r.
+            let sc_of = |x: &crate::repack::BlockQ4Kx8| {
+                let sc8 = _mm_loadl_epi64(x.scales.as_ptr().add(8 * j).cast());
+                _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8))
+            };
+            let sc = pair(sc_of(x0), sc_of(x1));
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                let wv = pair(
+                    _mm256_loadu_si256(x0.qs.as_ptr().add(128 * j + 32 * k).cast()),
+                    _mm256_loadu_si256(x1.qs.as_ptr().add(128 * j + 32 * k).cast()),
+                );
+                lo[k] = _mm512_and_si512(wv, mask);
+                hi[k] = _mm512_and_si512(_mm512_srli_epi16::<4>(wv), mask);
+            }
+            for t in 0..T {
+                let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                let x4 = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(o).cast::<i32>()));
+                let part = |k: usize| _mm512_add_epi16(_mm512_maddubs_epi16(lo[k], x4(4 * k)), _mm512_maddubs_epi16(hi[k], x4(16 + 4 * k)));
+                let p = _mm512_add_epi16(_mm512_add_epi16(part(0), part(1)), _mm512_add_epi16(part(2), part(3)));
+                isum[t] = _mm512_dpwssd_epi32(isum[t], p, sc);
+            }
+        }
+        let mq: [__m512i; 4] = std::array::from_fn(|q| {
+            let m = |x: &crate::repack::BlockQ4Kx8| _mm256_cvtepu8_epi16(_mm_loadu_si128(x.mins.as_ptr().add(16 * q).cast()));
+            pair(m(x0), m(x1))
+        });
+        let f16x16 = |a: &[f16; 8], b: &[f16; 8]| {
+            _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(a.as_ptr().cast())),
+                _mm_loadu_si128(b.as_ptr().cast()),
+            ))
+        };
+        let dv = f16x16(&x0.d, &x1.d);
+        let mv = f16x16(&x0.dmin, &x1.dmin);
+        for t in 0..T {
+            let k8 = xrow[t] + b;
+            let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(a.bsums[k8].as_ptr().cast()), _mm256_setzero_si256());
+            let pick = |i: i32| _mm512_broadcast_i64x4(_mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i)));
+            let m = _mm512_add_epi32(
+                _mm512_add_epi32(_mm512_madd_epi16(mq[0], pick(0)), _mm512_madd_epi16(mq[1], pick(1))),
+                _mm512_add_epi32(_mm512_madd_epi16(mq[2], pick(4)), _mm512_madd_epi16(mq[3], pick(5))),
+            );
+            let x = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum[t])), _mm512_mul_ps(mv, _mm512_cvtepi32_ps(m)));
+            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_set1_ps(a.d[k8]), x));
+        }
+    }
+    let lo: [__m256; T] = std::array::from_fn(|t| _mm512_castps512_ps256(acc[t]));
+    let hi: [__m256; T] = std::array::from_fn(|t| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[t]))));
+    store_group(&lo, w.rows, g, t0, out, ldo);
+    store_group(&hi, w.rows, g + 1, t0, out, ldo);
+}
 
 /// Stores a packed tile's sums: token `t0 + t`'s 8 rows of group `g` (those inside the
 /// matrix's `rows`) at `out[(t0 + t) * ldo + 8 g ..]`.
