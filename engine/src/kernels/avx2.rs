@@ -227,8 +227,8 @@ packed_kernels!(
     q5_codes_bw
 );
 
-/// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's
-/// groups go two at a time: group `g`'s 8 rows in the low half of each vector and `g + 1`'s in
+/// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's,
+/// Q4_1's and Q8_0's groups go two at a time: group `g`'s 8 rows in the low half of each vector and `g + 1`'s in
 /// the high half, against the same broadcast activations. Every lane does the 256-bit
 /// kernel's integer and float operations in the same order, so the bits are the same; the
 /// instructions per row halve, which prefill (bound by them, not by memory) gains from where
@@ -241,7 +241,7 @@ packed_kernels!(
 /// Needs AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW; and AVX512F for the pairs ([`crate::simd`]).
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    if !(matches!(w.data, Packed::Q4S(_)) && a.rows > 1 && crate::simd::has_zmm()) {
+    if !(matches!(w.data, Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_)) && a.rows > 1 && crate::simd::has_zmm()) {
         return matmul_packed_vnni256(w, a, out, ldo, g0, g1);
     }
     let n_tok = a.rows;
@@ -249,13 +249,13 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
     while g + 2 <= g1 {
         let mut t = 0;
         while t + 4 <= n_tok {
-            q4s_pair_tile::<4>(w, a, g, t, out, ldo);
+            pair_tile::<4>(w, a, g, t, out, ldo);
             t += 4;
         }
         match n_tok - t {
-            3 => q4s_pair_tile::<3>(w, a, g, t, out, ldo),
-            2 => q4s_pair_tile::<2>(w, a, g, t, out, ldo),
-            1 => q4s_pair_tile::<1>(w, a, g, t, out, ldo),
+            3 => pair_tile::<3>(w, a, g, t, out, ldo),
+            2 => pair_tile::<2>(w, a, g, t, out, ldo),
+            1 => pair_tile::<1>(w, a, g, t, out, ldo),
             _ => {}
         }
         g += 2;
@@ -265,51 +265,106 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
     }
 }
 
-/// Q4_0 groups `g` and `g + 1` against `T` tokens from `t0` (see [`matmul_packed_vnni`]): the
-/// 256-bit tile's `Q4S` arm, lane for lane.
+/// Groups `g` and `g + 1` of a Q4_0, Q4_1 or Q8_0 matrix against `T` tokens from `t0` (see
+/// [`matmul_packed_vnni`]): the 256-bit tile's arm for the type, lane for lane.
 #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
-unsafe fn q4s_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
-    let Packed::Q4S(v) = &w.data else { unreachable!("matmul_packed_vnni sends only Q4_0 here") };
+unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
     let nb = w.blocks_per_row();
-    let (lo_g, hi_g) = (&v[g * nb..(g + 1) * nb], &v[(g + 1) * nb..(g + 2) * nb]);
     let mask = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); T];
-    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
-    for b in 0..nb {
-        let (x0, x1) = (&lo_g[b], &hi_g[b]);
-        prefetch_ahead(x0);
-        prefetch_ahead(x1);
+    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+    let f16x16 = |a: &[f16; 8], b: &[f16; 8]| {
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(a.as_ptr().cast())),
+            _mm_loadu_si128(b.as_ptr().cast()),
+        ))
+    };
+    let x4 = |p: *const i8| _mm512_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()));
+    // The 4-bit codes' integer sums (as `q4_sums`): `qs` of both groups' blocks.
+    let q4 = |q0: &[u8; 128], q1: &[u8; 128], b: usize, xrow: &[usize; T]| {
         let mut p = [_mm512_setzero_si512(); T];
         for k in 0..4 {
-            let w0 = _mm256_loadu_si256(x0.qs.as_ptr().add(32 * k).cast());
-            let w1 = _mm256_loadu_si256(x1.qs.as_ptr().add(32 * k).cast());
-            let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
+            let wv = pair(_mm256_loadu_si256(q0.as_ptr().add(32 * k).cast()), _mm256_loadu_si256(q1.as_ptr().add(32 * k).cast()));
             let lo = _mm512_and_si512(wv, mask);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wv), mask);
             for (t, pt) in p.iter_mut().enumerate() {
                 let xq = a.qs[xrow[t] + b].as_ptr();
-                let xl = _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(4 * k).cast::<i32>()));
-                let xh = _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(16 + 4 * k).cast::<i32>()));
-                *pt = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*pt, lo, xl), hi, xh);
+                *pt = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*pt, lo, x4(xq.add(4 * k))), hi, x4(xq.add(16 + 4 * k)));
             }
         }
-        let d16 = _mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(x0.d.as_ptr().cast())),
-            _mm_loadu_si128(x1.d.as_ptr().cast()),
-        );
-        let dv = _mm512_cvtph_ps(d16);
-        for t in 0..T {
-            let k8 = xrow[t] + b;
-            let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], _mm512_set1_epi32(8 * a.isum[k8])));
-            acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
+        p
+    };
+    let mut acc = [_mm512_setzero_ps(); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    match &w.data {
+        Packed::Q4S(v) => {
+            for b in 0..nb {
+                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                prefetch_ahead(x0);
+                prefetch_ahead(x1);
+                let p = q4(&x0.qs, &x1.qs, b, &xrow);
+                let dv = f16x16(&x0.d, &x1.d);
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], _mm512_set1_epi32(8 * a.isum[k8])));
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
+                }
+            }
         }
+        Packed::Q4(v) => {
+            for b in 0..nb {
+                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                prefetch_ahead(x0);
+                prefetch_ahead(x1);
+                let p = q4(&x0.qs, &x1.qs, b, &xrow);
+                let (dv, mv) = (f16x16(&x0.d, &x1.d), f16x16(&x0.m, &x1.m));
+                for t in 0..T {
+                    let k8 = xrow[t] + b;
+                    let pf = _mm512_cvtepi32_ps(p[t]);
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[k8]), acc[t]);
+                }
+            }
+        }
+        Packed::Q8(v) => {
+            for b in 0..nb {
+                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                prefetch_ahead(x0);
+                prefetch_ahead(x1);
+                let mut p = [_mm512_setzero_si512(); T];
+                for k in 0..8 {
+                    let wv =
+                        pair(_mm256_loadu_si256(x0.qs.as_ptr().add(32 * k).cast()), _mm256_loadu_si256(x1.qs.as_ptr().add(32 * k).cast()));
+                    // |w| as the 256-bit tile's `sign(w, w)` (-128 stays 0x80 both ways), and x
+                    // negated where w < 0 (`sign(x, w)`; where w = 0, |w| = 0 zeroes the product).
+                    let aw = _mm512_abs_epi8(wv);
+                    let neg = _mm512_movepi8_mask(wv);
+                    for t in 0..T {
+                        let x = x4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
+                        p[t] = _mm512_dpbusd_epi32(p[t], aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+                    }
+                }
+                let dv = f16x16(&x0.d, &x1.d);
+                for t in 0..T {
+                    let pf = _mm512_cvtepi32_ps(p[t]);
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                }
+            }
+        }
+        _ => unreachable!("matmul_packed_vnni sends only Q4_0, Q4_1 and Q8_0 here"),
     }
+    store_pair(&acc, w.rows, g, t0, out, ldo);
+}
+
+/// Stores a pair tile's sums: the low halves as group `g`'s, the high halves as `g + 1`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn store_pair<const T: usize>(acc: &[__m512; T], rows: usize, g: usize, t0: usize, out: OutPtr, ldo: usize) {
     let lo: [__m256; T] = std::array::from_fn(|t| _mm512_castps512_ps256(acc[t]));
     let hi: [__m256; T] = std::array::from_fn(|t| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[t]))));
-    store_group(&lo, w.rows, g, t0, out, ldo);
-    store_group(&hi, w.rows, g + 1, t0, out, ldo);
+    store_group(&lo, rows, g, t0, out, ldo);
+    store_group(&hi, rows, g + 1, t0, out, ldo);
 }
 
 /// The packed K-quant kernels (Q4_K, Q5_K in groups of 8 rows against Q8_K activations),
@@ -585,10 +640,7 @@ unsafe fn q4k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize,
             acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_set1_ps(a.d[k8]), x));
         }
     }
-    let lo: [__m256; T] = std::array::from_fn(|t| _mm512_castps512_ps256(acc[t]));
-    let hi: [__m256; T] = std::array::from_fn(|t| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[t]))));
-    store_group(&lo, w.rows, g, t0, out, ldo);
-    store_group(&hi, w.rows, g + 1, t0, out, ldo);
+    store_pair(&acc, w.rows, g, t0, out, ldo);
 }
 
 /// Stores a packed tile's sums: token `t0 + t`'s 8 rows of group `g` (those inside the
