@@ -227,6 +227,33 @@ packed_kernels!(
     q5_codes_bw
 );
 
+/// Groups `g0..g1` of a packed product two at a time through the pair tile `$pair` (tiles of 4
+/// tokens, then the rest, as `each_tile!`), and an odd last group through `$single`, the
+/// 256-bit kernel for a range of groups.
+macro_rules! each_pair_tile {
+    ($pair:ident, $single:ident, $w:expr, $a:expr, $out:expr, $ldo:expr, $g0:expr, $g1:expr) => {{
+        let n_tok = $a.rows;
+        let mut g = $g0;
+        while g + 2 <= $g1 {
+            let mut t = 0;
+            while t + 4 <= n_tok {
+                $pair::<4>($w, $a, g, t, $out, $ldo);
+                t += 4;
+            }
+            match n_tok - t {
+                3 => $pair::<3>($w, $a, g, t, $out, $ldo),
+                2 => $pair::<2>($w, $a, g, t, $out, $ldo),
+                1 => $pair::<1>($w, $a, g, t, $out, $ldo),
+                _ => {}
+            }
+            g += 2;
+        }
+        if g < $g1 {
+            $single($w, $a, $out, $ldo, g, $g1);
+        }
+    }};
+}
+
 /// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's,
 /// Q4_1's and Q8_0's groups go two at a time: group `g`'s 8 rows in the low half of each vector and `g + 1`'s in
 /// the high half, against the same broadcast activations. Every lane does the 256-bit
@@ -244,25 +271,7 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
     if !(matches!(w.data, Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_)) && a.rows > 1 && crate::simd::has_zmm()) {
         return matmul_packed_vnni256(w, a, out, ldo, g0, g1);
     }
-    let n_tok = a.rows;
-    let mut g = g0;
-    while g + 2 <= g1 {
-        let mut t = 0;
-        while t + 4 <= n_tok {
-            pair_tile::<4>(w, a, g, t, out, ldo);
-            t += 4;
-        }
-        match n_tok - t {
-            3 => pair_tile::<3>(w, a, g, t, out, ldo),
-            2 => pair_tile::<2>(w, a, g, t, out, ldo),
-            1 => pair_tile::<1>(w, a, g, t, out, ldo),
-            _ => {}
-        }
-        g += 2;
-    }
-    if g < g1 {
-        matmul_packed_vnni256(w, a, out, ldo, g, g1);
-    }
+    each_pair_tile!(pair_tile, matmul_packed_vnni256, w, a, out, ldo, g0, g1);
 }
 
 /// Groups `g` and `g + 1` of a Q4_0, Q4_1 or Q8_0 matrix against `T` tokens from `t0` (see
@@ -553,25 +562,7 @@ pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: Ou
     if !(matches!(w.data, Packed::Q4K(_)) && a.rows > 1 && crate::simd::has_zmm()) {
         return matmul_packed_k_vnni256(w, a, out, ldo, g0, g1);
     }
-    let n_tok = a.rows;
-    let mut g = g0;
-    while g + 2 <= g1 {
-        let mut t = 0;
-        while t + 4 <= n_tok {
-            q4k_pair_tile::<4>(w, a, g, t, out, ldo);
-            t += 4;
-        }
-        match n_tok - t {
-            3 => q4k_pair_tile::<3>(w, a, g, t, out, ldo),
-            2 => q4k_pair_tile::<2>(w, a, g, t, out, ldo),
-            1 => q4k_pair_tile::<1>(w, a, g, t, out, ldo),
-            _ => {}
-        }
-        g += 2;
-    }
-    if g < g1 {
-        matmul_packed_k_vnni256(w, a, out, ldo, g, g1);
-    }
+    each_pair_tile!(q4k_pair_tile, matmul_packed_k_vnni256, w, a, out, ldo, g0, g1);
 }
 
 /// Q4_K groups `g` and `g + 1` against `T` tokens from `t0`: the 256-bit K tile's Q4_K path
