@@ -366,6 +366,99 @@ unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: 
     store_pair(&acc, w.rows, g, t0, out, ldo);
 }
 
+/// Q6_K groups `g` and `g + 1` against `T` tokens from `t0`: the 256-bit K tile's Q6_K block
+/// (`packed_k_kernels!`'s `$q6k`), lane for lane, group `g` in the low halves.
+#[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
+unsafe fn q6k_pair_tile<const T: usize>(
+    v: &[crate::repack::BlockQ6Kx8],
+    w: &PackedWeight,
+    a: &Q8KActs,
+    g: usize,
+    t0: usize,
+    out: OutPtr,
+    ldo: usize,
+) {
+    use crate::repack::BlockQ6Kx8;
+    let nb = w.blocks_per_row();
+    let m4 = _mm512_set1_epi8(0x0F);
+    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+    // Bits 2c, 2c + 1 of h moved to bits 4-5 (masked first: nothing crosses a byte).
+    let top = |h: __m512i, c: i32| {
+        let v = _mm512_and_si512(h, _mm512_set1_epi8(3 << (2 * c)));
+        match c {
+            0 => _mm512_slli_epi16::<4>(v),
+            1 => _mm512_slli_epi16::<2>(v),
+            2 => v,
+            _ => _mm512_srli_epi16::<2>(v),
+        }
+    };
+    let mut acc = [_mm512_setzero_ps(); T];
+    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    for b in 0..nb {
+        let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+        prefetch_ahead(x0);
+        prefetch_ahead(x1);
+        let sc8 = |x: &BlockQ6Kx8, s: usize| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast());
+        // Row r's scale of sub-block s in both i16 of i32 lane r, both groups.
+        let sc = |s: usize| {
+            pair(
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8(x0, s), sc8(x0, s))),
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8(x1, s), sc8(x1, s))),
+            )
+        };
+        let load = |o: usize| pair(_mm256_loadu_si256(x0.q.as_ptr().add(o).cast()), _mm256_loadu_si256(x1.q.as_ptr().add(o).cast()));
+        let mut isum = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+            let h = [load(192 * j + 128), load(192 * j + 160)];
+            let mut lo = [_mm512_setzero_si512(); 4];
+            let mut hi = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                let wv = load(192 * j + 32 * k);
+                let c = 2 * (k as i32 % 2);
+                lo[k] = _mm512_or_si512(_mm512_and_si512(wv, m4), top(h[k / 2], c));
+                hi[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(wv), m4), top(h[k / 2], c + 1));
+            }
+            for t in 0..T {
+                let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                let x4 = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(o).cast::<i32>()));
+                let two = |v: &[__m512i; 4], k: usize, at: usize| {
+                    _mm512_add_epi16(_mm512_maddubs_epi16(v[k], x4(at + 4 * k)), _mm512_maddubs_epi16(v[k + 1], x4(at + 4 * k + 4)))
+                };
+                isum[t] = _mm512_dpwssd_epi32(isum[t], two(&lo, 0, 0), sc_lo);
+                isum[t] = _mm512_dpwssd_epi32(isum[t], two(&lo, 2, 0), sc_lo);
+                isum[t] = _mm512_dpwssd_epi32(isum[t], two(&hi, 0, 16), sc_hi);
+                isum[t] = _mm512_dpwssd_epi32(isum[t], two(&hi, 2, 16), sc_hi);
+            }
+        }
+        let scp: [__m512i; 8] = std::array::from_fn(|q| {
+            let one = |x: &BlockQ6Kx8| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8(x, 2 * q), sc8(x, 2 * q + 1)));
+            pair(one(x0), one(x1))
+        });
+        let dv = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(x0.d.as_ptr().cast())),
+            _mm_loadu_si128(x1.d.as_ptr().cast()),
+        ));
+        for t in 0..T {
+            let k8 = xrow[t] + b;
+            // The 16-value sums as 8 (s, s + 1) pairs, one per i32 lane.
+            let bs = _mm256_loadu_si256(a.bsums[k8].as_ptr().cast());
+            let mut off = _mm512_setzero_si512();
+            for (q, &sp) in scp.iter().enumerate() {
+                off = _mm512_add_epi32(
+                    off,
+                    _mm512_madd_epi16(sp, _mm512_broadcast_i64x4(_mm256_permutevar8x32_epi32(bs, _mm256_set1_epi32(q as i32)))),
+                );
+            }
+            let p = _mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(off));
+            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), _mm512_cvtepi32_ps(p)));
+        }
+    }
+    store_pair(&acc, w.rows, g, t0, out, ldo);
+}
+
 /// Stores a pair tile's sums: the low halves as group `g`'s, the high halves as `g + 1`'s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
@@ -552,14 +645,14 @@ packed_k_kernels!(
     q5_codes_bw
 );
 
-/// The VNNI set's K-quant products: Q4_K's groups in pairs on 512-bit vectors, as Q4_0's
-/// ([`matmul_packed_vnni`]); Q5_K and Q6_K as they were.
+/// The VNNI set's K-quant products: Q4_K's and Q6_K's groups in pairs on 512-bit vectors, as
+/// Q4_0's ([`matmul_packed_vnni`]); Q5_K as it was.
 ///
 /// # Safety
 /// As [`matmul_packed_vnni`].
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    if !(matches!(w.data, Packed::Q4K(_)) && a.rows > 1 && crate::simd::has_zmm()) {
+    if !(matches!(w.data, Packed::Q4K(_) | Packed::Q6K(_)) && a.rows > 1 && crate::simd::has_zmm()) {
         return matmul_packed_k_vnni256(w, a, out, ldo, g0, g1);
     }
     each_pair_tile!(q4k_pair_tile, matmul_packed_k_vnni256, w, a, out, ldo, g0, g1);
@@ -571,7 +664,10 @@ pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: Ou
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
 unsafe fn q4k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
-    let Packed::Q4K(v) = &w.data else { unreachable!("matmul_packed_k_vnni sends only Q4_K here") };
+    if let Packed::Q6K(v) = &w.data {
+        return q6k_pair_tile::<T>(v, w, a, g, t0, out, ldo);
+    }
+    let Packed::Q4K(v) = &w.data else { unreachable!("matmul_packed_k_vnni sends only Q4_K and Q6_K here") };
     let nb = w.blocks_per_row();
     let mask = _mm512_set1_epi8(0x0F);
     let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
