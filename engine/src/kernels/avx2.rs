@@ -282,13 +282,6 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
 unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
     let nb = w.blocks_per_row();
     let mask = _mm512_set1_epi8(0x0F);
-    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-    let f16x16 = |a: &[f16; 8], b: &[f16; 8]| {
-        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(a.as_ptr().cast())),
-            _mm_loadu_si128(b.as_ptr().cast()),
-        ))
-    };
     let x4 = |p: *const i8| _mm512_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()));
     // The 4-bit codes' integer sums (as `q4_sums`): `qs` of both groups' blocks.
     let q4 = |q0: &[u8; 128], q1: &[u8; 128], b: usize, xrow: &[usize; T]| {
@@ -383,7 +376,6 @@ unsafe fn q6k_pair_tile<const T: usize>(
     use crate::repack::BlockQ6Kx8;
     let nb = w.blocks_per_row();
     let m4 = _mm512_set1_epi8(0x0F);
-    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
     // Bits 2c, 2c + 1 of h moved to bits 4-5 (masked first: nothing crosses a byte).
     let top = |h: __m512i, c: i32| {
         let v = _mm512_and_si512(h, _mm512_set1_epi8(3 << (2 * c)));
@@ -437,10 +429,7 @@ unsafe fn q6k_pair_tile<const T: usize>(
             let one = |x: &BlockQ6Kx8| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8(x, 2 * q), sc8(x, 2 * q + 1)));
             pair(one(x0), one(x1))
         });
-        let dv = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(x0.d.as_ptr().cast())),
-            _mm_loadu_si128(x1.d.as_ptr().cast()),
-        ));
+        let dv = f16x16(&x0.d, &x1.d);
         for t in 0..T {
             let k8 = xrow[t] + b;
             // The 16-value sums as 8 (s, s + 1) pairs, one per i32 lane.
@@ -457,6 +446,23 @@ unsafe fn q6k_pair_tile<const T: usize>(
         }
     }
     store_pair(&acc, w.rows, g, t0, out, ldo);
+}
+
+/// Two 256-bit halves as one 512-bit vector: `lo` (group `g`'s) in the low half.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// Two groups' 8 f16 scales each as 16 f32s, group `g`'s in the low half.
+#[inline]
+#[target_feature(enable = "avx2,f16c,avx512f")]
+unsafe fn f16x16(lo: &[f16; 8], hi: &[f16; 8]) -> __m512 {
+    _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+        _mm256_castsi128_si256(_mm_loadu_si128(lo.as_ptr().cast())),
+        _mm_loadu_si128(hi.as_ptr().cast()),
+    ))
 }
 
 /// Stores a pair tile's sums: the low halves as group `g`'s, the high halves as `g + 1`'s.
@@ -655,22 +661,22 @@ pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: Ou
     if !(matches!(w.data, Packed::Q4K(_) | Packed::Q6K(_)) && a.rows > 1 && crate::simd::has_zmm()) {
         return matmul_packed_k_vnni256(w, a, out, ldo, g0, g1);
     }
-    each_pair_tile!(q4k_pair_tile, matmul_packed_k_vnni256, w, a, out, ldo, g0, g1);
+    each_pair_tile!(k_pair_tile, matmul_packed_k_vnni256, w, a, out, ldo, g0, g1);
 }
 
-/// Q4_K groups `g` and `g + 1` against `T` tokens from `t0`: the 256-bit K tile's Q4_K path
-/// (`packed_k_kernels!`), lane for lane, group `g` in the low halves.
+/// Q4_K (or, through [`q6k_pair_tile`], Q6_K) groups `g` and `g + 1` against `T` tokens from
+/// `t0`: the 256-bit K tile's path for the type (`packed_k_kernels!`), lane for lane, group `g`
+/// in the low halves.
 #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vnni,avx512vl,avx512bw")]
-unsafe fn q4k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
+unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t0: usize, out: OutPtr, ldo: usize) {
     if let Packed::Q6K(v) = &w.data {
         return q6k_pair_tile::<T>(v, w, a, g, t0, out, ldo);
     }
     let Packed::Q4K(v) = &w.data else { unreachable!("matmul_packed_k_vnni sends only Q4_K and Q6_K here") };
     let nb = w.blocks_per_row();
     let mask = _mm512_set1_epi8(0x0F);
-    let pair = |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
     let mut acc = [_mm512_setzero_ps(); T];
     let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
     for b in 0..nb {
@@ -707,12 +713,6 @@ unsafe fn q4k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize,
             let m = |x: &crate::repack::BlockQ4Kx8| _mm256_cvtepu8_epi16(_mm_loadu_si128(x.mins.as_ptr().add(16 * q).cast()));
             pair(m(x0), m(x1))
         });
-        let f16x16 = |a: &[f16; 8], b: &[f16; 8]| {
-            _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(a.as_ptr().cast())),
-                _mm_loadu_si128(b.as_ptr().cast()),
-            ))
-        };
         let dv = f16x16(&x0.d, &x1.d);
         let mv = f16x16(&x0.dmin, &x1.dmin);
         for t in 0..T {
