@@ -6,7 +6,7 @@
 mod common;
 
 use common::{kernel_ok, Daemon};
-use llmsd::client::Client;
+use llmsd::client::{Client, ClientError};
 use llmsd::proto::{Call, CallStats};
 
 /// A system prompt of several chunks (~150 tokens of the default model).
@@ -241,7 +241,15 @@ fn storm_client(socket: &std::path::Path, k: u64, until: std::time::Instant) -> 
             if let Some(cl) = c.as_mut() {
                 // After a reconnect: every acknowledged context is there, with at least its
                 // acknowledged tokens; one with more holds a turn nobody saw acknowledged.
-                let list = cl.list().map_err(|e| e.to_string())?;
+                let list = match cl.list() {
+                    Ok(l) => l,
+                    // Killed between the bind and the list: connect again.
+                    Err(ClientError::Frame { .. }) => {
+                        c = None;
+                        continue;
+                    }
+                    Err(e) => return Err(format!("client {k}: listing after a reconnect: {e}")),
+                };
                 for m in &mut mine {
                     let Some(i) = list.iter().find(|i| i.ctx == m.ctx) else {
                         return Err(format!("client {k}: context {} is gone", m.ctx));
@@ -335,6 +343,7 @@ fn a_storm_of_forks_deletes_kills_and_a_full_disk_loses_nothing() {
         }
     };
     wait(12);
+    d.assert_running();
     d.kill9();
     d = Daemon::start_on(dir.path(), "storm", &state, settings, Some(&img));
     wait(16);
@@ -345,6 +354,7 @@ fn a_storm_of_forks_deletes_kills_and_a_full_disk_loses_nothing() {
     let log = d.log_text();
     assert!(log.contains("No space left on device"), "the disk was full for the storm: {log}");
     wait(26);
+    d.assert_running();
     d.kill9();
     d = Daemon::start_on(dir.path(), "storm", &state, settings, Some(&img));
     let known: Vec<Known> =

@@ -92,8 +92,10 @@ impl Daemon {
             c
         };
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        let child =
-            cmd.arg("--config").arg(&cfg).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().expect("llmsd starts");
+        // A restart under the same name appends: a test that kills and restarts llmsd keeps
+        // what every run before said (a crash in an earlier run is not lost with its log).
+        let stderr = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let child = cmd.arg("--config").arg(&cfg).stderr(stderr).stdout(Stdio::null()).spawn().expect("llmsd starts");
         let mut d = Self { child, socket, log };
         llms_tests::wait_until(
             &format!("llmsd to listen on {} (log: {})", d.socket.display(), d.log.display()),
@@ -123,6 +125,14 @@ impl Daemon {
         let st = self.child.wait().unwrap();
         assert!(st.success(), "llmsd stopped with {st}: {}", self.log_text());
         assert!(!self.socket.exists(), "the socket is removed at shutdown");
+    }
+
+    /// Panics when llmsd has exited on its own (a test about to kill it checks it did not die
+    /// first: a crash the kill would hide).
+    pub fn assert_running(&mut self) {
+        if let Some(st) = self.child.try_wait().unwrap() {
+            panic!("llmsd exited on its own ({st}): {}", self.log_text());
+        }
     }
 
     pub fn kill9(mut self) {
