@@ -780,6 +780,69 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
 }
 
 #[test]
+fn a_new_context_copies_the_rows_after_its_shared_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+    let mut tok = 0;
+    mm.set_scope(1, 7);
+    mm.create(1).unwrap();
+    let mut a = FakeKv::default();
+    append(&mut mm, 1, &mut a, 5 * CT + 2, &mut tok, None).unwrap();
+    // A prompt that leaves A's tokens 3 rows into its chunk 3 (of 4).
+    let mut prompt = a.tokens[..3 * CT + 3].to_vec();
+    prompt.extend([900_001, 900_002, 900_003, 900_004]);
+    assert_eq!(mm.cached_prefix(7, &prompt), 3);
+    assert_eq!(mm.partial_prefix(7, &prompt, 3, 0), 3, "A's chunk 3 holds the next 3 tokens");
+    assert_eq!(mm.partial_prefix(8, &prompt, 3, 0), 0, "another app's contexts are never offered");
+    assert_eq!(mm.partial_prefix(7, &prompt, 3, 1), 0, "rows are taken from the base format only");
+    mm.flush();
+    let before = mm.resident_bytes();
+    mm.set_scope(2, 7);
+    mm.create(2).unwrap();
+    let mut b = FakeKv { tokens: prompt[..3 * CT + 3].to_vec(), ..FakeKv::default() };
+    let usable = mm.restore(2, &mut b).unwrap();
+    assert_eq!(usable, 3);
+    assert!(mm.fill_partial(2, &mut b).unwrap());
+    assert_eq!(mm.resident_bytes(), before + FakeCodec.chunk_bytes(0).div_ceil(4096) * 4096, "one chunk copied, none of the shared");
+    mm.prepare(2, &mut b, prompt.len()).unwrap();
+    let r = mm.begin(2, &mut b, Load::Planned).unwrap();
+    assert_eq!((r.missing, r.recomputed), (0, 0), "the copied rows are not computed: {r:?}");
+    mm.begin(1, &mut a, Load::Planned).unwrap();
+    assert_ne!(a.chunks[3].0, b.chunks[3].0, "the copy is B's own");
+    assert_eq!(a.bytes(3), b.bytes(3), "B's chunk 3 is a copy of A's");
+    // A source in a call is not offered (it may be writing that chunk).
+    assert_eq!(mm.partial_prefix(7, &prompt, 3, 0), 0);
+    a.check().unwrap();
+    mm.end(1, &mut a).unwrap();
+    // B writes after the copied rows (the fake engine writes the whole chunk for its tokens).
+    b.tokens.extend_from_slice(&prompt[3 * CT + 3..]);
+    b.write(3);
+    b.write(4);
+    mm.end(2, &mut b).unwrap();
+    mm.set_budget(0).unwrap();
+    mm.set_budget(1 << 30).unwrap();
+    for (id, kv) in [(1, &mut a), (2, &mut b)] {
+        mm.begin(id, kv, Load::Planned).unwrap();
+        kv.check().unwrap();
+        mm.end(id, kv).unwrap();
+    }
+    // With no context holding the rows (A deleted), nothing is taken and the load computes them.
+    mm.delete(1).unwrap();
+    let mut c = FakeKv { tokens: prompt[..3 * CT + 3].to_vec(), ..FakeKv::default() };
+    assert_eq!(mm.partial_prefix(7, &prompt, 3, 0), 3, "B holds them now");
+    mm.delete(2).unwrap();
+    assert_eq!(mm.partial_prefix(7, &prompt, 3, 0), 0);
+    mm.set_scope(3, 7);
+    mm.create(3).unwrap();
+    mm.restore(3, &mut c).unwrap();
+    assert!(!mm.fill_partial(3, &mut c).unwrap());
+    let r = mm.begin(3, &mut c, Load::Planned).unwrap();
+    assert!(r.recomputed > 0, "{r:?}");
+    c.check().unwrap();
+    mm.end(3, &mut c).unwrap();
+}
+
+#[test]
 fn a_prefix_is_found_only_in_its_scope_and_only_for_its_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let Some(mut mm) = sharing_manager(dir.path()) else { return };

@@ -210,15 +210,7 @@ impl Collector for Levels {
         let sharing = {
             let scopes: Vec<u64> = lock(&svc.scopes).iter().filter(|(o, _)| self.1.sees(o.uid, &o.app)).map(|(_, s)| *s).collect();
             let mm = lock(&svc.mm);
-            scopes.iter().map(|&s| mm.sharing_stats(Some(s))).fold(mm::SharingStats::default(), |a, b| mm::SharingStats {
-                unique_chunks: a.unique_chunks + b.unique_chunks,
-                logical_chunks: a.logical_chunks + b.logical_chunks,
-                bytes_saved: a.bytes_saved + b.bytes_saved,
-                promoted: a.promoted + b.promoted,
-                reused: a.reused + b.reused,
-                copied_on_write: a.copied_on_write + b.copied_on_write,
-                forks: a.forks + b.forks,
-            })
+            scopes.iter().map(|&s| mm.sharing_stats(Some(s))).fold(mm::SharingStats::default(), |a, b| a + b)
         };
         let queue = lock(&svc.queue).len() as i64;
         let pressure = lock(&svc.pressure).clone();
@@ -249,8 +241,8 @@ impl Collector for Levels {
         let counters: [(&str, &str, u64); 11] = [
             (
                 "prefix_reused_tokens",
-                "Prompt tokens taken from shared chunks instead of computed (forks included)",
-                sharing.reused * svc.cfg.chunk_tokens as u64,
+                "Prompt tokens taken from shared chunks, or copied from another context's, instead of computed (forks included)",
+                sharing.reused_tokens(svc.cfg.chunk_tokens),
             ),
             ("forks", "Contexts forked from another", sharing.forks),
             ("copied_on_write_chunks", "Shared chunks copied because a context wrote into them", sharing.copied_on_write),

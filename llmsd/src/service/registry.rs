@@ -455,7 +455,7 @@ impl Service {
                     unique_chunks: s.unique_chunks,
                     logical_chunks: s.logical_chunks,
                     bytes_saved: s.bytes_saved,
-                    reused_tokens: s.reused * self.cfg.chunk_tokens as u64,
+                    reused_tokens: s.reused_tokens(self.cfg.chunk_tokens),
                     forks: s.forks,
                     copied_on_write: s.copied_on_write,
                 }

@@ -242,10 +242,38 @@ pub struct SharingStats {
     pub promoted: u64,
     /// Chunks a context took from the pool when it was made (a fork, a cached prefix).
     pub reused: u64,
+    /// Tokens of a new context's last, partial chunk copied from another context's chunk
+    /// (a fork's, or the rows after a cached prefix) instead of computed.
+    pub copied_rows: u64,
     /// Shared chunks copied into a context's own memory before it wrote into them.
     pub copied_on_write: u64,
     /// Contexts made by [`Manager::fork`].
     pub forks: u64,
+}
+
+impl SharingStats {
+    /// Prompt tokens contexts took instead of computing them: the shared chunks they were
+    /// made with (`chunk_tokens` each) and the rows copied after them.
+    pub fn reused_tokens(&self, chunk_tokens: usize) -> u64 {
+        self.reused * chunk_tokens as u64 + self.copied_rows
+    }
+}
+
+impl std::ops::Add for SharingStats {
+    type Output = Self;
+    /// Two scopes' stats together.
+    fn add(self, b: Self) -> Self {
+        Self {
+            unique_chunks: self.unique_chunks + b.unique_chunks,
+            logical_chunks: self.logical_chunks + b.logical_chunks,
+            bytes_saved: self.bytes_saved + b.bytes_saved,
+            promoted: self.promoted + b.promoted,
+            reused: self.reused + b.reused,
+            copied_rows: self.copied_rows + b.copied_rows,
+            copied_on_write: self.copied_on_write + b.copied_on_write,
+            forks: self.forks + b.forks,
+        }
+    }
 }
 
 /// A shared chunk as the pool's log names it (for `llms doctor --state-dir`, which reads a
@@ -423,10 +451,7 @@ impl Manager {
         let mine = |s: u64| scope.is_none_or(|x| x == s);
         let mut s = SharingStats::default();
         for c in self.share_stats.iter().filter(|(k, _)| mine(**k)).map(|(_, c)| c) {
-            s.promoted += c.promoted;
-            s.reused += c.reused;
-            s.copied_on_write += c.copied_on_write;
-            s.forks += c.forks;
+            s = s + SharingStats { unique_chunks: 0, logical_chunks: 0, bytes_saved: 0, ..*c };
         }
         if let Some(pool) = &self.pool {
             let live = || pool.entries.iter().enumerate().filter_map(|(p, e)| e.as_ref().map(|e| (p, e))).filter(|(_, e)| mine(e.scope));
@@ -542,14 +567,83 @@ impl Manager {
         self.restore(dst, kv)?;
         self.share_stats.entry(scope).or_default().forks += 1;
         let shared = (0..self.n_chunks(dst)).filter(|&i| self.ctx(dst).is_ok_and(|c| c.chunks[i].shared.is_some())).count();
-        // The partial chunk: a copy of `src`'s, from its memory or else its record (with
-        // neither, the first load recomputes it from its few tokens).
-        let j = n_tok / ct;
+        // The partial chunk: a copy of `src`'s (with neither its memory nor its record, the
+        // first load recomputes it from its few tokens).
+        self.copy_partial(src, dst, n_tok / ct, kv)?;
+        Ok(shared)
+    }
+
+    /// Tokens of `tokens` past its first `full` chunks that a context of `scope` (not in a
+    /// call) holds as rows of its own chunk `full`, in the base format `base`, after the same
+    /// tokens: rows a context made with `tokens[..full * ct + n]` takes with
+    /// [`Manager::fill_partial`] instead of computing them. Under a chunk; 0 with `full` 0
+    /// (no chunk before them is shared, so there is little to take).
+    pub fn partial_prefix(&self, scope: u64, tokens: &[u32], full: usize, base: Format) -> usize {
+        self.partial_source(scope, None, tokens, full, base).map_or(0, |(_, n)| n)
+    }
+
+    /// Fills `dst`'s last chunk — partial, made by [`Manager::restore`] after shared chunks,
+    /// holding nothing yet — with a copy of a context of its scope whose own chunk there holds
+    /// the same tokens after the same tokens (see [`Manager::partial_prefix`]). Returns whether
+    /// it did; when not, `dst`'s first load recomputes the chunk's few tokens.
+    pub fn fill_partial(&mut self, dst: u64, kv: &mut dyn KvContext) -> Result<bool> {
+        let ct = self.codec.chunk_tokens();
+        let toks = kv.tokens();
+        let (full, n) = (toks.len() / ct, toks.len() % ct);
+        let Some(&scope) = self.scopes.get(&dst) else { return Ok(false) };
+        if n == 0 || full == 0 || self.pool.is_none() || self.ctx(dst)?.chunks.get(full - 1).is_none_or(|m| m.shared.is_none()) {
+            return Ok(false);
+        }
+        match self.partial_source(scope, Some(dst), toks, full, kv.base()) {
+            Some((src, m)) if m >= n => self.copy_partial(src, dst, full, kv),
+            _ => Ok(false),
+        }
+    }
+
+    /// A context of `scope` other than `not` for [`Manager::partial_prefix`], and how many of
+    /// `tokens[full * ct..]` its chunk `full` holds (the most of any).
+    fn partial_source(&self, scope: u64, not: Option<u64>, tokens: &[u32], full: usize, base: Format) -> Option<(u64, usize)> {
+        let ct = self.codec.chunk_tokens();
+        let at = full * ct;
+        if full == 0 || tokens.len() <= at {
+            return None;
+        }
+        let rest = &tokens[at..tokens.len().min(at + ct - 1)];
+        // Sharing never crosses scopes: only this app's contexts are looked at (a public
+        // prefix's pool chunks have sharers of every app).
+        self.scopes
+            .iter()
+            .filter(|&(&c, &sc)| sc == scope && Some(c) != not)
+            .filter_map(|(&c, _)| {
+                let x = self.ctxs.get(&c)?;
+                let m = x.chunks.get(full)?;
+                if x.in_call || m.shared.is_some() || m.dead || m.level != base || x.tokens.get(..at) != Some(&tokens[..at]) {
+                    return None;
+                }
+                let held = &x.tokens[at..x.tokens.len().min(at + m.tokens as usize)];
+                let n = held.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                (n > 0).then_some((c, n))
+            })
+            .max_by_key(|&(c, n)| (n, std::cmp::Reverse(c)))
+    }
+
+    /// Copies `src`'s chunk `j` (its own, from memory or else its record) into `dst`'s chunk
+    /// `j`, its own and holding nothing yet, as many of its tokens as `dst`'s meta says (the
+    /// rows past them, `src`'s, are overwritten as `dst` goes on). `src` must hold `dst`'s
+    /// tokens up to there (the callers check). Returns whether it copied.
+    fn copy_partial(&mut self, src: u64, dst: u64, j: usize, kv: &mut dyn KvContext) -> Result<bool> {
         let (sc, dc) = (self.ctx(src)?, self.ctx(dst)?);
-        let (Some(&m), Some(&dm)) = (sc.chunks.get(j), dc.chunks.get(j)) else { return Ok(shared) };
+        let (Some(&m), Some(&dm)) = (sc.chunks.get(j), dc.chunks.get(j)) else { return Ok(false) };
         let (sr, dr) = (Arc::clone(&sc.region), Arc::clone(&dc.region));
-        if m.shared.is_some() || m.dead || dm.shared.is_some() || m.tokens != dm.tokens {
-            return Ok(shared);
+        // Fewer rows than the source's only from the base format: `dst` writes after them.
+        if sc.in_call
+            || m.shared.is_some()
+            || m.dead
+            || dm.shared.is_some()
+            || m.tokens < dm.tokens
+            || (m.tokens != dm.tokens && m.level != kv.base())
+        {
+            return Ok(false);
         }
         let len = self.codec.live_bytes(m.level, false);
         let record = self.meta(src, j, &m);
@@ -558,7 +652,7 @@ impl Manager {
             // SAFETY: resident and not in a call: nothing writes it while we copy.
             buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), len) });
         } else if self.store.read(&record, buf).is_err() {
-            return Ok(shared);
+            return Ok(false);
         }
         let tail = len.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
         buf[len..tail].fill(0);
@@ -574,9 +668,12 @@ impl Manager {
         let meta = self.meta(dst, j, &dm);
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((dst, chunk_u32(j)), meta);
         self.lctru.touch((dst, chunk_u32(j)), self.level_index(m.level));
+        if let Some(&scope) = self.scopes.get(&dst) {
+            self.share_stats.entry(scope).or_default().copied_rows += u64::from(dm.tokens);
+        }
         // Within the budget again (the copy may be the one thing over it: it is then written).
         self.reclaim()?;
-        Ok(shared)
+        Ok(true)
     }
 
     /// For [`Manager::restore`]: chunk `i` of a context of `scope` made with `tokens`, shared
