@@ -22,7 +22,7 @@ use tracing::{error, info, warn};
 use super::ctxfile::Saved;
 use super::history::History;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
-use crate::kvmm::SessionKv;
+use crate::kvmm::{code, SessionKv};
 use crate::proto::{Call, CallStats, ErrorCode, Event};
 
 pub(super) struct Job {
@@ -170,6 +170,9 @@ struct Output {
     /// Bytes of `text` streamed.
     sent: usize,
     n_out: u32,
+    /// The last sampled token completed a stop string (`text` is cut before it): the call
+    /// ends once that token has run.
+    stopped: bool,
 }
 
 /// How a call left the batch.
@@ -641,17 +644,26 @@ impl Service {
 
         // A context that holds nothing yet takes the chunks of its prompt's start that its
         // app already holds (a shared system prompt, a conversation branched): they are not
-        // computed again. The last prompt token is always computed (its logits are the call's).
+        // computed again, nor are the rows after them that a context of the app holds in its
+        // next chunk (copied: that chunk is each one's own). The last prompt token is always
+        // computed (its logits are the call's).
         if s.n_past() == 0 && self.cfg.prefix_sharing {
             let ct = self.cfg.chunk_tokens;
+            let scope = self.scope(&saved.owner);
+            let head = &ids[..ids.len() - 1];
             let mut mm = lock(&self.mm);
-            let k = mm.cached_prefix(self.scope(&saved.owner), &ids[..ids.len() - 1]) * ct;
-            if k > 0 {
+            let full = mm.cached_prefix(scope, head);
+            if full > 0 {
+                let rows = mm.partial_prefix(scope, head, full, code(s.kv.base()));
+                let k = full * ct + rows;
                 s.tokens = ids[..k].to_vec();
                 let shared = mm.restore(mm_id, &mut SessionKv(s)).map_err(|e| fail(&e))?;
+                // Rows not copied (the source went meanwhile) are recomputed by the load.
+                let copied = rows > 0 && shared == full && mm.fill_partial(mm_id, &mut SessionKv(s)).map_err(|e| fail(&e))?;
                 s.kv.set_len(k).map_err(|e| fail(&e))?;
                 ids.drain(..k);
-                stats.cached_tokens = u32::try_from(shared.min(k / ct) * ct).unwrap_or(u32::MAX);
+                let cached = shared.min(full) * ct + if copied { rows } else { 0 };
+                stats.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
             }
         }
 
@@ -877,7 +889,8 @@ impl Service {
                 } else {
                     a.fed += piece.len();
                     if a.fed == a.ids.len() {
-                        a.next = Some(a.sampler.sample(row));
+                        let t = a.sampler.sample(row);
+                        self.sampled(a, t);
                         a.stats.prefill_ms = ms(a.t_prefill.elapsed());
                         // From the call's arrival: its queue wait is in it once.
                         a.stats.ttft_ms = ms(a.job.received.elapsed());
@@ -895,38 +908,64 @@ impl Service {
         }
     }
 
-    /// A decoding call's sampled token goes into its context, unless it ends the generation:
-    /// its text joins the output and its slot is made. False: the call has ended.
+    /// A decoding call's sampled token goes into its context, unless it ends the generation
+    /// (its text went out when it was sampled: [`Service::sampled`]); its slot is made.
+    /// False: the call has ended.
     fn put_token(&self, a: &mut Active, t: u32) -> Result<bool, Refusal> {
-        let tk = &self.model.tokenizer;
-        if tk.is_eog(t) {
+        if self.model.tokenizer.is_eog(t) {
             a.stats.finish = "eog".into();
             return Ok(false);
         }
-        let o = &mut a.out;
-        o.bytes.clear();
-        tk.token_bytes(t, false, &mut o.bytes);
-        o.before = o.text.len();
-        o.text.push_str(&o.utf8.push(&o.bytes));
-        o.n_out += 1;
+        a.out.n_out += 1;
         // The token joins the context whatever happens to the output.
         self.grow(&mut a.s, a.saved.mm_id, 1)?;
         Ok(true)
     }
 
-    /// After a decode pass: stop strings, streaming, cancellation, the length limit, and the
-    /// next token. False: the call has ended.
+    /// After a decode pass: a stop string the last token completed, cancellation, the length
+    /// limit, and the next token. False: the call has ended.
     fn take_logits(&self, a: &mut Active, logits: &[f32]) -> bool {
+        if a.out.stopped {
+            a.stats.finish = "stop".into();
+            return false;
+        }
+        if a.job.cancel.load(Ordering::SeqCst) {
+            a.stats.finish = "cancelled".into();
+            return false;
+        }
+        if a.out.n_out >= a.job.call.max_tokens {
+            return false;
+        }
+        let t = a.sampler.sample(logits);
+        self.sampled(a, t);
+        true
+    }
+
+    /// A token was sampled: it runs in the next pass, and its text joins the output now and
+    /// is streamed as far as no stop string can claim it — a pass sooner than once it has run
+    /// (the first token's text does not wait for a decode step). A token that completes a
+    /// stop string cuts the output there; the call ends after its pass (the context holds it,
+    /// as every sampled token until the end).
+    fn sampled(&self, a: &mut Active, t: u32) {
+        a.next = Some(t);
+        let tk = &self.model.tokenizer;
+        if tk.is_eog(t) {
+            return;
+        }
         let c = &a.job.call;
         let o = &mut a.out;
+        o.bytes.clear();
+        tk.token_bytes(t, false, &mut o.bytes);
+        o.before = o.text.len();
+        o.text.push_str(&o.utf8.push(&o.bytes));
         // Only a match ending in the new piece is new: search from one stop string's length
         // before it, not the whole output at every token.
         let text = &o.text;
         let from = |p: &String| floor_boundary(text, o.before.saturating_sub(p.len()));
         if let Some(at) = c.stop.iter().filter_map(|p| text[from(p)..].find(p.as_str()).map(|i| i + from(p))).min() {
             o.text.truncate(at);
-            a.stats.finish = "stop".into();
-            return false;
+            o.stopped = true;
+            return;
         }
         // Stream what can no longer become part of a stop string.
         let hold = c.stop.iter().map(|p| held_back(&o.text, p)).max().unwrap_or(0);
@@ -937,15 +976,6 @@ impl Service {
             }
             o.sent = safe;
         }
-        if a.job.cancel.load(Ordering::SeqCst) {
-            a.stats.finish = "cancelled".into();
-            return false;
-        }
-        if o.n_out >= c.max_tokens {
-            return false;
-        }
-        a.next = Some(a.sampler.sample(logits));
-        true
     }
 
     /// A call leaves the batch: the rest of its output, its end in mm (unpin, AoT write,
@@ -997,8 +1027,9 @@ impl Service {
                 a.saved.open_turn = !c.raw && a.job.history.is_none() && a.stats.finish != "cancelled";
                 let st = &a.stats;
                 info!(
-                    ctx = %a.ctx, app = %a.job.owner.app, switch_ms = st.switch_ms, read = st.read_chunks,
-                    recomputed = st.recomputed_chunks, prompt = st.prompt_tokens, output = st.output_tokens,
+                    ctx = %a.ctx, app = %a.job.owner.app, queue_ms = st.queue_ms, switch_ms = st.switch_ms,
+                    prefill_ms = st.prefill_ms, ttft_ms = st.ttft_ms, read = st.read_chunks,
+                    recomputed = st.recomputed_chunks, prompt = st.prompt_tokens, cached = st.cached_tokens, output = st.output_tokens,
                     batch = st.batch_max, finish = %st.finish, "call"
                 );
                 let out = (std::mem::take(&mut a.out.text), a.stats);

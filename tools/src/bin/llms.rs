@@ -115,6 +115,11 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    // The benches and experiments run llmsd in this process: RUST_LOG shows its log (each
+    // call's switch and stats, as llmsd prints them), on stderr.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG") {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
     if let Err(e) = run(cli) {
         eprintln!("llms: error: {}", llmsd::describe(&e));
         std::process::exit(1);
