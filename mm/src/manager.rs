@@ -272,14 +272,16 @@ struct WriteJob {
 /// The AoT writer: a thread that writes chunks modified by a call right after it returns.
 struct Writer {
     tx: Option<Sender<WriteJob>>,
-    pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)>,
+    /// Chunks queued and not yet written, with how many jobs each (a chunk a call wrote
+    /// again before the writer took its last job has two, and two pins).
+    pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Writer {
     fn spawn(store: Arc<Store>, failures: &WriteFailures) -> Self {
         let (tx, rx) = mpsc::channel::<WriteJob>();
-        let pending: Arc<(Mutex<HashSet<ChunkId>>, std::sync::Condvar)> = Arc::default();
+        let pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)> = Arc::default();
         let p = Arc::clone(&pending);
         let f = Arc::clone(failures);
         let handle = std::thread::Builder::new()
@@ -290,7 +292,7 @@ impl Writer {
     }
 
     fn is_pending(&self, c: ChunkId) -> bool {
-        self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).contains(&c)
+        self.pending.0.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&c)
     }
 
     /// Waits until no chunk of `ctx` is being written (a call must not convert or shrink a
@@ -298,7 +300,25 @@ impl Writer {
     fn wait_context(&self, ctx: u64) {
         let (m, cv) = &*self.pending;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while g.iter().any(|c| c.0 == ctx) {
+        while g.keys().any(|c| c.0 == ctx) {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Waits until no chunk `from..` of `ctx` is being written.
+    fn wait_chunks(&self, ctx: u64, from: usize) {
+        let (m, cv) = &*self.pending;
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while g.keys().any(|c| c.0 == ctx && c.1 as usize >= from) {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Waits until chunk `c` is not being written.
+    fn wait_chunk(&self, c: ChunkId) {
+        let (m, cv) = &*self.pending;
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while g.contains_key(&c) {
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
@@ -324,7 +344,7 @@ impl Drop for Writer {
 fn writer_loop(
     store: &Store,
     rx: &Receiver<WriteJob>,
-    pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar),
+    pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar),
     failures: &Mutex<(u64, String)>,
 ) {
     let Ok(mut ring) = Ring::new(64) else {
@@ -391,10 +411,16 @@ fn note_failure(failures: &Mutex<(u64, String)>, e: &StoreError) {
     f.1 = e.to_string();
 }
 
-fn finish(pending: &(Mutex<HashSet<ChunkId>>, std::sync::Condvar), ids: &[ChunkId]) {
+/// One job each of `ids` is done.
+fn finish(pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar), ids: &[ChunkId]) {
     let mut g = pending.0.lock().unwrap_or_else(|e| e.into_inner());
     for id in ids {
-        g.remove(id);
+        if let Some(n) = g.get_mut(id) {
+            *n -= 1;
+            if *n == 0 {
+                g.remove(id);
+            }
+        }
     }
     pending.1.notify_all();
 }
@@ -822,6 +848,9 @@ impl Manager {
                 continue;
             }
             if region.state(i)? == SlotState::Resident {
+                if let Some(w) = &self.writer {
+                    w.wait_chunk((ctx, chunk_u32(i)));
+                }
                 region.shrink(i, self.codec.live_bytes(m.level, true))?;
             }
             self.store.shrink(ctx, chunk_u32(i))?;
@@ -836,10 +865,18 @@ impl Manager {
     /// Loads every chunk of `ctx` that is not resident and pins them all for the call.
     pub fn begin(&mut self, ctx: u64, kv: &mut dyn KvContext, strategy: Strategy) -> Result<LoadReport> {
         let t0 = Instant::now();
-        if let Some(w) = &self.writer {
-            w.wait_context(ctx);
-        }
         let ct = self.codec.chunk_tokens();
+        if let Some(w) = &self.writer {
+            // Only the slots past the context's tokens (a call claims them afresh). Waiting
+            // for every chunk its last call wrote held this call (and, on the service's
+            // worker, every other call's next token) for as long as the disk took: 4-21 ms
+            // after a 1k-token call. The chunks it holds keep their bytes through a call: the
+            // engine only appends rows to the last one (the writer's record of it names the
+            // rows it had, and a write after the writer's copy marks the slot dirty again),
+            // and what rewrites a chunk (a rollback, a lowering, a window's shrink, a whole
+            // recompute) waits for the chunks it rewrites.
+            w.wait_chunks(ctx, kv.tokens().len().div_ceil(ct));
+        }
         let hashes = prefix_hashes(kv.tokens(), ct);
         let n_tok = kv.tokens().len();
         let region = Arc::clone(&self.ctx(ctx)?.region);
@@ -1028,6 +1065,10 @@ impl Manager {
                 self.unshare_from(ctx, kv, 0, Unshare::Missing, true)?;
                 // The pool chunks it loaded for the call may go again (others hold them).
                 self.reclaim()?;
+                if let Some(w) = &self.writer {
+                    // Every chunk is recomputed: none may still be in the writer's hands.
+                    w.wait_context(ctx);
+                }
                 let n = self.ctx(ctx)?.chunks.len();
                 for i in 0..n {
                     if region.state(i)? == SlotState::Resident {
@@ -1475,6 +1516,9 @@ impl Manager {
                         self.levelling.push_back(LevelJob { ctx, chunk: i, from: cur, to: t, epoch });
                         queued = true;
                     } else {
+                        if let Some(w) = &self.writer {
+                            w.wait_chunk((ctx, chunk_u32(i)));
+                        }
                         kv.convert(i, t).map_err(engine)?;
                         region.shrink(i, self.codec.live_bytes(t, i < dead))?;
                         self.stats.releveled += 1;
@@ -1548,7 +1592,7 @@ impl Manager {
             return Ok(());
         };
         region.pin(i)?;
-        w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, meta.chunk));
+        *w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).entry((ctx, meta.chunk)).or_insert(0) += 1;
         let job = WriteJob { region: Arc::clone(region), meta: *meta, len, replaces };
         if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
             self.stats.written_aot += 1;

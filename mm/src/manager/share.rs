@@ -919,6 +919,10 @@ impl Manager {
     /// another context's K/V. Call it before truncating the engine's cache.
     pub fn truncate(&mut self, ctx: u64, kv: &mut dyn KvContext, n: usize) -> Result<()> {
         let ct = self.codec.chunk_tokens();
+        if let Some(w) = &self.writer {
+            // The chunks from the cut on are written anew (`begin` did not wait for them).
+            w.wait_chunks(ctx, n / ct);
+        }
         if self.pool.is_some() {
             self.unindex_own(ctx);
             let held = self.ctx(ctx)?.in_call;
