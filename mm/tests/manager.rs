@@ -716,15 +716,22 @@ fn sharing_manager(dir: &std::path::Path) -> Option<Manager> {
     Some(mm)
 }
 
-#[test]
-fn a_fork_holds_one_copy_and_copies_on_write() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
+/// A sharing manager holding context 1, of scope 7, with `n` tokens (and the token
+/// generator's state after them).
+fn sharing_with_one(dir: &std::path::Path, n: usize) -> Option<(Manager, FakeKv, u32)> {
+    let mut mm = sharing_manager(dir)?;
     let mut tok = 0;
     mm.set_scope(1, 7);
     mm.create(1).unwrap();
     let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 10 * CT + 2, &mut tok, None).unwrap();
+    append(&mut mm, 1, &mut a, n, &mut tok, None).unwrap();
+    Some((mm, a, tok))
+}
+
+#[test]
+fn a_fork_holds_one_copy_and_copies_on_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((mut mm, mut a, mut tok)) = sharing_with_one(dir.path(), 10 * CT + 2) else { return };
     mm.flush();
     let before = mm.resident_bytes();
     let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
@@ -782,12 +789,7 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
 #[test]
 fn a_new_context_copies_the_rows_after_its_shared_chunks() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
-    mm.set_scope(1, 7);
-    mm.create(1).unwrap();
-    let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 5 * CT + 2, &mut tok, None).unwrap();
+    let Some((mut mm, mut a, _)) = sharing_with_one(dir.path(), 5 * CT + 2) else { return };
     // A prompt that leaves A's tokens 3 rows into its chunk 3 (of 4).
     let mut prompt = a.tokens[..3 * CT + 3].to_vec();
     prompt.extend([900_001, 900_002, 900_003, 900_004]);
@@ -845,12 +847,7 @@ fn a_new_context_copies_the_rows_after_its_shared_chunks() {
 #[test]
 fn a_prefix_is_found_only_in_its_scope_and_only_for_its_tokens() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
-    mm.set_scope(1, 7);
-    mm.create(1).unwrap();
-    let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 6 * CT, &mut tok, None).unwrap();
+    let Some((mut mm, a, mut tok)) = sharing_with_one(dir.path(), 6 * CT) else { return };
     let prompt = a.tokens.clone();
     assert_eq!(mm.cached_prefix(7, &prompt), 6);
     assert_eq!(mm.cached_prefix(8, &prompt), 0, "another app's contexts are never offered");
@@ -892,12 +889,7 @@ fn pool_records(mm: &Manager) -> usize {
 #[test]
 fn shared_chunks_outlive_a_restart_and_unreachable_ones_are_freed() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
-    mm.set_scope(1, 7);
-    mm.create(1).unwrap();
-    let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 6 * CT + 1, &mut tok, None).unwrap();
+    let Some((mut mm, mut a, _)) = sharing_with_one(dir.path(), 6 * CT + 1) else { return };
     let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
     assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 6);
     mm.flush();
@@ -993,12 +985,7 @@ fn a_damaged_pool_log_costs_recomputes_never_wrong_bytes() {
 #[test]
 fn a_declared_public_prefix_and_only_it_crosses_scopes() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut mm) = sharing_manager(dir.path()) else { return };
-    let mut tok = 0;
-    mm.set_scope(1, 7);
-    mm.create(1).unwrap();
-    let mut a = FakeKv::default();
-    append(&mut mm, 1, &mut a, 6 * CT, &mut tok, None).unwrap();
+    let Some((mut mm, mut a, mut tok)) = sharing_with_one(dir.path(), 6 * CT) else { return };
     let prompt = a.tokens.clone();
     assert_eq!(mm.cached_prefix(8, &prompt), 0, "nothing is public yet");
     // The first two chunks and a bit of the third are declared public: two chunks cross.
