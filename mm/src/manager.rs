@@ -437,6 +437,8 @@ pub struct Manager {
     expected: Expected,
     fallback: Fallback,
     writer: Option<Writer>,
+    /// Jobs for the writer kept back while set ([`Manager::hold_aot`]).
+    held_jobs: Option<Vec<WriteJob>>,
     write_failures: WriteFailures,
     ring: Ring,
     slot_size: usize,
@@ -522,6 +524,7 @@ impl Manager {
             expected: Arc::default(),
             fallback: Arc::default(),
             writer,
+            held_jobs: None,
             write_failures,
             ring: Ring::new(256)?,
             slot_size,
@@ -577,6 +580,12 @@ impl Manager {
     }
     pub fn set_profile(&mut self, p: Option<Profile>) {
         self.profile = p;
+    }
+
+    /// What the kernel's userfaultfd offers the manager's regions (UFFDIO_MOVE: a promoted
+    /// chunk's pages change hands instead of being copied).
+    pub fn pager_capabilities(&self) -> uffd_handler::Capabilities {
+        self.pager.capabilities()
     }
 
     /// Bytes of chunk memory resident now (populated pages of every context's slots).
@@ -1594,13 +1603,34 @@ impl Manager {
         region.pin(i)?;
         *w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).entry((ctx, meta.chunk)).or_insert(0) += 1;
         let job = WriteJob { region: Arc::clone(region), meta: *meta, len, replaces };
+        match &mut self.held_jobs {
+            Some(held) => held.push(job),
+            None => self.send_aot(job),
+        }
+        Ok(())
+    }
+
+    fn send_aot(&mut self, job: WriteJob) {
+        let Some(w) = &self.writer else { return };
+        let (region, slot, id) = (Arc::clone(&job.region), job.meta.chunk as usize, (job.meta.context, job.meta.chunk));
         if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
             self.stats.written_aot += 1;
         } else {
-            let _ = region.unpin(i);
-            finish(&w.pending, &[(ctx, meta.chunk)]);
+            let _ = region.unpin(slot);
+            finish(&w.pending, &[id]);
         }
-        Ok(())
+    }
+
+    /// While on, chunks queued for the AoT writer (pinned, counted pending) are not sent to
+    /// it; turning it off sends them. Nothing may wait for the writer meanwhile.
+    pub(crate) fn hold_aot(&mut self, hold: bool) {
+        if hold {
+            self.held_jobs.get_or_insert_with(Vec::new);
+        } else {
+            for job in self.held_jobs.take().unwrap_or_default() {
+                self.send_aot(job);
+            }
+        }
     }
 
     /// Lowers chunks' levels on another thread than the calls': `end` queues each lowering it

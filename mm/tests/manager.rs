@@ -738,6 +738,11 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 10, "every full chunk is shared");
     let st = mm.sharing_stats(None);
     assert_eq!((st.unique_chunks, st.logical_chunks, st.promoted), (10, 20, 10));
+    if mm.pager_capabilities().r#move {
+        assert_eq!(st.moved, 10, "resident chunks change hands without a copy");
+    } else {
+        assert!(!llms_tests::kernel_required(), "this kernel lacks UFFDIO_MOVE (Linux 6.8+)");
+    }
     // One copy of the full chunks; the partial one copied (3 pages of the fake's base format).
     assert_eq!(mm.resident_bytes(), before + FakeCodec.chunk_bytes(0).div_ceil(4096) * 4096);
     mm.begin(2, &mut b, Load::Planned).unwrap();

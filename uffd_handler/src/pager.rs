@@ -964,6 +964,151 @@ impl Region {
         Ok(())
     }
 
+    /// Moves the first `len` bytes (whole pages) of resident `slot` into evicted slot
+    /// `to_slot` of `to`, a region of the same pager, without copying them (UFFDIO_MOVE: the
+    /// page tables change hands): `to_slot` becomes resident with them, `slot` evicted (its
+    /// pages past `len` dropped). Ok(false), with both slots as they were, when it cannot
+    /// be: the kernel has no UFFDIO_MOVE, the regions belong to different pagers, `slot` is
+    /// not resident, pinned or holds fewer pages, `to_slot` is not evicted, or the kernel
+    /// refused the move part-way (pages shared with a forked child, say) and they were moved
+    /// back. The caller copies then. The caller must know nobody reads or writes `slot`
+    /// meanwhile (its fault would wait for the move and then read the slot's source).
+    pub fn move_into(&self, slot: usize, to: &Region, to_slot: usize, len: usize) -> Result<bool> {
+        self.inner.check(slot)?;
+        to.inner.check(to_slot)?;
+        let (r, d) = (&self.inner, &to.inner);
+        let pages = len.div_ceil(PAGE);
+        if !self.pager.caps.r#move || !Arc::ptr_eq(&self.pager, &to.pager) || len > r.slot_size || len > d.slot_size || pages == 0 {
+            return Ok(false);
+        }
+        // One slot lock at a time (never both: no lock order to get wrong); Loading keeps
+        // faults and other installs off each slot until it is settled.
+        let filled = {
+            let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let s = &mut st[slot];
+            if s.state != SlotState::Resident || s.pins > 0 || s.filled_pages < pages {
+                return Ok(false);
+            }
+            s.state = SlotState::Loading;
+            s.filled_pages
+        };
+        let taken = {
+            let mut st = d.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let ok = st[to_slot].state == SlotState::Evicted;
+            if ok {
+                st[to_slot].state = SlotState::Loading;
+            }
+            ok
+        };
+        let fd = self.pager.uffd.as_raw_fd();
+        let (src, dst, bytes) = (r.slot_addr(slot), d.slot_addr(to_slot), (pages * PAGE) as u64);
+        let mut moved = 0u64;
+        let result = if taken {
+            ioctl_loop(d, to_slot, "UFFDIO_MOVE", bytes, |done| {
+                let mut m =
+                    sys::UffdioMove { dst: dst + done, src: src + done, len: bytes - done, mode: sys::UFFDIO_MOVE_MODE_DONTWAKE, moved: 0 };
+                // SAFETY: both ranges lie inside our registered regions (slots checked above);
+                // neither slot is readable by anyone while it is Loading.
+                let res = unsafe { sys::uffdio_move(fd, &mut m) };
+                moved = done + u64::try_from(m.moved).unwrap_or(0);
+                (res.map(|_| ()), m.moved)
+            })
+        } else {
+            Ok(())
+        };
+        if !taken || result.is_err() {
+            // Put back what moved, then both slots as they were.
+            let back = if moved > 0 {
+                ioctl_loop(r, slot, "UFFDIO_MOVE", moved, |done| {
+                    let mut m = sys::UffdioMove {
+                        dst: src + done,
+                        src: dst + done,
+                        len: moved - done,
+                        mode: sys::UFFDIO_MOVE_MODE_DONTWAKE,
+                        moved: 0,
+                    };
+                    // SAFETY: as above, the other way.
+                    let res = unsafe { sys::uffdio_move(fd, &mut m) };
+                    (res.map(|_| ()), m.moved)
+                })
+            } else {
+                Ok(())
+            };
+            if taken {
+                d.slots.lock().unwrap_or_else(|e| e.into_inner())[to_slot].state = SlotState::Evicted;
+                d.changed.notify_all();
+            }
+            let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(e) = back {
+                // The slot lost pages we could not return: it must be refilled from its source.
+                r.resident_pages.fetch_sub(filled, Ordering::Relaxed);
+                st[slot].filled_pages = 0;
+                st[slot].state = SlotState::Evicted;
+                drop(st);
+                r.changed.notify_all();
+                return Err(e);
+            }
+            st[slot].state = SlotState::Resident;
+            drop(st);
+            r.changed.notify_all();
+            return Ok(false);
+        }
+        if d.wp {
+            // Moved pages arrive writable: protect them so the next write is tracked.
+            let mut wp =
+                sys::UffdioWriteprotect { range: sys::UffdioRange { start: dst, len: bytes }, mode: sys::UFFDIO_WRITEPROTECT_MODE_WP };
+            // SAFETY: write-protecting the pages we just moved into our region.
+            unsafe { sys::uffdio_writeprotect(fd, &mut wp) }.map_err(|source| UffdError::Ioctl {
+                op: "UFFDIO_WRITEPROTECT",
+                region: d.id,
+                slot: to_slot,
+                source,
+            })?;
+        }
+        if filled > pages {
+            // SAFETY: the source slot's own pages past the moved ones (it is Loading: unread).
+            unsafe { libc::madvise(src.wrapping_add(bytes) as *mut libc::c_void, (filled - pages) * PAGE, libc::MADV_DONTNEED) };
+        }
+        let src_waiting = {
+            let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let s = &mut st[slot];
+            r.resident_pages.fetch_sub(filled, Ordering::Relaxed);
+            s.filled_pages = 0;
+            s.marked_dirty = false;
+            if s.pending.is_empty() {
+                s.state = SlotState::Evicted;
+                false
+            } else {
+                // A fault came meanwhile (the caller said none would): serve it from the source.
+                true
+            }
+        };
+        r.stats.evicted(filled * PAGE);
+        if src_waiting {
+            start_fill(&self.pager, r, slot, Instant::now());
+        }
+        r.changed.notify_all();
+        let pending = {
+            let mut st = d.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let s = &mut st[to_slot];
+            s.state = SlotState::Resident;
+            s.filled_pages = pages;
+            s.marked_dirty = false;
+            d.resident_pages.fetch_add(pages, Ordering::Relaxed);
+            std::mem::take(&mut s.pending)
+        };
+        d.stats.filled(to_slot, pages * PAGE);
+        if !pending.is_empty() {
+            wake(&self.pager, dst, d.slot_size as u64);
+            let end = dst + bytes;
+            for a in pending.into_iter().filter(|&a| a >= end) {
+                poison(&self.pager, d, to_slot, a, PAGE as u64);
+            }
+        }
+        d.changed.notify_all();
+        Ok(true)
+    }
+
     fn populate_inner(&self, slot: usize, given: Option<Src<'_>>) -> Result<()> {
         self.inner.check(slot)?;
         let r = &self.inner;

@@ -530,3 +530,99 @@ fn a_failing_source_poisons_its_slot_and_readers_get_sigbus() {
     assert_eq!(sig, Some(libc::SIGBUS), "stderr: {err}");
     assert!(err.contains("poisoned slot 1 of userfaultfd region"), "{err}");
 }
+
+#[test]
+fn move_into_hands_a_slots_pages_to_another_region_without_copying() {
+    let Some(p) = pager() else { return };
+    if !p.capabilities().r#move {
+        assert!(!kernel_required(), "this kernel lacks UFFDIO_MOVE (Linux 6.8+)");
+        return;
+    }
+    let src = Arc::new(PatternSource::default());
+    let a = p.region(SLOT, 3, src.clone()).unwrap();
+    let b = p.region_with(SLOT, 3, Arc::new(PatternSource { fail: (0..3).collect(), ..Default::default() }), true).unwrap();
+    check_slot(&a, 0, 0, SLOT / 8);
+    // Written after the fill: the move must carry the write (no refill from the source).
+    // SAFETY: inside slot 0 of `a`.
+    unsafe { std::ptr::write_volatile(a.slot_ptr(0).cast::<u64>().add(3), 0xfeed) };
+    let len = SLOT - PAGE - 100;
+    assert!(a.move_into(0, &b, 1, len).unwrap());
+    assert_eq!(a.state(0).unwrap(), SlotState::Evicted);
+    assert_eq!(b.state(1).unwrap(), SlotState::Resident);
+    assert_eq!(a.resident_bytes(), 0, "the slot's last page, past len, was dropped too");
+    assert_eq!(b.resident_bytes(), SLOT - PAGE);
+    // b's source fails every fill: these reads see the moved pages themselves.
+    for i in (0..len / 8).step_by(61) {
+        let want = if i == 3 { 0xfeed } else { word(a.id(), 0, 0, i) };
+        assert_eq!(read_word(&b, 1, i), want, "word {i}");
+    }
+    assert_eq!(read_word(&b, 1, 3), 0xfeed);
+    // Moved pages are write-protected in a region that tracks writes.
+    assert_eq!(b.dirty_pages(1).unwrap(), Vec::<usize>::new());
+    // SAFETY: inside slot 1 of `b`.
+    unsafe { std::ptr::write_volatile(b.slot_ptr(1).cast::<u64>(), 1) };
+    assert_eq!(b.dirty_pages(1).unwrap(), vec![0]);
+    // The source slot refills from its own source when touched again.
+    src.versions.lock().unwrap().insert(0, 5);
+    check_slot(&a, 0, 5, SLOT / 8);
+    // Refused, both slots untouched: a pinned source, an occupied target, an empty source.
+    a.pin(0).unwrap();
+    assert!(!a.move_into(0, &b, 2, SLOT).unwrap());
+    a.unpin(0).unwrap();
+    assert!(!a.move_into(0, &b, 1, SLOT).unwrap(), "slot 1 of b is resident");
+    assert_eq!(b.state(2).unwrap(), SlotState::Evicted);
+    assert!(!a.move_into(2, &b, 2, SLOT).unwrap(), "slot 2 of a is not resident");
+    assert_eq!(a.state(0).unwrap(), SlotState::Resident);
+    check_slot(&a, 0, 5, SLOT / 8);
+    // Another pager's region: never moved between them.
+    let q = Pager::new().unwrap();
+    let c = q.region(SLOT, 1, Arc::new(PatternSource::default())).unwrap();
+    assert!(!a.move_into(0, &c, 0, SLOT).unwrap());
+    assert!(matches!(a.move_into(9, &b, 0, SLOT), Err(UffdError::NoSlot { .. })));
+    // A move the kernel refuses leaves both slots as they were: in a process of its own,
+    // since while its forked child lives every page of the process is shared, and moves in
+    // other tests' threads would be refused too.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_a_move_the_kernel_refuses", "--nocapture", "--test-threads=1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
+}
+
+/// Run in a process of its own by `move_into_hands_a_slots_pages_to_another_region_without_copying`.
+#[test]
+#[ignore = "helper: forks, which shares every page of the test process while the child lives"]
+fn child_a_move_the_kernel_refuses() {
+    let p = Pager::new().unwrap();
+    let a = p.region(SLOT, 1, Arc::new(PatternSource::default())).unwrap();
+    let b = p.region(SLOT, 1, Arc::new(PatternSource { fail: [0].into(), ..Default::default() })).unwrap();
+    check_slot(&a, 0, 0, SLOT / 8);
+    // A forked child shares the slot's pages copy-on-write: the kernel refuses to move them
+    // (EBUSY). The child waits on a pipe and exits without touching anything.
+    let mut fds = [0; 2];
+    // SAFETY: a fresh pipe.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the child only blocks on read() and calls _exit (async-signal-safe).
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let mut x = 0u8;
+        // SAFETY: closing the child's copy of the write end (else the read never ends),
+        // reading one byte from the pipe, then leaving without running destructors.
+        unsafe {
+            libc::close(fds[1]);
+            libc::read(fds[0], (&raw mut x).cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    let refused = a.move_into(0, &b, 0, SLOT);
+    // SAFETY: closing our ends of the pipe releases the child; then reaping it.
+    unsafe {
+        libc::close(fds[1]);
+        libc::close(fds[0]);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+    assert!(!refused.unwrap(), "pages shared with a child cannot be moved");
+    assert_eq!((a.state(0).unwrap(), b.state(0).unwrap()), (SlotState::Resident, SlotState::Evicted));
+    check_slot(&a, 0, 0, SLOT / 8);
+    assert_eq!(a.resident_bytes(), SLOT);
+}

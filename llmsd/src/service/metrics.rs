@@ -238,7 +238,7 @@ impl Collector for Levels {
             let g = ConstGauge::new(v);
             g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        let counters: [(&str, &str, u64); 11] = [
+        let counters: [(&str, &str, u64); 13] = [
             (
                 "prefix_reused_tokens",
                 "Prompt tokens taken from shared chunks, or copied from another context's, instead of computed (forks included)",
@@ -246,6 +246,8 @@ impl Collector for Levels {
             ),
             ("forks", "Contexts forked from another", sharing.forks),
             ("copied_on_write_chunks", "Shared chunks copied because a context wrote into them", sharing.copied_on_write),
+            ("promoted_chunks", "A context's own chunks moved into the shared pool because another context wanted them", sharing.promoted),
+            ("promoted_moved_chunks", "Promoted chunks whose pages changed hands without a copy (UFFDIO_MOVE)", sharing.moved),
             ("evicted_chunks", "KV chunks evicted from memory", evicted),
             ("aot_writes", "KV chunks written ahead of time (when a call returned)", aot),
             ("sync_writes", "KV chunks written on the eviction path", sync),
