@@ -964,51 +964,61 @@ impl Region {
         Ok(())
     }
 
-    /// Moves the first `len` bytes (whole pages) of resident `slot` into evicted slot
-    /// `to_slot` of `to`, a region of the same pager, without copying them (UFFDIO_MOVE: the
-    /// page tables change hands): `to_slot` becomes resident with them, `slot` evicted (its
-    /// pages past `len` dropped). Ok(false), with both slots as they were, when it cannot
-    /// be: the kernel has no UFFDIO_MOVE, the regions belong to different pagers, `slot` is
-    /// not resident, pinned or holds fewer pages, `to_slot` is not evicted, or the kernel
-    /// refused the move part-way (pages shared with a forked child, say) and they were moved
-    /// back. The caller copies then. The caller must know nobody reads or writes `slot`
-    /// meanwhile (its fault would wait for the move and then read the slot's source).
-    pub fn move_into(&self, slot: usize, to: &Region, to_slot: usize, len: usize) -> Result<bool> {
-        self.inner.check(slot)?;
-        to.inner.check(to_slot)?;
+    /// Moves the pages of `n` resident slots from `first` into the `n` evicted slots from
+    /// `to_first` of `to`, a region of the same pager and slot size, without copying them
+    /// (UFFDIO_MOVE: the page tables change hands; one ioctl for the run, so the kernel
+    /// batches what it can of the TLB flushes): the target slots become resident with them
+    /// (in a region that tracks writes, written until cleaned), the source slots evicted. Ok(false), with every slot as it was, when it cannot be: the
+    /// kernel has no UFFDIO_MOVE, the regions belong to different pagers or differ in slot
+    /// size, a source slot is not resident or is pinned, a target slot is not evicted, or the
+    /// kernel refused the move part-way (pages shared with a forked child, say) and what moved
+    /// was moved back. The caller copies then. The caller must know nobody reads or writes the
+    /// source slots meanwhile (a fault would wait for the move, then read the slot's source).
+    pub fn move_into(&self, first: usize, to: &Region, to_first: usize, n: usize) -> Result<bool> {
+        if n == 0 {
+            return Ok(true);
+        }
+        self.inner.check(first + n - 1)?;
+        to.inner.check(to_first + n - 1)?;
         let (r, d) = (&self.inner, &to.inner);
-        let pages = len.div_ceil(PAGE);
-        if !self.pager.caps.r#move || !Arc::ptr_eq(&self.pager, &to.pager) || len > r.slot_size || len > d.slot_size || pages == 0 {
+        let ss = r.slot_size;
+        if !self.pager.caps.r#move || !Arc::ptr_eq(&self.pager, &to.pager) || d.slot_size != ss {
             return Ok(false);
         }
-        // One slot lock at a time (never both: no lock order to get wrong); Loading keeps
-        // faults and other installs off each slot until it is settled.
-        let filled = {
+        // One region's slot lock at a time (no lock order to get wrong); Loading keeps faults
+        // and other installs off each slot until it is settled.
+        let filled: Vec<usize> = {
             let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let s = &mut st[slot];
-            if s.state != SlotState::Resident || s.pins > 0 || s.filled_pages < pages {
+            let run = &mut st[first..first + n];
+            if run.iter().any(|s| s.state != SlotState::Resident || s.pins > 0) {
                 return Ok(false);
             }
-            s.state = SlotState::Loading;
-            s.filled_pages
+            run.iter_mut()
+                .map(|s| {
+                    s.state = SlotState::Loading;
+                    s.filled_pages
+                })
+                .collect()
         };
         let taken = {
             let mut st = d.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let ok = st[to_slot].state == SlotState::Evicted;
+            let run = &mut st[to_first..to_first + n];
+            let ok = run.iter().all(|s| s.state == SlotState::Evicted);
             if ok {
-                st[to_slot].state = SlotState::Loading;
+                run.iter_mut().for_each(|s| s.state = SlotState::Loading);
             }
             ok
         };
         let fd = self.pager.uffd.as_raw_fd();
-        let (src, dst, bytes) = (r.slot_addr(slot), d.slot_addr(to_slot), (pages * PAGE) as u64);
+        let (src, dst, bytes) = (r.slot_addr(first), d.slot_addr(to_first), (n * ss) as u64);
+        // Pages past a slot's filled ones are holes: skipped.
+        let mode = sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
         let mut moved = 0u64;
         let result = if taken {
-            ioctl_loop(d, to_slot, "UFFDIO_MOVE", bytes, |done| {
-                let mut m =
-                    sys::UffdioMove { dst: dst + done, src: src + done, len: bytes - done, mode: sys::UFFDIO_MOVE_MODE_DONTWAKE, moved: 0 };
+            ioctl_loop(d, to_first, "UFFDIO_MOVE", bytes, |done| {
+                let mut m = sys::UffdioMove { dst: dst + done, src: src + done, len: bytes - done, mode, moved: 0 };
                 // SAFETY: both ranges lie inside our registered regions (slots checked above);
-                // neither slot is readable by anyone while it is Loading.
+                // no slot of either is readable by anyone while it is Loading.
                 let res = unsafe { sys::uffdio_move(fd, &mut m) };
                 moved = done + u64::try_from(m.moved).unwrap_or(0);
                 (res.map(|_| ()), m.moved)
@@ -1017,16 +1027,10 @@ impl Region {
             Ok(())
         };
         if !taken || result.is_err() {
-            // Put back what moved, then both slots as they were.
+            // Put back what moved, then every slot as it was.
             let back = if moved > 0 {
-                ioctl_loop(r, slot, "UFFDIO_MOVE", moved, |done| {
-                    let mut m = sys::UffdioMove {
-                        dst: src + done,
-                        src: dst + done,
-                        len: moved - done,
-                        mode: sys::UFFDIO_MOVE_MODE_DONTWAKE,
-                        moved: 0,
-                    };
+                ioctl_loop(r, first, "UFFDIO_MOVE", moved, |done| {
+                    let mut m = sys::UffdioMove { dst: src + done, src: dst + done, len: moved - done, mode, moved: 0 };
                     // SAFETY: as above, the other way.
                     let res = unsafe { sys::uffdio_move(fd, &mut m) };
                     (res.map(|_| ()), m.moved)
@@ -1035,74 +1039,79 @@ impl Region {
                 Ok(())
             };
             if taken {
-                d.slots.lock().unwrap_or_else(|e| e.into_inner())[to_slot].state = SlotState::Evicted;
+                let mut st = d.slots.lock().unwrap_or_else(|e| e.into_inner());
+                st[to_first..to_first + n].iter_mut().for_each(|s| s.state = SlotState::Evicted);
+                drop(st);
                 d.changed.notify_all();
             }
             let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
-            if let Err(e) = back {
-                // The slot lost pages we could not return: it must be refilled from its source.
-                r.resident_pages.fetch_sub(filled, Ordering::Relaxed);
-                st[slot].filled_pages = 0;
-                st[slot].state = SlotState::Evicted;
-                drop(st);
-                r.changed.notify_all();
-                return Err(e);
+            for (s, &f) in st[first..first + n].iter_mut().zip(&filled) {
+                if back.is_ok() {
+                    s.state = SlotState::Resident;
+                } else {
+                    // Pages we could not return: the slot must be refilled from its source.
+                    r.resident_pages.fetch_sub(f, Ordering::Relaxed);
+                    s.filled_pages = 0;
+                    s.state = SlotState::Evicted;
+                }
             }
-            st[slot].state = SlotState::Resident;
             drop(st);
             r.changed.notify_all();
-            return Ok(false);
+            return back.map(|()| false);
         }
-        if d.wp {
-            // Moved pages arrive writable: protect them so the next write is tracked.
-            let mut wp =
-                sys::UffdioWriteprotect { range: sys::UffdioRange { start: dst, len: bytes }, mode: sys::UFFDIO_WRITEPROTECT_MODE_WP };
-            // SAFETY: write-protecting the pages we just moved into our region.
-            unsafe { sys::uffdio_writeprotect(fd, &mut wp) }.map_err(|source| UffdError::Ioctl {
-                op: "UFFDIO_WRITEPROTECT",
-                region: d.id,
-                slot: to_slot,
-                source,
-            })?;
-        }
-        if filled > pages {
-            // SAFETY: the source slot's own pages past the moved ones (it is Loading: unread).
-            unsafe { libc::madvise(src.wrapping_add(bytes) as *mut libc::c_void, (filled - pages) * PAGE, libc::MADV_DONTNEED) };
-        }
-        let src_waiting = {
+        // Moved pages arrive writable, so a region that tracks writes counts them written until
+        // `clean` protects them: never clean pages someone may write unseen. Not protected
+        // here: that doubled a 51 MB move's cost (docs/notes/uffd.md), and the caller saving
+        // them cleans them anyway.
+        let waiting: Vec<usize> = {
             let mut st = r.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let s = &mut st[slot];
-            r.resident_pages.fetch_sub(filled, Ordering::Relaxed);
-            s.filled_pages = 0;
-            s.marked_dirty = false;
-            if s.pending.is_empty() {
-                s.state = SlotState::Evicted;
-                false
-            } else {
-                // A fault came meanwhile (the caller said none would): serve it from the source.
-                true
-            }
+            (first..first + n)
+                .zip(&filled)
+                .filter(|&(k, &f)| {
+                    let s = &mut st[k];
+                    r.resident_pages.fetch_sub(f, Ordering::Relaxed);
+                    s.filled_pages = 0;
+                    s.marked_dirty = false;
+                    // A fault that came meanwhile (the caller said none would) is served from
+                    // the source; the slot stays Loading for it.
+                    let waits = !s.pending.is_empty();
+                    if !waits {
+                        s.state = SlotState::Evicted;
+                    }
+                    waits
+                })
+                .map(|(k, _)| k)
+                .collect()
         };
-        r.stats.evicted(filled * PAGE);
-        if src_waiting {
-            start_fill(&self.pager, r, slot, Instant::now());
+        for &f in &filled {
+            r.stats.evicted(f * PAGE);
+        }
+        for k in waiting {
+            start_fill(&self.pager, r, k, Instant::now());
         }
         r.changed.notify_all();
-        let pending = {
+        let pending: Vec<(usize, Vec<u64>)> = {
             let mut st = d.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let s = &mut st[to_slot];
-            s.state = SlotState::Resident;
-            s.filled_pages = pages;
-            s.marked_dirty = false;
-            d.resident_pages.fetch_add(pages, Ordering::Relaxed);
-            std::mem::take(&mut s.pending)
+            (to_first..to_first + n)
+                .zip(&filled)
+                .map(|(k, &f)| {
+                    let s = &mut st[k];
+                    s.state = SlotState::Resident;
+                    s.filled_pages = f;
+                    s.marked_dirty = false;
+                    d.resident_pages.fetch_add(f, Ordering::Relaxed);
+                    (k, std::mem::take(&mut s.pending))
+                })
+                .collect()
         };
-        d.stats.filled(to_slot, pages * PAGE);
-        if !pending.is_empty() {
-            wake(&self.pager, dst, d.slot_size as u64);
-            let end = dst + bytes;
-            for a in pending.into_iter().filter(|&a| a >= end) {
-                poison(&self.pager, d, to_slot, a, PAGE as u64);
+        for ((k, waiters), &f) in pending.into_iter().zip(&filled) {
+            d.stats.filled(k, f * PAGE);
+            if !waiters.is_empty() {
+                wake(&self.pager, d.slot_addr(k), ss as u64);
+                let end = d.slot_addr(k) + (f * PAGE) as u64;
+                for a in waiters.into_iter().filter(|&a| a >= end) {
+                    poison(&self.pager, d, k, a, PAGE as u64);
+                }
             }
         }
         d.changed.notify_all();

@@ -532,7 +532,7 @@ fn a_failing_source_poisons_its_slot_and_readers_get_sigbus() {
 }
 
 #[test]
-fn move_into_hands_a_slots_pages_to_another_region_without_copying() {
+fn move_into_hands_slots_pages_to_another_region_without_copying() {
     let Some(p) = pager() else { return };
     if !p.capabilities().r#move {
         assert!(!kernel_required(), "this kernel lacks UFFDIO_MOVE (Linux 6.8+)");
@@ -540,45 +540,55 @@ fn move_into_hands_a_slots_pages_to_another_region_without_copying() {
     }
     let src = Arc::new(PatternSource::default());
     let a = p.region(SLOT, 3, src.clone()).unwrap();
-    let b = p.region_with(SLOT, 3, Arc::new(PatternSource { fail: (0..3).collect(), ..Default::default() }), true).unwrap();
+    let b = p.region_with(SLOT, 4, Arc::new(PatternSource { fail: (0..4).collect(), ..Default::default() }), true).unwrap();
     check_slot(&a, 0, 0, SLOT / 8);
+    check_slot(&a, 1, 0, SLOT / 8);
     // Written after the fill: the move must carry the write (no refill from the source).
     // SAFETY: inside slot 0 of `a`.
     unsafe { std::ptr::write_volatile(a.slot_ptr(0).cast::<u64>().add(3), 0xfeed) };
-    let len = SLOT - PAGE - 100;
-    assert!(a.move_into(0, &b, 1, len).unwrap());
-    assert_eq!(a.state(0).unwrap(), SlotState::Evicted);
-    assert_eq!(b.state(1).unwrap(), SlotState::Resident);
-    assert_eq!(a.resident_bytes(), 0, "the slot's last page, past len, was dropped too");
-    assert_eq!(b.resident_bytes(), SLOT - PAGE);
+    // Slot 1 keeps one page: the rest of it is a hole, which stays one.
+    a.shrink(1, PAGE).unwrap();
+    assert!(a.move_into(0, &b, 1, 2).unwrap());
+    assert_eq!((a.state(0).unwrap(), a.state(1).unwrap()), (SlotState::Evicted, SlotState::Evicted));
+    assert_eq!((b.state(1).unwrap(), b.state(2).unwrap()), (SlotState::Resident, SlotState::Resident));
+    assert_eq!(a.resident_bytes(), 0);
+    assert_eq!(b.resident_bytes(), SLOT + PAGE);
     // b's source fails every fill: these reads see the moved pages themselves.
-    for i in (0..len / 8).step_by(61) {
+    for i in (0..SLOT / 8).step_by(61) {
         let want = if i == 3 { 0xfeed } else { word(a.id(), 0, 0, i) };
         assert_eq!(read_word(&b, 1, i), want, "word {i}");
     }
     assert_eq!(read_word(&b, 1, 3), 0xfeed);
-    // Moved pages are write-protected in a region that tracks writes.
+    assert_eq!(read_word(&b, 2, 7), word(a.id(), 1, 0, 7));
+    // In a region that tracks writes, moved pages count as written until cleaned.
+    assert_eq!(b.dirty_pages(1).unwrap(), vec![0, 1, 2, 3]);
+    assert!(matches!(b.evict(1), Err(UffdError::Dirty { pages: 4, .. })));
+    assert_eq!(b.clean(1).unwrap(), vec![0, 1, 2, 3]);
     assert_eq!(b.dirty_pages(1).unwrap(), Vec::<usize>::new());
     // SAFETY: inside slot 1 of `b`.
     unsafe { std::ptr::write_volatile(b.slot_ptr(1).cast::<u64>(), 1) };
     assert_eq!(b.dirty_pages(1).unwrap(), vec![0]);
-    // The source slot refills from its own source when touched again.
+    // The source slots refill from their own source when touched again.
     src.versions.lock().unwrap().insert(0, 5);
     check_slot(&a, 0, 5, SLOT / 8);
-    // Refused, both slots untouched: a pinned source, an occupied target, an empty source.
+    check_slot(&a, 1, 0, SLOT / 8);
+    // Refused, every slot untouched: a pinned source, an occupied target, an empty source.
     a.pin(0).unwrap();
-    assert!(!a.move_into(0, &b, 2, SLOT).unwrap());
+    assert!(!a.move_into(0, &b, 3, 1).unwrap());
     a.unpin(0).unwrap();
-    assert!(!a.move_into(0, &b, 1, SLOT).unwrap(), "slot 1 of b is resident");
-    assert_eq!(b.state(2).unwrap(), SlotState::Evicted);
-    assert!(!a.move_into(2, &b, 2, SLOT).unwrap(), "slot 2 of a is not resident");
-    assert_eq!(a.state(0).unwrap(), SlotState::Resident);
+    assert!(!a.move_into(0, &b, 2, 2).unwrap(), "slot 2 of b is resident");
+    assert_eq!(b.state(3).unwrap(), SlotState::Evicted);
+    assert!(!a.move_into(2, &b, 3, 1).unwrap(), "slot 2 of a is not resident");
+    assert_eq!((a.state(0).unwrap(), a.state(1).unwrap()), (SlotState::Resident, SlotState::Resident));
     check_slot(&a, 0, 5, SLOT / 8);
-    // Another pager's region: never moved between them.
+    check_slot(&a, 1, 0, SLOT / 8);
+    // Another pager's region, or another slot size: never moved between them.
     let q = Pager::new().unwrap();
     let c = q.region(SLOT, 1, Arc::new(PatternSource::default())).unwrap();
-    assert!(!a.move_into(0, &c, 0, SLOT).unwrap());
-    assert!(matches!(a.move_into(9, &b, 0, SLOT), Err(UffdError::NoSlot { .. })));
+    assert!(!a.move_into(0, &c, 0, 1).unwrap());
+    let e = p.region(2 * SLOT, 1, Arc::new(PatternSource::default())).unwrap();
+    assert!(!a.move_into(0, &e, 0, 1).unwrap());
+    assert!(matches!(a.move_into(2, &b, 0, 2), Err(UffdError::NoSlot { .. })));
     // A move the kernel refuses leaves both slots as they were: in a process of its own,
     // since while its forked child lives every page of the process is shared, and moves in
     // other tests' threads would be refused too.
@@ -589,7 +599,7 @@ fn move_into_hands_a_slots_pages_to_another_region_without_copying() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
 }
 
-/// Run in a process of its own by `move_into_hands_a_slots_pages_to_another_region_without_copying`.
+/// Run in a process of its own by `move_into_hands_slots_pages_to_another_region_without_copying`.
 #[test]
 #[ignore = "helper: forks, which shares every page of the test process while the child lives"]
 fn child_a_move_the_kernel_refuses() {
@@ -614,7 +624,7 @@ fn child_a_move_the_kernel_refuses() {
             libc::_exit(0);
         }
     }
-    let refused = a.move_into(0, &b, 0, SLOT);
+    let refused = a.move_into(0, &b, 0, 1);
     // SAFETY: closing our ends of the pipe releases the child; then reaping it.
     unsafe {
         libc::close(fds[1]);

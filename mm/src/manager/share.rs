@@ -587,15 +587,9 @@ impl Manager {
         // loop is done: a writer copying while the pages move would make every move's TLB
         // flush reach its core too (3x slower moves here).
         self.hold_writes(true);
-        let promoted = (0..n_tok / ct).try_for_each(|i| match self.promote_own(src, i) {
-            Ok(Some(_)) => Ok(()),
-            Ok(None) => Err(None),
-            Err(e) => Err(Some(e)),
-        });
+        let promoted = self.promote_prefix(src, n_tok / ct);
         self.hold_writes(false);
-        if let Err(Some(e)) = promoted {
-            return Err(e);
-        }
+        promoted?;
         self.scopes.insert(dst, scope);
         self.restore(dst, kv)?;
         self.share_stats.entry(scope).or_default().forks += 1;
@@ -729,25 +723,14 @@ impl Manager {
     /// pool chunk's. None when it cannot be: the context is in a call, the pool is full, or the
     /// chunk is neither resident nor readable.
     pub(super) fn promote_own(&mut self, ctx: u64, i: usize) -> Result<Option<u32>> {
-        let ct = self.codec.chunk_tokens();
-        let c = self.ctx(ctx)?;
-        let Some(scope) = self.chunk_scope(ctx, i, &c.tokens) else { return Ok(None) };
-        let Some(&m) = c.chunks.get(i) else { return Ok(None) };
-        if let Some(p) = m.shared {
+        if let Some(p) = self.ctx(ctx)?.chunks.get(i).and_then(|m| m.shared) {
             return Ok(Some(p));
         }
-        let parent = match i {
-            0 => None,
-            _ => match c.chunks[i - 1].shared {
-                Some(p) => Some(p),
-                None => return Ok(None),
-            },
-        };
-        if c.in_call || m.dead || m.tokens as usize != ct || !self.pool.as_ref().is_some_and(Pool::has_room) {
+        if self.promotable(ctx, i, false)?.is_none() || !self.pool.as_ref().is_some_and(Pool::has_room) {
             return Ok(None);
         }
-        let tokens: Box<[u32]> = c.tokens[i * ct..(i + 1) * ct].into();
-        let region = Arc::clone(&c.region);
+        let c = self.ctx(ctx)?;
+        let (m, region) = (c.chunks[i], Arc::clone(&c.region));
         if let Some(w) = &self.writer {
             // The writer may hold the slot (pinned, copying): it must be done before the slot goes.
             w.wait_context(ctx);
@@ -758,7 +741,7 @@ impl Manager {
         let p = pool.alloc().expect("checked");
         // A resident chunk's pages change hands (UFFDIO_MOVE): no byte is copied, and the
         // context's slot is left empty, as the discard below would leave it.
-        let moved = match region.move_into(i, &pool.region, p as usize, len) {
+        let moved = match region.move_into(i, &pool.region, p as usize, 1) {
             Ok(moved) => moved,
             Err(e) => {
                 pool.free.push(p);
@@ -786,9 +769,83 @@ impl Manager {
                 pool.free.push(p);
                 return Err(e.into());
             }
+            if region.state(i)? == SlotState::Resident {
+                region.discard(i)?;
+            }
+        }
+        self.adopt(ctx, i, p, moved)?;
+        Ok(Some(p))
+    }
+
+    /// Promotes chunks `i..` of `ctx` (up to `end`) that are resident and its own, as a run:
+    /// their pages move into consecutive fresh pool slots with one UFFDIO_MOVE. Returns how
+    /// many; 0 when fewer than two can go this way (then [`Manager::promote_own`] takes them
+    /// one at a time).
+    fn promote_run(&mut self, ctx: u64, i: usize, end: usize) -> Result<usize> {
+        let Some(pool) = self.pool.as_ref() else { return Ok(0) };
+        let room = pool.region.n_slots() - pool.entries.len();
+        let c = self.ctx(ctx)?;
+        let region = Arc::clone(&c.region);
+        let mut n = 0;
+        while i + n < end.min(i + room) && self.promotable(ctx, i + n, n > 0)?.is_some() && region.state(i + n)? == SlotState::Resident {
+            n += 1;
+        }
+        if n < 2 {
+            return Ok(0);
+        }
+        if let Some(w) = &self.writer {
+            w.wait_context(ctx);
         }
         let pool = self.pool.as_mut().expect("checked");
+        let p0 = chunk_u32(pool.entries.len());
+        pool.entries.resize_with(pool.entries.len() + n, || None);
+        if !region.move_into(i, &pool.region, p0 as usize, n)? {
+            pool.entries.truncate(p0 as usize);
+            return Ok(0);
+        }
+        for k in 0..n {
+            self.adopt(ctx, i + k, p0 + chunk_u32(k), true)?;
+        }
+        Ok(n)
+    }
+
+    /// Whether chunk `i` of `ctx` may be promoted (`parent_follows`: the chunk before it is
+    /// being promoted in the same run), and its scope and parent.
+    fn promotable(&self, ctx: u64, i: usize, parent_follows: bool) -> Result<Option<(u64, Option<u32>)>> {
+        let ct = self.codec.chunk_tokens();
+        let c = self.ctx(ctx)?;
+        let Some(scope) = self.chunk_scope(ctx, i, &c.tokens) else { return Ok(None) };
+        let Some(m) = c.chunks.get(i) else { return Ok(None) };
+        if m.shared.is_some() || c.in_call || m.dead || m.tokens as usize != ct {
+            return Ok(None);
+        }
+        let parent = match i {
+            0 => None,
+            _ if parent_follows => None,
+            _ => match c.chunks[i - 1].shared {
+                Some(p) => Some(p),
+                None => return Ok(None),
+            },
+        };
+        Ok(Some((scope, parent)))
+    }
+
+    /// The bookkeeping of a promotion, once chunk `i` of `ctx` is in pool slot `p` (`moved`:
+    /// its pages changed hands): the pool's entry, index and log, the context's record
+    /// forgotten, LCTRU, the fault handler's expectations, the pool's record queued.
+    fn adopt(&mut self, ctx: u64, i: usize, p: u32, moved: bool) -> Result<()> {
+        let ct = self.codec.chunk_tokens();
+        let c = self.ctx(ctx)?;
+        let scope = self.chunk_scope(ctx, i, &c.tokens).expect("checked promotable");
+        let parent = match i {
+            0 => None,
+            _ => Some(c.chunks[i - 1].shared.expect("promoted in order")),
+        };
+        let m = c.chunks[i];
+        let tokens: Box<[u32]> = c.tokens[i * ct..(i + 1) * ct].into();
+        let len = self.codec.live_bytes(m.level, false);
         self.epochs += 1;
+        let pool = self.pool.as_mut().expect("checked");
         pool.live += 1;
         pool.entries[p as usize] = Some(Entry {
             scope,
@@ -808,9 +865,6 @@ impl Manager {
             let e = pool.entries[p as usize].as_ref().expect("made");
             log.append(LOG_ADD, &Named { p, scope, parent, prefix_hash: m.prefix_hash, tokens: e.tokens.to_vec() });
         }
-        if !moved && region.state(i)? == SlotState::Resident {
-            region.discard(i)?;
-        }
         // The context's own record is forgotten now and its space given back once the pool's
         // is written (below): one record per chunk, and one on flash at every moment.
         self.store.invalidate(ctx, chunk_u32(i));
@@ -828,7 +882,24 @@ impl Manager {
         let st = self.share_stats.entry(scope).or_default();
         st.promoted += 1;
         st.moved += u64::from(moved);
-        Ok(Some(p))
+        Ok(())
+    }
+
+    /// Promotes `ctx`'s first `n` chunks, in runs where they can move together, until one
+    /// cannot be.
+    fn promote_prefix(&mut self, ctx: u64, n: usize) -> Result<()> {
+        let mut i = 0;
+        while i < n {
+            let run = self.promote_run(ctx, i, n)?;
+            if run > 0 {
+                i += run;
+            } else if self.promote_own(ctx, i)?.is_some() {
+                i += 1;
+            } else {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Holds back (`true`) the AoT writer's jobs and the pool log's records until released
