@@ -366,13 +366,72 @@ pub struct BenchServeArgs {
     /// this JSON file; the report adds where the worker's time went and its slowest steps.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// With --json: run the whole measurement this many times (a fresh service each) and
+    /// report each figure's median over the rounds (ratios: the median of each round's own
+    /// ratio); the rounds themselves are kept under `rounds`. Single runs spread widely on a
+    /// shared host.
+    #[arg(long, default_value_t = 1, overrides_with = "rounds")]
+    pub rounds: usize,
     #[command(flatten)]
     pub s: ServiceBenchArgs,
 }
 
+/// Each number of `vs` (values of one shape) replaced by its median across them (the upper
+/// middle for an even count, as `median`); anything else is the first's.
+fn median_of(vs: &[serde_json::Value]) -> serde_json::Value {
+    use serde_json::Value;
+    match vs.first() {
+        Some(Value::Number(_)) if vs.iter().all(Value::is_u64) => {
+            let mut n: Vec<u64> = vs.iter().filter_map(Value::as_u64).collect();
+            n.sort_unstable();
+            json!(n[n.len() / 2])
+        }
+        Some(Value::Number(_)) if vs.iter().all(Value::is_number) => json!(median(vs.iter().filter_map(Value::as_f64).collect())),
+        Some(Value::Object(first)) => Value::Object(
+            first
+                .keys()
+                .map(|k| (k.clone(), median_of(&vs.iter().map(|v| v.get(k).cloned().unwrap_or(Value::Null)).collect::<Vec<_>>())))
+                .collect(),
+        ),
+        Some(v) => v.clone(),
+        None => Value::Null,
+    }
+}
+
 impl BenchServeArgs {
+    /// `--rounds N`: this command N times in child processes (each its own service and
+    /// memory), the medians of their JSON.
+    fn run_rounds(self) -> Result<()> {
+        if !self.s.json || self.trace.is_some() || !(2..=50).contains(&self.rounds) {
+            bail!("--rounds needs --json, no --trace, and 2..=50 rounds");
+        }
+        let exe = std::env::current_exe().context("finding llms")?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let mut rounds = Vec::with_capacity(self.rounds);
+        for i in 0..self.rounds {
+            // The same arguments with --rounds 1 (the last --rounds given wins in clap).
+            let out = std::process::Command::new(&exe)
+                .args(&args)
+                .args(["--rounds", "1"])
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .context("running a round")?;
+            if !out.status.success() {
+                bail!("round {} of {} failed ({})", i + 1, self.rounds, out.status);
+            }
+            rounds.push(serde_json::from_slice::<serde_json::Value>(&out.stdout).context("reading a round's JSON")?);
+        }
+        let mut v = median_of(&rounds);
+        v["rounds"] = serde_json::Value::Array(rounds);
+        println!("{}", serde_json::to_string(&v)?);
+        Ok(())
+    }
+
     pub fn run(self) -> Result<()> {
         use crate::servebench::{run, Load};
+        if self.rounds > 1 {
+            return self.run_rounds();
+        }
         let Self {
             clients,
             calls,
@@ -386,6 +445,7 @@ impl BenchServeArgs {
             levels,
             socket,
             trace,
+            rounds: _,
             s,
         } = self;
         let json = s.json;
@@ -872,5 +932,25 @@ impl BenchDoorsArgs {
             println!("another app's 2-token call: alone {a:.1} ms, while one app sends a {chars}-character word {d:.1} ms: +{:.1} ms (the word's answer: HTTP {hostile_status}; medians of {reps})", d - a);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_report_each_figures_median() {
+        let rounds = [
+            json!({"tok_s": 300.5, "calls": 4, "solo": {"itl": 9.0}, "model": "a", "ratio": 0.7}),
+            json!({"tok_s": 100.0, "calls": 4, "solo": {"itl": 3.0}, "model": "b", "ratio": 0.9}),
+            json!({"tok_s": 200.0, "calls": 5, "solo": {"itl": 7.5}, "model": "c", "ratio": 0.8}),
+        ];
+        let m = median_of(&rounds);
+        assert_eq!(m, json!({"tok_s": 200.0, "calls": 4, "solo": {"itl": 7.5}, "model": "a", "ratio": 0.8}));
+        assert!(m["calls"].is_u64(), "counts stay integers");
+        // A field missing from a round, or of another type there, is not made up.
+        let odd = [json!({"x": 1.5}), json!({"x": "n/a"})];
+        assert_eq!(median_of(&odd), json!({"x": 1.5}));
     }
 }
