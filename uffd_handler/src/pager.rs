@@ -968,12 +968,13 @@ impl Region {
     /// `to_first` of `to`, a region of the same pager and slot size, without copying them
     /// (UFFDIO_MOVE: the page tables change hands; one ioctl for the run, so the kernel
     /// batches what it can of the TLB flushes): the target slots become resident with them
-    /// (in a region that tracks writes, written until cleaned), the source slots evicted. Ok(false), with every slot as it was, when it cannot be: the
-    /// kernel has no UFFDIO_MOVE, the regions belong to different pagers or differ in slot
-    /// size, a source slot is not resident or is pinned, a target slot is not evicted, or the
-    /// kernel refused the move part-way (pages shared with a forked child, say) and what moved
-    /// was moved back. The caller copies then. The caller must know nobody reads or writes the
-    /// source slots meanwhile (a fault would wait for the move, then read the slot's source).
+    /// (in a region that tracks writes, written until cleaned), the source slots evicted.
+    /// Ok(false), with every slot as it was, when it cannot be: the kernel has no
+    /// UFFDIO_MOVE, the regions belong to different pagers or differ in slot size, a source
+    /// slot is not resident or is pinned, a target slot is not evicted, or the kernel refused
+    /// the move part-way (pages shared with a forked child, say) and what moved was moved
+    /// back. The caller copies then. The caller must know nobody reads or writes the source
+    /// slots meanwhile (a fault would wait for the move, then read the slot's source).
     pub fn move_into(&self, first: usize, to: &Region, to_first: usize, n: usize) -> Result<bool> {
         if n == 0 {
             return Ok(true);

@@ -726,7 +726,7 @@ impl Manager {
         if let Some(p) = self.ctx(ctx)?.chunks.get(i).and_then(|m| m.shared) {
             return Ok(Some(p));
         }
-        if self.promotable(ctx, i, false)?.is_none() || !self.pool.as_ref().is_some_and(Pool::has_room) {
+        if !self.promotable(ctx, i, false)? || !self.pool.as_ref().is_some_and(Pool::has_room) {
             return Ok(None);
         }
         let c = self.ctx(ctx)?;
@@ -787,7 +787,7 @@ impl Manager {
         let c = self.ctx(ctx)?;
         let region = Arc::clone(&c.region);
         let mut n = 0;
-        while i + n < end.min(i + room) && self.promotable(ctx, i + n, n > 0)?.is_some() && region.state(i + n)? == SlotState::Resident {
+        while i + n < end.min(i + room) && self.promotable(ctx, i + n, n > 0)? && region.state(i + n)? == SlotState::Resident {
             n += 1;
         }
         if n < 2 {
@@ -810,24 +810,18 @@ impl Manager {
     }
 
     /// Whether chunk `i` of `ctx` may be promoted (`parent_follows`: the chunk before it is
-    /// being promoted in the same run), and its scope and parent.
-    fn promotable(&self, ctx: u64, i: usize, parent_follows: bool) -> Result<Option<(u64, Option<u32>)>> {
+    /// being promoted in the same run, so it need not be in the pool yet).
+    fn promotable(&self, ctx: u64, i: usize, parent_follows: bool) -> Result<bool> {
         let ct = self.codec.chunk_tokens();
         let c = self.ctx(ctx)?;
-        let Some(scope) = self.chunk_scope(ctx, i, &c.tokens) else { return Ok(None) };
-        let Some(m) = c.chunks.get(i) else { return Ok(None) };
-        if m.shared.is_some() || c.in_call || m.dead || m.tokens as usize != ct {
-            return Ok(None);
-        }
-        let parent = match i {
-            0 => None,
-            _ if parent_follows => None,
-            _ => match c.chunks[i - 1].shared {
-                Some(p) => Some(p),
-                None => return Ok(None),
-            },
-        };
-        Ok(Some((scope, parent)))
+        let Some(m) = c.chunks.get(i) else { return Ok(false) };
+        let parent_ok = i == 0 || parent_follows || c.chunks[i - 1].shared.is_some();
+        Ok(parent_ok
+            && m.shared.is_none()
+            && !c.in_call
+            && !m.dead
+            && m.tokens as usize == ct
+            && self.chunk_scope(ctx, i, &c.tokens).is_some())
     }
 
     /// The bookkeeping of a promotion, once chunk `i` of `ctx` is in pool slot `p` (`moved`:
