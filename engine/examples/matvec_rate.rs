@@ -1,7 +1,7 @@
 //! Decode's matrix-vector product on one thread and on all of them, by where the weights sit:
 //! a matrix that fits in L2, one that fits in L3, one far larger than any cache, and many
 //! distinct matrices of a 1.7B model's sizes each in its own dispatch (as decode meets them),
-//! in Q4_0 and Q4_K; beside a streaming read of the large one by the same threads (as
+//! in Q4_0, Q4_K and Q6_K; beside a streaming read of the large one by the same threads (as
 //! `llms bench --floor`). Weight bytes per second, the best of 5 passes. The cache-resident
 //! rates say what the kernel's arithmetic allows; the DRAM ones against the read say how near
 //! the memory floor the kernel alone gets (#56: tg against the floor). The last line is JSON
@@ -30,6 +30,11 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let small = half::f16::from_f32(0.01).to_le_bytes();
     for blk in m.chunks_exact_mut(ts) {
         // Q4_0: d first; Q4_K: d and dmin first (then its packed 6-bit scales).
+        if ty == GgmlType::Q6K {
+            // Q6_K: d last (after its codes and 8-bit scales).
+            blk[ts - 2..].copy_from_slice(&small);
+            continue;
+        }
         blk[..2].copy_from_slice(&small);
         if bs == 256 {
             blk[2..4].copy_from_slice(&small);
@@ -39,8 +44,9 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 /// Weight bytes per second of single-token products against each of `mats` in turn by
-/// `pool`'s threads, each its own dispatch handed out 8 groups at a time as the model's decode
-/// does (the best of `rounds`, each repeating the products until they have read ~256 MiB).
+/// `pool`'s threads, each its own dispatch handed out 8 groups at a time from each thread's
+/// own run (`for_runs`) as the model's decode does (the best of `rounds`, each repeating the
+/// products until they have read ~256 MiB).
 fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) -> f64 {
     let total: usize = mats.iter().map(PackedWeight::bytes).sum();
     let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.rows]).collect();
@@ -51,7 +57,7 @@ fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) ->
         for _ in 0..reps {
             for (w, out) in mats.iter().zip(&mut outs) {
                 let o = OutPtr::new(out);
-                pool.for_chunks("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b));
+                pool.for_runs("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b));
                 black_box(&out);
             }
         }
@@ -92,7 +98,7 @@ fn main() {
         let pool = ThreadPool::new(n);
         println!("{n} thread(s); weight bytes read per second (GB/s), best of 5 passes");
         println!("{:8} {:>10} {:>10} {:>10} {:>10} {:>10}", "type", "L2 (0.5M)", "L3 (8M)", format!("{big_mib} MiB"), "many 2-9M", "read");
-        for ty in [GgmlType::Q4_0, GgmlType::Q4K] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q6K] {
             let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.37).sin()).collect();
             let mut acts = Acts::default();
             acts.prepare(&x, 1, cols, &[act_kind(ty)], &pool);

@@ -46,6 +46,7 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// How a chunk's K/V are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -209,8 +210,17 @@ pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32
     let hd = x.len();
     match f {
         KvFormat::F16 => {
-            for (i, &v) in x.iter().enumerate() {
-                put_f16(blk, t * hd + i, v);
+            let row = &mut blk[2 * t * hd..2 * (t + 1) * hd];
+            // The row in one conversion (F16C where the CPU has it): a checked store per value
+            // was ~1% of a 1.7B model's decode, on the one thread between its products. The
+            // same rounding either way.
+            match bytemuck::try_cast_slice_mut::<u8, f16>(row) {
+                Ok(h) if cfg!(target_endian = "little") => h.convert_from_f32_slice(x),
+                _ => {
+                    for (i, &v) in x.iter().enumerate() {
+                        put_f16(row, i, v);
+                    }
+                }
             }
         }
         KvFormat::Int8 => {

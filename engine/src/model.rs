@@ -1068,8 +1068,10 @@ fn matmul_cols(
     // 576-row matrix was 9 tasks, so at 16 threads 7 of them had nothing to do
     // (`llms bench --pool-report` shows tasks per call). On 2 threads this changes nothing.
     let most = if n <= 8 { 8 } else { 2 };
+    // Each thread's groups in one forward stream (`for_runs`): decode reads the weights at the
+    // prefetchers' pace.
     let chunk = (units / (4 * pool.threads())).clamp(1, most);
-    pool.for_chunks("matmul", units, chunk, &|a, b| {
+    pool.for_runs("matmul", units, chunk, &|a, b| {
         for (m, &(u0, r0)) in ms.iter().zip(&starts) {
             let groups = m.raw.rows.div_ceil(repack::ROWS);
             let (lo, hi) = (a.max(u0), b.min(u0 + groups));

@@ -416,29 +416,83 @@ pub fn quantize_blocks_q8k(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsum
 #[inline(always)]
 fn quantize_blocks_q8k_body(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsums: &mut [[i16; QK_K / 16]]) {
     for (((xb, qs), d), bsums) in x.chunks_exact(QK_K).zip(qs.iter_mut()).zip(d.iter_mut()).zip(bsums.iter_mut()) {
-        let mut amax = 0.0f32;
-        let mut max = 0.0f32;
-        for &v in xb {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax == 0.0 {
-            *d = 0.0;
-            qs.fill(0);
-            bsums.fill(0);
-            continue;
-        }
-        let iscale = -128.0 / max;
-        for (q, &v) in qs.iter_mut().zip(xb) {
-            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
-        }
-        for (j, s) in bsums.iter_mut().enumerate() {
-            *s = qs[j * 16..(j + 1) * 16].iter().map(|&q| i16::from(q)).sum();
-        }
-        *d = 1.0 / iscale;
+        (*d, *bsums) = quantize_block_q8k(xb.try_into().expect("256 values"), qs);
     }
+}
+
+/// One block of [`quantize_blocks_q8k`]: the codes into `qs`; returns the scale and the sums.
+/// Written so that it vectorizes (decode quantizes every matrix product's input, serially):
+/// the reference's scan for the first value of largest magnitude was a branch per value.
+#[inline(always)]
+fn quantize_block_q8k(xb: &[f32; QK_K], qs: &mut [i8; QK_K]) -> (f32, [i16; QK_K / 16]) {
+    // The largest value and the largest negated one, eight lanes at a time (`max` ignores NaN,
+    // as the reference's `>` does). The reference takes the first value of largest magnitude:
+    // when both signs reach it, which comes first is looked up.
+    // `if v > m` is `vmaxps` itself; `f32::max` added a NaN test and a blend per vector.
+    let gt = |m: f32, v: f32| if v > m { v } else { m };
+    let (mut hi, mut lo) = ([0.0f32; 8], [0.0f32; 8]);
+    for c in xb.chunks_exact(8) {
+        for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(c) {
+            *h = gt(*h, v);
+            *l = gt(*l, -v);
+        }
+    }
+    let hi = hi.iter().fold(0.0f32, |m, &v| gt(m, v));
+    let lo = lo.iter().fold(0.0f32, |m, &v| gt(m, v));
+    let max = match hi.partial_cmp(&lo) {
+        Some(std::cmp::Ordering::Greater) => hi,
+        Some(std::cmp::Ordering::Less) => -lo,
+        _ => xb.iter().copied().find(|v| v.abs() == hi).unwrap_or(0.0),
+    };
+    if max == 0.0 {
+        qs.fill(0);
+        return (0.0, [0; QK_K / 16]);
+    }
+    let iscale = -128.0 / max;
+    let mut bsums = [0i16; QK_K / 16];
+    for ((qc, xc), s) in qs.chunks_exact_mut(16).zip(xb.chunks_exact(16)).zip(bsums.iter_mut()) {
+        let mut sum = 0i32;
+        for (q, &v) in qc.iter_mut().zip(xc) {
+            // |iscale v| <= 128 (|v| <= |max|), so clamping as a float gives the reference's
+            // `(r as i32).min(127)` (NaN to 0 as `as` does) and compiles to a vector conversion.
+            let r = (iscale * v).round_ties_even();
+            let r = if r.is_nan() { 0.0 } else { r.clamp(-128.0, 127.0) };
+            // SAFETY: `r` is finite and within -128..=127.
+            let c = unsafe { r.to_int_unchecked::<i32>() };
+            *q = c as i8;
+            sum += c;
+        }
+        // 16 codes of at most 128 in magnitude: the sum fits.
+        *s = sum as i16;
+    }
+    (1.0 / iscale, bsums)
+}
+
+/// llama.cpp's Q8_K quantization of one block as it is written (`quantize_row_q8_K_ref`): the
+/// reference [`quantize_block_q8k`] is held to, bit for bit.
+#[cfg(test)]
+fn quantize_block_q8k_ref(xb: &[f32; QK_K], qs: &mut [i8; QK_K]) -> (f32, [i16; QK_K / 16]) {
+    let mut amax = 0.0f32;
+    let mut max = 0.0f32;
+    for &v in xb {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        qs.fill(0);
+        return (0.0, [0; QK_K / 16]);
+    }
+    let iscale = -128.0 / max;
+    for (q, &v) in qs.iter_mut().zip(xb) {
+        *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+    }
+    let mut bsums = [0i16; QK_K / 16];
+    for (j, s) in bsums.iter_mut().enumerate() {
+        *s = qs[j * 16..(j + 1) * 16].iter().map(|&q| i16::from(q)).sum();
+    }
+    (1.0 / iscale, bsums)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -736,6 +790,54 @@ mod tests {
             assert_eq!(got.0.to_bits(), want.0.to_bits(), "scale of {x:?}");
             assert_eq!(got.1.to_bits(), want.1.to_bits(), "scaled sum of {x:?}");
             assert_eq!(got.2, want.2, "sum of {x:?}");
+        }
+    }
+
+    /// The vectorizable Q8_K quantizer (and the AVX2 build of it that decode runs) gives
+    /// llama.cpp's codes, scale and sums for every input: random blocks, blocks where both
+    /// signs reach the largest magnitude (which comes first decides the scale's sign), zeros,
+    /// infinities and NaN.
+    #[test]
+    fn q8k_blocks_quantize_as_llama_cpp_does() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.5, -0.5, 3.0, -3.0, 1e-30];
+        let (mut ties, mut cases) = (0, Vec::new());
+        for case in 0..3000 {
+            let mut x = [0.0f32; QK_K];
+            for v in &mut x {
+                let r = next();
+                *v = match case % 5 {
+                    // Small integers: both signs often reach the largest magnitude.
+                    0 => (r % 7) as f32 - 3.0,
+                    1 => f32::from_bits(r as u32 & 0xBF7F_FFFF),
+                    2 => 0.0,
+                    _ => ((r % 20_001) as f32 - 10_000.0) / 1000.0,
+                };
+                if case % 3 == 0 && r % 11 == 0 {
+                    *v = specials[(r >> 8) as usize % specials.len()];
+                }
+            }
+            let (hi, lo) = (x.iter().fold(0.0f32, |m, &v| m.max(v)), x.iter().fold(0.0f32, |m, &v| m.max(-v)));
+            ties += usize::from(hi == lo && hi > 0.0);
+            cases.extend_from_slice(&x);
+        }
+        assert!(ties > 100, "the cases include blocks whose extremes tie ({ties})");
+        let n = cases.len() / QK_K;
+        let (mut qs, mut d, mut bsums) = (vec![[0i8; QK_K]; n], vec![0f32; n], vec![[0i16; QK_K / 16]; n]);
+        quantize_blocks_q8k(&cases, &mut qs, &mut d, &mut bsums);
+        for (i, x) in cases.chunks_exact(QK_K).enumerate() {
+            let x: &[f32; QK_K] = x.try_into().unwrap();
+            let mut want = [0i8; QK_K];
+            let (wd, wsums) = quantize_block_q8k_ref(x, &mut want);
+            assert_eq!(qs[i], want, "codes of {x:?}");
+            assert_eq!(d[i].to_bits(), wd.to_bits(), "scale of {x:?}");
+            assert_eq!(bsums[i], wsums, "sums of {x:?}");
         }
     }
 
