@@ -211,9 +211,9 @@ impl ThreadPool {
     /// stream: a decode product is bound by memory, and the prefetchers (the hardware's, and
     /// the kernels' `prefetch_ahead`) follow a stream, which chunks dealt out alternately
     /// break at every chunk — and each break's prefetch past the chunk's end fetches lines
-    /// the other thread has already read. 1.7B Q4_K_M decode: 0.73-0.77 of the memory floor
-    /// with alternate chunks, 0.79-0.89 with the threads' parts whole (`llms bench --floor`,
-    /// hand runs, docs/notes/engine.md).
+    /// the other thread has already read. 1.7B Q4_K_M decode: tg128 1.11x the alternate
+    /// chunks' (`tools/bench/ab`, 4 pairs), and at an hour of fast memory 0.79-0.81 of the
+    /// floor against 0.53-0.59 (`llms bench --floor`; hand runs, docs/notes/engine.md).
     pub fn for_runs(&self, name: &'static str, n: usize, chunk: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         self.chunks(name, n, chunk, self.n, f);
     }
