@@ -745,6 +745,16 @@ pub fn dot_q6k_ref(w: &[BlockQ6K], a: &Q8KActs, row: usize) -> f32 {
 mod tests {
     use super::*;
 
+    /// A xorshift64 stream: the quantizers' test inputs, the same on every run.
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
     /// The vectorizable quantizer gives the codes, scale and sums of the plain formula (a
     /// sequential fold for the maximum, the saturating cast, then the clamp) for every input:
     /// random blocks, exact ties, zeros, infinities and NaN.
@@ -761,13 +771,7 @@ mod tests {
             }
             (f16::from_f32(d).to_f32(), f16::from_f32(d * sum as f32).to_f32(), sum)
         }
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15u64);
         let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.5, -0.5, 127.0, -254.0, 1e-30];
         for case in 0..2000 {
             let mut x = [0.0f32; QK];
@@ -779,7 +783,7 @@ mod tests {
                     1 => f32::from_bits(r as u32 & 0xBF7F_FFFF),
                     _ => ((r % 20_001) as f32 - 10_000.0) / 1000.0,
                 };
-                if case % 3 == 0 && r % 7 == 0 {
+                if case % 3 == 0 && r.is_multiple_of(7) {
                     *v = specials[(r >> 8) as usize % specials.len()];
                 }
             }
@@ -799,13 +803,7 @@ mod tests {
     /// infinities and NaN.
     #[test]
     fn q8k_blocks_quantize_as_llama_cpp_does() {
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1Du64);
         let specials = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.5, -0.5, 3.0, -3.0, 1e-30];
         let (mut ties, mut cases) = (0, Vec::new());
         for case in 0..3000 {
@@ -819,7 +817,7 @@ mod tests {
                     2 => 0.0,
                     _ => ((r % 20_001) as f32 - 10_000.0) / 1000.0,
                 };
-                if case % 3 == 0 && r % 11 == 0 {
+                if case % 3 == 0 && r.is_multiple_of(11) {
                     *v = specials[(r >> 8) as usize % specials.len()];
                 }
             }
