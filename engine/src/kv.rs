@@ -2025,4 +2025,27 @@ mod tests {
         }
         assert_eq!(h, 0x3ed5_f71a_236e_3bbc, "split encoders' digest");
     }
+
+    /// A token's f16 row is the same bytes through the slice conversion (an aligned block)
+    /// and through the value-by-value store (a block at an odd address, where the bytes
+    /// cannot be viewed as f16s), including the values where rounding to f16 is delicate.
+    #[test]
+    fn f16_rows_write_the_same_bytes_aligned_or_not() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        let hd = 64;
+        let mut x: Vec<f32> = (0..hd).map(|_| rng.gen_range(-70_000.0..70_000.0) * rng.gen_range(0.0f32..1.0).powi(8)).collect();
+        let specials = [0.0, -0.0, 65_504.0, 65_520.0, -1e6, 6e-8, 3e-8, 1.0 + 1.0 / 2048.0, f32::INFINITY, f32::NEG_INFINITY];
+        x[..specials.len()].copy_from_slice(&specials);
+        let want: Vec<u8> = x.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+        // The same backing store at an even and at an odd offset: t = 1 of a 2-token block.
+        let mut store = vec![0u16; 2 * hd + 1];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut store);
+        for off in [0, 1] {
+            let blk = &mut bytes[off..off + 4 * hd];
+            blk.fill(0xAA);
+            write_token(KvFormat::F16, blk, 1, 2, &x);
+            assert_eq!(&blk[2 * hd..], &want[..], "offset {off}");
+            assert!(blk[..2 * hd].iter().all(|&b| b == 0xAA), "offset {off}: token 0 untouched");
+        }
+    }
 }

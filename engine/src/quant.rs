@@ -425,10 +425,10 @@ fn quantize_blocks_q8k_body(x: &[f32], qs: &mut [[i8; QK_K]], d: &mut [f32], bsu
 /// the reference's scan for the first value of largest magnitude was a branch per value.
 #[inline(always)]
 fn quantize_block_q8k(xb: &[f32; QK_K], qs: &mut [i8; QK_K]) -> (f32, [i16; QK_K / 16]) {
-    // The largest value and the largest negated one, eight lanes at a time (`max` ignores NaN,
-    // as the reference's `>` does). The reference takes the first value of largest magnitude:
-    // when both signs reach it, which comes first is looked up.
-    // `if v > m` is `vmaxps` itself; `f32::max` added a NaN test and a blend per vector.
+    // The largest value and the largest negated one, eight lanes at a time. `gt` ignores NaN,
+    // as the reference's `>` does, and is `vmaxps` itself (`f32::max` added a NaN test and a
+    // blend per vector). The reference takes the first value of largest magnitude: when both
+    // signs reach it, which comes first is looked up.
     let gt = |m: f32, v: f32| if v > m { v } else { m };
     let (mut hi, mut lo) = ([0.0f32; 8], [0.0f32; 8]);
     for c in xb.chunks_exact(8) {
