@@ -203,6 +203,23 @@ impl<'a> LayerBlocks<'a> {
         up_front(f, self.in_job, self.hd)
     }
 
+    /// Asks the CPU for the cache lines of chunk `ch`'s K or V block of KV head `kvh`, as
+    /// stored (a hint: nothing is read, a block not in memory is not touched). Each head's
+    /// block of a chunk is a few KiB in a chunk of its own, so one head's chunks are separate
+    /// short streams the hardware prefetchers do not follow: without the hint each block's
+    /// first lines waited a memory latency, and a step 512 tokens deep at the 1.7B shape spent
+    /// 41% of its time in attention reading its K and V at ~1/4 of the memory's bandwidth.
+    fn prefetch(&self, ch: usize, kvsel: usize, kvh: usize) {
+        let kv = self.kv;
+        let f = kv.format(ch);
+        if self.up_front(f) {
+            // Read from the blocks decoded before the jobs, just written.
+            return;
+        }
+        let off = kv.block_offset(f, self.layer, kvsel, kvh);
+        kernels::prefetch(&kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)]);
+    }
+
     /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
     /// first `n_c` tokens are read.
     fn rows<'b>(&'b self, ch: usize, kvsel: usize, kvh: usize, n_c: usize, s: &'b mut BlockScratch) -> kernels::KvRows<'b>
@@ -438,6 +455,9 @@ struct SpanPlan {
     pa0: usize,
 }
 
+/// How many chunks ahead a decoding step's attention asks for a head's K or V blocks.
+const AHEAD_CHUNKS: usize = 2;
+
 /// Attention for passes of at most one tile per context (decode steps, alone or batched):
 /// split-K over each context, as flash-decoding does. A job is one KV head's whole GQA group
 /// over one span of [`SPAN_TOKENS`] of one context: each K and V row is unpacked once for all
@@ -539,10 +559,20 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             *v = lim.saturating_sub(ch * p.ct).min(n_c);
         }
     };
+    // While a job reads a head's block of chunk `ch`, it asks for the block `AHEAD_CHUNKS`
+    // chunks on (at its first chunk, for every one up to there): see `LayerBlocks::prefetch`.
+    let prefetch_ahead = |i: usize, s: usize, ch: usize, kvsel: usize, kvh: usize| {
+        let p = &plans[i];
+        let from = if ch == (s * p.span).max(p.first) { ch + 1 } else { ch + AHEAD_CHUNKS };
+        for next in from..(ch + AHEAD_CHUNKS + 1).min(p.n_chunks) {
+            lbs[i].prefetch(next, kvsel, kvh);
+        }
+    };
     let job_scores = |i: usize, kvh: usize, s: usize, sc: &mut [f32]| {
         let (p, lb) = (&plans[i], &lbs[i]);
         with_span_job(lb, p.nq, |scratch, visible| {
             for (ch, n_c, col0) in span_chunks(i, s) {
+                prefetch_ahead(i, s, ch, 0, kvh);
                 see(i, ch, n_c, visible);
                 let rows = lb.rows(ch, 0, kvh, n_c, scratch);
                 let q = &q[p.q0 + kvh * p.nq * hd..p.q0 + (kvh + 1) * p.nq * hd];
@@ -555,6 +585,7 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
         let (o, o_rot) = part.split_at_mut(p.nq * hd);
         with_span_job(lb, p.nq, |scratch, visible| {
             for (ch, n_c, col0) in span_chunks(i, s) {
+                prefetch_ahead(i, s, ch, 1, kvh);
                 see(i, ch, n_c, visible);
                 let rows = lb.rows(ch, 1, kvh, n_c, scratch);
                 let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *o_rot } else { &mut *o };

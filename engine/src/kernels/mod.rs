@@ -601,6 +601,22 @@ pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scal
     }
 }
 
+/// Asks the CPU to bring `bytes`' cache lines into L1 (a hint: nothing is read, and an
+/// address that is not mapped or not resident is dropped, never faulted in).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for off in (0..bytes.len()).step_by(64) {
+            // SAFETY: a prefetch reads nothing; the address is inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// A dot product as the vector kernels take it: element `j` fused into lane `j % 8`, then the
 /// lanes added as a tree (`(l0 + l4) + (l2 + l6)` plus `(l1 + l5) + (l3 + l7)`), so the
 /// scalar path gives the AVX2 and NEON kernels' bits.
