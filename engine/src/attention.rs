@@ -210,14 +210,19 @@ impl<'a> LayerBlocks<'a> {
     /// first lines waited a memory latency, and a step 512 tokens deep at the 1.7B shape spent
     /// 41% of its time in attention reading its K and V at ~1/4 of the memory's bandwidth.
     fn prefetch(&self, ch: usize, kvsel: usize, kvh: usize) {
-        let kv = self.kv;
-        let f = kv.format(ch);
+        let f = self.kv.format(ch);
         if self.up_front(f) {
             // Read from the blocks decoded before the jobs, just written.
             return;
         }
+        kernels::prefetch(self.stored(ch, f, kvsel, kvh));
+    }
+
+    /// Chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh` as stored in format `f`.
+    fn stored(&self, ch: usize, f: KvFormat, kvsel: usize, kvh: usize) -> &'a [u8] {
+        let kv = self.kv;
         let off = kv.block_offset(f, self.layer, kvsel, kvh);
-        kernels::prefetch(&kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)]);
+        &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)]
     }
 
     /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
@@ -228,8 +233,7 @@ impl<'a> LayerBlocks<'a> {
     {
         let (kv, hd, ct) = (self.kv, self.hd, self.kv.geom.chunk_tokens);
         let f = kv.format(ch);
-        let off = kv.block_offset(f, self.layer, kvsel, kvh);
-        let bytes = &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)];
+        let bytes = self.stored(ch, f, kvsel, kvh);
         match f {
             KvFormat::F16 => kernels::KvRows::F16(bytes),
             KvFormat::Int8 => kernels::KvRows::Int8 { blk: bytes, t_cap: ct },
