@@ -6,6 +6,8 @@
 //! lives.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Arc;
 
 use crate::kv::{self, KvFormat, KvGeometry};
 
@@ -33,6 +35,12 @@ enum Mem {
         ptr: NonNull<u8>,
         len: usize,
     },
+    /// Memory the caller owns and may move between passes: read at the address in `at`
+    /// (see [`ChunkedKv::attach_moving`]).
+    Moving {
+        at: Arc<AtomicPtr<u8>>,
+        len: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -47,6 +55,9 @@ impl Chunk {
             Mem::Owned(v) => v,
             // SAFETY: the attach contract keeps ptr valid for len bytes while attached.
             Mem::External { ptr, len } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), *len) },
+            // SAFETY: the attach_moving contract: `at` holds a valid address for len bytes
+            // whenever the cache is read.
+            Mem::Moving { at, len } => unsafe { std::slice::from_raw_parts(at.load(Ordering::Acquire), *len) },
         }
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -54,6 +65,8 @@ impl Chunk {
             Mem::Owned(v) => v,
             // SAFETY: as above, and the contract gives us exclusive write access.
             Mem::External { ptr, len } => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), *len) },
+            // SAFETY: as above.
+            Mem::Moving { at, len } => unsafe { std::slice::from_raw_parts_mut(at.load(Ordering::Acquire), *len) },
         }
     }
 }
@@ -285,7 +298,7 @@ impl ChunkedKv {
         let c = &mut self.chunks[i];
         match &mut c.mem {
             Mem::Owned(v) => *v = out,
-            Mem::External { len, .. } => {
+            Mem::External { len, .. } | Mem::Moving { len, .. } => {
                 if *len < out.len() {
                     return Err(KvError::TooSmall { chunk: i, len: *len, need: out.len(), format: to.name() });
                 }
@@ -389,6 +402,24 @@ impl ChunkedKv {
             return Err(KvError::TooSmall { chunk: i, len, need, format: format.name() });
         }
         self.chunks[i] = Chunk { mem: Mem::External { ptr, len }, format };
+        Ok(())
+    }
+
+    /// [`ChunkedKv::attach_as`] for memory the caller may move while the chunk is attached:
+    /// the chunk is read at the address `at` holds when it is read (a pass reads it once per
+    /// use), so the caller can move the bytes between passes and store the new address — a
+    /// chunk many caches share, which stays where it was made until it must move, without
+    /// the caller holding every cache that points at it.
+    ///
+    /// # Safety
+    /// As [`ChunkedKv::attach`], for whatever address `at` holds whenever the cache is read;
+    /// `at` is changed only while no pass reads this cache.
+    pub unsafe fn attach_moving(&mut self, i: usize, at: Arc<AtomicPtr<u8>>, len: usize, format: KvFormat) -> Result<(), KvError> {
+        let need = self.live_bytes(i, format);
+        if len < need {
+            return Err(KvError::TooSmall { chunk: i, len, need, format: format.name() });
+        }
+        self.chunks[i] = Chunk { mem: Mem::Moving { at, len }, format };
         Ok(())
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicPtr;
 use std::sync::{Arc, Mutex};
 
 use engine::kv::{KvFormat, KvGeometry};
@@ -172,6 +173,10 @@ impl KvContext for SessionKv<'_> {
     unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, f: Format) -> Result<(), EngineError> {
         // SAFETY: the caller's contract is attach_as's.
         unsafe { self.0.kv.attach_as(chunk, ptr, len, format(f)) }.map_err(EngineError::new)
+    }
+    unsafe fn attach_moving(&mut self, chunk: usize, at: Arc<AtomicPtr<u8>>, len: usize, f: Format) -> Result<(), EngineError> {
+        // SAFETY: the caller's contract is attach_moving's.
+        unsafe { self.0.kv.attach_moving(chunk, at, len, format(f)) }.map_err(EngineError::new)
     }
     unsafe fn adopt(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize) -> Result<(), EngineError> {
         // SAFETY: as attach.

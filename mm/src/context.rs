@@ -2,6 +2,8 @@
 //! adapter lives in `tools`).
 
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicPtr;
+use std::sync::Arc;
 
 /// A chunk format code, the codec's (mm only compares and sizes them).
 pub type Format = u32;
@@ -75,6 +77,14 @@ pub trait KvContext {
     /// `ptr` is valid for `len` bytes for as long as it is attached and nothing else writes
     /// it meanwhile.
     unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), EngineError>;
+    /// [`KvContext::attach`] for a shared chunk mm may move: `chunk` is read at the address
+    /// `at` holds when the engine reads it. mm changes `at` only between the engine's passes,
+    /// after moving the bytes there (so a chunk many contexts share can stay where it was made
+    /// until it must move, without mm holding every sharer's cache).
+    ///
+    /// # Safety
+    /// As [`KvContext::attach`], for whatever address `at` holds whenever the cache is read.
+    unsafe fn attach_moving(&mut self, chunk: usize, at: Arc<AtomicPtr<u8>>, len: usize, format: Format) -> Result<(), EngineError>;
     /// Copies `chunk` into memory the caller manages (used for chunks the engine created on
     /// its own heap).
     ///

@@ -261,6 +261,9 @@ impl SlotSource for StoreSource {
 
 struct WriteJob {
     region: Arc<Region>,
+    /// The slot of `region` holding the chunk (its chunk index, except a pool chunk still at
+    /// home in a context's slot).
+    slot: usize,
     meta: RecordMeta,
     len: usize,
     /// A record this one replaces, given back once this one is written (a promoted chunk's
@@ -351,7 +354,7 @@ fn writer_loop(
         eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
         // Drain jobs, releasing their pins, so nothing waits on us.
         for job in rx {
-            let _ = job.region.unpin(job.meta.chunk as usize);
+            let _ = job.region.unpin(job.slot);
             finish(pending, &[(job.meta.context, job.meta.chunk)]);
         }
         return;
@@ -366,7 +369,7 @@ fn writer_loop(
         }
         let mut copies = Vec::with_capacity(jobs.len());
         for j in &jobs {
-            let slot = j.meta.chunk as usize;
+            let slot = j.slot;
             // The slot is pinned (by `end`): clean first, so a write after the copy is seen.
             let _ = j.region.clean(slot);
             let mut buf = vec![0u8; j.len];
@@ -385,15 +388,17 @@ fn writer_loop(
             eprintln!("llms: AoT write of {} chunk(s) failed: {e}; they will be written at reclaim", batch.len());
             note_failure(failures, &e);
         } else {
-            // (Not a record this batch wrote anew: the chunk became its context's own again.)
-            for (c, k) in jobs.iter().filter_map(|j| j.replaces) {
-                if !batch.iter().any(|(m, _)| (m.context, m.chunk) == (c, k)) {
+            // Unless a later job of the batch wrote it anew (the chunk became its context's own
+            // again); an earlier one (its own write, queued before the promotion) is replaced.
+            for (r, j) in jobs.iter().enumerate() {
+                let Some((c, k)) = j.replaces else { continue };
+                if !jobs[r + 1..].iter().any(|x| (x.meta.context, x.meta.chunk) == (c, k)) {
                     store.discard(c, k);
                 }
             }
         }
         for j in &jobs {
-            let _ = j.region.unpin(j.meta.chunk as usize);
+            let _ = j.region.unpin(j.slot);
         }
         let ids: Vec<ChunkId> = jobs.iter().map(|j| (j.meta.context, j.meta.chunk)).collect();
         finish(pending, &ids);
@@ -596,13 +601,15 @@ impl Manager {
     /// Bytes resident for one context: its own chunks and the shared ones it holds (which
     /// other contexts count too).
     pub fn context_bytes(&self, ctx: u64) -> usize {
-        self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes() + self.shared_bytes(c))
+        self.ctxs.get(&ctx).map_or(0, |c| c.region.resident_bytes() + self.shared_bytes(ctx, c))
     }
 
-    /// Resident bytes of the shared chunks a context holds.
-    fn shared_bytes(&self, c: &Ctx) -> usize {
+    /// Resident bytes of the shared chunks a context holds (those at home in its own slots
+    /// are in its region's count already).
+    fn shared_bytes(&self, ctx: u64, c: &Ctx) -> usize {
         let Some(pool) = &self.pool else { return 0 };
-        c.chunks.iter().filter_map(|m| m.shared).map(|p| pool.region.resident_bytes_in(p as usize..p as usize + 1)).sum()
+        let elsewhere = |p: &u32| pool.get(*p).is_some_and(|e| e.home.as_ref().is_none_or(|h| h.ctx != ctx));
+        c.chunks.iter().filter_map(|m| m.shared).filter(elsewhere).map(|p| pool.resident_bytes(p)).sum()
     }
 
     /// Bytes pinned by the contexts in a call: reclaim cannot take them, so while they run
@@ -610,8 +617,10 @@ impl Manager {
     pub fn pinned_bytes(&self) -> usize {
         let own: usize = self.ctxs.values().filter(|c| c.in_call).map(|c| c.region.resident_bytes()).sum();
         let shared: usize = self.pool.as_ref().map_or(0, |pool| {
-            let busy = pool.entries.iter().enumerate().filter(|(_, e)| e.as_ref().is_some_and(|e| e.calls > 0));
-            busy.map(|(p, _)| pool.region.resident_bytes_in(p..p + 1)).sum()
+            // (One at home in a context in a call is in that context's count.)
+            let home_busy = |e: &share::Entry| e.home.as_ref().is_some_and(|h| self.ctxs.get(&h.ctx).is_some_and(|c| c.in_call));
+            let busy = pool.entries.iter().enumerate().filter(|(_, e)| e.as_ref().is_some_and(|e| e.calls > 0 && !home_busy(e)));
+            busy.map(|(p, _)| pool.resident_bytes(chunk_u32(p))).sum()
         });
         own + shared
     }
@@ -643,7 +652,7 @@ impl Manager {
         let c = self.ctxs.get(&ctx)?;
         let m = c.chunks.get(chunk)?;
         let (state, meta) = match (m.shared, &self.pool) {
-            (Some(p), Some(pool)) => (pool.region.state(p as usize).ok()?, self.pool_meta(p)?),
+            (Some(p), Some(pool)) => (pool.state(p).ok()?, self.pool_meta(p)?),
             _ => (c.region.state(chunk).ok()?, self.meta(ctx, chunk, m)),
         };
         Some(ChunkInfo {
@@ -793,6 +802,24 @@ impl Manager {
         self.unindex_own(ctx);
         let in_call = self.ctx(ctx)?.in_call;
         let shared: Vec<(usize, u32)> = self.ctx(ctx)?.chunks.iter().enumerate().filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
+        // Chunks others share that are still at home in this context's slots move to their
+        // pool slots first (copied, the home kept mapped until their calls end, when a sharer
+        // is in a call: this may run beside its passes).
+        let homed: Vec<u32> = shared
+            .iter()
+            .filter_map(|&(_, p)| {
+                let e = self.pool.as_ref()?.get(p)?;
+                (e.home.as_ref().is_some_and(|h| h.ctx == ctx) && e.sharers.len() > 1).then_some(p)
+            })
+            .collect();
+        let mut kept = Vec::new();
+        for p in homed {
+            let slot = self.pool.as_ref().and_then(|pl| pl.get(p)).and_then(|e| e.home.as_ref()).map(|h| h.slot);
+            self.unhome(p, true)?;
+            if self.pool.as_ref().and_then(|pl| pl.get(p)).is_some_and(|e| e.retired.is_some()) {
+                kept.extend(slot);
+            }
+        }
         for &(i, p) in shared.iter().rev() {
             self.release(ctx, i, p, in_call);
         }
@@ -801,6 +828,14 @@ impl Manager {
         // AoT writes carry on (a sliding window deletes on the switch path).
         if let Some(w) = &self.writer {
             w.wait_context(ctx);
+        }
+        if !kept.is_empty() {
+            // The region outlives this context until those sharers' calls end: its other
+            // slots' pages go now, as the budget no longer counts them (a slot still pinned
+            // by this context's own failed call goes with the region).
+            for i in (0..c.chunks.len()).filter(|i| !kept.contains(i)) {
+                let _ = c.region.discard(i);
+            }
         }
         for i in 0..c.chunks.len() {
             self.lctru.remove((ctx, chunk_u32(i)));
@@ -930,12 +965,12 @@ impl Manager {
         // level stays as it is until every sharer has ended its call.
         let mut need_shared = 0;
         if let Some(pool) = self.pool.as_mut() {
-            let region = Arc::clone(&pool.region);
             for &(_, p) in &shared {
+                let resident = pool.state(p)? == SlotState::Resident;
                 let e = pool.get_mut(p).expect("a live pool chunk");
                 e.calls += 1;
                 e.epoch = self.epochs;
-                if region.state(p as usize)? != SlotState::Resident {
+                if !resident {
                     need_shared += self.codec.live_bytes(e.level, false);
                 }
             }
@@ -960,13 +995,14 @@ impl Manager {
         for i in 0..n.min(self.ctx(ctx)?.chunks.len()) {
             let m = self.ctx(ctx)?.chunks[i];
             if let (Some(p), Some(pool)) = (m.shared, &self.pool) {
-                // The pool's slot (resident and pinned by `load_shared`), at the pool chunk's
-                // level: it may have been lowered, or this chunk promoted, since the last call.
-                let ptr = NonNull::new(pool.region.slot_ptr(p as usize)).expect("mapped");
-                let level = pool.get(p).expect("a live pool chunk").level;
+                // Where the pool chunk is (resident and pinned by `load_shared`), at its level:
+                // it may have been lowered, or this chunk promoted, since the last call.
+                let e = pool.get(p).expect("a live pool chunk");
+                let (level, at) = (e.level, Arc::clone(&e.at));
                 self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
-                // SAFETY: resident and pinned for the call; nothing writes a shared chunk.
-                unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+                // SAFETY: resident and pinned for the call; nothing writes a shared chunk, and
+                // `at` changes only with the bytes moved there ([`Manager::unhome`], eviction).
+                unsafe { kv.attach_moving(i, at, self.slot_size, level) }.map_err(engine)?;
             } else if kv.format(i) != m.level && missing.binary_search(&i).is_err() {
                 // (`missing` is in chunk order: built so, and sorted after a lost pool chunk.)
                 // A resident chunk lowered in the background since the last call: the engine
@@ -1002,7 +1038,7 @@ impl Manager {
         let mut lost = None;
         let (mut want, mut lens, mut at) = (Vec::new(), Vec::new(), Vec::new());
         for &(i, p) in shared {
-            if pool_region.state(p as usize)? == SlotState::Resident {
+            if self.pool.as_ref().expect("sharing").state(p)? == SlotState::Resident {
                 continue;
             }
             match self.pool_meta(p).map(|m| self.store.expect(&m).map(|e| (m, e))) {
@@ -1026,11 +1062,13 @@ impl Manager {
                 lost = Some(lost.map_or(i, |l: usize| l.min(i)));
             }
         }
+        let pool = self.pool.as_ref().expect("sharing");
         for &(i, p) in shared {
             if lost.is_some_and(|l| i >= l) {
                 break;
             }
-            pool_region.pin(p as usize)?;
+            let (region, slot) = pool.loc(p);
+            region.pin(slot)?;
         }
         Ok(lost)
     }
@@ -1501,13 +1539,8 @@ impl Manager {
         // Its shared chunks leave the call first: a level they may take now needs every
         // sharer out of its call.
         let shared: Vec<(usize, u32)> = self.ctx(ctx)?.chunks.iter().enumerate().filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
-        if let Some(pool) = self.pool.as_mut() {
-            for &(_, p) in &shared {
-                if let Some(e) = pool.get_mut(p) {
-                    e.calls = e.calls.saturating_sub(1);
-                }
-                pool.region.unpin(p as usize)?;
-            }
+        for &(_, p) in &shared {
+            self.leave_call(p)?;
         }
         for (i, target) in targets.iter().enumerate() {
             if let Some(&(_, p)) = shared.iter().find(|(j, _)| *j == i) {
@@ -1602,7 +1635,7 @@ impl Manager {
         };
         region.pin(i)?;
         *w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).entry((ctx, meta.chunk)).or_insert(0) += 1;
-        let job = WriteJob { region: Arc::clone(region), meta: *meta, len, replaces };
+        let job = WriteJob { region: Arc::clone(region), slot: i, meta: *meta, len, replaces };
         match &mut self.held_jobs {
             Some(held) => held.push(job),
             None => self.send_aot(job),
@@ -1612,7 +1645,7 @@ impl Manager {
 
     fn send_aot(&mut self, job: WriteJob) {
         let Some(w) = &self.writer else { return };
-        let (region, slot, id) = (Arc::clone(&job.region), job.meta.chunk as usize, (job.meta.context, job.meta.chunk));
+        let (region, slot, id) = (Arc::clone(&job.region), job.slot, (job.meta.context, job.meta.chunk));
         if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
             self.stats.written_aot += 1;
         } else {
@@ -1663,29 +1696,31 @@ impl Manager {
 
     /// `job` with a copy of its chunk's bytes, if it is still valid.
     fn take_job(&self, job: LevelJob) -> Option<LevelWork> {
-        let (m, region) = self.valid(&job)?;
+        let (m, region, slot) = self.valid(&job)?;
         let len = self.codec.live_bytes(job.from, m.dead);
         // SAFETY: resident (checked), not in a call: nothing writes it while we copy.
-        let src = unsafe { std::slice::from_raw_parts(region.slot_ptr(job.chunk), len) }.to_vec();
+        let src = unsafe { std::slice::from_raw_parts(region.slot_ptr(slot), len) }.to_vec();
         Some(LevelWork { job, dead: m.dead, tokens: m.tokens as usize, src })
     }
 
-    /// The chunk a queued lowering is for, and its region, if it is still the chunk the job
-    /// saw: same context and epoch, not in a call, resident, at `from`. A pool chunk's job
-    /// ([`POOL_CTX`]): no sharer in a call since it was queued.
-    fn valid(&self, job: &LevelJob) -> Option<(ChunkMeta, &Arc<Region>)> {
-        let (m, region) = if job.ctx == POOL_CTX {
+    /// The chunk a queued lowering is for, its region and slot, if it is still the chunk the
+    /// job saw: same context and epoch, not in a call, resident, at `from`. A pool chunk's job
+    /// ([`POOL_CTX`]): no sharer in a call since it was queued (its slot may be its home's).
+    fn valid(&self, job: &LevelJob) -> Option<(ChunkMeta, &Arc<Region>, usize)> {
+        let (m, region, slot) = if job.ctx == POOL_CTX {
             let pool = self.pool.as_ref()?;
-            let e = pool.get(chunk_u32(job.chunk)).filter(|e| e.epoch == job.epoch && e.calls == 0)?;
+            let p = chunk_u32(job.chunk);
+            let e = pool.get(p).filter(|e| e.epoch == job.epoch && e.calls == 0)?;
             let tokens = chunk_u32(self.codec.chunk_tokens());
             let m = ChunkMeta { level: e.level, tokens, prefix_hash: e.prefix_hash, density: e.density, dead: false, shared: None };
-            (m, &pool.region)
+            let (region, slot) = pool.loc(p);
+            (m, region, slot)
         } else {
             let c = self.ctxs.get(&job.ctx).filter(|c| c.epoch == job.epoch && !c.in_call)?;
-            (c.chunks.get(job.chunk).copied().filter(|m| m.shared.is_none())?, &c.region)
+            (c.chunks.get(job.chunk).copied().filter(|m| m.shared.is_none())?, &c.region, job.chunk)
         };
         let busy = self.writer.as_ref().is_some_and(|w| w.is_pending((job.ctx, chunk_u32(job.chunk))));
-        (m.level == job.from && region.state(job.chunk).ok()? == SlotState::Resident && !busy).then_some((m, region))
+        (m.level == job.from && region.state(slot).ok()? == SlotState::Resident && !busy).then_some((m, region, slot))
     }
 
     /// Installs a lowering encoded from [`Manager::take_level_work`]'s copy (`lowered`: what
@@ -1696,15 +1731,15 @@ impl Manager {
     pub fn finish_level_work(&mut self, w: LevelWork, lowered: std::result::Result<Vec<u8>, crate::EngineError>) -> Result<bool> {
         let job = w.job;
         self.levelling_taken = self.levelling_taken.saturating_sub(1);
-        let Some((mut m, region)) = self.valid(&job).filter(|(m, _)| m.dead == w.dead) else { return Ok(false) };
+        let Some((mut m, region, slot)) = self.valid(&job).filter(|(m, _, _)| m.dead == w.dead) else { return Ok(false) };
         let region = Arc::clone(region);
         let len = self.codec.live_bytes(job.to, m.dead);
         let done = match lowered {
             Ok(bytes) if bytes.len() == len => {
                 // SAFETY: the slot is resident and not in a call (checked under this lock,
                 // which every call path takes); `len` is within the slot.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.slot_ptr(job.chunk), len) };
-                region.shrink(job.chunk, len)?;
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.slot_ptr(slot), len) };
+                region.shrink(slot, len)?;
                 m.level = job.to;
                 if job.ctx == POOL_CTX {
                     // Its sharers' engines learn the level at their next `begin`.
@@ -1734,7 +1769,7 @@ impl Manager {
             if job.ctx == POOL_CTX { self.pool_meta(chunk_u32(job.chunk)).expect("valid") } else { self.meta(job.ctx, job.chunk, &m) };
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((job.ctx, chunk_u32(job.chunk)), meta);
         if m.tokens > 0 && !self.store.matches(&meta) {
-            self.write_aot_len(job.ctx, &region, job.chunk, &meta, self.codec.live_bytes(m.level, m.dead))?;
+            self.write_aot_len(job.ctx, &region, slot, &meta, self.codec.live_bytes(m.level, m.dead))?;
         }
         Ok(done)
     }
@@ -1816,12 +1851,15 @@ impl Manager {
     fn evict(&mut self, v: ChunkId) -> Result<usize> {
         let (ctx, _) = v;
         if ctx == POOL_CTX {
-            let region = Arc::clone(&self.pool.as_ref().expect("pool chunks come from the pool").region);
+            let pool = self.pool.as_ref().expect("pool chunks come from the pool");
+            let (region, slot) = pool.loc(v.1);
+            let (region, slot) = (Arc::clone(region), slot);
             let before = region.resident_bytes();
             let meta = self.pool_meta(v.1).expect("a live pool chunk");
-            self.save_and_evict_as(&region, v.1 as usize, &meta, self.codec.live_bytes(meta.format, false))?;
+            self.save_and_evict_as(&region, slot, &meta, self.codec.live_bytes(meta.format, false))?;
             let freed = before.saturating_sub(region.resident_bytes());
             self.stats.evicted_bytes += freed as u64;
+            self.left_home(v.1);
             return Ok(freed);
         }
         let region = Arc::clone(&self.ctx(ctx)?.region);
@@ -1830,6 +1868,10 @@ impl Manager {
             Policy::Lmk => {
                 let n = self.ctx(ctx)?.chunks.len();
                 for i in 0..n {
+                    if self.ctx(ctx)?.chunks[i].shared.is_some() {
+                        // The pool's (others may hold it, and it may be at home in this slot).
+                        continue;
+                    }
                     region.discard(i)?;
                     self.lctru.remove((ctx, chunk_u32(i)));
                 }

@@ -5,6 +5,7 @@
 #![allow(clippy::cast_possible_truncation)]
 
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicPtr;
 use std::sync::Arc;
 
 use llms_tests::require_kernel;
@@ -116,6 +117,8 @@ struct FakeKv {
     dead: usize,
     /// Chunks mm had the engine convert (in `end`, without background levels).
     converted: usize,
+    /// Chunks attached through an address mm may change (`attach_moving`): read there.
+    moving: std::collections::HashMap<usize, Arc<AtomicPtr<u8>>>,
 }
 
 impl FakeKv {
@@ -128,18 +131,21 @@ impl FakeKv {
             FakeCodec.chunk_bytes(f)
         }
     }
+    /// Where chunk `i` is read now.
+    fn ptr(&self, i: usize) -> *mut u8 {
+        self.moving.get(&i).map_or(self.chunks[i].0.as_ptr(), |at| at.load(std::sync::atomic::Ordering::Acquire))
+    }
     fn bytes(&self, i: usize) -> &[u8] {
-        let (p, _, _) = self.chunks[i];
         // SAFETY: attached by mm to a resident, pinned slot for the call.
-        unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len(i)) }
+        unsafe { std::slice::from_raw_parts(self.ptr(i), self.len(i)) }
     }
     fn write(&mut self, i: usize) {
         let h = prefix_hashes(&self.tokens, CT)[i];
-        let (p, _, f) = self.chunks[i];
+        let f = self.chunks[i].2;
         let mut v = pattern(h, f);
         v.truncate(self.len(i));
         // SAFETY: as above; the chunk's memory holds its format.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p.as_ptr(), v.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr(i), v.len()) };
     }
     /// The engine's truncation: positions `n..` forgotten; a partly kept chunk in a lower
     /// format goes back to the base one (converted in its memory, as `KvCache::truncate`).
@@ -179,12 +185,20 @@ impl KvContext for FakeKv {
     }
     unsafe fn attach(&mut self, chunk: usize, ptr: NonNull<u8>, len: usize, format: Format) -> Result<(), mm::EngineError> {
         self.chunks[chunk] = (ptr, len, format);
+        self.moving.remove(&chunk);
+        Ok(())
+    }
+    unsafe fn attach_moving(&mut self, chunk: usize, at: Arc<AtomicPtr<u8>>, len: usize, format: Format) -> Result<(), mm::EngineError> {
+        let ptr = NonNull::new(at.load(std::sync::atomic::Ordering::Acquire)).expect("an address");
+        self.chunks[chunk] = (ptr, len, format);
+        self.moving.insert(chunk, at);
         Ok(())
     }
     unsafe fn adopt(&mut self, _chunk: usize, _ptr: NonNull<u8>, _len: usize) -> Result<(), mm::EngineError> {
         Err(mm::EngineError::new("the fake engine never allocates chunks itself"))
     }
     unsafe fn push_chunk(&mut self, ptr: NonNull<u8>, len: usize) -> Result<(), mm::EngineError> {
+        self.moving.remove(&self.chunks.len());
         self.chunks.push((ptr, len, 0));
         Ok(())
     }
@@ -504,8 +518,9 @@ proptest! {
 
 /// A context whose chunks another context's prefix promoted into the pool, then ended by lmk:
 /// its next call recomputes its own chunk, attending to the shared ones, which the engine must
-/// read at the pool's slots — its own slots gave their pages back at the promotion (read there,
-/// the recompute faulted with nothing to fill it: a SIGBUS in Fig. 9's lmk runs).
+/// read where the pool says they are (once read at a slot whose pages had gone to the pool,
+/// the recompute faulted with nothing to fill it: a SIGBUS in Fig. 9's lmk runs). lmk ends
+/// the context's own chunks only: the shared ones, still in its slots, are the pool's.
 #[test]
 fn a_recompute_after_lmk_reads_the_shared_chunks_at_the_pool() {
     let dir = tempfile::tempdir().unwrap();
@@ -527,7 +542,7 @@ fn a_recompute_after_lmk_reads_the_shared_chunks_at_the_pool() {
     let mut tok = 1u32;
     let mut a = FakeKv::default();
     append(&mut mm, 0, &mut a, 3 * CT + 3, &mut tok, None).unwrap();
-    // Context 1 opens with context 0's three whole chunks: they move into the pool.
+    // Context 1 opens with context 0's three whole chunks: they become the pool's.
     let k = mm.cached_prefix(7, &a.tokens[..3 * CT]);
     assert_eq!(k, 3);
     let mut b = FakeKv { tokens: a.tokens[..3 * CT].to_vec(), ..FakeKv::default() };
@@ -738,19 +753,19 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 10, "every full chunk is shared");
     let st = mm.sharing_stats(None);
     assert_eq!((st.unique_chunks, st.logical_chunks, st.promoted), (10, 20, 10));
-    if mm.pager_capabilities().r#move {
-        assert_eq!(st.moved, 10, "resident chunks change hands without a copy");
-    } else {
-        assert!(!llms_tests::kernel_required(), "this kernel lacks UFFDIO_MOVE (Linux 6.8+)");
+    assert_eq!(st.moved, 0, "a fork moves no page");
+    let (a0, alen) = mm.region_range(1).unwrap();
+    for i in 0..10 {
+        assert!((a0..a0 + alen).contains(&(b.ptr(i) as usize)), "chunk {i}: B reads it where A made it");
     }
     // One copy of the full chunks; the partial one copied (3 pages of the fake's base format).
     assert_eq!(mm.resident_bytes(), before + FakeCodec.chunk_bytes(0).div_ceil(4096) * 4096);
     mm.begin(2, &mut b, Load::Planned).unwrap();
     mm.begin(1, &mut a, Load::Planned).unwrap();
     for i in 0..10 {
-        assert_eq!(a.chunks[i].0, b.chunks[i].0, "chunk {i}: both read the one copy");
+        assert_eq!(a.ptr(i), b.ptr(i), "chunk {i}: both read the one copy");
     }
-    assert_ne!(a.chunks[10].0, b.chunks[10].0, "the partial chunk is each one's own");
+    assert_ne!(a.ptr(10), b.ptr(10), "the partial chunk is each one's own");
     b.check().unwrap();
     a.check().unwrap();
     mm.end(1, &mut a).unwrap();
@@ -758,15 +773,29 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     mm.truncate(2, &mut b, 4 * CT + 1).unwrap();
     b.truncate(4 * CT + 1);
     assert_eq!(mm.sharing_stats(None).copied_on_write, 1, "the chunk cut into was copied");
-    assert_ne!(a.chunks[4].0, b.chunks[4].0);
-    assert_eq!(a.chunks[3].0, b.chunks[3].0, "the chunks before it stay shared");
+    assert_ne!(a.ptr(4), b.ptr(4));
+    assert_eq!(a.ptr(3), b.ptr(3), "the chunks before it stay shared");
     b.tokens.extend([999_999, 999_998, 999_997]);
     b.write(4);
     mm.end(2, &mut b).unwrap();
     assert_eq!(mm.sharing_stats(None).logical_chunks, 10 + 4);
-    // Deleting A leaves B whole; squeezed out and read back from the pool's records too.
+    // Deleting A leaves B whole (the chunks B shares leave A's slots for the pool's); squeezed
+    // out and read back from the pool's records too.
+    let resident = mm.resident_bytes();
     mm.delete(1).unwrap();
     assert_eq!(mm.sharing_stats(None).unique_chunks, 4, "what only A held went with it");
+    if mm.pager_capabilities().r#move {
+        assert_eq!(mm.sharing_stats(None).moved, 4, "resident chunks change hands without a copy");
+    } else {
+        assert!(!llms_tests::kernel_required(), "this kernel lacks UFFDIO_MOVE (Linux 6.8+)");
+    }
+    for i in 0..4 {
+        assert!(!(a0..a0 + alen).contains(&(b.ptr(i) as usize)), "chunk {i} left A's slot");
+    }
+    assert!(mm.resident_bytes() < resident, "A's own chunks went");
+    mm.begin(2, &mut b, Load::Planned).unwrap();
+    b.check().unwrap();
+    mm.end(2, &mut b).unwrap();
     mm.flush();
     mm.set_budget(0).unwrap();
     assert_eq!(mm.resident_bytes(), 0);
@@ -789,6 +818,91 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     assert_eq!((r.missing, r.recomputed), (0, 0), "{r:?}");
     f.check().unwrap();
     mm.end(5, &mut f).unwrap();
+}
+
+/// A shared chunk stays in the slot it was made in (its home) until that slot is needed:
+/// evicted there and read back into the pool's slot; moved (copied, while a sharer is in a
+/// call) when its context goes or cuts back into it. Every sharer reads the right bytes
+/// throughout, wherever the chunk is.
+#[test]
+fn shared_chunks_stay_home_until_their_slot_is_needed() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((mut mm, mut a, mut tok)) = sharing_with_one(dir.path(), 6 * CT + 2) else { return };
+    let (a0, alen) = mm.region_range(1).unwrap();
+    let home = |p: *mut u8, (r0, rlen): (usize, usize)| (r0..r0 + rlen).contains(&(p as usize));
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(1, 2, &mut b).unwrap(), 6);
+    // Squeezed out at home, read back into the pool's slots: both read them there.
+    mm.flush();
+    mm.set_budget(0).unwrap();
+    assert_eq!(mm.resident_bytes(), 0);
+    mm.set_budget(1 << 30).unwrap();
+    mm.begin(2, &mut b, Load::Planned).unwrap();
+    mm.begin(1, &mut a, Load::Planned).unwrap();
+    for i in 0..6 {
+        assert!(!home(b.ptr(i), (a0, alen)), "chunk {i} was read back into the pool's slot");
+        assert_eq!(a.ptr(i), b.ptr(i), "chunk {i}: one copy");
+    }
+    a.check().unwrap();
+    b.check().unwrap();
+    mm.end(1, &mut a).unwrap();
+    mm.end(2, &mut b).unwrap();
+
+    // C forks D; C goes while D is in a call (from another thread, as the service's
+    // registry does): D's pass may be reading C's slot, so the chunks are copied and C's
+    // region stays mapped until D's call ends.
+    mm.set_scope(3, 7);
+    mm.create(3).unwrap();
+    let mut c = FakeKv::default();
+    append(&mut mm, 3, &mut c, 5 * CT + 3, &mut tok, None).unwrap();
+    let c_range = mm.region_range(3).unwrap();
+    let mut d = FakeKv { tokens: c.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(3, 4, &mut d).unwrap(), 5);
+    mm.begin(4, &mut d, Load::Planned).unwrap();
+    let old: Vec<*mut u8> = (0..5).map(|i| d.ptr(i)).collect();
+    assert!(old.iter().all(|&p| home(p, c_range)));
+    let moved = mm.sharing_stats(None).moved;
+    mm.delete(3).unwrap();
+    assert_eq!(mm.sharing_stats(None).moved, moved, "copied, not moved, under a sharer's call");
+    for (i, &p) in old.iter().enumerate() {
+        assert_ne!(d.ptr(i), p, "chunk {i}: D reads the pool's copy from now on");
+        // SAFETY: the home's region is kept mapped while D is in its call.
+        let was = unsafe { std::slice::from_raw_parts(p, d.len(i)) };
+        assert_eq!(was, d.bytes(i), "chunk {i}: a pass still reading the old place sees the same bytes");
+    }
+    d.check().unwrap();
+    mm.end(4, &mut d).unwrap();
+    mm.begin(4, &mut d, Load::Planned).unwrap();
+    d.check().unwrap();
+    mm.end(4, &mut d).unwrap();
+
+    // E forks F; E cuts back into its chunk 2 while F is in a call: E's chunks 2.. leave
+    // E's slots for the pool's (F keeps reading them), E writes its own there.
+    mm.set_scope(5, 7);
+    mm.create(5).unwrap();
+    let mut e = FakeKv::default();
+    append(&mut mm, 5, &mut e, 4 * CT + 1, &mut tok, None).unwrap();
+    let e_range = mm.region_range(5).unwrap();
+    let mut f = FakeKv { tokens: e.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(5, 6, &mut f).unwrap(), 4);
+    mm.begin(6, &mut f, Load::Planned).unwrap();
+    mm.begin(5, &mut e, Load::Planned).unwrap();
+    mm.truncate(5, &mut e, 2 * CT + 3).unwrap();
+    e.truncate(2 * CT + 3);
+    for i in 0..4 {
+        assert_eq!(home(f.ptr(i), e_range), i < 2, "chunk {i}: F reads it at E's slot only if E kept it");
+    }
+    e.tokens.extend([777_001, 777_002]);
+    for i in 2..e.tokens.len().div_ceil(CT) {
+        e.write(i);
+    }
+    f.check().unwrap();
+    e.check().unwrap();
+    mm.end(5, &mut e).unwrap();
+    mm.end(6, &mut f).unwrap();
+    mm.begin(6, &mut f, Load::Planned).unwrap();
+    f.check().unwrap();
+    mm.end(6, &mut f).unwrap();
 }
 
 #[test]
@@ -815,7 +929,7 @@ fn a_new_context_copies_the_rows_after_its_shared_chunks() {
     let r = mm.begin(2, &mut b, Load::Planned).unwrap();
     assert_eq!((r.missing, r.recomputed), (0, 0), "the copied rows are not computed: {r:?}");
     mm.begin(1, &mut a, Load::Planned).unwrap();
-    assert_ne!(a.chunks[3].0, b.chunks[3].0, "the copy is B's own");
+    assert_ne!(a.ptr(3), b.ptr(3), "the copy is B's own");
     assert_eq!(a.bytes(3), b.bytes(3), "B's chunk 3 is a copy of A's");
     // A source in a call is not offered (it may be writing that chunk).
     assert_eq!(mm.partial_prefix(7, &prompt, 3, 0), 0);

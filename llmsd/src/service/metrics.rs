@@ -246,8 +246,16 @@ impl Collector for Levels {
             ),
             ("forks", "Contexts forked from another", sharing.forks),
             ("copied_on_write_chunks", "Shared chunks copied because a context wrote into them", sharing.copied_on_write),
-            ("promoted_chunks", "A context's own chunks moved into the shared pool because another context wanted them", sharing.promoted),
-            ("promoted_moved_chunks", "Promoted chunks whose pages changed hands without a copy (UFFDIO_MOVE)", sharing.moved),
+            (
+                "promoted_chunks",
+                "A context's own chunks made shared because another context wanted them (in place: no byte moves)",
+                sharing.promoted,
+            ),
+            (
+                "promoted_moved_chunks",
+                "Shared chunks whose pages left the slot of the context that made them for the pool's without a copy (UFFDIO_MOVE)",
+                sharing.moved,
+            ),
             ("evicted_chunks", "KV chunks evicted from memory", evicted),
             ("aot_writes", "KV chunks written ahead of time (when a call returned)", aot),
             ("sync_writes", "KV chunks written on the eviction path", sync),

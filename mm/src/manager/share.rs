@@ -1,9 +1,11 @@
 //! Chunks shared between contexts (#59). A full chunk's K/V depends only on the tokens from
 //! position 0 to its end, so contexts whose tokens start alike can hold one copy of those
-//! chunks. A shared chunk lives in the pool: one userfaultfd region of its own, one slot per
-//! shared chunk, one record in the store (under [`POOL_CTX`]), one entry in LCTRU. Each sharer's
-//! engine cache points its chunk at the pool's slot ([`KvContext::attach`] takes any memory),
-//! so the one physical copy needs no second mapping of the same pages.
+//! chunks. A shared chunk belongs to the pool: one userfaultfd region of its own, one slot per
+//! shared chunk, one record in the store (under [`POOL_CTX`]), one entry in LCTRU. Its bytes
+//! stay in the slot of the context that made it (its home, [`Home`]) until that context needs
+//! the slot or goes, or the chunk is evicted; then they live in its pool slot. Each sharer's
+//! engine cache reads the chunk at the address its entry holds ([`KvContext::attach_moving`]),
+//! so the one physical copy needs no second mapping of the same pages, and a fork moves none.
 //!
 //! Why not a memfd mapped into each context's region: a slot remapped `MAP_SHARED|MAP_FIXED`
 //! splits the context's region into a VMA per shared chunk (the kernel's default limit is
@@ -26,6 +28,7 @@
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
 
 use uffd_handler::{Region, SlotState};
@@ -71,6 +74,26 @@ pub(super) struct Entry {
     pub calls: u32,
     /// Changes when a sharer begins a call (a queued lowering is then dropped).
     pub epoch: u64,
+    /// Where its bytes are, as every sharer's engine reads them
+    /// ([`KvContext::attach_moving`]): its home slot, or its pool slot.
+    pub at: Arc<AtomicPtr<u8>>,
+    /// While its bytes are still in the slot of the context it was promoted from: a
+    /// promotion moves nothing, the chunk moves to its pool slot only when that context
+    /// needs the slot or goes ([`Manager::unhome`]), or it leaves home when evicted.
+    pub home: Option<Home>,
+    /// The region of a home left while sharers were in a call ([`Manager::unhome`]): kept
+    /// mapped until none is, as a pass may still read the old address.
+    pub retired: Option<Arc<Region>>,
+}
+
+/// The slot a pool chunk's bytes are in until they move to its pool slot: slot `slot` of
+/// context `ctx`'s region. While there the chunk is resident (an eviction takes it out of
+/// home) and its context is one of its sharers.
+#[derive(Debug)]
+pub(super) struct Home {
+    pub ctx: u64,
+    pub region: Arc<Region>,
+    pub slot: usize,
 }
 
 /// The shared chunks and the index of every shareable chunk.
@@ -216,6 +239,23 @@ impl PoolLog {
 }
 
 impl Pool {
+    /// Where chunk `p`'s bytes are: its home (a context's slot) or its pool slot.
+    pub fn loc(&self, p: u32) -> (&Arc<Region>, usize) {
+        match self.get(p).and_then(|e| e.home.as_ref()) {
+            Some(h) => (&h.region, h.slot),
+            None => (&self.region, p as usize),
+        }
+    }
+    /// The state of chunk `p`'s slot, where it is.
+    pub fn state(&self, p: u32) -> uffd_handler::Result<SlotState> {
+        let (r, slot) = self.loc(p);
+        r.state(slot)
+    }
+    /// Bytes of chunk `p` resident, where it is.
+    pub fn resident_bytes(&self, p: u32) -> usize {
+        let (r, slot) = self.loc(p);
+        r.resident_bytes_in(slot..slot + 1)
+    }
     pub fn get(&self, p: u32) -> Option<&Entry> {
         self.entries.get(p as usize).and_then(Option::as_ref)
     }
@@ -259,10 +299,11 @@ pub struct SharingStats {
     pub logical_chunks: u64,
     /// Bytes of chunk memory the pool's resident chunks would take again per extra sharer.
     pub bytes_saved: u64,
-    /// Own chunks moved into the pool because another context wanted them.
+    /// Own chunks made pool chunks because another context wanted them (in place: a
+    /// resident one stays in its context's slot, its home).
     pub promoted: u64,
-    /// Of those, the ones whose resident pages changed hands without a copy (UFFDIO_MOVE);
-    /// the others were copied from memory or read from their record.
+    /// Pool chunks whose resident pages later left their home slot for their pool slot
+    /// without a copy (UFFDIO_MOVE: their context cut back into them or went).
     pub moved: u64,
     /// Chunks a context took from the pool when it was made (a fork, a cached prefix).
     pub reused: u64,
@@ -409,6 +450,9 @@ impl Manager {
                 wanted: Vec::new(),
                 calls: 0,
                 epoch: self.epochs,
+                at: Arc::new(AtomicPtr::new(pool.region.slot_ptr(p))),
+                home: None,
+                retired: None,
             });
         }
         pool.free = (0..chunk_u32(pool.entries.len())).rev().filter(|&p| pool.entries[p as usize].is_none()).collect();
@@ -483,7 +527,7 @@ impl Manager {
             s.unique_chunks = live().count() as u64;
             s.logical_chunks = live().map(|(_, e)| e.sharers.len() as u64).sum();
             s.bytes_saved = live()
-                .filter(|(p, _)| pool.region.state(*p).is_ok_and(|s| s == SlotState::Resident))
+                .filter(|(p, _)| pool.state(chunk_u32(*p)).is_ok_and(|s| s == SlotState::Resident))
                 .map(|(_, e)| (e.sharers.len().saturating_sub(1) * self.codec.chunk_bytes(e.level)) as u64)
                 .sum();
         }
@@ -718,104 +762,55 @@ impl Manager {
         }
     }
 
-    /// Moves a context's own full chunk into the pool (its chunks before it are there
-    /// already): its bytes to a pool slot, its record to the pool's, its place in LCTRU to the
-    /// pool chunk's. None when it cannot be: the context is in a call, the pool is full, or the
+    /// Makes a context's own full chunk a pool chunk (its chunks before it are pool chunks
+    /// already): its record becomes the pool's, its place in LCTRU the pool chunk's. A
+    /// resident chunk stays where it is, in its context's slot (its home, see [`Home`]): no
+    /// byte moves, so a fork of a long context costs bookkeeping only (moving the 270 chunks
+    /// of a 4k-token context with UFFDIO_MOVE took 2.5 ms, most of it the kernel's work on
+    /// 12k page-table entries). One that is not resident is read from its record into its
+    /// pool slot. None when it cannot be: the context is in a call, the pool is full, or the
     /// chunk is neither resident nor readable.
     pub(super) fn promote_own(&mut self, ctx: u64, i: usize) -> Result<Option<u32>> {
         if let Some(p) = self.ctx(ctx)?.chunks.get(i).and_then(|m| m.shared) {
             return Ok(Some(p));
         }
-        if !self.promotable(ctx, i, false)? || !self.pool.as_ref().is_some_and(Pool::has_room) {
+        if !self.promotable(ctx, i)? || !self.pool.as_ref().is_some_and(Pool::has_room) {
             return Ok(None);
         }
         let c = self.ctx(ctx)?;
         let (m, region) = (c.chunks[i], Arc::clone(&c.region));
-        if let Some(w) = &self.writer {
-            // The writer may hold the slot (pinned, copying): it must be done before the slot goes.
-            w.wait_context(ctx);
+        let pool = self.pool.as_mut().expect("checked");
+        let p = pool.alloc().expect("checked");
+        if region.state(i)? == SlotState::Resident {
+            self.adopt(ctx, i, p, true)?;
+            return Ok(Some(p));
         }
         let len = self.codec.live_bytes(m.level, false);
         let own = self.meta(ctx, i, &m);
+        // Through the arena (page-aligned, whole pages).
+        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+        let got = self.store.read(&own, buf).is_ok();
         let pool = self.pool.as_mut().expect("checked");
-        let p = pool.alloc().expect("checked");
-        // A resident chunk's pages change hands (UFFDIO_MOVE): no byte is copied, and the
-        // context's slot is left empty, as the discard below would leave it.
-        let moved = match region.move_into(i, &pool.region, p as usize, 1) {
-            Ok(moved) => moved,
-            Err(e) => {
-                pool.free.push(p);
-                return Err(e.into());
-            }
-        };
-        if !moved {
-            // Through the arena (page-aligned, whole pages): the slot's pages past `len` may be gone.
-            let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-            let got = if region.state(i)? == SlotState::Resident {
-                // SAFETY: resident and not in a call: nothing writes it while we copy.
-                buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(region.slot_ptr(i), len) });
-                true
-            } else {
-                self.store.read(&own, buf).is_ok()
-            };
-            let pool = self.pool.as_mut().expect("checked");
-            if !got {
-                pool.free.push(p);
-                return Ok(None);
-            }
-            let tail = len.next_multiple_of(uffd_handler::PAGE).min(buf.len());
-            buf[len..tail].fill(0);
-            if let Err(e) = pool.region.copy_from(p as usize, &self.arena.as_mut_slice()[..self.slot_size], len) {
-                pool.free.push(p);
-                return Err(e.into());
-            }
-            if region.state(i)? == SlotState::Resident {
-                region.discard(i)?;
-            }
+        if !got {
+            pool.free.push(p);
+            return Ok(None);
         }
-        self.adopt(ctx, i, p, moved)?;
+        let tail = len.next_multiple_of(uffd_handler::PAGE).min(buf.len());
+        buf[len..tail].fill(0);
+        if let Err(e) = pool.region.copy_from(p as usize, &self.arena.as_mut_slice()[..self.slot_size], len) {
+            pool.free.push(p);
+            return Err(e.into());
+        }
+        self.adopt(ctx, i, p, false)?;
         Ok(Some(p))
     }
 
-    /// Promotes chunks `i..` of `ctx` (up to `end`) that are resident and its own, as a run:
-    /// their pages move into consecutive fresh pool slots with one UFFDIO_MOVE. Returns how
-    /// many; 0 when fewer than two can go this way (then [`Manager::promote_own`] takes them
-    /// one at a time).
-    fn promote_run(&mut self, ctx: u64, i: usize, end: usize) -> Result<usize> {
-        let Some(pool) = self.pool.as_ref() else { return Ok(0) };
-        let room = pool.region.n_slots() - pool.entries.len();
-        let c = self.ctx(ctx)?;
-        let region = Arc::clone(&c.region);
-        let mut n = 0;
-        while i + n < end.min(i + room) && self.promotable(ctx, i + n, n > 0)? && region.state(i + n)? == SlotState::Resident {
-            n += 1;
-        }
-        if n < 2 {
-            return Ok(0);
-        }
-        if let Some(w) = &self.writer {
-            w.wait_context(ctx);
-        }
-        let pool = self.pool.as_mut().expect("checked");
-        let p0 = chunk_u32(pool.entries.len());
-        pool.entries.resize_with(pool.entries.len() + n, || None);
-        if !region.move_into(i, &pool.region, p0 as usize, n)? {
-            pool.entries.truncate(p0 as usize);
-            return Ok(0);
-        }
-        for k in 0..n {
-            self.adopt(ctx, i + k, p0 + chunk_u32(k), true)?;
-        }
-        Ok(n)
-    }
-
-    /// Whether chunk `i` of `ctx` may be promoted (`parent_follows`: the chunk before it is
-    /// being promoted in the same run, so it need not be in the pool yet).
-    fn promotable(&self, ctx: u64, i: usize, parent_follows: bool) -> Result<bool> {
+    /// Whether chunk `i` of `ctx` may be promoted (the chunk before it is a pool chunk).
+    fn promotable(&self, ctx: u64, i: usize) -> Result<bool> {
         let ct = self.codec.chunk_tokens();
         let c = self.ctx(ctx)?;
         let Some(m) = c.chunks.get(i) else { return Ok(false) };
-        let parent_ok = i == 0 || parent_follows || c.chunks[i - 1].shared.is_some();
+        let parent_ok = i == 0 || c.chunks[i - 1].shared.is_some();
         Ok(parent_ok
             && m.shared.is_none()
             && !c.in_call
@@ -824,10 +819,11 @@ impl Manager {
             && self.chunk_scope(ctx, i, &c.tokens).is_some())
     }
 
-    /// The bookkeeping of a promotion, once chunk `i` of `ctx` is in pool slot `p` (`moved`:
-    /// its pages changed hands): the pool's entry, index and log, the context's record
-    /// forgotten, LCTRU, the fault handler's expectations, the pool's record queued.
-    fn adopt(&mut self, ctx: u64, i: usize, p: u32, moved: bool) -> Result<()> {
+    /// The bookkeeping of a promotion, once chunk `i` of `ctx` is pool chunk `p` (`home`: its
+    /// bytes stay in the context's slot; else they are in the pool slot): the pool's entry,
+    /// index and log, the context's record forgotten, LCTRU, the fault handler's
+    /// expectations, the pool's record queued.
+    fn adopt(&mut self, ctx: u64, i: usize, p: u32, home: bool) -> Result<()> {
         let ct = self.codec.chunk_tokens();
         let c = self.ctx(ctx)?;
         let scope = self.chunk_scope(ctx, i, &c.tokens).expect("checked promotable");
@@ -837,10 +833,12 @@ impl Manager {
         };
         let m = c.chunks[i];
         let tokens: Box<[u32]> = c.tokens[i * ct..(i + 1) * ct].into();
+        let home = home.then(|| Home { ctx, region: Arc::clone(&c.region), slot: i });
         let len = self.codec.live_bytes(m.level, false);
         self.epochs += 1;
         let pool = self.pool.as_mut().expect("checked");
         pool.live += 1;
+        let at = home.as_ref().map_or(pool.region.slot_ptr(p as usize), |h| h.region.slot_ptr(h.slot));
         pool.entries[p as usize] = Some(Entry {
             scope,
             parent,
@@ -852,6 +850,9 @@ impl Manager {
             wanted: Vec::new(),
             calls: 0,
             epoch: self.epochs,
+            at: Arc::new(AtomicPtr::new(at)),
+            home,
+            retired: None,
         });
         pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
         pool.index_add((scope, m.prefix_hash), Ident::Pool(p));
@@ -871,28 +872,72 @@ impl Manager {
             ex.remove(&(ctx, chunk_u32(i)));
             ex.insert((POOL_CTX, p), meta);
         }
-        let pool_region = Arc::clone(&self.pool.as_ref().expect("checked").region);
-        self.write_aot_replacing(POOL_CTX, &pool_region, p as usize, &meta, len, Some((ctx, chunk_u32(i))))?;
-        let st = self.share_stats.entry(scope).or_default();
-        st.promoted += 1;
-        st.moved += u64::from(moved);
+        let (region, slot) = self.pool.as_ref().map(|pl| pl.loc(p)).map(|(r, s)| (Arc::clone(r), s)).expect("made");
+        self.write_aot_replacing(POOL_CTX, &region, slot, &meta, len, Some((ctx, chunk_u32(i))))?;
+        self.share_stats.entry(scope).or_default().promoted += 1;
         Ok(())
     }
 
-    /// Promotes `ctx`'s first `n` chunks, in runs where they can move together, until one
-    /// cannot be.
+    /// Promotes `ctx`'s first `n` chunks until one cannot be.
     fn promote_prefix(&mut self, ctx: u64, n: usize) -> Result<()> {
-        let mut i = 0;
-        while i < n {
-            let run = self.promote_run(ctx, i, n)?;
-            if run > 0 {
-                i += run;
-            } else if self.promote_own(ctx, i)?.is_some() {
-                i += 1;
-            } else {
+        for i in 0..n {
+            if self.promote_own(ctx, i)?.is_none() {
                 break;
             }
         }
+        Ok(())
+    }
+
+    /// Moves pool chunk `p` out of its home into its pool slot: its home context needs the
+    /// slot (it cuts back into the chunk) or goes. One UFFDIO_MOVE where the kernel has it
+    /// and no sharer holds the chunk in a call, else a copy. Every sharer's engine reads the
+    /// chunk at its new place from its next read on ([`Entry::at`]); pins of sharers in a
+    /// call move with it.
+    ///
+    /// `retire`: the home context is going while sharers are in a call, and one of their
+    /// passes may be reading the home slot on another thread right now: the chunk is copied
+    /// and the home slot's region kept mapped, untouched, until no sharer is in a call.
+    /// Without it the caller runs no pass meanwhile (the calling thread is the one that runs
+    /// them, or no sharer is in a call).
+    pub(super) fn unhome(&mut self, p: u32, retire: bool) -> Result<()> {
+        let Some(pool) = self.pool.as_ref() else { return Ok(()) };
+        let Some(e) = pool.get(p) else { return Ok(()) };
+        let Some(h) = e.home.as_ref() else { return Ok(()) };
+        let (region, slot, calls) = (Arc::clone(&h.region), h.slot, e.calls);
+        let len = self.codec.live_bytes(e.level, false);
+        let pool_region = Arc::clone(&pool.region);
+        if let Some(w) = &self.writer {
+            // The writer pins the home slot while it copies the pool's record from it (or
+            // the context's own, queued before the promotion).
+            w.wait_chunk((POOL_CTX, p));
+            w.wait_chunk((h.ctx, chunk_u32(slot)));
+        }
+        let retire = retire && calls > 0;
+        let mut moved = false;
+        if !retire {
+            for _ in 0..calls {
+                region.unpin(slot)?;
+            }
+            moved = region.move_into(slot, &pool_region, p as usize, 1)?;
+        }
+        if !moved {
+            self.stage_slot(&region, slot, len, len);
+            pool_region.copy_from(p as usize, &self.arena.as_mut_slice()[..self.slot_size], len)?;
+            if !retire {
+                region.discard(slot)?;
+            }
+        }
+        for _ in 0..calls {
+            pool_region.pin(p as usize)?;
+        }
+        let e = self.pool.as_mut().and_then(|pl| pl.get_mut(p)).expect("checked");
+        let h = e.home.take().expect("checked");
+        e.at.store(pool_region.slot_ptr(p as usize), Ordering::Release);
+        if retire {
+            e.retired = Some(h.region);
+        }
+        let scope = e.scope;
+        self.share_stats.entry(scope).or_default().moved += u64::from(moved);
         Ok(())
     }
 
@@ -914,11 +959,11 @@ impl Manager {
         let pool = self.pool.as_mut().expect("sharing");
         let e = pool.get_mut(p).expect("a live pool chunk");
         e.sharers.push((ctx, chunk_u32(i)));
-        let (level, scope) = (e.level, e.scope);
-        let ptr = NonNull::new(pool.region.slot_ptr(p as usize)).expect("mapped");
-        // SAFETY: the pool slot lives as long as the manager; `begin` makes it resident and
-        // pins it before the engine reads it, and nothing writes a shared chunk.
-        unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+        let (level, scope, at) = (e.level, e.scope, Arc::clone(&e.at));
+        // SAFETY: the chunk's slot (its home's or the pool's, which lives as long as the
+        // manager) stays mapped while `at` names it; `begin` makes it resident and pins it
+        // before the engine reads it, and nothing writes a shared chunk.
+        unsafe { kv.attach_moving(i, at, self.slot_size, level) }.map_err(engine)?;
         self.share_stats.entry(scope).or_default().reused += 1;
         Ok(level)
     }
@@ -927,23 +972,52 @@ impl Manager {
     /// calls and pinned); the chunk goes with its last sharer.
     pub(super) fn release(&mut self, ctx: u64, i: usize, p: u32, held: bool) {
         let Some(pool) = self.pool.as_mut() else { return };
-        let region = Arc::clone(&pool.region);
+        let (region, slot) = pool.loc(p);
+        let (region, slot) = (Arc::clone(region), slot);
         let Some(e) = pool.get_mut(p) else { return };
         e.sharers.retain(|&s| s != (ctx, chunk_u32(i)));
         e.wanted.retain(|&(c, _)| c != ctx);
         if held {
-            e.calls = e.calls.saturating_sub(1);
-            let _ = region.unpin(p as usize);
+            let _ = self.leave_call(p);
         }
+        let Some(e) = self.pool.as_ref().and_then(|pl| pl.get(p)) else { return };
         if !e.sharers.is_empty() {
             // Still held by others: reclaim may take it when none of them is in a call.
             let level = e.level;
-            if region.state(p as usize).is_ok_and(|s| s == SlotState::Resident) {
+            if region.state(slot).is_ok_and(|s| s == SlotState::Resident) {
                 self.lctru.touch((POOL_CTX, p), self.level_index(level));
             }
             return;
         }
         self.free_entry(p);
+    }
+
+    /// Pool chunk `p` was evicted where it was: if that was its home, it lives in its pool
+    /// slot from now on (read back there from its record when a sharer next needs it).
+    pub(super) fn left_home(&mut self, p: u32) {
+        let Some(pool) = self.pool.as_mut() else { return };
+        let ptr = pool.region.slot_ptr(p as usize);
+        if let Some(e) = pool.get_mut(p).filter(|e| e.home.is_some()) {
+            e.home = None;
+            e.at.store(ptr, Ordering::Release);
+        }
+    }
+
+    /// A sharer of pool chunk `p` is out of its call: one call fewer, one pin fewer where the
+    /// chunk is; with none left, a home it left during a call goes.
+    pub(super) fn leave_call(&mut self, p: u32) -> Result<()> {
+        let Some(pool) = self.pool.as_mut() else { return Ok(()) };
+        let (region, slot) = pool.loc(p);
+        let (region, slot) = (Arc::clone(region), slot);
+        let Some(e) = pool.get_mut(p) else { return Ok(()) };
+        e.calls = e.calls.saturating_sub(1);
+        let retired = if e.calls == 0 { e.retired.take() } else { None };
+        if let Some(r) = retired {
+            // No pass reads the old home now: its region goes (unmapped on the reaper).
+            self.store.reaper().release(Box::new(r));
+        }
+        region.unpin(slot)?;
+        Ok(())
     }
 
     /// Frees pool chunk `p` (no context holds it): its slot, record, name and place in LCTRU.
@@ -962,7 +1036,12 @@ impl Manager {
                 w.wait_context(POOL_CTX);
             }
         }
+        // A chunk still at home is its home context's to keep or drop (that context is the
+        // last sharer, releasing it: [`Manager::close`], [`Manager::unshare_from`]).
         let _ = region.discard(p as usize);
+        if let Some(r) = e.retired {
+            self.store.reaper().release(Box::new(r));
+        }
         self.store.discard(POOL_CTX, p);
         if let Some(pool) = self.pool.as_mut() {
             pool.free.push(p);
@@ -988,13 +1067,19 @@ impl Manager {
         let shared: Vec<(usize, u32)> = c.chunks.iter().enumerate().skip(from).filter_map(|(i, m)| m.shared.map(|p| (i, p))).collect();
         for &(i, p) in shared.iter().rev() {
             let m = self.ctx(ctx)?.chunks[i];
-            let pool_region = Arc::clone(&self.pool.as_ref().expect("sharing").region);
+            if self.pool.as_ref().and_then(|pl| pl.get(p)).and_then(|e| e.home.as_ref()).is_some_and(|h| h.ctx == ctx) {
+                // Its bytes are in this context's slot, which the context now wants for its own:
+                // they move to the pool slot (the caller runs the passes: none is running).
+                self.unhome(p, false)?;
+            }
+            let (at, at_slot) = self.pool.as_ref().expect("sharing").loc(p);
+            let (at, at_slot) = (Arc::clone(at), at_slot);
             let level = match how {
-                Unshare::Copy if pool_region.state(p as usize)? == SlotState::Resident => {
+                Unshare::Copy if at.state(at_slot)? == SlotState::Resident => {
                     let len = self.codec.live_bytes(m.level, false);
                     // Room for the base format: the engine brings a chunk it cuts into back to it.
                     let room = len.max(self.codec.chunk_bytes(base));
-                    self.stage_slot(&pool_region, p as usize, len, room);
+                    self.stage_slot(&at, at_slot, len, room);
                     if region.state(i)? == SlotState::Resident {
                         region.discard(i)?;
                     }
@@ -1133,7 +1218,7 @@ impl Manager {
     pub(super) fn want_level(&mut self, ctx: u64, p: u32, want: Format) -> Result<Format> {
         let background = self.background_levels;
         let pool = self.pool.as_mut().expect("sharing");
-        let region = Arc::clone(&pool.region);
+        let resident = pool.state(p)? == SlotState::Resident;
         let e = pool.get_mut(p).expect("a live pool chunk");
         match e.wanted.iter_mut().find(|(c, _)| *c == ctx) {
             Some(w) => w.1 = want,
@@ -1145,7 +1230,7 @@ impl Manager {
         if !all || e.calls > 0 || self.codec.chunk_bytes(heaviest) >= self.codec.chunk_bytes(cur) {
             return Ok(cur);
         }
-        if region.state(p as usize)? != SlotState::Resident {
+        if !resident {
             return Ok(cur);
         }
         let job = LevelJob { ctx: POOL_CTX, chunk: p as usize, from: cur, to: heaviest, epoch: e.epoch };
@@ -1183,16 +1268,16 @@ impl Manager {
             None => self.pool.as_ref().and_then(|pl| pl.get(p)).expect("a live pool chunk").level,
         };
         let pool = self.pool.as_mut().expect("sharing");
-        let region = Arc::clone(&pool.region);
+        let (region, slot) = pool.loc(p);
+        let (region, slot) = (Arc::clone(region), slot);
         let e = pool.get_mut(p).expect("a live pool chunk");
         if let Some(d) = density {
             e.density = e.density.max(d);
         }
-        let prefix_hash = e.prefix_hash;
+        let (prefix_hash, at) = (e.prefix_hash, Arc::clone(&e.at));
         if kv.format(i) != level {
-            let ptr = NonNull::new(region.slot_ptr(p as usize)).expect("mapped");
             // SAFETY: as in `attach_shared`; lowered just now, with no sharer in a call.
-            unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
+            unsafe { kv.attach_moving(i, at, self.slot_size, level) }.map_err(engine)?;
         }
         let tokens = chunk_u32(self.codec.chunk_tokens());
         let m = ChunkMeta { level, tokens, prefix_hash, density: density.unwrap_or(0.0), dead, shared: Some(p) };
@@ -1200,9 +1285,9 @@ impl Manager {
         let meta = self.pool_meta(p).expect("a live pool chunk");
         let queued = self.levelling.iter().any(|j| (j.ctx, j.chunk) == (POOL_CTX, p as usize));
         let pending = self.writer.as_ref().is_some_and(|w| w.is_pending((POOL_CTX, p)));
-        let resident = region.state(p as usize)? == SlotState::Resident;
+        let resident = region.state(slot)? == SlotState::Resident;
         if !queued && !pending && resident && !self.store.matches(&meta) {
-            self.write_aot_len(POOL_CTX, &region, p as usize, &meta, self.codec.live_bytes(level, false))?;
+            self.write_aot_len(POOL_CTX, &region, slot, &meta, self.codec.live_bytes(level, false))?;
         }
         if resident {
             self.lctru.touch((POOL_CTX, p), self.level_index(level));
