@@ -1,7 +1,9 @@
 //! Decode attention's work on one 16-token chunk of one KV head for a GQA group of 3 queries
 //! (the default model's shape), per format and step: the block's parameters parsed, the K
-//! scores, the K outliers' corrections, the V values. Prints the fastest of 40 rounds of each
-//! (ns), measured in turn so that the machine's noise falls on every format alike.
+//! scores, the K outliers' corrections, the V values; and a prefill job's (8 tokens by the
+//! group: 24 queries) int8 scores and values. Prints the fastest of 40 rounds of each (ns),
+//! measured in turn so that the machine's noise falls on every format alike, and the int8
+//! multiply-adds a ns of both shapes.
 //!
 //! `cargo run --release -p engine --example attention_kernels`
 //!
@@ -19,6 +21,8 @@ use engine::kv::{self, KvFormat, KvGeometry};
 const HD: usize = 64;
 const T: usize = 16;
 const NQ: usize = 3;
+/// Queries of a prefill job (8 tokens by a GQA group of 3).
+const PQ: usize = 24;
 const ROUNDS: usize = 40;
 const CALLS: usize = 50_000;
 
@@ -44,8 +48,24 @@ fn main() {
     let vblk = bytes(g.head_block_bytes(KvFormat::K4V3, 1), 53);
     let (mut zero, mut step, mut scales) = (vec![0f32; HD], vec![0f32; HD], vec![0f32; T]);
 
-    let names = ["int8 K scores", "int8 V values", "k4v3 K parse", "k4v3 K scores", "k4v3 K outliers", "k4v3 V parse", "k4v3 V values"];
-    let mut best = [f64::MAX; 7];
+    // A prefill job's shape: a tile of 8 tokens by the group's 3 heads.
+    let probs24: Vec<f32> = (0..PQ * T).map(|i| (i as f32 * 0.37).sin().abs() / T as f32).collect();
+    let q24: Vec<f32> = (0..PQ * HD).map(|i| (i as f32 * 0.11).cos()).collect();
+    let visible24 = [T; PQ];
+    let (mut scores24, mut out24) = (vec![0f32; PQ * T], vec![0f32; PQ * HD]);
+
+    let names = [
+        "int8 K scores",
+        "int8 V values",
+        "k4v3 K parse",
+        "k4v3 K scores",
+        "k4v3 K outliers",
+        "k4v3 V parse",
+        "k4v3 V values",
+        "int8 K scores 24q",
+        "int8 V values 24q",
+    ];
+    let mut best = [f64::MAX; 9];
     for _ in 0..ROUNDS {
         let mut time = |i: usize, f: &mut dyn FnMut()| {
             let s = Instant::now();
@@ -71,13 +91,19 @@ fn main() {
         let codes = kv::split_v_params(&vblk, 3, T, &mut scales);
         let v3 = KvRows::Token { codes, scales: &scales, bits: 3, levels: kv::split_v_levels(3) };
         time(6, &mut || chunk_values(&probs, T, 0, v3, &visible, HD, &mut out));
+        time(7, &mut || chunk_scores(&q24, HD, k8, &visible24, 0.125, &mut scores24, T, 0));
+        time(8, &mut || chunk_values(&probs24, T, 0, k8, &visible24, HD, &mut out24));
     }
     best[4] -= best[3];
     println!("one chunk (16 tokens) of one KV head, {NQ} queries, head_dim {HD}: fastest of {ROUNDS} rounds, ns");
     for (n, b) in names.iter().zip(best) {
         println!("  {n:<16} {b:7.1}");
     }
-    let (int8, k4v3) = (best[0] + best[1], best[2..].iter().sum::<f64>());
+    let (int8, k4v3) = (best[0] + best[1], best[2..7].iter().sum::<f64>());
+    // Multiply-adds a call: queries x tokens x head_dim.
+    for (n, q, b) in [("3q", NQ, best[0] + best[1]), ("24q", PQ, best[7] + best[8])] {
+        println!("  int8 K+V, {n}: {:.1} multiply-adds a ns", (2 * q * T * HD) as f64 / b);
+    }
     println!("  int8 total {int8:.1}, k4v3 total {k4v3:.1}: k4v3 at {:.2}x int8's speed", int8 / k4v3);
-    black_box((&scores, &out));
+    black_box((&scores, &out, &scores24, &out24));
 }

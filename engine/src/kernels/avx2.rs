@@ -862,8 +862,10 @@ impl RowLoad for F16Rows {
 impl RowLoad for I8Rows {
     #[inline(always)]
     unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
-        let sb = self.0.add(2 * t);
-        let s = _mm256_set1_ps(f16::from_le_bytes([*sb, *sb.add(1)]).to_f32());
+        // The row's f16 scale widened in a register (F16C: exact, as `f16::to_f32`, which was
+        // a call a row).
+        let bits = self.0.add(2 * t).cast::<i16>().read_unaligned();
+        let s = _mm256_cvtph_ps(_mm_set1_epi16(bits));
         let p = self.0.add(self.1 * 2 + t * hd + 8 * c0);
         for c in 0..n {
             let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
@@ -1072,9 +1074,10 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
 type RowBlock = [[__m256; 32]; 8];
 
 /// The dot products of `Q` queries with the `m` (<= 8) rows of `rows`, written to
-/// `part[8 * i + j]` as 8 lane sums (query `i`, row `j`). Two rows at a time against every
-/// query: 2Q independent chains of fused multiply-adds (one chain a dot, in channel order as
-/// the reference takes it), where one dot at a time left the multiply-add's latency exposed.
+/// `part[8 * i + j]` as 8 lane sums (query `i`, row `j`): three rows at a time against every
+/// query, 3Q independent chains of fused multiply-adds (one chain a dot, in channel order as
+/// the reference takes it). One dot at a time left the multiply-add's latency exposed; two
+/// rows (six chains for a GQA group of 3) still waited on it.
 #[inline(always)]
 unsafe fn dots<const Q: usize>(
     rows: *const [__m256; 32],
@@ -1085,24 +1088,40 @@ unsafe fn dots<const Q: usize>(
 ) {
     let mut j = 0;
     while j < m {
-        let two = j + 1 < m;
-        let (p0, p1) = (rows.add(j).cast::<__m256>(), rows.add(j + usize::from(two)).cast::<__m256>());
-        let mut acc = [[_mm256_setzero_ps(); 2]; Q];
-        for c in 0..lanes {
-            let (r0, r1) = (p0.add(c).read(), p1.add(c).read());
-            for (i, a) in acc.iter_mut().enumerate() {
-                let qc = query(i, c);
-                a[0] = _mm256_fmadd_ps(r0, qc, a[0]);
-                a[1] = _mm256_fmadd_ps(r1, qc, a[1]);
+        let k = (m - j).min(3);
+        match k {
+            3 => dots_rows::<Q, 3>(rows, j, lanes, &query, part),
+            2 => dots_rows::<Q, 2>(rows, j, lanes, &query, part),
+            _ => dots_rows::<Q, 1>(rows, j, lanes, &query, part),
+        }
+        j += k;
+    }
+}
+
+/// [`dots`] for rows `j..j + R`.
+#[inline(always)]
+unsafe fn dots_rows<const Q: usize, const R: usize>(
+    rows: *const [__m256; 32],
+    j: usize,
+    lanes: usize,
+    query: &impl Fn(usize, usize) -> __m256,
+    part: *mut __m256,
+) {
+    let p: [*const __m256; R] = std::array::from_fn(|r| rows.add(j + r).cast::<__m256>());
+    let mut acc = [[_mm256_setzero_ps(); R]; Q];
+    for c in 0..lanes {
+        let x: [__m256; R] = std::array::from_fn(|r| p[r].add(c).read());
+        for (i, a) in acc.iter_mut().enumerate() {
+            let qc = query(i, c);
+            for (slot, xr) in a.iter_mut().zip(&x) {
+                *slot = _mm256_fmadd_ps(*xr, qc, *slot);
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            part.add(8 * i + j).write(a[0]);
-            if two {
-                part.add(8 * i + j + 1).write(a[1]);
-            }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (r, v) in a.iter().enumerate() {
+            part.add(8 * i + j + r).write(*v);
         }
-        j += 2;
     }
 }
 
@@ -1244,27 +1263,139 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
-    with_rows!(v, rows => values_with(rows, probs, ld, col0, visible, hd, out));
+    if let KvRows::F32(rows) = v {
+        values_rows(rows.as_ptr(), probs, ld, col0, visible, hd, out.as_mut_ptr());
+        return;
+    }
+    if visible.len() <= 3 {
+        with_rows!(v, rows => values_inline(rows, probs, ld, col0, visible, hd, out));
+        return;
+    }
+    with_rows!(v, rows => values_buffered(rows, probs, ld, col0, visible, hd, out));
+}
+
+/// Rows [`values_rows`] takes decoded at a time.
+const VALUES_BLOCK: usize = 16;
+
+/// [`chunk_values`] for more queries than one tile (a prefill job's) over rows that are not
+/// f32: decoded [`VALUES_BLOCK`] at a time into a buffer on the stack, then [`values_rows`]
+/// (each output still adds its rows in token order: the same bits).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_buffered<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut rows = std::mem::MaybeUninit::<[__m256; VALUES_BLOCK * 32]>::uninit();
+    let rp = rows.as_mut_ptr().cast::<__m256>();
+    let mut vis = [0usize; 64];
+    for t0 in (0..n).step_by(VALUES_BLOCK) {
+        let m = (n - t0).min(VALUES_BLOCK);
+        for j in 0..m {
+            v.load_lanes(t0 + j, hd, 0, rp.add(j * lanes), lanes);
+        }
+        for q0 in (0..visible.len()).step_by(64) {
+            let part = &visible[q0..(q0 + 64).min(visible.len())];
+            for (d, &s) in vis.iter_mut().zip(part) {
+                *d = s.saturating_sub(t0).min(m);
+            }
+            // The block's rows at stride `hd`: only rows below `m` are read.
+            values_rows(rp.cast::<f32>(), probs, ld, q0 * ld + col0 + t0, &vis[..part.len()], hd, out.as_mut_ptr().add(q0 * hd));
+        }
+    }
+}
+
+/// `out_i += sum_t probs[i * ld + col0 + t] * row_t` from f32 rows at stride `hd`, in tiles of
+/// up to 3 queries by 3 lanes (as [`values_inline`]'s: 9 accumulators and 3 row vectors in
+/// registers). A prefill job's 24 queries read the decoded rows 8 times from L1 instead of
+/// decoding them 8 times: 711-751 ns a 16-token int8 chunk before, 495-519 after.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_rows(rows: *const f32, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: *mut f32) {
+    let lanes = hd / 8;
+    for q0 in (0..visible.len()).step_by(3) {
+        let vis = &visible[q0..(q0 + 3).min(visible.len())];
+        let (o, col) = (out.add(q0 * hd), q0 * ld + col0);
+        for c0 in (0..lanes).step_by(3) {
+            let tile = (rows, probs, ld, col, vis, hd, o, c0);
+            match (vis.len(), lanes - c0) {
+                (3, 3..) => rows_tile::<3, 3>(tile),
+                (2, 3..) => rows_tile::<2, 3>(tile),
+                (_, 3..) => rows_tile::<1, 3>(tile),
+                (3, w) => rows_tile_narrow::<3>(tile, w),
+                (2, w) => rows_tile_narrow::<2>(tile, w),
+                (_, w) => rows_tile_narrow::<1>(tile, w),
+            }
+        }
+    }
+}
+
+/// Rows, probabilities, their stride, the tile's first probability column, its queries'
+/// visible counts, `hd`, its first output, its first lane.
+type RowsTile<'a> = (*const f32, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_tile_narrow<const Q: usize>(tile: RowsTile, width: usize) {
+    match width {
+        2 => rows_tile::<Q, 2>(tile),
+        _ => rows_tile::<Q, 1>(tile),
+    }
+}
+
+/// `Q` queries by `N` lanes of [`values_rows`], accumulated in token order (the reference's).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_tile<const Q: usize, const N: usize>((rows, probs, ld, col, vis, hd, o, c0): RowsTile) {
+    let mut acc = [[_mm256_setzero_ps(); N]; Q];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (c, slot) in a.iter_mut().enumerate() {
+            *slot = _mm256_loadu_ps(o.add(i * hd + 8 * (c0 + c)));
+        }
+    }
+    let n = vis.iter().copied().max().unwrap_or(0);
+    for t in 0..n {
+        let r = rows.add(t * hd + 8 * c0);
+        let row: [__m256; N] = std::array::from_fn(|c| _mm256_loadu_ps(r.add(8 * c)));
+        for (i, a) in acc.iter_mut().enumerate() {
+            if t >= *vis.get_unchecked(i) {
+                continue;
+            }
+            let w = _mm256_set1_ps(*probs.get_unchecked(col + i * ld + t));
+            for (slot, x) in a.iter_mut().zip(&row) {
+                *slot = _mm256_fmadd_ps(w, *x, *slot);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (c, slot) in a.iter().enumerate() {
+            _mm256_storeu_ps(o.add(i * hd + 8 * (c0 + c)), *slot);
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn values_with<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
-    // Tiles of up to 3 queries by 4 lanes: 12 accumulators and 4 row vectors fill the 16
-    // registers, and each output is loaded and stored once a chunk instead of once a token
-    // (a load-FMA-store chain through memory per token was most of this kernel's time). A row
-    // is decoded once per 3 queries: a decode step's group (GQA) is one tile.
+unsafe fn values_inline<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    // [`chunk_values`] for a decode step's GQA group (up to 3 queries: one tile, each row
+    // decoded once, where it is used). Tiles of up to 3 queries by 3 lanes: 9 accumulators
+    // and 3 row vectors in the 16 registers, each output loaded and stored once a chunk
+    // instead of once a token. With 4 lanes (12 accumulators and 4 rows) three accumulators
+    // lived on the stack and their store-to-load chains bounded the loop; 3 lanes took an
+    // int8 chunk's values from 105-110 to 76-83 ns (`cargo run --release -p engine --example
+    // attention_kernels`).
     let lanes = hd / 8;
     for q0 in (0..visible.len()).step_by(3) {
         let vis = &visible[q0..(q0 + 3).min(visible.len())];
         let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
-        for c0 in (0..lanes).step_by(4) {
+        for c0 in (0..lanes).step_by(3) {
             let tile = (v, probs, ld, col, vis, hd, o, c0);
             match (vis.len(), lanes - c0) {
-                (3, 4..) => values_tile::<L, 3, 4>(tile),
-                (2, 4..) => values_tile::<L, 2, 4>(tile),
-                (_, 4..) => values_tile::<L, 1, 4>(tile),
+                (3, 3..) => values_tile::<L, 3, 3>(tile),
+                (2, 3..) => values_tile::<L, 2, 3>(tile),
+                (_, 3..) => values_tile::<L, 1, 3>(tile),
                 (3, w) => values_tile_narrow::<L, 3>(tile, w),
                 (2, w) => values_tile_narrow::<L, 2>(tile, w),
                 (_, w) => values_tile_narrow::<L, 1>(tile, w),
@@ -1281,13 +1412,12 @@ type ValuesTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *m
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values_tile_narrow<L: RowLoad, const Q: usize>(tile: ValuesTile<L>, width: usize) {
     match width {
-        3 => values_tile::<L, Q, 3>(tile),
         2 => values_tile::<L, Q, 2>(tile),
         _ => values_tile::<L, Q, 1>(tile),
     }
 }
 
-/// `Q` queries by `N` lanes of [`values_with`], accumulated in registers in token order (the
+/// `Q` queries by `N` lanes of [`values_inline`], accumulated in registers in token order (the
 /// reference's order, so the same bits).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -1131,7 +1131,7 @@ mod tests {
     fn attention_kernels_equal_the_references_bit_for_bit() {
         use crate::kv::{self, KvFormat, KvGeometry};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
-        // Head widths of 1 to 32 lanes (the values kernel's tiles: 4 lanes and narrower).
+        // Head widths of 1 to 32 lanes (the values kernel's tiles: 3 lanes and narrower).
         for hd in [8, 24, 48, 64, 128, 256, 12] {
             let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: 16 };
             let vals: Vec<f32> = (0..16 * hd).map(|_| rng.gen_range(-3.0..3.0)).collect();
