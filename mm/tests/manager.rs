@@ -820,6 +820,19 @@ fn a_fork_holds_one_copy_and_copies_on_write() {
     mm.end(5, &mut f).unwrap();
 }
 
+/// Context `src` of scope 7 made with `n` tokens in one call, and `dst` forked from it (every
+/// full chunk shared); with `src`'s slots' address range.
+fn made_and_forked(mm: &mut Manager, src: u64, dst: u64, n: usize, tok: &mut u32) -> (FakeKv, FakeKv, (usize, usize)) {
+    mm.set_scope(src, 7);
+    mm.create(src).unwrap();
+    let mut a = FakeKv::default();
+    append(mm, src as usize, &mut a, n, tok, None).unwrap();
+    let range = mm.region_range(src).unwrap();
+    let mut b = FakeKv { tokens: a.tokens.clone(), ..FakeKv::default() };
+    assert_eq!(mm.fork(src, dst, &mut b).unwrap(), n / CT);
+    (a, b, range)
+}
+
 /// A shared chunk stays in the slot it was made in (its home) until that slot is needed:
 /// evicted there and read back into the pool's slot; moved (copied, while a sharer is in a
 /// call) when its context goes or cuts back into it. Every sharer reads the right bytes
@@ -851,13 +864,7 @@ fn shared_chunks_stay_home_until_their_slot_is_needed() {
     // C forks D; C goes while D is in a call (from another thread, as the service's
     // registry does): D's pass may be reading C's slot, so the chunks are copied and C's
     // region stays mapped until D's call ends.
-    mm.set_scope(3, 7);
-    mm.create(3).unwrap();
-    let mut c = FakeKv::default();
-    append(&mut mm, 3, &mut c, 5 * CT + 3, &mut tok, None).unwrap();
-    let c_range = mm.region_range(3).unwrap();
-    let mut d = FakeKv { tokens: c.tokens.clone(), ..FakeKv::default() };
-    assert_eq!(mm.fork(3, 4, &mut d).unwrap(), 5);
+    let (_, mut d, c_range) = made_and_forked(&mut mm, 3, 4, 5 * CT + 3, &mut tok);
     mm.begin(4, &mut d, Load::Planned).unwrap();
     let old: Vec<*mut u8> = (0..5).map(|i| d.ptr(i)).collect();
     assert!(old.iter().all(|&p| home(p, c_range)));
@@ -878,13 +885,7 @@ fn shared_chunks_stay_home_until_their_slot_is_needed() {
 
     // E forks F; E cuts back into its chunk 2 while F is in a call: E's chunks 2.. leave
     // E's slots for the pool's (F keeps reading them), E writes its own there.
-    mm.set_scope(5, 7);
-    mm.create(5).unwrap();
-    let mut e = FakeKv::default();
-    append(&mut mm, 5, &mut e, 4 * CT + 1, &mut tok, None).unwrap();
-    let e_range = mm.region_range(5).unwrap();
-    let mut f = FakeKv { tokens: e.tokens.clone(), ..FakeKv::default() };
-    assert_eq!(mm.fork(5, 6, &mut f).unwrap(), 4);
+    let (mut e, mut f, e_range) = made_and_forked(&mut mm, 5, 6, 4 * CT + 1, &mut tok);
     mm.begin(6, &mut f, Load::Planned).unwrap();
     mm.begin(5, &mut e, Load::Planned).unwrap();
     mm.truncate(5, &mut e, 2 * CT + 3).unwrap();

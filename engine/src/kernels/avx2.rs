@@ -1263,23 +1263,21 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
-    if let KvRows::F32(rows) = v {
-        values_rows(rows.as_ptr(), probs, ld, col0, visible, hd, out.as_mut_ptr());
-        return;
-    }
-    if visible.len() <= 3 {
+    if visible.len() <= 3 || matches!(v, KvRows::F32(_)) {
         with_rows!(v, rows => values_inline(rows, probs, ld, col0, visible, hd, out));
         return;
     }
     with_rows!(v, rows => values_buffered(rows, probs, ld, col0, visible, hd, out));
 }
 
-/// Rows [`values_rows`] takes decoded at a time.
+/// Rows [`values_buffered`] decodes at a time.
 const VALUES_BLOCK: usize = 16;
 
 /// [`chunk_values`] for more queries than one tile (a prefill job's) over rows that are not
-/// f32: decoded [`VALUES_BLOCK`] at a time into a buffer on the stack, then [`values_rows`]
-/// (each output still adds its rows in token order: the same bits).
+/// f32: decoded [`VALUES_BLOCK`] at a time into a buffer on the stack and read from there by
+/// every tile of [`values_inline`] (each output still adds its rows in token order: the same
+/// bits). A prefill job's 24 queries read the decoded rows 8 times from L1 instead of decoding
+/// them 8 times: 711-751 ns a 16-token int8 chunk before, 495-519 after.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1300,77 +1298,8 @@ unsafe fn values_buffered<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usi
                 *d = s.saturating_sub(t0).min(m);
             }
             // The block's rows at stride `hd`: only rows below `m` are read.
-            values_rows(rp.cast::<f32>(), probs, ld, q0 * ld + col0 + t0, &vis[..part.len()], hd, out.as_mut_ptr().add(q0 * hd));
-        }
-    }
-}
-
-/// `out_i += sum_t probs[i * ld + col0 + t] * row_t` from f32 rows at stride `hd`, in tiles of
-/// up to 3 queries by 3 lanes (as [`values_inline`]'s: 9 accumulators and 3 row vectors in
-/// registers). A prefill job's 24 queries read the decoded rows 8 times from L1 instead of
-/// decoding them 8 times: 711-751 ns a 16-token int8 chunk before, 495-519 after.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn values_rows(rows: *const f32, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: *mut f32) {
-    let lanes = hd / 8;
-    for q0 in (0..visible.len()).step_by(3) {
-        let vis = &visible[q0..(q0 + 3).min(visible.len())];
-        let (o, col) = (out.add(q0 * hd), q0 * ld + col0);
-        for c0 in (0..lanes).step_by(3) {
-            let tile = (rows, probs, ld, col, vis, hd, o, c0);
-            match (vis.len(), lanes - c0) {
-                (3, 3..) => rows_tile::<3, 3>(tile),
-                (2, 3..) => rows_tile::<2, 3>(tile),
-                (_, 3..) => rows_tile::<1, 3>(tile),
-                (3, w) => rows_tile_narrow::<3>(tile, w),
-                (2, w) => rows_tile_narrow::<2>(tile, w),
-                (_, w) => rows_tile_narrow::<1>(tile, w),
-            }
-        }
-    }
-}
-
-/// Rows, probabilities, their stride, the tile's first probability column, its queries'
-/// visible counts, `hd`, its first output, its first lane.
-type RowsTile<'a> = (*const f32, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tile_narrow<const Q: usize>(tile: RowsTile, width: usize) {
-    match width {
-        2 => rows_tile::<Q, 2>(tile),
-        _ => rows_tile::<Q, 1>(tile),
-    }
-}
-
-/// `Q` queries by `N` lanes of [`values_rows`], accumulated in token order (the reference's).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_tile<const Q: usize, const N: usize>((rows, probs, ld, col, vis, hd, o, c0): RowsTile) {
-    let mut acc = [[_mm256_setzero_ps(); N]; Q];
-    for (i, a) in acc.iter_mut().enumerate() {
-        for (c, slot) in a.iter_mut().enumerate() {
-            *slot = _mm256_loadu_ps(o.add(i * hd + 8 * (c0 + c)));
-        }
-    }
-    let n = vis.iter().copied().max().unwrap_or(0);
-    for t in 0..n {
-        let r = rows.add(t * hd + 8 * c0);
-        let row: [__m256; N] = std::array::from_fn(|c| _mm256_loadu_ps(r.add(8 * c)));
-        for (i, a) in acc.iter_mut().enumerate() {
-            if t >= *vis.get_unchecked(i) {
-                continue;
-            }
-            let w = _mm256_set1_ps(*probs.get_unchecked(col + i * ld + t));
-            for (slot, x) in a.iter_mut().zip(&row) {
-                *slot = _mm256_fmadd_ps(w, *x, *slot);
-            }
-        }
-    }
-    for (i, a) in acc.iter().enumerate() {
-        for (c, slot) in a.iter().enumerate() {
-            _mm256_storeu_ps(o.add(i * hd + 8 * (c0 + c)), *slot);
+            let block = F32Rows(rp.cast::<f32>());
+            values_inline(&block, &probs[q0 * ld..], ld, col0 + t0, &vis[..part.len()], hd, &mut out[q0 * hd..]);
         }
     }
 }
@@ -1380,7 +1309,8 @@ unsafe fn rows_tile<const Q: usize, const N: usize>((rows, probs, ld, col, vis, 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values_inline<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
     // [`chunk_values`] for a decode step's GQA group (up to 3 queries: one tile, each row
-    // decoded once, where it is used). Tiles of up to 3 queries by 3 lanes: 9 accumulators
+    // decoded once, where it is used) and for f32 rows (decoded up front, or by
+    // [`values_buffered`]). Tiles of up to 3 queries by 3 lanes: 9 accumulators
     // and 3 row vectors in the 16 registers, each output loaded and stored once a chunk
     // instead of once a token. With 4 lanes (12 accumulators and 4 rows) three accumulators
     // lived on the stack and their store-to-load chains bounded the loop; 3 lanes took an
