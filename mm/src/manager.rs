@@ -814,11 +814,7 @@ impl Manager {
             .collect();
         let mut kept = Vec::new();
         for p in homed {
-            let slot = self.pool.as_ref().and_then(|pl| pl.get(p)).and_then(|e| e.home.as_ref()).map(|h| h.slot);
-            self.unhome(p, true)?;
-            if self.pool.as_ref().and_then(|pl| pl.get(p)).is_some_and(|e| e.retired.is_some()) {
-                kept.extend(slot);
-            }
+            kept.extend(self.unhome(p, true)?);
         }
         for &(i, p) in shared.iter().rev() {
             self.release(ctx, i, p, in_call);
@@ -1859,7 +1855,7 @@ impl Manager {
             self.save_and_evict_as(&region, slot, &meta, self.codec.live_bytes(meta.format, false))?;
             let freed = before.saturating_sub(region.resident_bytes());
             self.stats.evicted_bytes += freed as u64;
-            self.left_home(v.1);
+            let _ = self.left_home(v.1);
             return Ok(freed);
         }
         let region = Arc::clone(&self.ctx(ctx)?.region);

@@ -898,11 +898,11 @@ impl Manager {
     /// passes may be reading the home slot on another thread right now: the chunk is copied
     /// and the home slot's region kept mapped, untouched, until no sharer is in a call.
     /// Without it the caller runs no pass meanwhile (the calling thread is the one that runs
-    /// them, or no sharer is in a call).
-    pub(super) fn unhome(&mut self, p: u32, retire: bool) -> Result<()> {
-        let Some(pool) = self.pool.as_ref() else { return Ok(()) };
-        let Some(e) = pool.get(p) else { return Ok(()) };
-        let Some(h) = e.home.as_ref() else { return Ok(()) };
+    /// them, or no sharer is in a call). Returns the home slot when it was kept so.
+    pub(super) fn unhome(&mut self, p: u32, retire: bool) -> Result<Option<usize>> {
+        let Some(pool) = self.pool.as_ref() else { return Ok(None) };
+        let Some(e) = pool.get(p) else { return Ok(None) };
+        let Some(h) = e.home.as_ref() else { return Ok(None) };
         let (region, slot, calls) = (Arc::clone(&h.region), h.slot, e.calls);
         let len = self.codec.live_bytes(e.level, false);
         let pool_region = Arc::clone(&pool.region);
@@ -930,15 +930,14 @@ impl Manager {
         for _ in 0..calls {
             pool_region.pin(p as usize)?;
         }
+        let h = self.left_home(p).expect("checked");
         let e = self.pool.as_mut().and_then(|pl| pl.get_mut(p)).expect("checked");
-        let h = e.home.take().expect("checked");
-        e.at.store(pool_region.slot_ptr(p as usize), Ordering::Release);
         if retire {
             e.retired = Some(h.region);
         }
         let scope = e.scope;
         self.share_stats.entry(scope).or_default().moved += u64::from(moved);
-        Ok(())
+        Ok(retire.then_some(slot))
     }
 
     /// Holds back (`true`) the AoT writer's jobs and the pool log's records until released
@@ -992,15 +991,16 @@ impl Manager {
         self.free_entry(p);
     }
 
-    /// Pool chunk `p` was evicted where it was: if that was its home, it lives in its pool
-    /// slot from now on (read back there from its record when a sharer next needs it).
-    pub(super) fn left_home(&mut self, p: u32) {
-        let Some(pool) = self.pool.as_mut() else { return };
+    /// Pool chunk `p` is in its pool slot from now on (moved there, or evicted at its home and
+    /// read back there when a sharer next needs it): every sharer's engine reads it there.
+    /// Returns the home it left, if it had one.
+    pub(super) fn left_home(&mut self, p: u32) -> Option<Home> {
+        let pool = self.pool.as_mut()?;
         let ptr = pool.region.slot_ptr(p as usize);
-        if let Some(e) = pool.get_mut(p).filter(|e| e.home.is_some()) {
-            e.home = None;
-            e.at.store(ptr, Ordering::Release);
-        }
+        let e = pool.get_mut(p)?;
+        let h = e.home.take()?;
+        e.at.store(ptr, Ordering::Release);
+        Some(h)
     }
 
     /// A sharer of pool chunk `p` is out of its call: one call fewer, one pin fewer where the
