@@ -105,6 +105,12 @@ impl std::fmt::Debug for ThreadPool {
 
 impl ThreadPool {
     pub fn new(n: usize) -> Self {
+        Self::with_start(n, || {})
+    }
+
+    /// [`ThreadPool::new`], each worker thread running `start` first (a service sets how the
+    /// OS schedules its threads, say; the calling thread, participant 0, is the caller's).
+    pub fn with_start(n: usize, start: fn()) -> Self {
         let n = n.max(1);
         let shared = Arc::new(Shared {
             state: AtomicU64::new(CLOSED),
@@ -119,7 +125,13 @@ impl ThreadPool {
         let workers = (1..n)
             .map(|idx| {
                 let s = Arc::clone(&shared);
-                std::thread::Builder::new().name(format!("llms-worker-{idx}")).spawn(move || worker(&s, idx)).expect("spawn worker thread")
+                std::thread::Builder::new()
+                    .name(format!("llms-worker-{idx}"))
+                    .spawn(move || {
+                        start();
+                        worker(&s, idx);
+                    })
+                    .expect("spawn worker thread")
             })
             .collect();
         Self { n, shared, workers, busy: Mutex::new(()), profiling: AtomicBool::new(false), profile: Mutex::new(Vec::new()) }

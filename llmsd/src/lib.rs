@@ -2,12 +2,13 @@
 //! socket (the native protocol) and an OpenAI-compatible HTTP front ([`service`]); its settings
 //! ([`config`]); the adapter that lets the memory manager (`mm`) drive the engine's KV cache
 //! ([`kvmm`]); paged weights ([`weights`]); the load profile it plans switches with
-//! ([`profile`]). The `llms` CLI and the evaluation live in the `tools` crate; the map of the
-//! crates: docs/ARCHITECTURE.md.
+//! ([`profile`]); how the kernel schedules the model's threads ([`sched`]). The `llms` CLI
+//! and the evaluation live in the `tools` crate; the map of the crates: docs/ARCHITECTURE.md.
 
 pub mod config;
 pub mod kvmm;
 pub mod profile;
+pub mod sched;
 pub mod service;
 pub mod size;
 pub mod stats;

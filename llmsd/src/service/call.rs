@@ -286,6 +286,8 @@ impl Service {
     /// `prefill_piece` tokens inside the others' decode steps (whole when nothing decodes); a
     /// call that ends leaves at once. Runs until the service stops and its calls have ended.
     pub(super) fn worker(&self) {
+        // The pool's participant 0: a long slice as its other threads (crate::sched).
+        crate::sched::long_slice_or_warn();
         let mut scratch = Scratch::default();
         let mut active: Vec<Active> = Vec::new();
         let mut cost = PassCost::default();

@@ -235,7 +235,9 @@ impl Service {
         if cfg.max_context_tokens > model.config.ctx_len {
             bail!("max_context_tokens {} is over the model's context length {}", cfg.max_context_tokens, model.config.ctx_len);
         }
-        let pool = Arc::new(ThreadPool::new(threads));
+        // Its threads and the worker's take long CPU slices: the threads that stream tokens (and
+        // the apps waiting for them) preempt the passes when they wake (crate::sched).
+        let pool = Arc::new(ThreadPool::with_start(threads, crate::sched::long_slice_or_warn));
         // A base model (no template, no ChatML tokens) serves raw completions; a template
         // llmsd cannot continue is still an error at start.
         let turns = match Turns::new(&model) {
