@@ -21,8 +21,7 @@
 /// 1 + log2 of the CPUs: 3 ms at 8) so that any default thread preempts them. A pass's
 /// threads wait for one another at every operation, so a preempted one holds the pass back
 /// either way; what the long slice changes is who waits: the pass, a little, rather than a
-/// token's delivery. (`tools/bench/ab`, 4 clients of `llms bench-serve`, 10 ms: inter-token
-/// p99 0.72-0.80x the default's, docs/notes/llmsd.md.)
+/// token's delivery (4 clients of `llms bench-serve`: docs/results/serve-ab-slice.json).
 pub const POOL_SLICE_NS: u64 = 10_000_000;
 
 /// Asks `ns` of slice for the calling thread, keeping its nice value. An error is the kernel's
