@@ -164,14 +164,24 @@ pub(super) fn read(dir: &Path, id: &str) -> Found {
     }
 }
 
-/// Writes `saved` atomically, keeping the file it replaces as the previous good copy.
+/// Writes `saved` atomically, keeping the file it replaces as the previous good copy, and
+/// makes it durable (file and directory synced) before it returns.
 pub(super) fn write(dir: &Path, saved: &Saved) -> Result<()> {
+    write_as(dir, saved, true)
+}
+
+/// [`write`] without the syncs (`durable` false): as safe against a crash of the process (the
+/// file is whole in the page cache once renamed), not against a power loss, after which the
+/// file may be missing. For a context nothing was acknowledged in yet.
+pub(super) fn write_as(dir: &Path, saved: &Saved, durable: bool) -> Result<()> {
     let (p, prev) = (path(dir, &saved.ctx), prev_path(dir, &saved.ctx));
     let tmp = dir.join(format!("{}.json.tmp", saved.ctx));
     // Conversations are private to the service: 0600 whatever the umask.
     let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
     f.write_all(&encode(saved)?)?;
-    f.sync_all()?;
+    if durable {
+        f.sync_all()?;
+    }
     if p.exists() {
         // The current file becomes the previous copy (a second name for the same inode, made
         // under a temporary name and renamed: `prev` is always a whole file).
@@ -184,7 +194,9 @@ pub(super) fn write(dir: &Path, saved: &Saved) -> Result<()> {
         std::fs::rename(&prev_tmp, &prev)?;
     }
     std::fs::rename(&tmp, &p)?;
-    std::fs::File::open(dir)?.sync_all()?;
+    if durable {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
     Ok(())
 }
 
@@ -304,6 +316,22 @@ mod tests {
             last_used: 0,
             notice: String::new(),
         }
+    }
+
+    #[test]
+    fn a_file_written_without_syncs_is_whole_and_the_next_save_keeps_it_as_previous() {
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().join("contexts");
+        std::fs::create_dir(&dir).unwrap();
+        let id = "fedcba9876543210fedcba9876543210";
+        let mut s = saved(id);
+        write_as(dir.as_path(), &s, false).unwrap();
+        assert!(matches!(read(dir.as_path(), id), Found::Current(x) if x.tokens == [1, 2, 3]));
+        assert!(!dir.join(format!("{id}.json.tmp")).exists(), "the temporary file was renamed");
+        s.tokens.push(4);
+        write(dir.as_path(), &s).unwrap();
+        std::fs::write(path(dir.as_path(), id), b"torn").unwrap();
+        assert!(matches!(read(dir.as_path(), id), Found::Previous(x, _) if x.tokens == [1, 2, 3]));
     }
 
     #[test]

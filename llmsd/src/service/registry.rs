@@ -179,7 +179,12 @@ impl Service {
             last_used: super::history::now_ms(),
             notice: String::new(),
         };
-        if let Err(e) = self.save(&saved) {
+        // A context the HTTP front makes for a request (`auto`) is acknowledged with the
+        // request's first turn, whose save is durable; until then a power loss may take its
+        // file, and the next start frees its data (an unknown context's). The syncs, on the
+        // worker every call waits for, were most of a branch's `resolve` (0.4-0.6 ms of
+        // 0.6-0.9: docs/notes/llmsd.md). A context made by `new` is acknowledged now.
+        if let Err(e) = ctxfile::write_as(&self.ctx_dir, &saved, !auto) {
             let _ = lock(&self.mm).delete(mm_id);
             return Err(fail(e));
         }
