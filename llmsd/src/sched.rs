@@ -26,7 +26,7 @@ pub const POOL_SLICE_NS: u64 = 10_000_000;
 
 /// Asks `ns` of slice for the calling thread, keeping its nice value. An error is the kernel's
 /// refusal (a seccomp filter, say); the thread keeps the default slice and works as before.
-pub fn set_slice(ns: u64) -> std::io::Result<()> {
+fn set_slice(ns: u64) -> std::io::Result<()> {
     // SAFETY: an all-zero sched_attr is a valid value (SCHED_OTHER, nice 0, no flags).
     let mut a: libc::sched_attr = unsafe { std::mem::zeroed() };
     a.size = u32::try_from(std::mem::size_of::<libc::sched_attr>()).unwrap_or(u32::MAX);
@@ -53,24 +53,24 @@ pub fn long_slice_or_warn() {
     }
 }
 
-/// The calling thread's slice as the kernel reports it (`sched_runtime`), in ns: 0 before
-/// Linux 6.12, which has no per-thread slice for SCHED_OTHER.
-pub fn slice_ns() -> std::io::Result<u64> {
-    // SAFETY: as above.
-    let mut a: libc::sched_attr = unsafe { std::mem::zeroed() };
-    let size = u32::try_from(std::mem::size_of::<libc::sched_attr>()).unwrap_or(u32::MAX);
-    // SAFETY: sched_getattr(2) on this thread writes at most `size` bytes into `a`.
-    let r = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &raw mut a, size, 0u32) };
-    if r == 0 {
-        Ok(a.sched_runtime)
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's slice as the kernel reports it (`sched_runtime`), in ns: 0 before
+    /// Linux 6.12, which has no per-thread slice for SCHED_OTHER.
+    pub fn slice_ns() -> std::io::Result<u64> {
+        // SAFETY: an all-zero sched_attr is a valid value.
+        let mut a: libc::sched_attr = unsafe { std::mem::zeroed() };
+        let size = u32::try_from(std::mem::size_of::<libc::sched_attr>()).unwrap_or(u32::MAX);
+        // SAFETY: sched_getattr(2) on this thread writes at most `size` bytes into `a`.
+        let r = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &raw mut a, size, 0u32) };
+        if r == 0 {
+            Ok(a.sched_runtime)
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
 
     /// The running kernel's (major, minor).
     fn kernel() -> (u32, u32) {
