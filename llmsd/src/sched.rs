@@ -1,8 +1,8 @@
 //! How the kernel schedules the threads that run the model's passes.
 //!
 //! A token sampled by the worker reaches its app through threads that do little work and then
-//! sleep (the HTTP front's runtime and the event pump of each request, the native protocol's
-//! connection threads) and then through the app's own thread. By the time they wake, the
+//! sleep (the HTTP front's runtime, the native protocol's connection threads) and then through
+//! the app's own thread. By the time they wake, the
 //! worker has begun the next pass and its pool's threads hold every core of a small device.
 //! Under EEVDF (Linux 6.6 on) a waking thread waits until the running one has used up its
 //! protected slice; a probe in `llms bench-prefix`'s branch saw the first token wait 3-5 ms

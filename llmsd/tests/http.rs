@@ -258,3 +258,63 @@ fn other_uids_and_floods_over_http() {
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
     d.stop();
 }
+
+/// A series' value in a scrape of `/metrics` (0 when absent).
+fn metric(http: &Path, series: &str) -> u64 {
+    let r = raw_http(http, b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", Duration::from_secs(10));
+    r.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0)
+}
+
+/// A client that goes away, streaming or not, ends its call: the worker stops decoding for
+/// nobody and the context is saved as far as it got (finish `cancelled`), and the service
+/// answers the next request.
+#[test]
+fn a_client_that_goes_away_cancels_its_call() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(dir.path(), "g", &dir.path().join("state"), "max_context_tokens = 2048\n");
+    let http = dir.path().join("g.http.sock");
+    let cancelled = "llms_calls_total{finish=\"cancelled\"}";
+    // A long answer at temperature 0: it runs to max_tokens when nobody leaves (the last
+    // request below), so the first two end only because their clients went away.
+    let request = |stream: bool, close: bool| {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"Tell me a very long story about a dragon who learns to fly."}}],"max_tokens":1000,"temperature":0,"stream":{stream}}}"#
+        );
+        let connection = if close { "connection: close\r\n" } else { "" };
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: gone\r\n{connection}content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // Streaming: gone after the first piece of text.
+    let mut s = UnixStream::connect(&http).unwrap();
+    s.write_all(request(true, false).as_bytes()).unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains("\"content\":\"") || seen.matches("data: ").count() < 2 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended before its first token: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    drop(s);
+    llms_tests::wait_until("the streamed call to end as cancelled", Duration::from_secs(120), || {
+        (metric(&http, cancelled) == 1).then_some(())
+    });
+    // Not streaming: gone once the call runs (it has made its context: a branch of the first,
+    // which holds more than this history).
+    assert_eq!(metric(&http, "llms_contexts"), 1);
+    let mut s = UnixStream::connect(&http).unwrap();
+    s.write_all(request(false, false).as_bytes()).unwrap();
+    llms_tests::wait_until("the call to run", Duration::from_secs(120), || (metric(&http, "llms_contexts") == 2).then_some(()));
+    drop(s);
+    llms_tests::wait_until("the waiting call to end as cancelled", Duration::from_secs(120), || {
+        (metric(&http, cancelled) == 2).then_some(())
+    });
+    let r = raw_http(&http, request(false, true).as_bytes(), Duration::from_secs(300));
+    assert!(r.starts_with("HTTP/1.1 200") && r.contains("\"finish_reason\":\"length\""), "{}", &r[..r.len().min(400)]);
+    assert_eq!(metric(&http, cancelled), 2);
+    d.stop();
+}

@@ -35,11 +35,32 @@ pub(super) struct Job {
     received: Instant,
     /// When it first waited for memory (see `admit`).
     memory_since: Option<Instant>,
-    events: Sender<Event>,
+    events: Events,
     cancel: Arc<AtomicBool>,
     /// A stateless client's whole history: the worker chooses the context (`call.ctx` is
     /// unused) and prefills only what it lacks (history.rs).
     history: Option<History>,
+}
+
+/// Where a call's events go. A native connection's thread blocks on a thread channel; the
+/// HTTP front's request task awaits a runtime channel, which the worker's send wakes directly
+/// (no thread in between: one had forwarded every event, a wake-up more per token on a core
+/// the pool's threads hold, and a blocking-pool thread per request). Neither is bounded: a
+/// call sends at most its `max_tokens` events and its end.
+#[derive(Clone)]
+enum Events {
+    Thread(Sender<Event>),
+    Task(tokio::sync::mpsc::UnboundedSender<Event>),
+}
+
+impl Events {
+    /// `Err` when the receiver is gone (its client left).
+    fn send(&self, ev: Event) -> Result<(), ()> {
+        match self {
+            Self::Thread(tx) => tx.send(ev).map_err(drop),
+            Self::Task(tx) => tx.send(ev).map_err(drop),
+        }
+    }
 }
 
 /// The most tokens one forward pass runs (the engine's own split of a long `eval`).
@@ -186,23 +207,27 @@ enum Outcome {
 impl Service {
     /// Queues a call; its events arrive on the returned channel.
     pub(super) fn submit(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>) -> Result<Receiver<Event>, Refusal> {
-        self.enqueue(owner, call, cancel, None)
+        let (tx, rx) = mpsc::channel();
+        self.enqueue(owner, call, cancel, None, Events::Thread(tx))?;
+        Ok(rx)
     }
 
     /// Queues a stateless client's call: its history goes to the context that holds the
     /// longest prefix of it, or to a new one; the choice is sent on `history.chosen` before
-    /// any event.
+    /// any event. Its events arrive on the returned channel, for an async task.
     pub(super) fn submit_history(
         &self,
         owner: &Owner,
         call: Call,
         history: History,
         cancel: Arc<AtomicBool>,
-    ) -> Result<Receiver<Event>, Refusal> {
-        self.enqueue(owner, call, cancel, Some(history))
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, Refusal> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.enqueue(owner, call, cancel, Some(history), Events::Task(tx))?;
+        Ok(rx)
     }
 
-    fn enqueue(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>, history: Option<History>) -> Result<Receiver<Event>, Refusal> {
+    fn enqueue(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>, history: Option<History>, events: Events) -> Result<(), Refusal> {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(refuse(ErrorCode::ShuttingDown, "the service is stopping"));
         }
@@ -249,7 +274,6 @@ impl Service {
             Some(_) => Vec::new(),
             None => self.model.tokenizer.encode(&call.prompt, false, call.raw).map_err(|e| refuse(ErrorCode::BadRequest, e.to_string()))?,
         };
-        let (tx, rx) = mpsc::channel();
         let mut q = lock(&self.queue);
         // Calls whose callers went away hold no place.
         q.retain(|j| !j.cancel.load(Ordering::SeqCst));
@@ -263,20 +287,11 @@ impl Service {
                 format!("{} has {theirs} calls waiting, its maximum (max_queued_per_uid); try later", owner.quota_name()),
             ));
         }
-        q.push_back(Job {
-            owner: owner.clone(),
-            call,
-            prompt_ids,
-            received: Instant::now(),
-            memory_since: None,
-            events: tx,
-            cancel,
-            history,
-        });
+        q.push_back(Job { owner: owner.clone(), call, prompt_ids, received: Instant::now(), memory_since: None, events, cancel, history });
         self.queued.notify_one();
         drop(q);
         super::fault_point("enqueue", &owner.app);
-        Ok(rx)
+        Ok(())
     }
 
     /// The inference worker, a scheduler over the shared model: the calls it runs share each

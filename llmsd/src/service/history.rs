@@ -56,7 +56,8 @@ pub(super) struct History {
     pub(super) ids: Vec<u32>,
     /// The context the client named (`X-LLMS-Context`), if any: only it is matched.
     pub(super) pin: Option<String>,
-    pub(super) chosen: std::sync::mpsc::Sender<Chosen>,
+    /// Awaited by the front's request task (as the call's events, call.rs's `Events`).
+    pub(super) chosen: tokio::sync::mpsc::UnboundedSender<Chosen>,
 }
 
 /// The context a stateless request ran in, told to the front before any token.

@@ -5,10 +5,9 @@
 //! Streaming answers are Server-Sent Events ending in `data: [DONE]`.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::RecvTimeoutError;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -19,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::super::history::{encode_segments, render_chat, ChatMessage, Chosen, History, Segment};
+use super::super::history::{encode_segments, render_chat, ChatMessage, History, Segment};
 use super::super::turns::Turns;
 use super::super::Owner;
 use super::{body_bytes, error, error_param, owner, refused, Conn, Front};
@@ -273,10 +272,24 @@ pub(super) async fn completions(
     run(&front, &owner, &headers, Kind::Text, segments, req.params).await
 }
 
-/// What the pump passes from the worker's channels to the answer.
-enum Out {
-    Chosen(Chosen),
-    Ev(Event),
+/// A call's events as its answer reads them, and the guard that cancels the call if the answer
+/// is dropped before the call's end (the client went away).
+struct CallEvents {
+    rx: mpsc::UnboundedReceiver<Event>,
+    guard: Option<super::super::call::CancelOnDrop>,
+}
+
+impl CallEvents {
+    async fn recv(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await;
+        if matches!(ev, Some(Event::Done { .. } | Event::Error { .. })) {
+            // The call has ended: nothing left to cancel.
+            if let Some(g) = self.guard.take() {
+                g.disarm();
+            }
+        }
+        ev
+    }
 }
 
 async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind, segments: Vec<Segment>, p: Params) -> Response {
@@ -343,25 +356,25 @@ async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind,
         raw: kind == Kind::Text,
         top_p: Some(p.top_p.unwrap_or(1.0)),
     };
-    let (chosen_tx, chosen_rx) = std::sync::mpsc::channel();
+    let (chosen_tx, mut chosen_rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    // Until the pump watches for the client going away, a panic here cancels the call.
+    // The client going away drops this request's future (hyper watches the connection while
+    // a handler runs), or its streamed answer, and with it this guard: the call leaves the
+    // queue, or ends after its next step (so does a panic here). Disarmed once the call ended.
     let guard = super::super::call::CancelOnDrop::new(&cancel);
     let history = History { ids, pin, chosen: chosen_tx };
-    let events = match svc.submit_history(owner, call, history, Arc::clone(&cancel)) {
-        Ok(rx) => rx,
+    let mut events = match svc.submit_history(owner, call, history, Arc::clone(&cancel)) {
+        Ok(rx) => CallEvents { rx, guard: Some(guard) },
         Err(r) => return refused(r.0, &r.1),
     };
-    // The worker's channels are blocking; a pump thread forwards them, and cancels the call
-    // when the client has gone (the answer dropped its receiver).
-    let (tx, mut rx) = mpsc::channel::<Out>(64);
-    tokio::task::spawn_blocking(move || pump(&chosen_rx, &events, &tx, &cancel));
-    guard.disarm();
-    let chosen = match rx.recv().await {
-        Some(Out::Chosen(c)) => c,
-        Some(Out::Ev(Event::Error { code, message })) => return refused(code, &message),
-        Some(Out::Ev(_)) | None => {
-            return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer")
+    let chosen = match chosen_rx.recv().await {
+        Some(c) => c,
+        // Refused before a context was chosen: the error follows on the events.
+        None => {
+            return match events.recv().await {
+                Some(Event::Error { code, message }) => refused(code, &message),
+                Some(_) | None => error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer"),
+            }
         }
     };
     super::super::fault_point("http-answer", &owner.app);
@@ -370,12 +383,12 @@ async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind,
     let answer = Answer { kind, id, created, model: front.model_id.clone(), cached: chosen.cached_tokens };
     let mut r = if p.stream.unwrap_or(false) {
         let usage = p.stream_options.unwrap_or_default().include_usage;
-        stream(answer, rx, usage)
+        stream(answer, events, usage)
     } else {
         loop {
-            match rx.recv().await {
-                Some(Out::Ev(Event::Done { text, stats })) => break axum::Json(answer.whole(&text, &stats)).into_response(),
-                Some(Out::Ev(Event::Error { code, message })) => break refused(code, &message),
+            match events.recv().await {
+                Some(Event::Done { text, stats }) => break axum::Json(answer.whole(&text, &stats)).into_response(),
+                Some(Event::Error { code, message }) => break refused(code, &message),
                 Some(_) => {}
                 None => break error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "failed", "the call ended without an answer"),
             }
@@ -393,54 +406,6 @@ async fn run(front: &Arc<Front>, owner: &Owner, headers: &HeaderMap, kind: Kind,
         }
     }
     r
-}
-
-/// Forwards the chosen context, then the call's events; on a client gone, cancels the call.
-fn pump(
-    chosen: &std::sync::mpsc::Receiver<Chosen>,
-    events: &std::sync::mpsc::Receiver<Event>,
-    tx: &mpsc::Sender<Out>,
-    cancel: &AtomicBool,
-) {
-    let tick = Duration::from_millis(200);
-    loop {
-        match chosen.recv_timeout(tick) {
-            Ok(c) => {
-                if tx.blocking_send(Out::Chosen(c)).is_err() {
-                    cancel.store(true, Ordering::SeqCst);
-                    return;
-                }
-                break;
-            }
-            Err(RecvTimeoutError::Timeout) if tx.is_closed() => {
-                cancel.store(true, Ordering::SeqCst);
-                return;
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            // Refused before a context was chosen: the error follows on `events`.
-            Err(RecvTimeoutError::Disconnected) => break,
-        }
-    }
-    loop {
-        match events.recv_timeout(tick) {
-            Ok(ev) => {
-                let last = matches!(ev, Event::Done { .. } | Event::Error { .. });
-                if tx.blocking_send(Out::Ev(ev)).is_err() {
-                    cancel.store(true, Ordering::SeqCst);
-                    return;
-                }
-                if last {
-                    return;
-                }
-            }
-            Err(RecvTimeoutError::Timeout) if tx.is_closed() => {
-                cancel.store(true, Ordering::SeqCst);
-                return;
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
-        }
-    }
 }
 
 struct Answer {
@@ -520,10 +485,10 @@ fn sse(v: &Value) -> Bytes {
 /// The answer as Server-Sent Events: a first chunk (the assistant's role), one chunk per
 /// piece of text, the finish, the usage when asked, then `data: [DONE]`. An error after the
 /// answer has begun is sent as an error object in the stream.
-fn stream(a: Answer, rx: mpsc::Receiver<Out>, include_usage: bool) -> Response {
+fn stream(a: Answer, rx: CallEvents, include_usage: bool) -> Response {
     struct St {
         a: Answer,
-        rx: mpsc::Receiver<Out>,
+        rx: CallEvents,
         first: bool,
         queued: Vec<Bytes>,
         done: bool,
@@ -545,8 +510,8 @@ fn stream(a: Answer, rx: mpsc::Receiver<Out>, include_usage: bool) -> Response {
                 continue;
             }
             match st.rx.recv().await {
-                Some(Out::Ev(Event::Token { text })) => st.queued.push(sse(&st.a.chunk(Some(&text), false, None))),
-                Some(Out::Ev(Event::Done { stats, .. })) => {
+                Some(Event::Token { text }) => st.queued.push(sse(&st.a.chunk(Some(&text), false, None))),
+                Some(Event::Done { stats, .. }) => {
                     st.queued.push(sse(&st.a.chunk(None, false, Some(finish_reason(&stats)))));
                     if st.usage {
                         st.queued.push(sse(&st.a.usage_chunk(&stats)));
@@ -554,7 +519,7 @@ fn stream(a: Answer, rx: mpsc::Receiver<Out>, include_usage: bool) -> Response {
                     st.queued.push(Bytes::from_static(b"data: [DONE]\n\n"));
                     st.done = true;
                 }
-                Some(Out::Ev(Event::Error { message, .. })) => {
+                Some(Event::Error { message, .. }) => {
                     st.queued.push(sse(&json!({"error": {"message": message, "type": "server_error", "param": null, "code": "failed"}})));
                     st.queued.push(Bytes::from_static(b"data: [DONE]\n\n"));
                     st.done = true;
