@@ -318,3 +318,156 @@ fn a_client_that_goes_away_cancels_its_call() {
     assert_eq!(metric(&http, cancelled), 2);
     d.stop();
 }
+
+/// One POST of chat `msgs` (temperature 0, 6 tokens) as app `app`: the status, the
+/// `x-llms-context-match` header and the answer's text. `Err` when the exchange broke (the
+/// service was killed, or is starting again).
+fn chat_turn(sock: &Path, app: &str, msgs: &[serde_json::Value]) -> Result<(u16, String, String), String> {
+    let body = serde_json::json!({"messages": msgs, "max_tokens": 6, "temperature": 0}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-llms-app: {app}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut s = UnixStream::connect(sock).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).map_err(|e| e.to_string())?;
+    let r = String::from_utf8_lossy(&out);
+    let (head, body) = r.split_once("\r\n\r\n").ok_or_else(|| format!("a cut answer: {r}"))?;
+    let status = head.get(9..12).and_then(|s| s.parse().ok()).ok_or_else(|| format!("no status: {head}"))?;
+    let how = head.lines().find_map(|l| l.strip_prefix("x-llms-context-match: ")).unwrap_or("").trim().to_string();
+    if status != 200 {
+        return Ok((status, how, body.to_string()));
+    }
+    let v: serde_json::Value = serde_json::from_str(body).map_err(|e| format!("{e}: a cut answer: {body}"))?;
+    let text = v.pointer("/choices/0/message/content").and_then(|t| t.as_str()).ok_or_else(|| format!("no text: {body}"))?;
+    Ok((status, how, text.to_string()))
+}
+
+/// An answered request: its messages and the answer's text.
+type Acked = (Vec<serde_json::Value>, String);
+
+/// An HTTP client of the kill storm: conversations of its own app, each opening with one
+/// system prompt, continued turn by turn and branched at an earlier message. Every request
+/// that was answered (200) is acknowledged; the next turn of an acknowledged conversation must
+/// continue its context, before and after the kills. Returns each acknowledged (request,
+/// answer), and how many turns were checked to continue.
+fn http_storm_client(sock: &Path, k: u64, until: Instant) -> Result<(Vec<Acked>, usize), String> {
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(k);
+    let app = format!("storm{k}");
+    let system =
+        json!({"role": "system", "content": "You answer questions about the weather in the mountains, briefly and with care. ".repeat(8)});
+    let mut conv = vec![system.clone()];
+    // Whether `conv`'s last answer was acknowledged (a broken exchange may have left a turn
+    // in its context that the client never saw: the next request then branches from it).
+    let mut sure = false;
+    let mut acked = Vec::new();
+    let (mut n, mut continued) = (0, 0);
+    while Instant::now() < until {
+        n += 1;
+        let user = |rng: &mut rand::rngs::StdRng| json!({"role": "user", "content": format!("Question {n} of client {k}: {}", ["Is it cold?", "Any snow?", "What about wind?", "And fog?"][rng.gen_range(0..4)])});
+        let turns = (conv.len() - 1) / 2;
+        let (req, continuing) = if turns >= 6 {
+            // A new conversation (its system prompt's chunks are shared with the others').
+            (vec![system.clone(), user(&mut rng)], false)
+        } else if turns >= 2 && rng.gen_range(0..3) == 0 {
+            // A branch: an earlier user message edited.
+            let at = 1 + 2 * rng.gen_range(0..turns);
+            let mut r = conv[..at].to_vec();
+            r.push(user(&mut rng));
+            (r, false)
+        } else {
+            let mut r = conv.clone();
+            r.push(user(&mut rng));
+            (r, turns > 0 && sure)
+        };
+        match chat_turn(sock, &app, &req) {
+            Ok((200, how, text)) => {
+                if continuing && how != "continued" {
+                    return Err(format!("client {k}: an acknowledged conversation of {turns} turns was {how:?}, not continued"));
+                }
+                continued += usize::from(continuing);
+                conv = req.clone();
+                conv.push(json!({"role": "assistant", "content": text}));
+                acked.push((req, text));
+                sure = true;
+            }
+            Ok((500, _, body)) => return Err(format!("client {k}: 500: {body}")),
+            // Refused (too many calls waiting, the service stopping) or broken by a kill.
+            Ok(_) | Err(_) => {
+                sure = false;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    Ok((acked, continued))
+}
+
+/// Hostile to the HTTP front's state: conversations and branches of three apps (sharing their
+/// system prompt's chunks, under a budget that evicts them) through two kill -9s. No acknowledged
+/// conversation is lost (its next turn continues its context), nothing unreachable is left in
+/// the store after a start, and every acknowledged answer is the one a service without sharing
+/// and without kills gives to that request.
+#[test]
+fn http_conversations_and_branches_survive_kills() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let settings = "levels = [\"int8\"]\nratio = 1.0\nbudget = \"6MiB\"\nhttp_contexts_per_app = 64\nmax_contexts_per_app = 64\n";
+    let state = dir.path().join("state");
+    let mut d = Daemon::start(dir.path(), "k", &state, settings);
+    let sock = dir.path().join("k.http.sock");
+    let t0 = Instant::now();
+    let until = t0 + Duration::from_secs(30);
+    let clients: Vec<_> = (0..3)
+        .map(|k| {
+            let s = sock.clone();
+            std::thread::spawn(move || http_storm_client(&s, k, until))
+        })
+        .collect();
+    for at in [9, 19] {
+        std::thread::sleep(Duration::from_secs(at).saturating_sub(t0.elapsed()));
+        d.assert_running();
+        d.kill9();
+        d = Daemon::start(dir.path(), "k", &state, settings);
+    }
+    let (mut acked, mut continued) = (Vec::new(), 0);
+    for h in clients {
+        let (a, c) = h.join().unwrap().unwrap_or_else(|e| panic!("{e}\n{}", d.log_text()));
+        acked.extend(a);
+        continued += c;
+    }
+    d.stop();
+    eprintln!("http storm: {} answers, {continued} turns continued their conversation's context", acked.len());
+    assert!(acked.len() >= 12 && continued >= 6, "the storm ran: {} answers, {continued} continued", acked.len());
+    // A start after a clean stop finds nothing to free; the doctor finds every shared chunk
+    // reached by a saved context.
+    let d = Daemon::start(dir.path(), "again", &state, settings);
+    let log = d.log_text();
+    assert!(!log.contains("freed shared chunks"), "a start after a clean stop finds no shared chunk unreachable: {log}");
+    d.stop();
+    let out = Command::new(common::llms_bin()).args(["doctor", "--json", "--state-dir"]).arg(&state).output().unwrap();
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    let shared = v.as_array().unwrap().iter().find(|c| c["facility"] == "shared chunks").cloned().unwrap_or_default();
+    assert!(shared["named"].as_u64().is_some_and(|n| n > 0) && shared["named"] == shared["reached"], "{shared}");
+    // The same requests to a service without sharing, never killed: the same answers.
+    // (One app: its contexts retire as it makes more, where one app a request would meet
+    // max_contexts_per_uid.)
+    let p = Daemon::start(
+        dir.path(),
+        "plain",
+        &dir.path().join("plain"),
+        "levels = [\"int8\"]\nratio = 1.0\nbudget = \"6MiB\"\nprefix_sharing = false\n",
+    );
+    let psock = dir.path().join("plain.http.sock");
+    for (i, (req, text)) in acked.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+        let (status, _, t) = chat_turn(&psock, "plain", req).unwrap();
+        assert_eq!((status, &t), (200, text), "answer {i} differs from the run without sharing: {}", serde_json::Value::from(req.clone()));
+    }
+    p.stop();
+}
