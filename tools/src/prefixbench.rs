@@ -99,7 +99,9 @@ pub struct Branch {
     pub ttft_plain_ms: f64,
     pub speedup: f64,
     /// The engine alone, same run, the service stopped: one forward pass of the prompt tokens
-    /// that were not cached, after the cached ones (median of 5). Any TTFT of the branch
+    /// that were not cached, after the cached ones, its KV in the service's base level
+    /// (median of 5; runs up to 68712b5's timed it in f16, ~4% slower than the default int8
+    /// here: `llms bench --kv f16,int8 -d 647 --pp 50`). Any TTFT of the branch
     /// includes it; what the service adds is `ttft_shared_ms` above it.
     pub engine_floor_ms: f64,
     /// `ttft_plain_ms / engine_floor_ms`: the most a branch sharing these cached tokens can
@@ -351,7 +353,7 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
         if ids.len() < depth + rest {
             bail!("the text holds {} tokens, fewer than the branch's {}", ids.len(), depth + rest);
         }
-        crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, rest, 5)?
+        crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, rest, 5, base.level_formats()?[0])?
     };
     let branch = Branch {
         turns: shape.branch_turns,

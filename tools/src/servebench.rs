@@ -289,7 +289,8 @@ pub fn batch_decode(
 
 /// One forward pass of `b` contexts at `depth` tokens each taking a `prompt`-token piece
 /// (several calls' prompts prefilled together, as the service does when they start together):
-/// the pass's ms, median of `reps`.
+/// the pass's ms, median of `reps`. `base`: the KV format new chunks take, the service's base
+/// level (what its passes write and read).
 pub fn batch_prefill(
     model: &Arc<::engine::Model>,
     pool: &Arc<::engine::ThreadPool>,
@@ -298,10 +299,11 @@ pub fn batch_prefill(
     depth: usize,
     prompt: usize,
     reps: usize,
+    base: ::engine::kv::KvFormat,
 ) -> Result<f64> {
     use ::engine::model::{Scratch, SessionOptions};
     use ::engine::{Logits, Session};
-    let opts = SessionOptions { capacity: depth + prompt + 1, ..SessionOptions::new(depth + prompt + 1) };
+    let opts = SessionOptions { capacity: depth + prompt + 1, base, ..SessionOptions::new(depth + prompt + 1) };
     let mut times = Vec::new();
     for _ in 0..reps {
         let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();

@@ -478,13 +478,14 @@ impl BenchServeArgs {
                 let model = Arc::new(::engine::Model::load(&base.model)?);
                 let pool = Arc::new(::engine::ThreadPool::new(base.pool_threads()));
                 let ids = model.tokenizer.encode(&text, false, false)?;
+                let kv = base.level_formats()?[0];
                 let depth = prompt_tokens + max_tokens / 2;
                 let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
                 let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
                 // them all against one prompt's pass is what the TTFT ratio can reach then.
-                let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3)?;
-                let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3)?;
+                let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3, kv)?;
+                let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3, kv)?;
                 Some((many / one, pn / p1))
             } else {
                 None
