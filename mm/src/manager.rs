@@ -447,7 +447,13 @@ pub struct Manager {
     write_failures: WriteFailures,
     ring: Ring,
     slot_size: usize,
-    zero: Staging,
+    /// Zeroed slot-sized buffers a new chunk's slot takes its pages from (MOVE): `zero` the
+    /// ready ones, `zero_spent` those whose pages went to a slot. Giving a buffer its pages
+    /// back faults them in (~0.1 ms a chunk, several ms at a busy host's slow moments: a
+    /// branch's 3 new chunks took 0.3-4.6 ms before its prefill could start), so `end` does
+    /// it after a call and `prepare` takes ready ones. At most [`zero_spares`] are kept ready.
+    zero: Vec<Staging>,
+    zero_spent: Vec<Staging>,
     /// Load staging kept between loads, on huge pages with its pages present (see
     /// [`Staging::huge`]): slot-sized buffers that reads land in and that are copied into
     /// the slots. Faulting fresh staging in at an O_DIRECT submission (~1.4 ms for 3 MB) and
@@ -533,7 +539,8 @@ impl Manager {
             write_failures,
             ring: Ring::new(256)?,
             slot_size,
-            zero: Staging::new(slot_size)?,
+            zero: Vec::new(),
+            zero_spent: Vec::new(),
             lanes: Lanes::new(arena.len() / slot_size)?,
             arena,
             background_levels: false,
@@ -1452,14 +1459,39 @@ impl Manager {
         Ok(())
     }
 
-    /// Populates a slot with zeros.
+    /// Populates a slot with zeros, from a ready zero buffer when there is one.
     fn claim(&mut self, region: &Region, i: usize, len: usize) -> Result<()> {
         if region.state(i)? == SlotState::Resident {
             region.discard(i)?;
         }
-        region.populate_from(i, &mut self.zero, len)?;
-        // MOVE took the pages; give them back so the next claim starts from zeros too.
-        self.zero.as_mut_slice()[..len].fill(0);
+        let mut z = match self.zero.pop() {
+            Some(z) => z,
+            None => {
+                let mut z = match self.zero_spent.pop() {
+                    Some(z) => z,
+                    None => Staging::new(self.slot_size)?,
+                };
+                z.repopulate();
+                z
+            }
+        };
+        let r = region.populate_from(i, &mut z, len);
+        // MOVE took its pages (COPY left them, zero): given back by `refill_zero`.
+        self.zero_spent.push(z);
+        Ok(r?)
+    }
+
+    /// Readies zero buffers for the next chunks' claims, up to [`zero_spares`].
+    fn refill_zero(&mut self) -> Result<()> {
+        while self.zero.len() < zero_spares(self.slot_size) {
+            let mut z = match self.zero_spent.pop() {
+                Some(z) => z,
+                None => Staging::new(self.slot_size)?,
+            };
+            z.repopulate();
+            self.zero.push(z);
+        }
+        self.zero_spent.clear();
         Ok(())
     }
 
@@ -1597,7 +1629,7 @@ impl Manager {
         self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.in_call = false;
         self.index_own(ctx, kv.tokens());
         self.reclaim()?;
-        Ok(())
+        self.refill_zero()
     }
 
     /// Hands an AoT write of chunk `i` (resident, `meta` its version) to the writer, which pins
@@ -1961,6 +1993,13 @@ struct LayerReader {
 }
 
 const PIECES: usize = 6;
+
+/// Zero buffers kept ready for new chunks (`Manager::zero`): four (a 64-token turn's chunks)
+/// within 4 MiB, at least one (a slot of Llama 2 7B's shape is 8 MiB in f16). Memory the
+/// service holds beyond the KV budget, as the arena.
+fn zero_spares(slot_size: usize) -> usize {
+    ((4 << 20) / slot_size.max(1)).clamp(1, 4)
+}
 
 /// The load staging arena (see `Manager::arena`): 42 chunks of the default model at int8.
 const ARENA_BYTES: usize = 8 << 20;

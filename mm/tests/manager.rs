@@ -1160,3 +1160,36 @@ fn a_pool_record_that_fails_its_checksum_is_recomputed_not_served() {
     a.check().unwrap();
     mm.end(1, &mut a).unwrap();
 }
+
+/// A new chunk's slot holds zeros and nothing else, call after call: its pages come from zero
+/// buffers readied after the call before (`end`), some of which gave theirs to slots that
+/// other contexts then wrote and freed. More chunks at once than are kept ready take the rest
+/// at once.
+#[test]
+fn new_chunks_start_from_zeros_after_other_contexts_wrote_theirs() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut mm) = levelled_manager(dir.path()) else { return };
+    let mut tok = 1u32;
+    for (round, chunks) in [1usize, 3, 9, 2, 6].into_iter().enumerate() {
+        let ctx = 100 + round as u64;
+        mm.create(ctx).unwrap();
+        let mut kv = FakeKv::default();
+        mm.prepare(ctx, &mut kv, chunks * CT).unwrap();
+        mm.begin(ctx, &mut kv, Load::Planned).unwrap();
+        assert_eq!(kv.n_chunks(), chunks);
+        for i in 0..chunks {
+            // SAFETY: attached by mm to a resident, pinned slot for the call.
+            let slot = unsafe { std::slice::from_raw_parts(kv.ptr(i), mm::Codec::chunk_bytes(&FakeCodec, 0)) };
+            assert!(slot.iter().all(|&b| b == 0), "round {round}: new chunk {i} holds another's bytes");
+        }
+        // Written through (not zero), then gone: its pages are the next round's to reuse.
+        for _ in 0..chunks * CT {
+            tok = tok.wrapping_mul(31).wrapping_add(7);
+            kv.tokens.push(tok);
+        }
+        (0..chunks).for_each(|i| kv.write(i));
+        kv.check().unwrap();
+        mm.end(ctx, &mut kv).unwrap();
+        mm.delete(ctx).unwrap();
+    }
+}
