@@ -291,6 +291,7 @@ pub fn batch_decode(
 /// (several calls' prompts prefilled together, as the service does when they start together):
 /// the pass's ms, median of `reps`. `base`: the KV format new chunks take, the service's base
 /// level (what its passes write and read).
+#[allow(clippy::too_many_arguments)]
 pub fn batch_prefill(
     model: &Arc<::engine::Model>,
     pool: &Arc<::engine::ThreadPool>,
