@@ -1466,14 +1466,7 @@ impl Manager {
         }
         let mut z = match self.zero.pop() {
             Some(z) => z,
-            None => {
-                let mut z = match self.zero_spent.pop() {
-                    Some(z) => z,
-                    None => Staging::new(self.slot_size)?,
-                };
-                z.repopulate();
-                z
-            }
+            None => self.zero_buffer()?,
         };
         let r = region.populate_from(i, &mut z, len);
         // MOVE took its pages (COPY left them, zero): given back by `refill_zero`.
@@ -1484,15 +1477,21 @@ impl Manager {
     /// Readies zero buffers for the next chunks' claims, up to [`zero_spares`].
     fn refill_zero(&mut self) -> Result<()> {
         while self.zero.len() < zero_spares(self.slot_size) {
-            let mut z = match self.zero_spent.pop() {
-                Some(z) => z,
-                None => Staging::new(self.slot_size)?,
-            };
-            z.repopulate();
+            let z = self.zero_buffer()?;
             self.zero.push(z);
         }
         self.zero_spent.clear();
         Ok(())
+    }
+
+    /// A spent zero buffer (or a new one) with its pages in: zeros a MOVE can take.
+    fn zero_buffer(&mut self) -> Result<Staging> {
+        let mut z = match self.zero_spent.pop() {
+            Some(z) => z,
+            None => Staging::new(self.slot_size)?,
+        };
+        z.repopulate();
+        Ok(z)
     }
 
     /// After a call: take over chunks the engine created, re-pick levels, unlock, write what
