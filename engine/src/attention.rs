@@ -5,8 +5,6 @@
 //! span (to int8 when exact, else to f32) where their kernels cannot read them in place.
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
 
-use half::f16;
-
 use crate::kernels::{self, OutPtr};
 use crate::kv::KvFormat;
 use crate::kvcache::ChunkedKv;
@@ -165,11 +163,6 @@ struct BlockScratch {
 }
 
 impl BlockScratch {
-    fn new(b: &LayerBlocks) -> Self {
-        let mut s = Self::default();
-        s.fit(b);
-        s
-    }
     fn fit(&mut self, b: &LayerBlocks) {
         let blk8 = if b.in_job { b.kv.geom.head_block_bytes(KvFormat::Int8, 0) } else { 0 };
         self.own8.resize(blk8, 0);
@@ -185,6 +178,15 @@ thread_local! {
     /// outputs.
     static SPAN_JOB: std::cell::RefCell<(BlockScratch, Vec<usize>)> = std::cell::RefCell::default();
     static SPAN_BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Each thread's buffers for a prefill tile's jobs ([`attention`]): the queries, outputs and
+/// span parts (five tiles of floats), the queries' limits and visible counts, the blocks'
+/// scratch, and the scores.
+type TileJob = (Vec<f32>, Vec<usize>, Vec<usize>, BlockScratch, Vec<f32>);
+
+thread_local! {
+    static TILE_JOB: std::cell::RefCell<TileJob> = std::cell::RefCell::default();
 }
 
 /// Runs `f` with this thread's job buffers, fitted to `lb` and `nq` queries.
@@ -313,93 +315,106 @@ pub(crate) fn attention(
     let lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: false, slot_of: &slot_of, dec8: &dec8, dec32: &dec32 };
     let outp = OutPtr::new(out);
     pool.for_chunks("attention tiles", sets * tiles, 1, &|a, b| {
-        let mut scores = Vec::new();
-        let mut q = vec![0.0f32; TILE * per_job * hd];
-        let mut o = vec![0.0f32; TILE * per_job * hd];
-        let mut limits = vec![0usize; TILE * per_job];
-        let mut visible = vec![0usize; TILE * per_job];
-        let mut scratch = BlockScratch::new(&lb);
-        // Split-level V rows are summed apart, in the rotated domain, and rotated back once
-        // per query (H is linear). Each span's share is summed apart (`po`, `pr`) and added in
-        // span order, as decoding does (`attend_spans`): a position gets the same bits whether
-        // it was prefilled or decoded, so recomputing a decoded token is exact.
-        let mut o_rot = vec![0.0f32; TILE * per_job * hd];
-        let (mut po, mut pr) = (vec![0.0f32; TILE * per_job * hd], vec![0.0f32; TILE * per_job * hd]);
-        let span = (SPAN_TOKENS / ct).max(1);
-        let first = first_chunk(c, kv, layer, positions);
-        for job in a..b {
-            let (set, tile) = (job % sets, job / sets);
-            let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
-            let h0 = set * per_job;
-            let kvh = h0 / group;
-            let nq = (t1 - t0) * per_job;
-            for t in t0..t1 {
-                for j in 0..per_job {
-                    let qi = (t - t0) * per_job + j;
-                    round_query(&qkv[t * ld + (h0 + j) * hd..][..hd], &mut q[qi * hd..(qi + 1) * hd]);
-                    limits[qi] = positions[t] + 1;
-                }
+        TILE_JOB.with(|cell| {
+            // This thread's buffers, kept between jobs and layers: each is written before it is
+            // read (a score past a query's limit is never read), so none is cleared. Allocating
+            // and zeroing them per job (a 24-query job's scores are 67 KB at depth 700) was
+            // work a prefill at depth did for every job of every layer.
+            let bufs = &mut *cell.borrow_mut();
+            let (floats, limits, visible, scratch) = (&mut bufs.0, &mut bufs.1, &mut bufs.2, &mut bufs.3);
+            let tile = TILE * per_job * hd;
+            if floats.len() < 5 * tile {
+                floats.resize(5 * tile, 0.0);
             }
-            let p_max = limits[..nq].iter().copied().max().unwrap_or(0);
-            scores.clear();
-            scores.resize(nq * p_max, 0.0);
-            let n_chunks = p_max.div_ceil(ct);
-            for kvsel in [0usize, 1] {
-                if kvsel == 1 {
-                    for (i, &lim) in limits[..nq].iter().enumerate() {
-                        let row = &mut scores[i * p_max..i * p_max + lim];
-                        mask_before_window(c, layer, row);
-                        kernels::softmax_f16(row);
+            let (q, rest) = floats.split_at_mut(tile);
+            let (o, rest) = rest.split_at_mut(tile);
+            // Split-level V rows are summed apart, in the rotated domain, and rotated back once
+            // per query (H is linear). Each span's share is summed apart (`po`, `pr`) and added in
+            // span order, as decoding does (`attend_spans`): a position gets the same bits whether
+            // it was prefilled or decoded, so recomputing a decoded token is exact.
+            let (o_rot, rest) = rest.split_at_mut(tile);
+            let (po, pr) = rest.split_at_mut(tile);
+            limits.resize(TILE * per_job, 0);
+            visible.resize(TILE * per_job, 0);
+            scratch.fit(&lb);
+            let scores = &mut bufs.4;
+            let span = (SPAN_TOKENS / ct).max(1);
+            let first = first_chunk(c, kv, layer, positions);
+            for job in a..b {
+                let (set, tile) = (job % sets, job / sets);
+                let (t0, t1) = (tile * TILE, ((tile + 1) * TILE).min(n));
+                let h0 = set * per_job;
+                let kvh = h0 / group;
+                let nq = (t1 - t0) * per_job;
+                for t in t0..t1 {
+                    for j in 0..per_job {
+                        let qi = (t - t0) * per_job + j;
+                        round_query(&qkv[t * ld + (h0 + j) * hd..][..hd], &mut q[qi * hd..(qi + 1) * hd]);
+                        limits[qi] = positions[t] + 1;
                     }
-                    po[..nq * hd].fill(0.0);
-                    pr[..nq * hd].fill(0.0);
                 }
-                let mut rotated = false;
-                let mut started = false;
-                for ch in first..n_chunks {
-                    let col0 = ch * ct;
-                    let n_c = ct.min(p_max - col0);
-                    for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
-                        *v = lim.saturating_sub(col0).min(n_c);
+                let p_max = limits[..nq].iter().copied().max().unwrap_or(0);
+                if scores.len() < nq * p_max {
+                    scores.resize(nq * p_max, 0.0);
+                }
+                let n_chunks = p_max.div_ceil(ct);
+                for kvsel in [0usize, 1] {
+                    if kvsel == 1 {
+                        for (i, &lim) in limits[..nq].iter().enumerate() {
+                            let row = &mut scores[i * p_max..i * p_max + lim];
+                            mask_before_window(c, layer, row);
+                            kernels::softmax_f16(row);
+                        }
+                        po[..nq * hd].fill(0.0);
+                        pr[..nq * hd].fill(0.0);
                     }
-                    let rows = lb.rows(ch, kvsel, kvh, n_c, &mut scratch);
-                    if kvsel == 0 {
-                        kernels::chunk_scores(&q, hd, rows, &visible[..nq], scale, &mut scores, p_max, col0);
-                    } else {
-                        rotated |= matches!(rows, kernels::KvRows::Token { .. });
-                        let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut pr } else { &mut po };
-                        kernels::chunk_values(&scores, p_max, col0, rows, &visible[..nq], hd, acc);
-                        if (ch + 1) % span == 0 || ch + 1 == n_chunks {
-                            for (total, part) in [(&mut o, &mut po), (&mut o_rot, &mut pr)] {
-                                if !started {
-                                    total[..nq * hd].copy_from_slice(&part[..nq * hd]);
-                                } else {
-                                    total[..nq * hd].iter_mut().zip(&part[..nq * hd]).for_each(|(a, &b)| *a += b);
+                    let mut rotated = false;
+                    let mut started = false;
+                    for ch in first..n_chunks {
+                        let col0 = ch * ct;
+                        let n_c = ct.min(p_max - col0);
+                        for (v, &lim) in visible[..nq].iter_mut().zip(&limits[..nq]) {
+                            *v = lim.saturating_sub(col0).min(n_c);
+                        }
+                        let rows = lb.rows(ch, kvsel, kvh, n_c, scratch);
+                        if kvsel == 0 {
+                            kernels::chunk_scores(q, hd, rows, &visible[..nq], scale, scores, p_max, col0);
+                        } else {
+                            rotated |= matches!(rows, kernels::KvRows::Token { .. });
+                            let acc = if matches!(rows, kernels::KvRows::Token { .. }) { &mut *pr } else { &mut *po };
+                            kernels::chunk_values(scores, p_max, col0, rows, &visible[..nq], hd, acc);
+                            if (ch + 1) % span == 0 || ch + 1 == n_chunks {
+                                for (total, part) in [(&mut *o, &mut *po), (&mut *o_rot, &mut *pr)] {
+                                    if !started {
+                                        total[..nq * hd].copy_from_slice(&part[..nq * hd]);
+                                    } else {
+                                        total[..nq * hd].iter_mut().zip(&part[..nq * hd]).for_each(|(a, &b)| *a += b);
+                                    }
+                                    part[..nq * hd].fill(0.0);
                                 }
-                                part[..nq * hd].fill(0.0);
+                                started = true;
                             }
-                            started = true;
+                        }
+                    }
+                    if rotated {
+                        for (oq, rq) in o[..nq * hd].chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
+                            add_rotated_back(oq, rq);
                         }
                     }
                 }
-                if rotated {
-                    for (oq, rq) in o[..nq * hd].chunks_exact_mut(hd).zip(o_rot.chunks_exact_mut(hd)) {
-                        add_rotated_back(oq, rq);
+                if let Some(obs) = &obs {
+                    obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(scores, p_max, &limits[..nq]);
+                }
+                for t in t0..t1 {
+                    for j in 0..per_job {
+                        let (h, qi) = (h0 + j, (t - t0) * per_job + j);
+                        for (i, &v) in o[qi * hd..(qi + 1) * hd].iter().enumerate() {
+                            outp.write(t * nh * hd + h * hd + i, v);
+                        }
                     }
                 }
             }
-            if let Some(obs) = &obs {
-                obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(&scores, p_max, &limits[..nq]);
-            }
-            for t in t0..t1 {
-                for j in 0..per_job {
-                    let (h, qi) = (h0 + j, (t - t0) * per_job + j);
-                    for (i, &v) in o[qi * hd..(qi + 1) * hd].iter().enumerate() {
-                        outp.write(t * nh * hd + h * hd + i, v);
-                    }
-                }
-            }
-        }
+        })
     });
     DECODED.with(|d| *d.borrow_mut() = (dec8, dec32));
 }
@@ -414,9 +429,7 @@ fn mask_before_window(c: &Config, layer: usize, row: &mut [f32]) {
 
 /// A query rounded to f16, as llama.cpp does before its f16 K·Q product.
 fn round_query(src: &[f32], dst: &mut [f32]) {
-    for (d, &v) in dst.iter_mut().zip(src) {
-        *d = f16::from_f32(v).to_f32();
-    }
+    kernels::round_f16(src, dst);
 }
 
 /// `o += H r`: a split level's share of the output, summed in the rotated domain, rotated back.
@@ -802,7 +815,8 @@ mod tests {
             };
             for (t, &pos) in positions.iter().enumerate() {
                 for h in 0..c.n_heads {
-                    let q: Vec<f32> = qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                    let q: Vec<f32> =
+                        qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
                     let mut sc: Vec<f32> =
                         (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
                     kernels::softmax_f16(&mut sc);

@@ -1053,6 +1053,10 @@ pub(super) unsafe fn chunk_scores(
         }
         return;
     }
+    if visible.len() > 3 && crate::simd::has_zmm() {
+        with_rows!(k, rows => scores_zmm(rows, q, hd, visible, scale, scores, ld, col0));
+        return;
+    }
     with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0));
 }
 
@@ -1258,11 +1262,108 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
     }
 }
 
+/// Queries a 512-bit score tile takes at once ([`scores_zmm`]): by the block's 8 rows in 4
+/// pairs, 16 accumulators.
+const ZQ: usize = 4;
+
+/// `lo` and `hi` as one vector, `lo` in the low half.
+#[inline(always)]
+unsafe fn pair_ps(lo: __m256, hi: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi)))
+}
+
+/// The 8 floats at `p` in both halves of a vector (one load).
+#[inline(always)]
+unsafe fn both_halves(p: *const f32) -> __m512 {
+    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(p.cast())))
+}
+
+/// [`scores_with`] on 512-bit vectors, for more queries than a decoding step's group (a
+/// prefill job's): a block's rows go two to a vector (row `2p` in the low half, `2p + 1` in
+/// the high half), each query's 8 channels broadcast to both halves. Each half does the
+/// 256-bit kernel's multiply-adds in its order (one chain a dot, in channel order) and its
+/// lane sums go through the same [`hsum8`], so the bits are the same with half the
+/// multiply-add instructions.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn scores_zmm<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    let lanes = hd / 8;
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let mut rows = std::mem::MaybeUninit::<RowBlock>::uninit();
+    let rp = rows.as_mut_ptr().cast::<[__m256; 32]>();
+    let mut pairs = std::mem::MaybeUninit::<[[__m512; 32]; 4]>::uninit();
+    let pp = pairs.as_mut_ptr().cast::<__m512>();
+    let mut part = std::mem::MaybeUninit::<[__m256; 8 * ZQ]>::uninit();
+    let part = part.as_mut_ptr().cast::<__m256>();
+    let sc = _mm256_set1_ps(scale);
+    for t0 in (0..n).step_by(8) {
+        let m = (n - t0).min(8);
+        for j in 0..m {
+            k.load_lanes(t0 + j, hd, 0, rp.add(j).cast(), lanes);
+        }
+        // Rows past the block's count: zeros, scored and never stored.
+        for j in m..8 {
+            for c in 0..lanes {
+                rp.add(j).cast::<__m256>().add(c).write(_mm256_setzero_ps());
+            }
+        }
+        for p in 0..4 {
+            let (lo, hi) = (rp.add(2 * p).cast::<__m256>(), rp.add(2 * p + 1).cast::<__m256>());
+            for c in 0..lanes {
+                pp.add(32 * p + c).write(pair_ps(lo.add(c).read(), hi.add(c).read()));
+            }
+        }
+        for g0 in (0..visible.len()).step_by(ZQ) {
+            let group = &visible[g0..(g0 + ZQ).min(visible.len())];
+            if group.iter().all(|&v| v <= t0) {
+                continue;
+            }
+            let qp = q.as_ptr().add(g0 * hd);
+            match group.len() {
+                4 => pair_dots::<4>(pp, lanes, qp, hd, part),
+                3 => pair_dots::<3>(pp, lanes, qp, hd, part),
+                2 => pair_dots::<2>(pp, lanes, qp, hd, part),
+                _ => pair_dots::<1>(pp, lanes, qp, hd, part),
+            }
+            store_scores(part, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, |_, sum| _mm256_mul_ps(sum, sc));
+        }
+    }
+}
+
+/// The dots of `Q` queries (at `q`, stride `hd`) with a block's 8 rows in 4 pairs (`pairs[32
+/// * p + c]`: lane `c` of rows `2p` and `2p + 1`), written to `part[8 * i + j]` as the 256-bit
+/// [`dots`] write them: 4Q chains of multiply-adds, two dots each.
+#[inline(always)]
+unsafe fn pair_dots<const Q: usize>(pairs: *const __m512, lanes: usize, q: *const f32, hd: usize, part: *mut __m256) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; Q];
+    for c in 0..lanes {
+        let x: [__m512; 4] = std::array::from_fn(|p| pairs.add(32 * p + c).read());
+        for (i, a) in acc.iter_mut().enumerate() {
+            let qc = both_halves(q.add(i * hd + 8 * c));
+            for (slot, xp) in a.iter_mut().zip(&x) {
+                *slot = _mm512_fmadd_ps(*xp, qc, *slot);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (p, v) in a.iter().enumerate() {
+            part.add(8 * i + 2 * p).write(_mm512_castps512_ps256(*v));
+            part.add(8 * i + 2 * p + 1).write(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*v))));
+        }
+    }
+}
+
 /// # Safety
 /// Needs AVX2/FMA; `hd` a multiple of 8 up to 256; indices bounded (checked by the caller).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let zmm = visible.len() > 3 && hd.is_multiple_of(16) && crate::simd::has_zmm();
+    if let (true, KvRows::F32(rows)) = (zmm, v) {
+        values_zmm(rows.as_ptr(), probs, ld, col0, visible, hd, out);
+        return;
+    }
     if visible.len() <= 3 || matches!(v, KvRows::F32(_)) {
         with_rows!(v, rows => values_inline(rows, probs, ld, col0, visible, hd, out));
         return;
@@ -1283,6 +1384,7 @@ const VALUES_BLOCK: usize = 16;
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn values_buffered<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
     let lanes = hd / 8;
+    let zmm = hd.is_multiple_of(16) && crate::simd::has_zmm();
     let n = visible.iter().copied().max().unwrap_or(0);
     let mut rows = std::mem::MaybeUninit::<[__m256; VALUES_BLOCK * 32]>::uninit();
     let rp = rows.as_mut_ptr().cast::<__m256>();
@@ -1298,8 +1400,12 @@ unsafe fn values_buffered<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usi
                 *d = s.saturating_sub(t0).min(m);
             }
             // The block's rows at stride `hd`: only rows below `m` are read.
-            let block = F32Rows(rp.cast::<f32>());
-            values_inline(&block, &probs[q0 * ld..], ld, col0 + t0, &vis[..part.len()], hd, &mut out[q0 * hd..]);
+            let (probs, vis, out) = (&probs[q0 * ld..], &vis[..part.len()], &mut out[q0 * hd..]);
+            if zmm {
+                values_zmm(rp.cast::<f32>(), probs, ld, col0 + t0, vis, hd, out);
+            } else {
+                values_inline(&F32Rows(rp.cast::<f32>()), probs, ld, col0 + t0, vis, hd, out);
+            }
         }
     }
 }
@@ -1379,6 +1485,73 @@ unsafe fn values_tile<L: RowLoad, const Q: usize, const N: usize>((v, probs, ld,
     }
 }
 
+/// [`values_inline`] on 512-bit vectors, for f32 rows at stride `hd` (a multiple of 16):
+/// tiles of up to 4 queries by 64 channels, 16 accumulators. Each output channel adds its
+/// rows in token order, one multiply-add each, as the 256-bit tiles do: the same bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm(rows: *const f32, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let vecs = hd / 16;
+    for q0 in (0..visible.len()).step_by(4) {
+        let vis = &visible[q0..(q0 + 4).min(visible.len())];
+        let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
+        for v0 in (0..vecs).step_by(4) {
+            let tile = (rows, probs, ld, col, vis, hd, o, v0);
+            match vis.len() {
+                4 => values_zmm_q::<4>(tile, vecs - v0),
+                3 => values_zmm_q::<3>(tile, vecs - v0),
+                2 => values_zmm_q::<2>(tile, vecs - v0),
+                _ => values_zmm_q::<1>(tile, vecs - v0),
+            }
+        }
+    }
+}
+
+/// A [`values_zmm`] tile: f32 rows, probabilities, their stride, the tile's first probability
+/// column, its queries' visible counts, `hd`, its first output, its first 16-channel vector.
+type ZmmTile<'a> = (*const f32, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm_q<const Q: usize>(tile: ZmmTile, width: usize) {
+    match width {
+        4.. => values_zmm_tile::<Q, 4>(tile),
+        3 => values_zmm_tile::<Q, 3>(tile),
+        2 => values_zmm_tile::<Q, 2>(tile),
+        _ => values_zmm_tile::<Q, 1>(tile),
+    }
+}
+
+/// `Q` queries by `N` 16-channel vectors of [`values_zmm`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm_tile<const Q: usize, const N: usize>((rows, probs, ld, col, vis, hd, o, v0): ZmmTile) {
+    let mut acc = [[_mm512_setzero_ps(); N]; Q];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (c, slot) in a.iter_mut().enumerate() {
+            *slot = _mm512_loadu_ps(o.add(i * hd + 16 * (v0 + c)));
+        }
+    }
+    let n = vis.iter().copied().max().unwrap_or(0);
+    for t in 0..n {
+        let row: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(rows.add(t * hd + 16 * (v0 + c))));
+        for (i, a) in acc.iter_mut().enumerate() {
+            if t >= *vis.get_unchecked(i) {
+                continue;
+            }
+            let w = _mm512_set1_ps(*probs.get_unchecked(col + i * ld + t));
+            for (slot, r) in a.iter_mut().zip(&row) {
+                *slot = _mm512_fmadd_ps(w, *r, *slot);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (c, slot) in a.iter().enumerate() {
+            _mm512_storeu_ps(o.add(i * hd + 16 * (v0 + c)), *slot);
+        }
+    }
+}
+
 /// [`super::exp_lane`] for 8 lanes, operation for operation.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1396,6 +1569,42 @@ unsafe fn exp8(x: __m256) -> __m256 {
     let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
     let y = _mm256_mul_ps(p, pow2n);
     _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MIN), _CMP_GT_OQ))
+}
+
+/// [`super::row_max_ref`] eight lanes at a time: `max(x, m)` keeps `m` when `x` is NaN, as
+/// `f32::max` does, and a maximum does not depend on the order it is taken in.
+///
+/// # Safety
+/// Needs AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn row_max(row: &[f32]) -> f32 {
+    let (n, p) = (row.len(), row.as_ptr());
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 8 <= n {
+        m = _mm256_max_ps(_mm256_loadu_ps(p.add(i)), m);
+        i += 8;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    lanes.iter().chain(&row[i..]).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// [`super::round_f16_ref`] eight at a time (F16C rounds to nearest, ties to even, as
+/// `f16::from_f32`).
+///
+/// # Safety
+/// Needs F16C; `src` and `dst` of one length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn round_f16(src: &[f32], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm256_cvtps_ph(_mm256_loadu_ps(src.as_ptr().add(i)), _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    super::round_f16_ref(&src[i..n], &mut dst[i..n]);
 }
 
 /// # Safety

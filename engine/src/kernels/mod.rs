@@ -682,13 +682,13 @@ fn axpy_f32(a: f32, x: &[f32], out: &mut [f32]) {
 /// the sum is taken in f64 as llama.cpp does. Every path computes `e^x` with `exp_lane`'s
 /// polynomial and sums eight values at a time in the same tree, so they agree bit for bit.
 pub fn softmax_f16(row: &mut [f32]) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has AVX2/FMA/F16C.
-        unsafe { avx2::softmax_f16(row, max) };
+        unsafe { avx2::softmax_f16(row, avx2::row_max(row)) };
         return;
     }
+    let max = row_max_ref(row);
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
         // SAFETY: NEON in use.
@@ -696,6 +696,32 @@ pub fn softmax_f16(row: &mut [f32]) {
         return;
     }
     softmax_f16_ref(row, max);
+}
+
+/// The largest of `row`'s values that is not NaN (-inf when none is): a vector kernel takes
+/// the same maximum in any order.
+pub fn row_max_ref(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// `src` rounded to f16 precision (to nearest, ties to even) into `dst`, as
+/// `f16::from_f32(v).to_f32()` takes each value (F16C's conversion on x86-64).
+pub fn round_f16(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "round_f16's rows");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has F16C; the lengths are equal (asserted).
+        unsafe { avx2::round_f16(src, dst) };
+        return;
+    }
+    round_f16_ref(src, dst);
+}
+
+/// The scalar reference for [`round_f16`].
+pub fn round_f16_ref(src: &[f32], dst: &mut [f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(v).to_f32();
+    }
 }
 
 /// The scalar reference for [`softmax_f16`], given the row's maximum.
@@ -1187,15 +1213,22 @@ mod tests {
                 chunk_values_ref(&x, 20, 3, v, &many, hd, &mut oy);
                 assert!(ox.iter().zip(&oy).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {bits} bits, 11 queries' values");
             }
+            // A decoding step's group, four queries, and a prefill job's many (512-bit tiles
+            // of 4, 4 and 3 queries where the CPU has them), each seeing a different count.
+            let many: Vec<usize> = (0..11).map(|i| (i * 7 + 2) % 17).collect();
+            let q11: Vec<f32> = (0..11 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
             for k in rows {
-                let (mut x, mut y) = (vec![-9.0; 4 * 20], vec![-9.0; 4 * 20]);
-                chunk_scores(&q, hd, k, &visible, 0.125, &mut x, 20, 3);
-                chunk_scores_ref(&q, hd, k, &visible, 0.125, &mut y, 20, 3);
-                assert!(x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {k:?} scores: {x:?} vs {y:?}");
-                let (mut ox, mut oy) = (vec![0.5; 4 * hd], vec![0.5; 4 * hd]);
-                chunk_values(&x, 20, 3, k, &visible, hd, &mut ox);
-                chunk_values_ref(&x, 20, 3, k, &visible, hd, &mut oy);
-                assert!(ox.iter().zip(&oy).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {k:?} values");
+                for (q, visible) in [(&q[..3 * hd], &visible[..3]), (&q[..], &visible[..]), (&q11[..], &many[..])] {
+                    let nq = visible.len();
+                    let (mut x, mut y) = (vec![-9.0; nq * 20], vec![-9.0; nq * 20]);
+                    chunk_scores(q, hd, k, visible, 0.125, &mut x, 20, 3);
+                    chunk_scores_ref(q, hd, k, visible, 0.125, &mut y, 20, 3);
+                    assert!(x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {k:?} {nq} queries' scores");
+                    let (mut ox, mut oy) = (vec![0.5; nq * hd], vec![0.5; nq * hd]);
+                    chunk_values(&x, 20, 3, k, visible, hd, &mut ox);
+                    chunk_values_ref(&x, 20, 3, k, visible, hd, &mut oy);
+                    assert!(ox.iter().zip(&oy).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {k:?} {nq} queries' values");
+                }
             }
         }
     }
@@ -1225,6 +1258,44 @@ mod tests {
         assert_eq!(exp_lane(-87.0), 0.0);
         assert_eq!(exp_lane(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_lane(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn row_max_and_f16_rounding_equal_their_references() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        for n in [0, 1, 7, 8, 9, 17, 64, 301] {
+            let mut x: Vec<f32> = (0..n).map(|_| rng.gen_range(-50.0..50.0)).collect();
+            let mut fast = vec![0.0; n];
+            let mut slow = vec![0.0; n];
+            round_f16(&x, &mut fast);
+            round_f16_ref(&x, &mut slow);
+            assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n}: {fast:?} vs {slow:?}");
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // The maximum anywhere, behind NaNs and masked scores, and in the tail.
+                for (i, v) in x.iter_mut().enumerate() {
+                    match i % 5 {
+                        1 => *v = f32::NAN,
+                        3 => *v = f32::NEG_INFINITY,
+                        _ => {}
+                    }
+                }
+                // SAFETY: the CPU has AVX2.
+                let got = unsafe { avx2::row_max(&x) };
+                assert_eq!(got.to_bits(), row_max_ref(&x).to_bits(), "n={n}");
+                if let Some(last) = x.last_mut() {
+                    *last = 1e9;
+                    // SAFETY: as above.
+                    assert_eq!(unsafe { avx2::row_max(&x) }, 1e9, "n={n}: the last value");
+                }
+            }
+        }
+        // Every f16 case: subnormals, the largest value, overflow, ties to even, zeros.
+        let edge = [6.0e-8, 3.0e-5, 6.1e-5, 65504.0, 65519.0, 65520.0, 1e6, -0.0, 0.0, 1.0 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, -2.5e-6];
+        let (mut fast, mut slow) = ([0.0f32; 12], [0.0f32; 12]);
+        round_f16(&edge, &mut fast);
+        round_f16_ref(&edge, &mut slow);
+        assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "{fast:?} vs {slow:?}");
     }
 
     #[test]
