@@ -1368,7 +1368,7 @@ pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRo
         with_rows!(v, rows => values_inline(rows, probs, ld, col0, visible, hd, out));
         return;
     }
-    with_rows!(v, rows => values_buffered(rows, probs, ld, col0, visible, hd, out));
+    with_rows!(v, rows => values_buffered(rows, probs, ld, col0, visible, hd, out, zmm));
 }
 
 /// Rows [`values_buffered`] decodes at a time.
@@ -1376,15 +1376,23 @@ const VALUES_BLOCK: usize = 16;
 
 /// [`chunk_values`] for more queries than one tile (a prefill job's) over rows that are not
 /// f32: decoded [`VALUES_BLOCK`] at a time into a buffer on the stack and read from there by
-/// every tile of [`values_inline`] (each output still adds its rows in token order: the same
-/// bits). A prefill job's 24 queries read the decoded rows 8 times from L1 instead of decoding
-/// them 8 times: 711-751 ns a 16-token int8 chunk before, 495-519 after.
+/// every tile of [`values_inline`], or of [`values_zmm`] when `zmm` (each output still adds
+/// its rows in token order: the same bits). A prefill job's 24 queries read the decoded rows
+/// 8 times from L1 instead of decoding them 8 times: 711-751 ns a 16-token int8 chunk before, 495-519 after.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn values_buffered<L: RowLoad>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+unsafe fn values_buffered<L: RowLoad>(
+    v: &L,
+    probs: &[f32],
+    ld: usize,
+    col0: usize,
+    visible: &[usize],
+    hd: usize,
+    out: &mut [f32],
+    zmm: bool,
+) {
     let lanes = hd / 8;
-    let zmm = hd.is_multiple_of(16) && crate::simd::has_zmm();
     let n = visible.iter().copied().max().unwrap_or(0);
     let mut rows = std::mem::MaybeUninit::<[__m256; VALUES_BLOCK * 32]>::uninit();
     let rp = rows.as_mut_ptr().cast::<__m256>();
