@@ -1071,23 +1071,32 @@ fn matmul_cols(
     // Each thread's groups in one forward stream (`for_runs`): decode reads the weights at the
     // prefetchers' pace.
     let chunk = (units / (4 * pool.threads())).clamp(1, most);
-    pool.for_runs("matmul", units, chunk, &|a, b| {
-        for (m, &(u0, r0)) in ms.iter().zip(&starts) {
-            let groups = m.raw.rows.div_ceil(repack::ROWS);
-            let (lo, hi) = (a.max(u0), b.min(u0 + groups));
-            if lo >= hi {
-                continue;
-            }
-            let o = outp.offset(r0);
-            match &m.packed {
-                Some(p) => kernels::matmul_packed(p, acts, o, ldo, lo - u0, hi - u0),
-                None => {
-                    let rows = ((lo - u0) * repack::ROWS, ((hi - u0) * repack::ROWS).min(m.raw.rows));
-                    kernels::matmul_rows(&model.view(&m.raw), acts, o, ldo, rows.0, rows.1);
+    let product = || {
+        pool.for_runs("matmul", units, chunk, &|a, b| {
+            for (m, &(u0, r0)) in ms.iter().zip(&starts) {
+                let groups = m.raw.rows.div_ceil(repack::ROWS);
+                let (lo, hi) = (a.max(u0), b.min(u0 + groups));
+                if lo >= hi {
+                    continue;
+                }
+                let o = outp.offset(r0);
+                match &m.packed {
+                    Some(p) => kernels::matmul_packed(p, acts, o, ldo, lo - u0, hi - u0),
+                    None => {
+                        let rows = ((lo - u0) * repack::ROWS, ((hi - u0) * repack::ROWS).min(m.raw.rows));
+                        kernels::matmul_rows(&model.view(&m.raw), acts, o, ldo, rows.0, rows.1);
+                    }
                 }
             }
-        }
-    });
+        })
+    };
+    // Decode's products stream the weights from memory: their prefetch distance is tuned on
+    // them (`kernels::ahead`). A prompt's tiles are bound by arithmetic and run as they are.
+    let packed: Option<usize> = ms.iter().map(|m| m.packed.as_ref().map(PackedWeight::bytes)).sum();
+    match packed {
+        Some(bytes) if n <= 8 => kernels::ahead::tuned(bytes, product),
+        _ => product(),
+    }
 }
 
 /// [`matmul_cols`] over channel-major matrices: the non-zero inputs are found once, then each

@@ -31,26 +31,14 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()))
 }
 
-/// How far ahead of the block it reads a packed product asks for the weights' cache lines.
-/// Decode reads every weight once, front to back, and the hardware prefetchers follow a
-/// stream only within a 4 KiB page, needing a few misses to start again after each: with them
-/// alone the one-token product streamed at ~0.83 of a plain read of the same bytes by the same
-/// threads, with the lines asked for 4 KiB ahead at ~0.93 (`engine/examples/matvec_rate.rs`,
-/// Q4_0, 2 threads, alternating runs; 2 KiB was too close). How far is far enough depends on
-/// how fast each thread's stream runs: when this host's read runs at 62-69 GB/s instead of
-/// ~48, 4 KiB left the 1.7B Q4_K_M decode at 0.75-0.83 of the floor and 6 KiB gave 0.76-0.91
-/// (median 0.81 against 0.875, 7-8 runs each alternating in one loop), at ~48 GB/s 0.86-0.88
-/// against 0.85-0.87; 8 KiB was between them when fast and below both when slow
-/// (docs/notes/engine.md). Prefill's 4-token tiles reuse each block and are bound by
-/// arithmetic: the prefetch neither helps nor costs them (tools/bench/ab, pp512 0.99x), so
-/// every tile asks.
-const AHEAD: usize = 6144;
-
-/// Asks for every cache line of the block `AHEAD` bytes past `blk` (no fault: a prefetch past
-/// the matrix's end is dropped by the CPU, and the address is only computed, never read).
+/// Asks for every cache line of the block [`super::ahead::distance`] bytes past `blk` (no
+/// fault: a prefetch past the matrix's end is dropped by the CPU, and the address is only
+/// computed, never read). Decode's products stream the weights and want the lines early;
+/// prefill's 4-token tiles reuse each block and are bound by arithmetic: the prefetch neither
+/// helps nor costs them (tools/bench/ab, pp512 0.99x), so every tile asks.
 #[inline(always)]
 unsafe fn prefetch_ahead<B>(blk: *const B) {
-    let p = blk.cast::<i8>().wrapping_add(AHEAD);
+    let p = blk.cast::<i8>().wrapping_add(super::ahead::distance());
     let mut off = 0;
     while off < std::mem::size_of::<B>() {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));

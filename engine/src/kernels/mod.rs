@@ -878,6 +878,7 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
     (f.outliers, f.codes)
 }
 
+pub mod ahead;
 pub mod colmajor;
 
 /// A Q4/Q2 head block decoded into an int8 one, as [`crate::kv::decode_block_to_int8`] does it

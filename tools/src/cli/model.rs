@@ -679,6 +679,7 @@ fn bench(
         "packed"
     };
     let name = |i: usize| formats[i].1.unwrap_or(formats[i].0).name();
+    let ahead = ::engine::kernels::ahead::report();
     if json {
         let rows: Vec<serde_json::Value> = (0..k)
             .map(|i| {
@@ -689,6 +690,7 @@ fn bench(
                 }
                 if i == 0 {
                     v["pool"] = pool_json.clone();
+                    v["prefetch"] = json!({"bytes": ahead.bytes, "tuning_rounds": ahead.rounds, "fixed": ahead.fixed});
                 } else {
                     v["vs"] = json!({"kv": name(0), "pp": paired(&pp_rates, i), "tg": paired(&tg_rates, i)});
                 }
@@ -731,6 +733,8 @@ fn bench(
                 med(tg_rates[0].clone()) / floor_tok_s
             );
         }
+        let how = if ahead.fixed { "fixed by LLMS_PREFETCH_AHEAD".to_string() } else { format!("tuned, {} rounds", ahead.rounds) };
+        println!("prefetch distance: {} bytes ({how})", ahead.bytes);
         print!("{pool_text}");
     }
     Ok(())
