@@ -1094,7 +1094,7 @@ fn matmul_cols(
     // them (`kernels::ahead`). A prompt's tiles are bound by arithmetic and run as they are.
     let packed: Option<usize> = ms.iter().map(|m| m.packed.as_ref().map(PackedWeight::bytes)).sum();
     match packed {
-        Some(bytes) if n <= 8 => kernels::ahead::tuned(bytes, product),
+        Some(bytes) if n <= 8 => kernels::ahead::tuned(bytes, n, product),
         _ => product(),
     }
 }

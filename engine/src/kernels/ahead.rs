@@ -44,15 +44,33 @@ pub fn distance() -> usize {
     AHEAD.load(Ordering::Relaxed)
 }
 
+/// Products of different matrices and batch sizes run at different rates whatever the
+/// distance, so the rates are compared within a kind of product (its weight bytes and rows):
+/// at most this many kinds are sampled in a round, the rest run at the chosen distance.
+const MAX_KINDS: usize = 16;
+
+/// A sampled product: which candidate ran it, and its kind's index in the round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    pub candidate: usize,
+    kind: usize,
+}
+
 /// Rates of one round, and what the tuner does next.
 #[derive(Debug, Clone)]
 pub struct Tuner {
     /// Set by `LLMS_PREFETCH_AHEAD`: never sample.
     fixed: Option<usize>,
-    /// Weight bytes per second of each candidate's products this round.
-    rates: [Vec<f64>; CANDIDATES.len()],
-    /// The next product of a round goes to this candidate.
-    turn: usize,
+    /// The kinds of product met this round, each with the candidate its next product goes to:
+    /// each kind deals its own products in turn, so every candidate gets the same mix of kinds
+    /// (one turn over all products would tie candidates to kinds whenever the number of
+    /// candidates and a layer's products share a factor: 6 and 4 gave three distances only
+    /// the even products).
+    kinds: Vec<(u64, usize)>,
+    /// (kind, candidate, weight bytes per second) of this round's products.
+    samples: Vec<(usize, usize, f64)>,
+    /// Samples this round per candidate.
+    count: [usize; CANDIDATES.len()],
     /// Products left to run at the chosen distance before the next round (0: sampling).
     exploit_left: usize,
     /// Index into [`CANDIDATES`] of the distance chosen by the last round.
@@ -66,17 +84,19 @@ impl Tuner {
     pub fn new(fixed: Option<usize>) -> Self {
         Self {
             fixed,
-            rates: Default::default(),
-            turn: 0,
+            kinds: Vec::new(),
+            samples: Vec::new(),
+            count: [0; CANDIDATES.len()],
             exploit_left: 0,
             chosen: CANDIDATES.iter().position(|&c| c == 6144).unwrap_or(0),
             rounds: 0,
         }
     }
 
-    /// Takes the distance for the next memory-bound product, and whether its rate is wanted (the
-    /// candidate's index for [`Tuner::record`]).
-    pub fn take(&mut self) -> (usize, Option<usize>) {
+    /// Takes the distance for the next memory-bound product of kind `kind` (any key that tells
+    /// products of different matrices or batch sizes apart), and whether its rate is wanted
+    /// (the sample to hand [`Tuner::record`]).
+    pub fn take(&mut self, kind: u64) -> (usize, Option<Sample>) {
         if let Some(d) = self.fixed {
             return (d, None);
         }
@@ -84,32 +104,49 @@ impl Tuner {
             self.exploit_left -= 1;
             return (CANDIDATES[self.chosen], None);
         }
-        let i = self.turn;
-        self.turn = (self.turn + 1) % CANDIDATES.len();
-        (CANDIDATES[i], Some(i))
+        let k = match self.kinds.iter().position(|&(key, _)| key == kind) {
+            Some(k) => k,
+            None if self.kinds.len() < MAX_KINDS => {
+                self.kinds.push((kind, 0));
+                self.kinds.len() - 1
+            }
+            None => return (CANDIDATES[self.chosen], None),
+        };
+        let c = self.kinds[k].1;
+        self.kinds[k].1 = (c + 1) % CANDIDATES.len();
+        (CANDIDATES[c], Some(Sample { candidate: c, kind: k }))
     }
 
-    /// A sampled product of candidate `i` read `bytes` in `secs`; once every candidate has
-    /// `SAMPLES` the round ends: the best median rate is chosen (ties keep the earlier
-    /// choice, so noise between equals does not flap it).
-    pub fn record(&mut self, i: usize, bytes: usize, secs: f64) {
-        if self.exploit_left > 0 || !secs.is_finite() || secs <= 0.0 {
+    /// A sampled product read `bytes` in `secs`. Once every candidate has `SAMPLES` the round
+    /// ends: each rate is taken relative to its kind's median rate over all candidates, and the
+    /// candidate whose relative rates have the best median is chosen (a median, so a product
+    /// delayed by another process does not count; ties keep the earlier choice, so noise
+    /// between equals does not flap it).
+    pub fn record(&mut self, s: Sample, bytes: usize, secs: f64) {
+        if self.exploit_left > 0 || !secs.is_finite() || secs <= 0.0 || s.kind >= self.kinds.len() {
             return;
         }
         #[allow(clippy::cast_precision_loss)]
-        self.rates[i].push(bytes as f64 / secs);
-        if self.rates.iter().any(|r| r.len() < SAMPLES) {
+        self.samples.push((s.kind, s.candidate, bytes as f64 / secs));
+        self.count[s.candidate] += 1;
+        if self.count.iter().any(|&n| n < SAMPLES) {
             return;
         }
-        let medians: Vec<f64> = self.rates.iter_mut().map(|r| median(r)).collect();
+        let kind_median: Vec<f64> =
+            (0..self.kinds.len()).map(|k| median(&mut self.samples.iter().filter(|x| x.0 == k).map(|x| x.2).collect::<Vec<_>>())).collect();
+        let score: Vec<f64> = (0..CANDIDATES.len())
+            .map(|c| median(&mut self.samples.iter().filter(|x| x.1 == c).map(|x| x.2 / kind_median[x.0]).collect::<Vec<_>>()))
+            .collect();
         let mut best = self.chosen;
-        for (c, &m) in medians.iter().enumerate() {
-            if m > medians[best] {
+        for (c, &m) in score.iter().enumerate() {
+            if m > score[best] {
                 best = c;
             }
         }
         self.chosen = best;
-        self.rates.iter_mut().for_each(Vec::clear);
+        self.kinds.clear();
+        self.samples.clear();
+        self.count = [0; CANDIDATES.len()];
         self.exploit_left = SAMPLES * CANDIDATES.len() * EXPLOIT_PER_SAMPLE;
         self.rounds += 1;
     }
@@ -120,7 +157,11 @@ impl Tuner {
     }
 }
 
+/// The median of a non-empty `v` (its upper middle), 0 for an empty one.
 fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -144,26 +185,30 @@ static TUNER: LazyLock<Mutex<Tuner>> = LazyLock::new(|| {
     Mutex::new(t)
 });
 
-/// Runs `product`, a memory-bound product reading `bytes` of weights, at the distance the tuner
+/// Runs `product`, a memory-bound product reading `bytes` of weights for `rows` tokens, at the distance the tuner
 /// gives it, and tells the tuner its rate when it was a sample. Products of other models in
 /// the process may run at the same time: a sample's rate can then be another's distance's,
 /// which costs a round's accuracy, never a result.
-pub fn tuned<R>(bytes: usize, product: impl FnOnce() -> R) -> R {
-    if bytes < MIN_BYTES {
+pub fn tuned<R>(bytes: usize, rows: usize, product: impl FnOnce() -> R) -> R {
+    // Only the AVX2 tiles ask ahead (the NEON ones leave it to the hardware prefetchers).
+    if bytes < MIN_BYTES || !crate::simd::has_avx2() {
         return product();
     }
-    let (d, sample) = TUNER.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    let kind = (bytes as u64) << 8 | (rows as u64 & 0xff);
+    let (d, sample) = TUNER.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take(kind);
     // Stored only when it changes: every tile of the product reads the line.
     if distance() != d {
         AHEAD.store(d, Ordering::Relaxed);
     }
-    let Some(i) = sample else { return product() };
+    let Some(s) = sample else { return product() };
     let t = Instant::now();
     let r = product();
     let secs = t.elapsed().as_secs_f64();
     let mut tuner = TUNER.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    tuner.record(i, bytes, secs);
-    AHEAD.store(tuner.chosen().0, Ordering::Relaxed);
+    tuner.record(s, bytes, secs);
+    if tuner.exploit_left > 0 {
+        AHEAD.store(tuner.chosen().0, Ordering::Relaxed);
+    }
     r
 }
 
@@ -189,63 +234,94 @@ pub fn report() -> Choice {
 mod tests {
     use super::*;
 
-    /// Runs rounds of `t` where candidate `i`'s products take `secs(i, k)` for its k-th sample.
-    fn round(t: &mut Tuner, secs: impl Fn(usize, usize) -> f64) {
+    /// Runs one round of `t` over products that come as a model's layers do: four kinds in
+    /// turn, each its own base time, where candidate `i`'s k-th product of kind `kind` takes
+    /// `base[kind] * factor(i, k)` seconds.
+    fn round(t: &mut Tuner, factor: impl Fn(usize, usize) -> f64) {
+        let base = [0.004, 0.0015, 0.011, 0.006];
         let mut seen = [0usize; CANDIDATES.len()];
-        for _ in 0..SAMPLES * CANDIDATES.len() {
-            let (d, s) = t.take();
-            let i = s.expect("a round samples every product");
-            assert_eq!(d, CANDIDATES[i]);
-            t.record(i, 1 << 20, secs(i, seen[i]));
-            seen[i] += 1;
+        let rounds = t.chosen().1;
+        let mut p = 0;
+        while t.chosen().1 == rounds {
+            let kind = p % 4;
+            p += 1;
+            let (d, s) = t.take(kind as u64);
+            let s = s.expect("a round samples every product");
+            assert_eq!(d, CANDIDATES[s.candidate]);
+            t.record(s, 1 << 20, base[kind] * factor(s.candidate, seen[s.candidate]));
+            seen[s.candidate] += 1;
+            assert!(p < 10_000, "the round never ended");
         }
+        // Every kind dealt to every candidate alike: the round is as long as the samples asked.
+        assert_eq!(p, SAMPLES * CANDIDATES.len());
+    }
+
+    fn at(d: usize) -> usize {
+        CANDIDATES.iter().position(|&c| c == d).unwrap()
     }
 
     #[test]
-    fn a_round_chooses_the_fastest_median_and_then_keeps_it() {
-        let mut t = Tuner::new(None);
-        assert_eq!(t.chosen(), (6144, 0));
-        // 3 KiB fastest, except for a few outliers (a preempted product) that a mean would
-        // count and a median does not.
-        round(&mut t, |i, k| {
-            if CANDIDATES[i] == 3072 {
-                if k % 8 == 0 {
-                    1.0
+    fn a_round_chooses_the_fastest_within_each_kind_and_then_keeps_it() {
+        // The fastest is 4% faster on every kind, except for a few products delayed 100-fold
+        // (another process took the core) that a mean would count and a median does not. With
+        // one turn over all products, the odd candidates would only ever meet the cheap kinds
+        // 1 and 3 and the even ones the expensive kinds: which side the fastest is on would
+        // decide. Both sides are tried.
+        for fast in [1024, 2048, 8192] {
+            let mut t = Tuner::new(None);
+            assert_eq!(t.chosen(), (6144, 0));
+            round(&mut t, |i, k| {
+                if i == at(fast) {
+                    if k % 8 == 0 {
+                        100.0
+                    } else {
+                        0.96
+                    }
                 } else {
-                    0.001
+                    1.0
                 }
-            } else {
-                0.0012
-            }
-        });
-        assert_eq!(t.chosen(), (3072, 1));
+            });
+            assert_eq!(t.chosen(), (fast, 1));
+        }
+        let mut t = Tuner::new(None);
+        round(&mut t, |i, _| if i == at(2048) { 0.96 } else { 1.0 });
         // Between rounds every product runs at the choice, unsampled.
-        for _ in 0..SAMPLES * CANDIDATES.len() * EXPLOIT_PER_SAMPLE {
-            assert_eq!(t.take(), (3072, None));
+        for p in 0..SAMPLES * CANDIDATES.len() * EXPLOIT_PER_SAMPLE {
+            assert_eq!(t.take(p as u64 % 4), (2048, None));
         }
         // The host changed: the next round follows it.
-        round(&mut t, |i, _| if CANDIDATES[i] == 8192 { 0.0009 } else { 0.001 });
+        round(&mut t, |i, _| if i == at(8192) { 0.97 } else { 1.0 });
         assert_eq!(t.chosen(), (8192, 2));
     }
 
     #[test]
     fn ties_keep_the_choice_and_bad_timings_are_ignored() {
         let mut t = Tuner::new(None);
-        round(&mut t, |_, _| 0.001);
+        round(&mut t, |_, _| 1.0);
         assert_eq!(t.chosen(), (6144, 1), "equal rates keep the earlier choice");
         let mut t = Tuner::new(None);
         // A zero or NaN timing (a clock that did not move) is not a rate.
-        let (_, s) = t.take();
+        let (_, s) = t.take(0);
         t.record(s.unwrap(), 1 << 20, 0.0);
         t.record(s.unwrap(), 1 << 20, f64::NAN);
-        assert!(t.rates.iter().all(Vec::is_empty));
+        assert!(t.samples.is_empty());
+    }
+
+    #[test]
+    fn kinds_past_the_cap_run_at_the_choice_unsampled() {
+        let mut t = Tuner::new(None);
+        for k in 0..MAX_KINDS as u64 {
+            assert!(t.take(k).1.is_some());
+        }
+        assert_eq!(t.take(MAX_KINDS as u64), (6144, None));
+        assert!(t.take(3).1.is_some(), "a kind already met is still sampled");
     }
 
     #[test]
     fn a_fixed_distance_is_never_sampled() {
         let mut t = Tuner::new(Some(4096));
-        for _ in 0..1000 {
-            assert_eq!(t.take(), (4096, None));
+        for p in 0..1000 {
+            assert_eq!(t.take(p % 5), (4096, None));
         }
         assert_eq!(t.chosen(), (4096, 0));
     }
