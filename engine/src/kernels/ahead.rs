@@ -5,13 +5,15 @@
 //! within a 4 KiB page and need a few misses to start again after each, so the kernels ask for
 //! the lines a distance ahead (`kernels/avx2.rs`). The best distance depends on the host: on the
 //! AMD EPYC host 6 KiB beat 4 and 8 KiB when its memory ran at 62-69 GB/s and all three tied at
-//! ~48 GB/s; on the Intel Xeon host (~26 GB/s by two threads) 3 KiB decoded the 1.7B shapes
+//! ~48 GB/s; on the Intel Xeon host (~26 GB/s by two threads) 1-3 KiB decoded the 1.7B shapes
 //! 1.08-1.21x as fast as 6 KiB (docs/notes/engine.md). One constant suits one host, and a host's
 //! memory changes speed from minute to minute, so the distance is chosen while decoding: every
-//! so often a few hundred memory-bound products are dealt to the candidates in turn (so a
-//! change of the host's speed meets them all alike), each product's weight bytes per second is
-//! kept, and the candidate with the best median rate is used until the next round. A round
-//! costs at most the gap between the candidates over ~1/40 of the products.
+//! so often a round of memory-bound products is dealt to the candidates, each kind of product
+//! (matrix and batch size) in turn of its own (so every candidate meets the same mix, and a
+//! change of the host's speed meets them all alike); each product's weight bytes per second is
+//! kept, relative to its kind's median, and the candidate with the best median is used until
+//! the next round. A round costs at most the gap between the candidates over ~1/40 of the
+//! products.
 //!
 //! The distance never changes a result (a prefetch is a hint; the arithmetic is the same), so
 //! the tuner is one per process, shared by every model in it. `LLMS_PREFETCH_AHEAD=<bytes>`
