@@ -90,6 +90,10 @@ fn read_rate(pool: &ThreadPool, buf: &[u8], rounds: usize) -> f64 {
 
 fn main() {
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
+    // The products here are called directly, not through decode's tuner: they run at its
+    // starting distance, or at `LLMS_PREFETCH_AHEAD`'s (read when the tuner is first asked).
+    let ahead = engine::kernels::ahead::report();
+    println!("prefetch distance {} bytes{}", ahead.bytes, if ahead.fixed { " (LLMS_PREFETCH_AHEAD)" } else { "" });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cols = 2048;
     let gb = |x: f64| (x / 1e8).round() / 10.0;
@@ -133,5 +137,5 @@ fn main() {
         }
     }
     // The last line is for `llms record`.
-    println!("{}", serde_json::json!({ "big_mib": big_mib, "cols": cols, "runs": runs }));
+    println!("{}", serde_json::json!({ "big_mib": big_mib, "cols": cols, "prefetch_bytes": ahead.bytes, "runs": runs }));
 }
