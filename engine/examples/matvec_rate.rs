@@ -2,7 +2,9 @@
 //! a matrix that fits in L2, one that fits in L3, one far larger than any cache, and many
 //! distinct matrices of a 1.7B model's sizes each in its own dispatch (as decode meets them),
 //! in Q4_0, Q4_K and Q6_K; beside a streaming read of the large one by the same threads (as
-//! `llms bench --floor`). Weight bytes per second, the best of 5 passes. The cache-resident
+//! `llms bench --floor`). The large matrix and the many are placed in arenas as the model places
+//! its resident matrices (engine::arena: on huge pages where the kernel gives them), and the
+//! read reads the large one where it sits. Weight bytes per second, the best of 5 passes. The cache-resident
 //! rates say what the kernel's arithmetic allows; the DRAM ones against the read say how near
 //! the memory floor the kernel alone gets (#56: tg against the floor). The last line is JSON
 //! (for `llms record`).
@@ -17,6 +19,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use engine::arena::{Arena, ArenaBuilder};
 use engine::kernels::{act_kind, matmul_packed, Acts, OutPtr};
 use engine::quant::GgmlType;
 use engine::repack::PackedWeight;
@@ -88,6 +91,15 @@ fn read_rate(pool: &ThreadPool, buf: &[u8], rounds: usize) -> f64 {
     best
 }
 
+/// `mats` moved into one arena, as the model places its resident matrices (on huge pages where
+/// the kernel gives them: engine::arena), with the arena, which must outlive them.
+fn in_arena(mats: Vec<PackedWeight>) -> (Vec<PackedWeight>, Arena) {
+    let mut b = ArenaBuilder::new(mats.iter().map(|m| m.bytes().next_multiple_of(64)).sum()).expect("an arena");
+    // SAFETY: the arena is returned beside the matrices and dropped after them by every caller.
+    let mats = mats.into_iter().map(|m| unsafe { m.into_arena(&mut b) }).collect();
+    (mats, b.finish().expect("an arena"))
+}
+
 fn main() {
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
     // The products here are called directly, not through decode's tuner: they run at its
@@ -111,16 +123,19 @@ fn main() {
             let l2 = rate(&pool, &[packed(rows_of(n * (512 << 10)))], &acts, 5);
             let l3 = rate(&pool, &[packed(rows_of(8 << 20))], &acts, 5);
             let big = packed(rows_of(big_mib << 20));
-            let dram = rate(&pool, std::slice::from_ref(&big), &acts, 5);
-            let read = read_rate(&pool, big.as_bytes(), 5);
-            drop(big);
+            let (big, big_arena) = in_arena(vec![big]);
+            let dram = rate(&pool, &big, &acts, 5);
+            let read = read_rate(&pool, big[0].as_bytes(), 5);
+            drop((big, big_arena));
             // As decode meets them: many distinct matrices of a 1.7B model's sizes (2048 and
             // 8192 rows), 256 MiB in all, each its own dispatch.
             let mut mats = Vec::new();
             while mats.iter().map(PackedWeight::bytes).sum::<usize>() < 256 << 20 {
                 mats.push(packed(if mats.len() % 3 == 2 { 8192 } else { 2048 }));
             }
+            let (mats, arena) = in_arena(mats);
             let many = rate(&pool, &mats, &acts, 5);
+            drop((mats, arena));
             println!(
                 "{:8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
                 format!("{ty:?}"),

@@ -9,6 +9,7 @@
 //!
 //! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
+pub mod arena;
 pub mod attention;
 pub mod chat;
 pub mod colmajor;

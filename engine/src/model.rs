@@ -138,6 +138,9 @@ pub struct Model {
     /// A channel-major image's layer groups (0: none, or a packed image): the forward pass
     /// names the bytes it reads ([`WeightMemory::need`]) and predicts the next `span` layers.
     image_span: usize,
+    /// Where the packed matrices live when they are resident ([`crate::arena`]): declared
+    /// after every matrix, so it is unmapped after them (they only point into it).
+    arena: Option<crate::arena::Arena>,
 }
 
 impl Parsed {
@@ -178,7 +181,7 @@ impl Parsed {
         };
         let rope = Rope::new(&config, config.rope_base);
         let rope_local = config.swa.map(|w| Rope::new(&config, w.rope_base));
-        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, rope, rope_local, image, image_span: 0 })
+        Ok(Model { config, tokenizer, file, layers, tok_embd, output, output_norm, rope, rope_local, image, image_span: 0, arena: None })
     }
 }
 
@@ -192,19 +195,51 @@ impl Model {
     pub fn load_as(path: &Path, format: WeightFormat) -> Result<Self> {
         let parsed = Parsed::open(path)?;
         let (layers, mut n) = (parsed.layers.len(), 0);
-        parsed.into_model(
+        // The packed matrices go side by side into one arena on huge pages (crate::arena):
+        // its size is theirs, each rounded to the arena's alignment.
+        let packed = parsed
+            .layers
+            .iter()
+            .filter(|_| format == WeightFormat::Packed)
+            .flat_map(|l| l.mats.iter())
+            .chain(std::iter::once(&parsed.output))
+            .filter_map(|w| PackedWeight::packed_len(w.ty, w.rows, w.cols))
+            .map(|len| len.next_multiple_of(crate::arena::PIECE_ALIGN))
+            .sum::<usize>();
+        // Without the mapping (address space refused) the matrices stay on the heap: the same
+        // bits, on 4 KiB pages.
+        let mut arena = (packed > 0).then(|| crate::arena::ArenaBuilder::new(packed).ok()).flatten();
+        let mut model = parsed.into_model(
             None,
             &mut |file, w| {
                 // Matrices come in load order: the layers' 7 each, then the head, which every
                 // token reads whole and so stays packed.
                 n += 1;
-                Ok(match format {
+                let mut m = match format {
                     WeightFormat::ChannelMajor if n <= 7 * layers => Mat::channel_major(w, file),
                     _ => Mat::new(w, file),
-                })
+                };
+                if let (Some(a), Some(p)) = (arena.as_mut(), m.packed.take()) {
+                    // SAFETY: the arena becomes the model's (below), which it outlives.
+                    m.packed = Some(unsafe { p.into_arena(a) });
+                }
+                Ok(m)
             },
             false,
-        )
+        )?;
+        model.arena = arena
+            .map(crate::arena::ArenaBuilder::finish)
+            .transpose()
+            .map_err(|e| ModelError::Tensor { name: "weight arena".into(), what: e.to_string() })?;
+        Ok(model)
+    }
+
+    /// Bytes of the resident matrices and the share of them on huge pages now ([`crate::arena`]);
+    /// `None` for a model that reads a weight image or has no packed matrices.
+    pub fn huge_page_share(&self) -> Option<(usize, f64)> {
+        let a = self.arena.as_ref()?;
+        #[allow(clippy::cast_precision_loss)]
+        a.huge_bytes().map(|h| (a.bytes().len(), (h as f64 / a.bytes().len() as f64).min(1.0)))
     }
 
     /// The layers' matrices are stored channel-major (sparse decoding reads only active inputs).

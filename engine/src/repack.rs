@@ -323,6 +323,35 @@ impl PackedWeight {
         Some(Self { rows, cols, data })
     }
 
+    /// This matrix moved into `arena` and read in place from there, or itself, unchanged,
+    /// when it does not fit (see [`crate::arena`] for why weights live there).
+    ///
+    /// # Safety
+    /// The arena's mapping must outlive the returned matrix: whoever keeps the matrix keeps the
+    /// [`crate::arena::Arena`] that `arena` becomes.
+    pub unsafe fn into_arena(self, arena: &mut crate::arena::ArenaBuilder) -> Self {
+        let bytes = self.as_bytes();
+        let Some(at) = arena.push(bytes) else { return self };
+        // SAFETY: `push` copied `bytes.len()` bytes to `at`, 64-byte aligned (every block type's
+        // alignment divides 64), and nothing writes there again; the caller keeps the mapping.
+        let placed = unsafe { std::slice::from_raw_parts(at.as_ptr(), bytes.len()) };
+        fn cast<T: Pod>(b: &[u8]) -> Blocks<T> {
+            let s: &[T] = bytemuck::cast_slice(b);
+            Blocks::Borrowed { ptr: s.as_ptr(), len: s.len() }
+        }
+        let data = match &self.data {
+            Packed::Q4(_) => Packed::Q4(cast(placed)),
+            Packed::Q4S(_) => Packed::Q4S(cast(placed)),
+            Packed::Q5(_) => Packed::Q5(cast(placed)),
+            Packed::Q5M(_) => Packed::Q5M(cast(placed)),
+            Packed::Q8(_) => Packed::Q8(cast(placed)),
+            Packed::Q4K(_) => Packed::Q4K(cast(placed)),
+            Packed::Q5K(_) => Packed::Q5K(cast(placed)),
+            Packed::Q6K(_) => Packed::Q6K(cast(placed)),
+        };
+        Self { rows: self.rows, cols: self.cols, data }
+    }
+
     /// Repacks a row-major weight of a supported type; `None` for other types.
     pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
         let nb = cols / QK;

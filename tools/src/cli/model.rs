@@ -541,14 +541,21 @@ fn bench(
 ) -> Result<()> {
     use ::engine::kv::KvFormat;
     let (model, pool, sp) = load_sparse(m)?;
-    // The floor's buffer: as many bytes as a decoded token reads, filled (so its pages exist).
-    let floor_buf: Vec<u64> = if floor {
+    // The floor's buffer: as many bytes as a decoded token reads, filled (so its pages exist),
+    // in memory like the resident weights' (engine::arena: on huge pages where the kernel
+    // gives them; read from 4 KiB pages, the same bytes came ~1/3 slower in a VM).
+    let floor_arena = if floor {
         let words = usize::try_from(model.decode_bytes() / 8).context("weight bytes")?;
-        (0..words as u64).collect()
+        let mut b = ::engine::arena::ArenaBuilder::new(words * 8).context("the floor's buffer")?;
+        for (i, w) in b.space_mut().chunks_exact_mut(8).enumerate() {
+            w.copy_from_slice(&(i as u64).to_le_bytes());
+        }
+        Some(b.finish().context("the floor's buffer")?)
     } else {
-        Vec::new()
+        None
     };
-    let mut floor_bw = if floor { vec![read_bandwidth(&pool, &floor_buf, 5)] } else { Vec::new() };
+    let floor_buf: &[u64] = floor_arena.as_ref().map_or(&[], |a| bytemuck::cast_slice(a.bytes()));
+    let mut floor_bw = if floor { vec![read_bandwidth(&pool, floor_buf, 5)] } else { Vec::new() };
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
@@ -649,7 +656,7 @@ fn bench(
         }
     }
     if floor {
-        floor_bw.push(read_bandwidth(&pool, &floor_buf, 5));
+        floor_bw.push(read_bandwidth(&pool, floor_buf, 5));
     }
     // The better of the two: the floor is what the machine can do, at its least disturbed.
     let floor_bw = floor_bw.iter().copied().fold(0.0f64, f64::max);
@@ -680,10 +687,11 @@ fn bench(
     };
     let name = |i: usize| formats[i].1.unwrap_or(formats[i].0).name();
     let ahead = ::engine::kernels::ahead::report();
+    let huge = model.huge_page_share();
     if json {
         let rows: Vec<serde_json::Value> = (0..k)
             .map(|i| {
-                let mut v = json!({"model": model_path(m), "pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
+                let mut v = json!({"model": model_path(m), "pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "huge_page_share": huge.map(|(_, s)| s), "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
                 if floor {
                     v["floor"] = json!({"read_gb_s": floor_bw / 1e9, "decode_bytes": model.decode_bytes(), "tg_tok_s": floor_tok_s,
                                         "tg_vs_floor": med(tg_rates[i].clone()) / floor_tok_s});
@@ -702,11 +710,12 @@ fn bench(
     } else {
         let kv_names: Vec<&str> = (0..k).map(name).collect();
         println!(
-            "model {} | threads {} | kernels {} | kv {} | depth {depth} | weights {format_name}{}",
+            "model {} | threads {} | kernels {} | kv {} | depth {depth} | weights {format_name}{}{}",
             model.file.path.display(),
             pool.threads(),
             ::engine::kernels::simd_name(),
             kv_names.join(","),
+            huge.map_or(String::new(), |(_, s)| format!(" ({:.0}% on huge pages)", 100.0 * s)),
             m.sparsity.map_or(String::new(), |s| format!(" | sparsity {s}"))
         );
         for i in 0..k {

@@ -1,0 +1,55 @@
+//! Resident weights live in one arena on huge pages (engine::arena) and compute what the same
+//! matrices read from a weight image compute: placement changes where the bytes are, never
+//! which bytes.
+
+use std::sync::Arc;
+
+use engine::weights::{build_image, ImageFormat, WeightMemory};
+use engine::{Logits, Model, Session, ThreadPool};
+use llms_tests::model_path;
+
+/// A weight image held in a plain heap buffer.
+#[derive(Debug)]
+struct HeapImage(Vec<u8>);
+
+impl WeightMemory for HeapImage {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn logits(m: Model, toks: &[u32]) -> Vec<f32> {
+    let mut s = Session::new(Arc::new(m), Arc::new(ThreadPool::new(2)), 64);
+    let mut all = s.eval(&toks[..20], Logits::All).unwrap().to_vec();
+    for &t in &toks[20..24] {
+        all.extend_from_slice(s.eval(&[t], Logits::Last).unwrap());
+    }
+    all
+}
+
+#[test]
+fn resident_weights_sit_in_the_arena_and_compute_the_images_bits() {
+    let path = model_path();
+    let resident = Model::load(&path).unwrap();
+    let (bytes, share) = resident.huge_page_share().expect("a resident model's packed matrices are in its arena");
+    assert!(bytes > 50 << 20, "the default model's packed matrices take {bytes} bytes");
+    if engine::arena::thp_available() {
+        // Huge pages can run short on a fragmented machine; most of an arena this size gets them.
+        assert!(share > 0.5, "THP is on, but only {:.0}% of the arena is on huge pages", 100.0 * share);
+    }
+    let align = 1 << 16;
+    let layout = engine::WeightLayout::for_file(&path, align, ImageFormat::Packed).unwrap();
+    let mut img = vec![0u8; layout.total];
+    build_image(&path, align, ImageFormat::Packed, &mut |g, b| {
+        img[g.offset..g.offset + b.len()].copy_from_slice(b);
+        Ok(())
+    })
+    .unwrap();
+    let imaged = Model::load_with_image(&path, Arc::new(HeapImage(img)), align, ImageFormat::Packed).unwrap();
+    assert!(imaged.huge_page_share().is_none(), "a model over an image has no arena");
+    let toks: Vec<u32> = resident.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs far away into the woods, where the old trees stand tall and quiet in the evening light.", true, false).unwrap();
+    assert!(toks.len() >= 24, "{} tokens", toks.len());
+    let (a, b) = (logits(resident, &toks), logits(imaged, &toks));
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "the arena's matrices give other logits than the image's");
+}
