@@ -87,11 +87,11 @@ impl ArenaBuilder {
 
     /// The arena, read-only from now on: a stray write faults instead of changing a weight.
     pub fn finish(self) -> io::Result<Arena> {
-        let Self { map, start, cap, .. } = self;
+        let Self { map, start, cap, at, .. } = self;
         // mprotect keeps the mapping (and its huge pages) where it is: pointers from `push`
         // stay valid.
         let map = map.make_read_only()?;
-        Ok(Arena { map, start, len: cap })
+        Ok(Arena { map, start, len: cap, used: at })
     }
 }
 
@@ -100,6 +100,8 @@ pub struct Arena {
     map: Mmap,
     start: usize,
     len: usize,
+    /// Bytes placed by `push` (the rest of `len` was never touched, unless filled in place).
+    used: usize,
 }
 
 impl std::fmt::Debug for Arena {
@@ -112,6 +114,11 @@ impl Arena {
     /// The space, placed pieces and all.
     pub fn bytes(&self) -> &[u8] {
         &self.map[self.start..self.start + self.len]
+    }
+
+    /// Bytes its pieces took ([`ArenaBuilder::used`] when it was built).
+    pub fn used(&self) -> usize {
+        self.used
     }
 
     /// Bytes of the arena's mapping the kernel backs with huge pages now (`AnonHugePages`
@@ -160,7 +167,7 @@ mod tests {
         assert!(b.push(&[3u8; 900]).is_none(), "a piece past the end does not fit");
         assert_eq!(b.used(), 164);
         let a = b.finish().unwrap();
-        assert_eq!(a.bytes().len(), 1000);
+        assert_eq!((a.bytes().len(), a.used()), (1000, 164));
         assert!(a.bytes()[..10].iter().all(|&x| x == 1));
         assert!(a.bytes()[10..64].iter().all(|&x| x == 0), "padding is zeros");
         assert!(a.bytes()[64..164].iter().all(|&x| x == 2));

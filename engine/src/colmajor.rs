@@ -127,6 +127,19 @@ impl ColWeight {
         Some(Self { rows, cols, rows_p, at: Placement::plain(rows_p), data: Blocks::Owned(out) })
     }
 
+    /// This matrix moved into `arena` and read in place from there, or itself, unchanged, when
+    /// it does not fit (as [`crate::repack::PackedWeight::into_arena`]).
+    ///
+    /// # Safety
+    /// The arena's mapping must outlive the returned matrix.
+    pub unsafe fn into_arena(self, arena: &mut crate::arena::ArenaBuilder) -> Self {
+        let Some(at) = arena.push(&self.data) else { return self };
+        // `push` copied the matrix's bytes to `at` (its placement is relative to them), nothing
+        // writes there again, and the caller keeps the mapping (this function's contract).
+        let data = Blocks::Borrowed { ptr: at.as_ptr(), len: self.data.len() };
+        Self { data, ..self }
+    }
+
     /// A channel-major matrix over bytes produced by [`Self::as_bytes`] for the same type and
     /// shape, without copying them; `None` if the length is wrong.
     ///

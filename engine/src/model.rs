@@ -138,8 +138,8 @@ pub struct Model {
     /// A channel-major image's layer groups (0: none, or a packed image): the forward pass
     /// names the bytes it reads ([`WeightMemory::need`]) and predicts the next `span` layers.
     image_span: usize,
-    /// Where the packed matrices live when they are resident ([`crate::arena`]): declared
-    /// after every matrix, so it is unmapped after them (they only point into it).
+    /// Where the matrices live when they are resident ([`crate::arena`]): declared after every
+    /// matrix, so it is unmapped after them (they only point into it).
     arena: Option<crate::arena::Arena>,
 }
 
@@ -195,17 +195,21 @@ impl Model {
     pub fn load_as(path: &Path, format: WeightFormat) -> Result<Self> {
         let parsed = Parsed::open(path)?;
         let (layers, mut n) = (parsed.layers.len(), 0);
-        // The packed matrices go side by side into one arena on huge pages (crate::arena):
-        // its size is theirs, each rounded to the arena's alignment.
+        // The matrices go side by side into one arena on huge pages (crate::arena): its size
+        // is theirs, each rounded to the arena's alignment (a layer's matrix stored either way
+        // counts the larger of its two forms; space left over is never touched).
+        let room = |len: usize| len.next_multiple_of(crate::arena::PIECE_ALIGN);
+        let packed_len = |w: &W| PackedWeight::packed_len(w.ty, w.rows, w.cols).map_or(0, room);
         let packed = parsed
             .layers
             .iter()
-            .filter(|_| format == WeightFormat::Packed)
             .flat_map(|l| l.mats.iter())
-            .chain(std::iter::once(&parsed.output))
-            .filter_map(|w| PackedWeight::packed_len(w.ty, w.rows, w.cols))
-            .map(|len| len.next_multiple_of(crate::arena::PIECE_ALIGN))
-            .sum::<usize>();
+            .map(|w| match format {
+                WeightFormat::Packed => packed_len(w),
+                WeightFormat::ChannelMajor => packed_len(w).max(ColWeight::len_for(w.ty, w.rows, w.cols).map_or(0, room)),
+            })
+            .sum::<usize>()
+            + packed_len(&parsed.output);
         // Without the mapping (address space refused) the matrices stay on the heap: the same
         // bits, on 4 KiB pages.
         let mut arena = (packed > 0).then(|| crate::arena::ArenaBuilder::new(packed).ok()).flatten();
@@ -219,9 +223,11 @@ impl Model {
                     WeightFormat::ChannelMajor if n <= 7 * layers => Mat::channel_major(w, file),
                     _ => Mat::new(w, file),
                 };
-                if let (Some(a), Some(p)) = (arena.as_mut(), m.packed.take()) {
+                if let Some(a) = arena.as_mut() {
                     // SAFETY: the arena becomes the model's (below), which it outlives.
-                    m.packed = Some(unsafe { p.into_arena(a) });
+                    m.packed = m.packed.take().map(|p| unsafe { p.into_arena(a) });
+                    // SAFETY: as above.
+                    m.col = m.col.take().map(|c| unsafe { c.into_arena(a) });
                 }
                 Ok(m)
             },
@@ -234,12 +240,12 @@ impl Model {
         Ok(model)
     }
 
-    /// Bytes of the resident matrices and the share of them on huge pages now ([`crate::arena`]);
-    /// `None` for a model that reads a weight image or has no packed matrices.
+    /// Bytes of the resident matrices in their arena and the share of those on huge pages now
+    /// ([`crate::arena`]); `None` for a model that reads a weight image.
     pub fn huge_page_share(&self) -> Option<(usize, f64)> {
         let a = self.arena.as_ref()?;
         #[allow(clippy::cast_precision_loss)]
-        a.huge_bytes().map(|h| (a.bytes().len(), (h as f64 / a.bytes().len() as f64).min(1.0)))
+        a.huge_bytes().map(|h| (a.used(), (h as f64 / a.used().max(1) as f64).min(1.0)))
     }
 
     /// The layers' matrices are stored channel-major (sparse decoding reads only active inputs).

@@ -89,6 +89,13 @@ fn bench_json_reports_both_rates() {
     assert!(v["tg4_tok_s"].as_f64().unwrap() > 0.0);
     assert_eq!(v["threads"].as_u64().unwrap() as usize, std::thread::available_parallelism().unwrap().get());
     assert!(v["pool"].is_null(), "no pool statistics unless asked");
+    // Resident weights sit in the arena, a share of it on huge pages (none where THP is off).
+    let share = v["huge_page_share"].as_f64().expect("resident weights report their huge pages");
+    assert!((0.0..=1.0).contains(&share), "{share}");
+    // The floor reads a buffer of the weights' size, placed as they are.
+    let v = json_ok(&["bench", "--pp", "16", "--tg", "4", "--reps", "1", "--floor", "--json"]);
+    assert!(v["floor"]["read_gb_s"].as_f64().unwrap() > 0.0);
+    assert!(v["floor"]["tg_vs_floor"].as_f64().unwrap() > 0.0);
 }
 
 /// `--pool-report`: every parallel operation of a prefill and of a decode, counted per token.
