@@ -11,7 +11,10 @@
 //! docs/notes/engine.md ("Weights on huge pages").
 //!
 //! Where THP is compiled out or off, the advice fails or does nothing and the arena is plain
-//! memory: nothing else changes. Who owns the arena keeps it alive for as long as anything
+//! memory: nothing else changes. `LLMS_HUGE_PAGES=0` asks for the opposite (`MADV_NOHUGEPAGE`,
+//! so even THP `always` leaves the arena on 4 KiB pages): to compare on a host, or where huge
+//! pages lose (ik_llama.cpp's THP trial, its PR #278, found decode 20% slower on one AMD
+//! workstation and no gain on another). Who owns the arena keeps it alive for as long as anything
 //! reads the matrices placed in it ([`crate::repack::PackedWeight::into_arena`]).
 
 use std::io;
@@ -42,9 +45,37 @@ impl std::fmt::Debug for ArenaBuilder {
     }
 }
 
+/// Whether arenas ask for huge pages, from `LLMS_HUGE_PAGES` (read once): unset, `1` or `on`
+/// yes; `0` or `off` no; anything else is reported and taken as yes.
+pub fn huge_pages_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| {
+        let v = std::env::var("LLMS_HUGE_PAGES").ok();
+        parse_wanted(v.as_deref()).unwrap_or_else(|bad| {
+            eprintln!("LLMS_HUGE_PAGES={bad:?}: expected 0/off or 1/on; huge pages stay on");
+            true
+        })
+    })
+}
+
+/// `LLMS_HUGE_PAGES`'s value as a choice; the value itself when it is none.
+fn parse_wanted(v: Option<&str>) -> Result<bool, String> {
+    match v.map(str::trim) {
+        None | Some("" | "1" | "on") => Ok(true),
+        Some("0" | "off") => Ok(false),
+        Some(other) => Err(other.to_string()),
+    }
+}
+
 impl ArenaBuilder {
-    /// Space for `cap` bytes (none of it touched yet, so none of it resident).
+    /// Space for `cap` bytes (none of it touched yet, so none of it resident), on huge pages
+    /// unless `LLMS_HUGE_PAGES` says otherwise ([`huge_pages_wanted`]).
     pub fn new(cap: usize) -> io::Result<Self> {
+        Self::with_huge_pages(cap, huge_pages_wanted())
+    }
+
+    /// Space for `cap` bytes, advised for huge pages or (`huge` false) against them.
+    pub fn with_huge_pages(cap: usize, huge: bool) -> io::Result<Self> {
         let map_len = cap.max(1).checked_add(HUGE_PAGE).ok_or_else(|| io::Error::other("arena size overflows"))?;
         let mut map = MmapMut::map_anon(map_len)?;
         let addr = map.as_ptr() as usize;
@@ -52,7 +83,8 @@ impl ArenaBuilder {
         // Advised before the first touch, so each fault inside an aligned 2 MiB range can take
         // a whole huge page (khugepaged would otherwise collapse them later, or never). Failure
         // only means 4 KiB pages.
-        let _ = map.advise_range(Advice::HugePage, start, cap.max(1));
+        let advice = if huge { Advice::HugePage } else { Advice::NoHugePage };
+        let _ = map.advise_range(advice, start, cap.max(1));
         // SAFETY: start < HUGE_PAGE <= map_len - cap, so base..base + cap lies in the mapping,
         // which `self` owns; every write and borrow below goes through this one pointer.
         let base = unsafe { NonNull::new_unchecked(map.as_mut_ptr().add(start)) };
@@ -183,10 +215,25 @@ mod tests {
             eprintln!("skipped: transparent huge pages are off or absent");
             return;
         }
-        let mut b = ArenaBuilder::new(8 << 20).unwrap();
+        let mut b = ArenaBuilder::with_huge_pages(8 << 20, true).unwrap();
         b.space_mut().fill(7);
         let a = b.finish().unwrap();
         let huge = a.huge_bytes().expect("/proc/self/smaps has the arena");
         assert!(huge >= HUGE_PAGE, "THP is on but the arena has {huge} bytes on huge pages");
+        // Asked not to, it gets none (`MADV_NOHUGEPAGE` holds even under THP `always`).
+        let mut b = ArenaBuilder::with_huge_pages(8 << 20, false).unwrap();
+        b.space_mut().fill(7);
+        let a = b.finish().unwrap();
+        assert_eq!(a.huge_bytes(), Some(0), "an arena advised against huge pages has some");
+    }
+
+    #[test]
+    fn the_switch_reads_on_off_and_refuses_the_rest() {
+        for (v, want) in
+            [(None, Ok(true)), (Some("1"), Ok(true)), (Some(" on "), Ok(true)), (Some("0"), Ok(false)), (Some("off"), Ok(false))]
+        {
+            assert_eq!(parse_wanted(v), want, "{v:?}");
+        }
+        assert_eq!(parse_wanted(Some("maybe")), Err("maybe".to_string()));
     }
 }

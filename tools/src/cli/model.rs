@@ -715,7 +715,11 @@ fn bench(
             pool.threads(),
             ::engine::kernels::simd_name(),
             kv_names.join(","),
-            huge.map_or(String::new(), |(_, s)| format!(" ({:.0}% on huge pages)", 100.0 * s)),
+            huge.map_or(String::new(), |(_, s)| if ::engine::arena::huge_pages_wanted() {
+                format!(" ({:.0}% on huge pages)", 100.0 * s)
+            } else {
+                " (huge pages off: LLMS_HUGE_PAGES)".to_string()
+            }),
             m.sparsity.map_or(String::new(), |s| format!(" | sparsity {s}"))
         );
         for i in 0..k {
