@@ -284,29 +284,36 @@ fn copy_run_wakes_every_reader_that_faulted() {
     let mut st = Staging::new(8 * SLOT).unwrap();
     stage_pattern(&r, 0, 0, st.as_mut_slice());
     let stop = Arc::new(AtomicBool::new(false));
+    // Each reader's count of checked slots: the runs go on until every reader has read
+    // through a few, so a reader the scheduler started late still meets runs (on a loaded
+    // 2-core machine 200 runs can end before a thread first runs).
+    let reads: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
     let readers: Vec<_> = (0..3)
         .map(|t| {
-            let (r, stop) = (Arc::clone(&r), Arc::clone(&stop));
+            let (r, stop, reads) = (Arc::clone(&r), Arc::clone(&stop), Arc::clone(&reads));
             std::thread::spawn(move || {
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let s = (t * 3 + n as usize) % 8;
                     check_slot(&r, s, 0, SLOT / 8);
                     n += 1;
+                    reads[t].store(n, Ordering::Relaxed);
                 }
                 n
             })
         })
         .collect();
     let (mut out, mut gone) = (Vec::new(), Vec::new());
-    for _ in 0..200 {
+    let mut runs = 0;
+    while runs < 200 || reads.iter().any(|n| n.load(Ordering::Relaxed) < 16) {
         gone.clear();
         r.evict_many(&(0..8).collect::<Vec<_>>(), &mut gone).unwrap();
         r.copy_run(0, st.as_mut_slice(), &mut out).unwrap();
+        runs += 1;
     }
     stop.store(true, Ordering::Relaxed);
     for t in readers {
-        assert!(t.join().unwrap() > 0);
+        assert!(t.join().unwrap() >= 16);
     }
     assert!(!out.is_empty(), "runs installed slots");
 }
