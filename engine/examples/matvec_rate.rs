@@ -6,8 +6,8 @@
 //! its resident matrices (engine::arena: on huge pages where the kernel gives them), and the
 //! read reads the large one where it sits. Weight bytes per second, the best of 5 passes. The cache-resident
 //! rates say what the kernel's arithmetic allows; the DRAM ones against the read say how near
-//! the memory floor the kernel alone gets (#56: tg against the floor). The last line is JSON
-//! (for `llms record`).
+//! the memory floor the kernel alone gets (#56: tg against the floor), at the prefetch distance
+//! decode's tuner chooses on this host. The last line is JSON (for `llms record`).
 //!
 //! `cargo run --release -p engine --example matvec_rate [-- MiB_of_the_large_matrix]`
 //!
@@ -20,7 +20,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use engine::arena::{Arena, ArenaBuilder};
-use engine::kernels::{act_kind, matmul_packed, Acts, OutPtr};
+use engine::kernels::{act_kind, ahead, matmul_packed, Acts, OutPtr};
 use engine::quant::GgmlType;
 use engine::repack::PackedWeight;
 use engine::ThreadPool;
@@ -48,7 +48,8 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
 
 /// Weight bytes per second of single-token products against each of `mats` in turn by
 /// `pool`'s threads, each its own dispatch handed out 8 groups at a time from each thread's
-/// own run (`for_runs`) as the model's decode does (the best of `rounds`, each repeating the
+/// own run (`for_runs`) and run at the prefetch distance decode's tuner gives it
+/// (`ahead::tuned`), as the model's decode does (the best of `rounds`, each repeating the
 /// products until they have read ~256 MiB).
 fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) -> f64 {
     let total: usize = mats.iter().map(PackedWeight::bytes).sum();
@@ -60,7 +61,7 @@ fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) ->
         for _ in 0..reps {
             for (w, out) in mats.iter().zip(&mut outs) {
                 let o = OutPtr::new(out);
-                pool.for_runs("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b));
+                ahead::tuned(w.bytes(), 1, || pool.for_runs("matvec", w.groups(), 8, &|a, b| matmul_packed(w, acts, o, w.rows, a, b)));
                 black_box(&out);
             }
         }
@@ -100,13 +101,44 @@ fn in_arena(mats: Vec<PackedWeight>) -> (Vec<PackedWeight>, Arena) {
     (mats, b.finish().expect("an arena"))
 }
 
+/// Runs Q4_0 products over many 2048-column matrices (~64 MiB, a few 1.7B layers' worth) until
+/// the tuner has finished a round (at most a few thousand products; none with the distance
+/// fixed).
+fn warm_tuner(pool: &ThreadPool) {
+    let cols = 2048;
+    let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.37).sin()).collect();
+    let mut acts = Acts::default();
+    acts.prepare(&x, 1, cols, &[act_kind(GgmlType::Q4_0)], pool);
+    let mats: Vec<PackedWeight> = (0..8)
+        .map(|i| {
+            let rows = if i % 3 == 2 { 8192 } else { 2048 };
+            PackedWeight::pack(GgmlType::Q4_0, rows, cols, &matrix(GgmlType::Q4_0, rows, cols)).expect("a packed type")
+        })
+        .collect();
+    let (mats, arena) = in_arena(mats);
+    let mut passes = 0;
+    while !ahead::report().fixed && ahead::report().rounds == 0 && passes < 1000 {
+        rate(pool, &mats, &acts, 1);
+        passes += 1;
+    }
+    drop((mats, arena));
+}
+
 fn main() {
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
-    // The products here are called directly, not through decode's tuner: they run at its
-    // starting distance, or at `LLMS_PREFETCH_AHEAD`'s (read when the tuner is first asked).
-    let ahead = engine::kernels::ahead::report();
-    println!("prefetch distance {} bytes{}", ahead.bytes, if ahead.fixed { " (LLMS_PREFETCH_AHEAD)" } else { "" });
+    // The products run through decode's tuner (`ahead::tuned`): at `LLMS_PREFETCH_AHEAD`'s
+    // distance when it is set, else at the one the tuner chooses. Its starting distance is
+    // one host's best and can be another's worst (6 KiB on the Intel Xeon guest: 0.65 of the
+    // read where 2 KiB gave 0.96, docs/notes/engine.md), so a round of many-matrix products
+    // (as decode's) runs first and every rate below is at the distance it chose.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    warm_tuner(&ThreadPool::new(threads));
+    let ahead = ahead::report();
+    println!(
+        "prefetch distance {} bytes{}",
+        ahead.bytes,
+        if ahead.fixed { " (LLMS_PREFETCH_AHEAD)".to_string() } else { format!(" (tuned, {} rounds)", ahead.rounds) }
+    );
     let cols = 2048;
     let gb = |x: f64| (x / 1e8).round() / 10.0;
     let mut runs = Vec::new();
