@@ -286,7 +286,8 @@ fn copy_run_wakes_every_reader_that_faulted() {
     let stop = Arc::new(AtomicBool::new(false));
     // Each reader's count of checked slots: the runs go on until every reader has read
     // through a few, so a reader the scheduler started late still meets runs (on a loaded
-    // 2-core machine 200 runs can end before a thread first runs).
+    // 2-core machine 200 runs can end before a thread first runs), or until a reader has
+    // ended (a wrong byte panics it: joined below, a failure rather than a hang).
     let reads: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
     let readers: Vec<_> = (0..3)
         .map(|t| {
@@ -305,7 +306,7 @@ fn copy_run_wakes_every_reader_that_faulted() {
         .collect();
     let (mut out, mut gone) = (Vec::new(), Vec::new());
     let mut runs = 0;
-    while runs < 200 || reads.iter().any(|n| n.load(Ordering::Relaxed) < 16) {
+    while runs < 200 || (reads.iter().any(|n| n.load(Ordering::Relaxed) < 16) && !readers.iter().any(|t| t.is_finished())) {
         gone.clear();
         r.evict_many(&(0..8).collect::<Vec<_>>(), &mut gone).unwrap();
         r.copy_run(0, st.as_mut_slice(), &mut out).unwrap();
