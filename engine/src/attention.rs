@@ -746,14 +746,22 @@ mod tests {
     /// dequantized values (same f16 rounding of Q and of the probabilities).
     #[test]
     fn attention_over_mixed_formats_equals_dequantized_reference() {
+        // GQA groups of 3 over 2 KV heads (the default model's kind), and of 2 over 16 (many
+        // heads' jobs a span: the 1.7B shape has 32 KV heads).
+        check_mixed_formats(6, 2);
+        check_mixed_formats(32, 16);
+    }
+
+    fn check_mixed_formats(n_heads: usize, n_kv_heads: usize) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let group = n_heads / n_kv_heads;
         let c = Config {
             arch: "llama".into(),
             n_layers: 2,
-            dim: 6 * 64,
+            dim: n_heads * 64,
             ffn_dim: 8,
-            n_heads: 6,
-            n_kv_heads: 2,
+            n_heads,
+            n_kv_heads,
             head_dim: 64,
             vocab: 8,
             ctx_len: 512,
@@ -769,7 +777,7 @@ mod tests {
         };
         // 300 tokens: decoding attention's spans (SPAN_TOKENS) cover them in three pieces.
         let (kvd, n) = (c.kv_dim(), 300);
-        let geom = KvGeometry { n_layers: 2, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
+        let geom = KvGeometry { n_layers: 2, n_kv_heads, head_dim: 64, chunk_tokens: 16 };
         let mut kv = ChunkedKv::new(geom, 512, KvFormat::Int8);
         kv.ensure(n).unwrap();
         for layer in 0..2 {
@@ -818,11 +826,11 @@ mod tests {
                     let q: Vec<f32> =
                         qkv[t * ld + h * 64..t * ld + (h + 1) * 64].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
                     let mut sc: Vec<f32> =
-                        (0..=pos).map(|p| deq(0, p, h / 3).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
+                        (0..=pos).map(|p| deq(0, p, h / group).iter().zip(&q).map(|(a, b)| a * b).sum::<f32>() / 8.0).collect();
                     kernels::softmax_f16(&mut sc);
                     let mut want = vec![0.0f32; 64];
                     for (p, &w) in sc.iter().enumerate() {
-                        for (o, x) in want.iter_mut().zip(deq(1, p, h / 3)) {
+                        for (o, x) in want.iter_mut().zip(deq(1, p, h / group)) {
                             *o += w * x;
                         }
                     }
@@ -833,7 +841,7 @@ mod tests {
                 }
             }
             for p in [0, 6, 131, 132, 299] {
-                let rows = positions.iter().filter(|&&q| q >= p).count() as u64 * 6;
+                let rows = (positions.iter().filter(|&&q| q >= p).count() * n_heads) as u64;
                 let got = stats.count.get(p).copied().unwrap_or(0);
                 assert_eq!(got, rows, "position {p}: every query row of every head that sees it");
             }
