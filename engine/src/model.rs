@@ -918,9 +918,7 @@ fn forward_rows(
                         *gv = gelu_table(*gv) * uv;
                     }
                 } else {
-                    for (gv, uv) in g.iter_mut().zip(u.iter()) {
-                        *gv = *gv / (1.0 + (-*gv).exp()) * uv;
-                    }
+                    kernels::silu_mul(g, u);
                 }
             }
         };

@@ -1603,6 +1603,28 @@ pub(super) unsafe fn round_f16(src: &[f32], dst: &mut [f32]) {
     super::round_f16_ref(&src[i..n], &mut dst[i..n]);
 }
 
+/// [`super::silu_mul_ref`] eight lanes at a time: `min(x, c)` gives `c` for a NaN `x`, as
+/// `f32::min` does.
+///
+/// # Safety
+/// Needs AVX2 and FMA; `g` and `u` of one length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
+    let n = g.len();
+    debug_assert_eq!(n, u.len());
+    let (gp, up) = (g.as_mut_ptr(), u.as_ptr());
+    let (sign, cap, one) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(super::EXP_MAX), _mm256_set1_ps(1.0));
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, both rows n long.
+        let x = _mm256_loadu_ps(gp.add(i));
+        let e = exp8(_mm256_min_ps(_mm256_xor_ps(x, sign), cap));
+        _mm256_storeu_ps(gp.add(i), _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(up.add(i))));
+        i += 8;
+    }
+    super::silu_mul_ref(&mut g[i..], &u[i..]);
+}
+
 /// # Safety
 /// Needs AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]

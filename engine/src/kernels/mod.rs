@@ -698,6 +698,34 @@ pub fn softmax_f16(row: &mut [f32]) {
     softmax_f16_ref(row, max);
 }
 
+/// SwiGLU's gate in place: `g = g / (1 + e^-g) * u` (SiLU of the gate times the up row). Every
+/// path takes `e^-g` with `exp_lane`'s polynomial (its argument capped at 88) and
+/// divides exactly, so they agree bit for bit — and across architectures, where libm's `expf`
+/// need not. llama.cpp computes this gate with its own vector `exp` too (`ggml_v_silu`).
+pub fn silu_mul(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len(), "silu_mul's rows");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has AVX2/FMA; the lengths are equal (asserted).
+        unsafe { avx2::silu_mul(g, u) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        // SAFETY: NEON in use; the lengths are equal (asserted).
+        unsafe { neon::silu_mul(g, u) };
+        return;
+    }
+    silu_mul_ref(g, u);
+}
+
+/// The scalar reference for [`silu_mul`].
+pub fn silu_mul_ref(g: &mut [f32], u: &[f32]) {
+    for (gv, &uv) in g.iter_mut().zip(u) {
+        *gv = *gv / (1.0 + exp_lane((-*gv).min(EXP_MAX))) * uv;
+    }
+}
+
 /// The largest of `row`'s values that is not NaN (-inf when none is): a vector kernel takes
 /// the same maximum in any order.
 pub fn row_max_ref(row: &[f32]) -> f32 {
@@ -750,7 +778,7 @@ pub(crate) fn sum8(e: &[f32; 8]) -> f64 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// `e^x` for `x <= 0` (after the max is taken off; below -87, and NaN, give 0): Cody-Waite
+/// `e^x` for `x <= 88` (after the max is taken off, `x <= 0`; below -87, and NaN, give 0): Cody-Waite
 /// range reduction and a degree-6 polynomial, within 2 ulp of libm. The scalar form of the
 /// vector kernels' `exp`, operation for operation.
 #[inline]
@@ -775,6 +803,9 @@ pub(crate) fn exp_lane(x: f32) -> f32 {
 
 /// Where `exp` flushes to zero (the true value is below f32's normal range).
 pub(crate) const EXP_MIN: f32 = -87.0;
+/// The largest argument [`silu_mul`] gives `exp` (`e^88` is below f32's largest; past it the
+/// gate is 0 to within f32's precision either way, where libm's `exp` would give infinity).
+pub(crate) const EXP_MAX: f32 = 88.0;
 /// ln 2 split in two for the range reduction.
 pub(crate) const EXP_C: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
 /// The polynomial's coefficients, highest degree first (then `r^2 p + r + 1`).
@@ -1259,6 +1290,44 @@ mod tests {
         assert_eq!(exp_lane(-87.0), 0.0);
         assert_eq!(exp_lane(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_lane(f32::NAN), 0.0);
+    }
+
+    /// The gate in use gives the scalar reference's bits (NaN, infinities and values past
+    /// `exp`'s cap too), and is within 4 ulp (exp's 2, then the add and divide) of the gate computed with libm's `exp`.
+    #[test]
+    fn silu_gate_equals_the_reference_and_libm() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        for n in [1, 7, 8, 9, 33, 1536] {
+            let mut g: Vec<f32> = (0..n).map(|_| rng.gen_range(-120.0..120.0)).collect();
+            let u: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -88.5, 0.0, -0.0].into_iter().enumerate() {
+                if i < n {
+                    g[i] = v;
+                }
+            }
+            let mut fast = g.clone();
+            silu_mul(&mut fast, &u);
+            let mut slow = g.clone();
+            silu_mul_ref(&mut slow, &u);
+            assert!(fast.iter().zip(&slow).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n}: {fast:?} vs {slow:?}");
+        }
+        let mut worst = 0;
+        for i in 0..=40_000 {
+            #[allow(clippy::cast_possible_truncation)]
+            let x = (-100.0 + 200.0 * f64::from(i) / 40_000.0) as f32;
+            let mut got = [x];
+            silu_mul_ref(&mut got, &[1.0]);
+            let want = x / (1.0 + (-x).exp());
+            let ulp = (got[0].to_bits().cast_signed() - want.to_bits().cast_signed()).abs();
+            // Past the cap the reference's gate is a subnormal where libm's is -0.
+            if x > -88.0 {
+                assert!(ulp <= 4, "silu({x}) = {}, with libm {want}", got[0]);
+                worst = worst.max(ulp);
+            } else {
+                assert!(got[0] <= 0.0 && got[0] > -1e-36, "silu({x}) = {}", got[0]);
+            }
+        }
+        assert!(worst > 0, "the polynomial differs from libm somewhere: the test would notice a swap");
     }
 
     #[test]

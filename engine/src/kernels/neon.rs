@@ -720,6 +720,26 @@ unsafe fn exp4(x: float32x4_t) -> float32x4_t {
     vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), vcgtq_f32(x, vdupq_n_f32(EXP_MIN))))
 }
 
+/// [`super::silu_mul_ref`] four lanes at a time (`fminnm` is Rust's `f32::min`).
+///
+/// # Safety
+/// Needs NEON; `g` and `u` of one length.
+pub(super) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
+    let n = g.len();
+    debug_assert_eq!(n, u.len());
+    let (gp, up) = (g.as_mut_ptr(), u.as_ptr());
+    let (cap, one) = (vdupq_n_f32(super::EXP_MAX), vdupq_n_f32(1.0));
+    let mut i = 0;
+    while i + 4 <= n {
+        // SAFETY: i + 4 <= n, both rows n long.
+        let x = vld1q_f32(gp.add(i));
+        let e = exp4(vminnmq_f32(vnegq_f32(x), cap));
+        vst1q_f32(gp.add(i), vmulq_f32(vdivq_f32(x, vaddq_f32(one, e)), vld1q_f32(up.add(i))));
+        i += 4;
+    }
+    super::silu_mul_ref(&mut g[i..], &u[i..]);
+}
+
 /// # Safety
 /// Needs NEON.
 pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
