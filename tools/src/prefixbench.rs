@@ -97,6 +97,9 @@ pub struct Branch {
     pub cached_tokens: u64,
     pub ttft_shared_ms: f64,
     pub ttft_plain_ms: f64,
+    /// The median of the reps' paired ratios, plain over shared (each pair run back to back,
+    /// both services up; since this build, before it the ratio of the medians of each side's
+    /// reps run minutes apart).
     pub speedup: f64,
     /// The engine alone, same run, the service stopped: one forward pass of the prompt tokens
     /// that were not cached, after the cached ones, its KV in the service's base level
@@ -131,7 +134,7 @@ pub struct Report {
 }
 
 /// One side's figures: its conversations, its fork (with sharing), its branches.
-type Side = (Conversations, Option<Fork>, Vec<(Duration, Value)>);
+type Side = (Conversations, Option<Fork>);
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
@@ -279,27 +282,22 @@ fn run_fork(l: &Local, shape: &Shape, chunk_bytes: u64, floor_dir: &Path) -> Res
     })
 }
 
-/// The branched request's (TTFT, usage) for each rep, each rep its own app.
-fn run_branch(l: &Local, shape: &Shape, tag: &str) -> Result<Vec<(Duration, Value)>> {
-    let sock = l.svc.config().http_socket_path().context("an HTTP socket")?;
-    let mut h = Http::new(&sock)?;
-    let mut out = Vec::new();
-    for r in 0..shape.branch_reps {
-        let app = format!("bench-branch-{tag}{r}");
-        let mut msgs = vec![json!({"role": "system", "content": "You are a helpful assistant. Answer briefly."})];
-        for k in 0..shape.branch_turns {
-            msgs.push(json!({"role": "user", "content": message(k + r, 40)}));
-            let (reply, _, _) = h.turn(&app, &msgs, 16)?;
-            msgs.push(json!({"role": "assistant", "content": reply}));
-        }
-        // The last user message edited: the front branches at it.
-        msgs.pop();
-        let last = msgs.len() - 1;
-        msgs[last] = json!({"role": "user", "content": message(1000 + r, 40)});
-        let (_, ttft, usage) = h.turn(&app, &msgs, 16)?;
-        out.push((ttft, usage));
+/// One branched request's (TTFT, usage): a conversation of `branch_turns` turns in its own app,
+/// then its last user message edited.
+fn branch_rep(h: &mut Http, shape: &Shape, tag: &str, r: usize) -> Result<(Duration, Value)> {
+    let app = format!("bench-branch-{tag}{r}");
+    let mut msgs = vec![json!({"role": "system", "content": "You are a helpful assistant. Answer briefly."})];
+    for k in 0..shape.branch_turns {
+        msgs.push(json!({"role": "user", "content": message(k + r, 40)}));
+        let (reply, _, _) = h.turn(&app, &msgs, 16)?;
+        msgs.push(json!({"role": "assistant", "content": reply}));
     }
-    Ok(out)
+    // The last user message edited: the front branches at it.
+    msgs.pop();
+    let last = msgs.len() - 1;
+    msgs[last] = json!({"role": "user", "content": message(1000 + r, 40)});
+    let (_, ttft, usage) = h.turn(&app, &msgs, 16)?;
+    Ok((ttft, usage))
 }
 
 /// Runs both sides; `base` gives the model, threads and levels.
@@ -309,11 +307,12 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
     let codec = llmsd::kvmm::EngineCodec::new(&model, base.chunk_tokens);
     let chunk_bytes = codec.geom.chunk_bytes(base.level_formats()?[0]) as u64;
     drop(model);
-    let side = |sharing: bool| -> Result<Side> {
-        let state = work.join(if sharing { "shared" } else { "plain" });
+    // A side's service, in state directory `name` (fresh) with its own sockets.
+    let config = |sharing: bool, name: &str| -> Result<Config> {
+        let state = work.join(name);
         crate::loadbench::fresh_state(&state, profile_dir)?;
         let cfg = Config {
-            socket: work.join("bench.sock"),
+            socket: work.join(format!("{name}.sock")),
             state_dir: state.clone(),
             budget: "1GiB".into(),
             pressure: false,
@@ -323,26 +322,58 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
             ..base.clone()
         };
         cfg.validate()?;
+        Ok(cfg)
+    };
+    let side = |sharing: bool| -> Result<Side> {
+        let name = if sharing { "shared" } else { "plain" };
+        let cfg = config(sharing, name)?;
         let l = Local::start(cfg)?;
         let r = (|| {
             let conv = run_conversations(&l, &shape, &sys)?;
             // The floor's directory on the state directory's file system, beside it.
             let fork = if sharing { Some(run_fork(&l, &shape, chunk_bytes, &work.join("fsync-floor"))?) } else { None };
-            let branch = run_branch(&l, &shape, if sharing { "s" } else { "p" })?;
-            Ok((conv, fork, branch))
+            Ok((conv, fork))
         })();
         l.stop()?;
-        let _ = std::fs::remove_dir_all(&state);
+        let _ = std::fs::remove_dir_all(work.join(name));
         r
     };
-    let (plain, _, pb) = side(false)?;
-    let (shared, fork, sb) = side(true)?;
+    let (plain, _) = side(false)?;
+    let (shared, fork) = side(true)?;
     let fork = fork.context("the fork ran")?;
+    // The branch: both services up at once and their reps alternated, the order flipped each
+    // rep, so a drift of this shared host's speed falls on both sides alike (one side's reps
+    // after the other's put minutes between them: 8.7-10.0x between runs of one build).
+    let (pb, sb) = {
+        let (lp, ls) = (Local::start(config(false, "plain-branch")?)?, Local::start(config(true, "shared-branch")?)?);
+        let r = (|| {
+            let mut hp = Http::new(&lp.svc.config().http_socket_path().context("an HTTP socket")?)?;
+            let mut hs = Http::new(&ls.svc.config().http_socket_path().context("an HTTP socket")?)?;
+            let (mut pb, mut sb) = (Vec::new(), Vec::new());
+            for r in 0..shape.branch_reps {
+                if r % 2 == 0 {
+                    pb.push(branch_rep(&mut hp, &shape, "p", r)?);
+                    sb.push(branch_rep(&mut hs, &shape, "s", r)?);
+                } else {
+                    sb.push(branch_rep(&mut hs, &shape, "s", r)?);
+                    pb.push(branch_rep(&mut hp, &shape, "p", r)?);
+                }
+            }
+            Ok::<_, anyhow::Error>((pb, sb))
+        })();
+        let stopped = (lp.stop(), ls.stop());
+        let _ = std::fs::remove_dir_all(work.join("plain-branch"));
+        let _ = std::fs::remove_dir_all(work.join("shared-branch"));
+        stopped.0?;
+        stopped.1?;
+        r?
+    };
     let cached = |u: &Value| u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
     if let Some((_, u)) = pb.iter().find(|(_, u)| cached(u) > 0) {
         bail!("a branch without sharing took cached tokens: {u}");
     }
     let (ts, tp) = (median(sb.iter().map(|x| ms(x.0)).collect()), median(pb.iter().map(|x| ms(x.0)).collect()));
+    let speedup = median(pb.iter().zip(&sb).map(|(p, s)| ms(p.0) / ms(s.0)).collect());
     let u0 = &sb[0].1;
     let (prompt_tokens, cached_tokens) = (u0["prompt_tokens"].as_u64().unwrap_or(0), cached(u0));
     let engine_floor_ms = {
@@ -361,7 +392,7 @@ pub fn run(base: &Config, shape: Shape, work: &Path, profile_dir: &Path, text: &
         cached_tokens,
         ttft_shared_ms: ts,
         ttft_plain_ms: tp,
-        speedup: tp / ts,
+        speedup,
         engine_floor_ms,
         speedup_floor: tp / engine_floor_ms,
     };

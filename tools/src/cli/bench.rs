@@ -104,7 +104,7 @@ pub struct BenchPrefixArgs {
     /// Turns of the conversation branched through the OpenAI front, and how many.
     #[arg(long, default_value_t = 10)]
     pub branch_turns: usize,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     pub branch_reps: usize,
     /// The service's KV levels. int8 alone by default: a shared chunk is then exactly what each
     /// context computes, so the answers of both sides can be compared whole.
