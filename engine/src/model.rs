@@ -923,8 +923,9 @@ fn forward_rows(
             }
         };
         // A prompt's gates are n x ffn exponentials a layer (a fifth of a 512-token prefill
-        // on one thread): spread over the threads in pieces of 16 tokens. Element-wise, so
-        // the same bits however split.
+        // on one thread when they took libm's exp one at a time; far less on vectors):
+        // spread over the threads in pieces of 16 tokens. Element-wise, so the same bits
+        // however split.
         if n >= 32 {
             pool.scatter("swiglu", s.ffn[..n * 2 * f].chunks_mut(16 * 2 * f).collect(), &|rows| swiglu(rows));
         } else {
