@@ -150,9 +150,11 @@ fn errors_are_clear_and_exit_nonzero() {
 #[test]
 fn perplexity_with_a_compressed_kv_reports_its_size() {
     let f = fixture("gpl-3.txt");
-    let int8 = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "int8", "--json"]);
-    let q2 = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "q2", "--json"]);
-    let mix = json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "2", "--kv", "mix:0.6", "--json"]);
+    // 8 windows: over 2 (256 tokens) which of int8 and q2 scores better is a draw of the
+    // 8-bit activations' rounding (q2 came out 8% better after an ulp-level change of the
+    // SwiGLU gate's exp); over 8, q2 is 11% worse with either gate.
+    let ppl = |kv: &str| json_ok(&["perplexity", "--text-file", s(&f), "--ctx", "128", "--chunks", "8", "--kv", kv, "--json"]);
+    let (int8, q2, mix) = (ppl("int8"), ppl("q2"), ppl("mix:0.6"));
     assert_eq!(int8["kv_bytes_vs_int8"].as_f64(), Some(1.0));
     assert!(q2["kv_bytes_vs_int8"].as_f64().unwrap() < 0.5);
     assert!(mix["kv_bytes_vs_int8"].as_f64().unwrap() <= 0.6 + 1e-9);
