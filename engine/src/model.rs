@@ -688,7 +688,7 @@ impl Session {
         let (hd, model) = (self.model.config.head_dim, &self.model);
         // A rotation by -delta positions: angles -delta * theta_i, built like the forward's,
         // with each layer's RoPE.
-        let rotate = move |layer: usize, x: &mut [f32]| model.rope_of(layer).apply(x, hd, -(delta as f32));
+        let rotate = move |layer: usize, x: &mut [f32]| model.rope_of(layer).apply(&mut [x], hd, -(delta as f32));
         self.kv.remove_chunks(keep..keep + n_drop, &rotate);
         self.tokens.drain(keep * ct..keep * ct + delta);
         if let Some(a) = &mut self.attention {
@@ -871,31 +871,42 @@ fn forward_rows(
     for (li, l) in model.layers.iter().enumerate() {
         before_layer(li);
         // Attention block.
-        rmsnorm_rows(&s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
+        rmsnorm_rows(pool, &s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);
         announce(model, pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
         let ld = qd + 2 * kvd;
         let rope = model.rope_of(li);
-        for (t, &pos) in positions.iter().enumerate() {
-            let row = &mut s.qkv[t * ld..(t + 1) * ld];
-            for (b, off) in [(&l.bq, 0), (&l.bk, qd), (&l.bv, qd + kvd)] {
-                if let Some(b) = b {
-                    row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
-                }
-            }
-            let (q, rest) = row.split_at_mut(qd);
-            // Gemma 3 normalizes each query and key head before RoPE.
-            for (x, w) in [(&mut *q, &l.q_norm), (&mut rest[..kvd], &l.k_norm)] {
-                if let Some(w) = w {
-                    for head in x.chunks_exact_mut(hd) {
-                        rmsnorm_in_place(head, w, c.norm_eps);
+        // Each token's biases, head norms and rotation, spread over the pool for a prompt (on
+        // one thread they were a few percent of a short prefill, the other threads waiting).
+        let prepare = |t0: usize, rows: &mut [f32]| {
+            for (row, &pos) in rows.chunks_exact_mut(ld).zip(&positions[t0..]) {
+                for (b, off) in [(&l.bq, 0), (&l.bk, qd), (&l.bv, qd + kvd)] {
+                    if let Some(b) = b {
+                        row[off..off + b.len()].iter_mut().zip(b).for_each(|(x, y)| *x += y);
                     }
                 }
+                let (q, rest) = row.split_at_mut(qd);
+                // Gemma 3 normalizes each query and key head before RoPE.
+                for (x, w) in [(&mut *q, &l.q_norm), (&mut rest[..kvd], &l.k_norm)] {
+                    if let Some(w) = w {
+                        for head in x.chunks_exact_mut(hd) {
+                            rmsnorm_in_place(head, w, c.norm_eps);
+                        }
+                    }
+                }
+                rope.apply(&mut [q, &mut rest[..kvd]], hd, pos as f32);
             }
-            rope.apply(q, hd, pos as f32);
-            rope.apply(&mut rest[..kvd], hd, pos as f32);
-            caches.write(li, t, pos, &rest[..kvd], &rest[kvd..2 * kvd]);
+        };
+        if n >= 2 * ROW_PIECE {
+            let pieces: Vec<_> = s.qkv[..n * ld].chunks_mut(ROW_PIECE * ld).enumerate().collect();
+            pool.scatter("qkv rope", pieces, &|(i, rows)| prepare(i * ROW_PIECE, rows));
+        } else {
+            prepare(0, &mut s.qkv[..n * ld]);
+        }
+        for (t, &pos) in positions.iter().enumerate() {
+            let kv = &s.qkv[t * ld + qd..(t + 1) * ld];
+            caches.write(li, t, pos, &kv[..kvd], &kv[kvd..]);
         }
         caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 1, &mut s.att[..n * qd]);
@@ -904,7 +915,7 @@ fn forward_rows(
         add_residual(&mut s.x, &mut s.xb[..n * dim], l.post_attn_norm.as_deref(), c.norm_eps, dim);
 
         // Feed-forward block.
-        rmsnorm_rows(&s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
+        rmsnorm_rows(pool, &s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 2, &mut s.xb[..n * dim]);
         announce(model, pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
@@ -1269,9 +1280,24 @@ fn add_residual(x: &mut [f32], out: &mut [f32], post_norm: Option<&[f32]>, eps: 
     x.iter_mut().zip(out.iter()).for_each(|(x, o)| *x += o);
 }
 
-fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        rmsnorm(xr, w, eps, or);
+/// Rows a job of the per-row operations of a prompt takes (norms, biases, rotations): each
+/// row's arithmetic is its own, so the bits do not depend on the split.
+const ROW_PIECE: usize = 8;
+
+/// [`rmsnorm`] of each row, spread over the pool for a prompt: a row's sum of squares is one
+/// chain of f64 additions (llama.cpp's order), and on one thread the norms were ~5% of a
+/// 50-token prefill while the other threads waited.
+fn rmsnorm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32], dim: usize) {
+    let rows = |x: &[f32], out: &mut [f32]| {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            rmsnorm(xr, w, eps, or);
+        }
+    };
+    if x.len() >= 2 * ROW_PIECE * dim {
+        let pieces: Vec<_> = x.chunks(ROW_PIECE * dim).zip(out.chunks_mut(ROW_PIECE * dim)).collect();
+        pool.scatter("rmsnorm", pieces, &|(x, o)| rows(x, o));
+    } else {
+        rows(x, out);
     }
 }
 
@@ -1301,8 +1327,9 @@ impl Rope {
         }
     }
 
-    /// Rotates each head of `x` by `pos` positions (any real `pos`, negative to undo).
-    fn apply(&self, x: &mut [f32], head_dim: usize, pos: f32) {
+    /// Rotates each head of each of `xs` by `pos` positions (any real `pos`, negative to
+    /// undo): a token's queries and keys share one table of angles.
+    fn apply(&self, xs: &mut [&mut [f32]], head_dim: usize, pos: f32) {
         // theta_i = pos * theta_scale^i, built by repeated multiplication in f32 and then
         // divided and scaled in llama.cpp's order, so the rotations agree bit for bit (a
         // factor and scale of 1 leave theta's bits as they are).
@@ -1316,7 +1343,7 @@ impl Rope {
             theta *= self.theta_scale;
         }
         let (step, off) = if self.neox { (1, half) } else { (2, 1) };
-        for head in x.chunks_exact_mut(head_dim) {
+        for head in xs.iter_mut().flat_map(|x| x.chunks_exact_mut(head_dim)) {
             for (i, &(cos, sin)) in cs.iter().enumerate().take(half) {
                 let (a, b) = (head[step * i], head[step * i + off]);
                 head[step * i] = a * cos - b * sin;
