@@ -1625,10 +1625,106 @@ pub(super) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
     super::silu_mul_ref(&mut g[i..], &u[i..]);
 }
 
+/// [`exp8`] for 16 lanes, operation for operation (so [`super::exp_lane`]'s bits).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    use super::{EXP_C, EXP_MIN, EXP_P};
+    // `max_ps` gives its second operand for a NaN, as the 256-bit one does.
+    let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C[0]), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C[1]), r);
+    let mut p = _mm512_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+    let pow2n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127))));
+    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(EXP_MIN)), _mm512_mul_ps(p, pow2n))
+}
+
+/// [`row_max`] sixteen lanes at a time (the same maximum: it does not depend on the order).
+///
+/// # Safety
+/// Needs AVX512F.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) unsafe fn row_max_zmm(row: &[f32]) -> f32 {
+    let (n, p) = (row.len(), row.as_ptr());
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 16 <= n {
+        m = _mm512_max_ps(_mm512_loadu_ps(p.add(i)), m);
+        i += 16;
+    }
+    let mut lanes = [0.0f32; 16];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), m);
+    lanes.iter().chain(&row[i..]).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// [`softmax_f16`] sixteen lanes at a time: each half's eight exponentials summed in f64 in
+/// [`super::sum8`]'s order and added to the row's sum low half first, as two 8-lane steps
+/// would; so the same bits. (Attention's softmax was ~6% of a short prefill at depth.)
+///
+/// # Safety
+/// Needs AVX512F, AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+pub(super) unsafe fn softmax_f16_zmm(row: &mut [f32], max: f32) {
+    let n = row.len();
+    let ptr = row.as_mut_ptr();
+    let m = _mm512_set1_ps(max);
+    let mut sum = 0.0f64;
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n.
+        let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(i)), m));
+        _mm512_storeu_ps(ptr.add(i), e);
+        let (a, b) = (
+            _mm512_cvtps_pd(_mm512_castps512_ps256(e)),
+            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))),
+        );
+        // [a0..a3 | b0..b3] + [a4..a7 | b4..b7], then pairs (0, 2) and (1, 3), then the two.
+        let s2 = _mm512_add_pd(_mm512_shuffle_f64x2::<0b01_00_01_00>(a, b), _mm512_shuffle_f64x2::<0b11_10_11_10>(a, b));
+        let s1 = _mm512_add_pd(s2, _mm512_permutex_pd::<0b01_00_11_10>(s2));
+        let s0 = _mm512_add_pd(s1, _mm512_permutex_pd::<0b10_11_00_01>(s1));
+        sum += _mm512_cvtsd_f64(s0);
+        sum += _mm256_cvtsd_f64(_mm512_extractf64x4_pd::<1>(s0));
+        i += 16;
+    }
+    if i < n {
+        // The rest as the 8-lane kernel takes it, continuing the sum.
+        sum = softmax_exp_rest(&mut row[i..], max, sum);
+    }
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = (1.0 / sum) as f32;
+    let v = _mm512_set1_ps(inv);
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n.
+        let y = _mm512_mul_ps(_mm512_loadu_ps(ptr.add(i)), v);
+        _mm512_storeu_ps(ptr.add(i), _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y)));
+        i += 16;
+    }
+    softmax_scale_rest(&mut row[i..], inv);
+}
+
 /// # Safety
 /// Needs AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
+    let sum = softmax_exp_rest(row, max, 0.0);
+    #[allow(clippy::cast_possible_truncation)]
+    let inv = (1.0 / sum) as f32;
+    softmax_scale_rest(row, inv);
+}
+
+/// The exponentials of `row` (less `max`) in place, eight at a time, added to `sum` as
+/// [`super::sum8`] adds each eight; returns the sum.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_exp_rest(row: &mut [f32], max: f32, mut sum: f64) -> f64 {
     let m = _mm256_set1_ps(max);
     /// Eight exponentials at `p`, stored back and summed (as [`super::sum8`]).
     #[inline]
@@ -1644,7 +1740,6 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
     }
     let n = row.len();
     let ptr = row.as_mut_ptr();
-    let mut sum = 0.0f64;
     let mut i = 0;
     while i + 8 <= n {
         // SAFETY: i + 8 <= n.
@@ -1658,18 +1753,23 @@ pub(super) unsafe fn softmax_f16(row: &mut [f32], max: f32) {
         sum += exp_sum(buf.as_mut_ptr(), m);
         row[i..].copy_from_slice(&buf[..n - i]);
     }
-    #[allow(clippy::cast_possible_truncation)]
-    let inv = _mm256_set1_ps((1.0 / sum) as f32);
+    sum
+}
+
+/// `row` times `inv`, rounded through f16, eight at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_scale_rest(row: &mut [f32], inv: f32) {
+    let n = row.len();
+    let ptr = row.as_mut_ptr();
+    let v = _mm256_set1_ps(inv);
     let mut i = 0;
     while i + 8 <= n {
         // Round through f16 and back, 8 at a time.
         // SAFETY: i + 8 <= n.
-        let y = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), inv);
+        let y = _mm256_mul_ps(_mm256_loadu_ps(ptr.add(i)), v);
         _mm256_storeu_ps(ptr.add(i), _mm256_cvtph_ps(_mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT)));
         i += 8;
     }
-    #[allow(clippy::cast_possible_truncation)]
-    let inv = (1.0 / sum) as f32;
     for x in &mut row[i..] {
         *x = f16::from_f32(*x * inv).to_f32();
     }

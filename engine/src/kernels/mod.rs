@@ -684,6 +684,11 @@ fn axpy_f32(a: f32, x: &[f32], out: &mut [f32]) {
 pub fn softmax_f16(row: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
+        if crate::simd::has_zmm() && row.len() >= 16 {
+            // SAFETY: the CPU has AVX512F, AVX2/FMA/F16C.
+            unsafe { avx2::softmax_f16_zmm(row, avx2::row_max_zmm(row)) };
+            return;
+        }
         // SAFETY: the CPU has AVX2/FMA/F16C.
         unsafe { avx2::softmax_f16(row, avx2::row_max(row)) };
         return;
@@ -1270,7 +1275,7 @@ mod tests {
     #[test]
     fn softmax_kernel_equals_the_reference_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
-        for n in [1, 7, 8, 9, 33, 300] {
+        for n in [1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 47, 300, 671] {
             let mut x: Vec<f32> = (0..n).map(|_| rng.gen_range(-40.0..10.0)).collect();
             x[0] = f32::NEG_INFINITY; // a masked score
             let mut fast = x.clone();
