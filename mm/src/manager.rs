@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -283,6 +283,8 @@ struct Writer {
     /// Set while the caller runs a forward pass: the writer waits for a gap (at most
     /// [`WRITER_HOLD`]) before it copies and writes a batch.
     passes: Arc<AtomicBool>,
+    /// Callers waiting for a write ([`Writer::wait_while`]): the writer does not hold then.
+    waiters: Arc<AtomicUsize>,
     /// Chunks queued and not yet written, with how many jobs each (a chunk a call wrote
     /// again before the writer took its last job has two, and two pins).
     pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)>,
@@ -293,13 +295,14 @@ impl Writer {
     fn spawn(store: Arc<Store>, failures: &WriteFailures) -> Self {
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)> = Arc::default();
-        let passes = Arc::new(AtomicBool::new(false));
-        let (p, f, busy) = (Arc::clone(&pending), Arc::clone(failures), Arc::clone(&passes));
+        let (passes, waiters) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let (p, f) = (Arc::clone(&pending), Arc::clone(failures));
+        let (busy, wait) = (Arc::clone(&passes), Arc::clone(&waiters));
         let handle = std::thread::Builder::new()
             .name("llms-aot-writer".into())
-            .spawn(move || writer_loop(&store, &rx, &p, &f, &busy))
+            .spawn(move || writer_loop(&store, &rx, &p, &f, &busy, &wait))
             .expect("spawn the AoT writer");
-        Self { tx: Some(tx), passes, pending, handle: Some(handle) }
+        Self { tx: Some(tx), passes, waiters, pending, handle: Some(handle) }
     }
 
     fn is_pending(&self, c: ChunkId) -> bool {
@@ -309,37 +312,37 @@ impl Writer {
     /// Waits until no chunk of `ctx` is being written (a call must not convert or shrink a
     /// chunk the writer is still copying).
     fn wait_context(&self, ctx: u64) {
-        let (m, cv) = &*self.pending;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while g.keys().any(|c| c.0 == ctx) {
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
+        self.wait_while(|g| g.keys().any(|c| c.0 == ctx));
     }
 
     /// Waits until no chunk `from..` of `ctx` is being written.
     fn wait_chunks(&self, ctx: u64, from: usize) {
-        let (m, cv) = &*self.pending;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while g.keys().any(|c| c.0 == ctx && c.1 as usize >= from) {
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
+        self.wait_while(|g| g.keys().any(|c| c.0 == ctx && c.1 as usize >= from));
     }
 
     /// Waits until chunk `c` is not being written.
     fn wait_chunk(&self, c: ChunkId) {
-        let (m, cv) = &*self.pending;
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while g.contains_key(&c) {
-            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
+        self.wait_while(|g| g.contains_key(&c));
     }
 
     fn wait_idle(&self) {
+        self.wait_while(|g| !g.is_empty());
+    }
+
+    /// Waits while `busy(pending)`. The writer does not hold its batches back for passes
+    /// meanwhile: a caller waiting on it under mm's lock (a delete from a connection thread,
+    /// say) would otherwise wait out the hold while another call's passes run.
+    fn wait_while(&self, busy: impl Fn(&HashMap<ChunkId, u32>) -> bool) {
         let (m, cv) = &*self.pending;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while !g.is_empty() {
+        if !busy(&g) {
+            return;
+        }
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        while busy(&g) {
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -358,6 +361,7 @@ fn writer_loop(
     pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar),
     failures: &Mutex<(u64, String)>,
     passes: &AtomicBool,
+    waiters: &AtomicUsize,
 ) {
     let Ok(mut ring) = Ring::new(64) else {
         eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
@@ -377,7 +381,7 @@ fn writer_loop(
         // waits for the writer runs no pass meanwhile.
         let held = Instant::now();
         let hold = || {
-            while passes.load(Ordering::Acquire) && held.elapsed() < WRITER_HOLD {
+            while passes.load(Ordering::Acquire) && waiters.load(Ordering::Acquire) == 0 && held.elapsed() < WRITER_HOLD {
                 std::thread::sleep(Duration::from_micros(500));
             }
         };
