@@ -9,6 +9,7 @@
 //! Where this crate sits among the others, and its modules' layers: docs/ARCHITECTURE.md.
 
 mod context;
+pub mod gate;
 mod lctru;
 pub mod levels;
 mod manager;

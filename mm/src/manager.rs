@@ -5,7 +5,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,6 +12,7 @@ use std::time::{Duration, Instant};
 use uffd_handler::{Pager, Region, RegionId, SlotSource, SlotState, SourceError, Staging, PAGE};
 
 use crate::context::{prefix_hashes, Codec, FaultRecompute, Format, KvContext};
+use crate::gate::PassGate;
 use crate::lctru::{ChunkId, Lctru};
 use crate::levels::{choose_levels_held, loss_of_bits};
 use crate::planner::{plan_forced, Plan};
@@ -280,11 +280,10 @@ const WRITER_HOLD: Duration = Duration::from_millis(100);
 /// The AoT writer: a thread that writes chunks modified by a call right after it returns.
 struct Writer {
     tx: Option<Sender<WriteJob>>,
-    /// Set while the caller runs a forward pass: the writer waits for a gap (at most
-    /// [`WRITER_HOLD`]) before it copies and writes a batch.
-    passes: Arc<AtomicBool>,
-    /// Callers waiting for a write ([`Writer::wait_while`]): the writer does not hold then.
-    waiters: Arc<AtomicUsize>,
+    /// Whether the caller runs a forward pass: the writer waits for a gap (at most
+    /// [`WRITER_HOLD`]) before it copies and writes a batch, unless a caller waits for a
+    /// write ([`Writer::wait_while`]).
+    passes: Arc<PassGate>,
     /// Chunks queued and not yet written, with how many jobs each (a chunk a call wrote
     /// again before the writer took its last job has two, and two pins).
     pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)>,
@@ -295,14 +294,13 @@ impl Writer {
     fn spawn(store: Arc<Store>, failures: &WriteFailures) -> Self {
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)> = Arc::default();
-        let (passes, waiters) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
-        let (p, f) = (Arc::clone(&pending), Arc::clone(failures));
-        let (busy, wait) = (Arc::clone(&passes), Arc::clone(&waiters));
+        let passes = Arc::new(PassGate::default());
+        let (p, f, gate) = (Arc::clone(&pending), Arc::clone(failures), Arc::clone(&passes));
         let handle = std::thread::Builder::new()
             .name("llms-aot-writer".into())
-            .spawn(move || writer_loop(&store, &rx, &p, &f, &busy, &wait))
+            .spawn(move || writer_loop(&store, &rx, &p, &f, &gate))
             .expect("spawn the AoT writer");
-        Self { tx: Some(tx), passes, waiters, pending, handle: Some(handle) }
+        Self { tx: Some(tx), passes, pending, handle: Some(handle) }
     }
 
     fn is_pending(&self, c: ChunkId) -> bool {
@@ -338,11 +336,10 @@ impl Writer {
         if !busy(&g) {
             return;
         }
-        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let _urgent = self.passes.urgent();
         while busy(&g) {
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
-        self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -360,8 +357,7 @@ fn writer_loop(
     rx: &Receiver<WriteJob>,
     pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar),
     failures: &Mutex<(u64, String)>,
-    passes: &AtomicBool,
-    waiters: &AtomicUsize,
+    passes: &PassGate,
 ) {
     let Ok(mut ring) = Ring::new(64) else {
         eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
@@ -379,12 +375,8 @@ fn writer_loop(
         // tokens) during its one prefill pass put its first token at 68-73 ms, against 57 ms
         // with the writer switched off (`llms bench-prefix`, ablate = ["aot"]). A caller that
         // waits for the writer runs no pass meanwhile.
-        let held = Instant::now();
-        let hold = || {
-            while passes.load(Ordering::Acquire) && waiters.load(Ordering::Acquire) == 0 && held.elapsed() < WRITER_HOLD {
-                std::thread::sleep(Duration::from_micros(500));
-            }
-        };
+        let until = Instant::now() + WRITER_HOLD;
+        let hold = || passes.wait_gap(until.saturating_duration_since(Instant::now()));
         let mut jobs = vec![first];
         while jobs.len() < 32 {
             match rx.try_recv() {
@@ -1851,10 +1843,10 @@ impl Manager {
         self.write_failures.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// A flag the caller sets while it runs forward passes: the AoT writer holds its next
-    /// batch back until it is clear (at most 100 ms), so its copies and writes fall between
-    /// passes. None without a writer.
-    pub fn passes_running(&self) -> Option<Arc<AtomicBool>> {
+    /// A gate the caller marks while it runs a forward pass ([`PassGate::pass`]): the AoT
+    /// writer holds its next copy or write until the pass ends (at most 100 ms a batch), so
+    /// its work falls between passes. None without a writer.
+    pub fn passes_running(&self) -> Option<Arc<PassGate>> {
         self.writer.as_ref().map(|w| Arc::clone(&w.passes))
     }
 

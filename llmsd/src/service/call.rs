@@ -87,26 +87,6 @@ pub struct StepTrace {
     pub ended: u32,
 }
 
-/// Marks a forward pass running for mm's AoT writer while it lives (cleared on unwind too).
-struct PassRunning<'a>(Option<&'a std::sync::atomic::AtomicBool>);
-
-impl<'a> PassRunning<'a> {
-    fn new(flag: Option<&'a std::sync::atomic::AtomicBool>) -> Self {
-        if let Some(f) = flag {
-            f.store(true, std::sync::atomic::Ordering::Release);
-        }
-        Self(flag)
-    }
-}
-
-impl Drop for PassRunning<'_> {
-    fn drop(&mut self) {
-        if let Some(f) = self.0 {
-            f.store(false, std::sync::atomic::Ordering::Release);
-        }
-    }
-}
-
 /// The worker's pass times as a line over the rows in a pass, `ms = fixed + per_row x rows`
 /// (reading the weights, then each row's arithmetic), fitted by least squares over recent
 /// passes (older ones weigh less: the machine's speed drifts). Sizes prompt pieces.
@@ -829,7 +809,8 @@ impl Service {
                 let mut sessions: Vec<&mut Session> =
                     active.iter_mut().enumerate().filter(|(i, _)| rows.binary_search(i).is_ok()).map(|(_, a)| &mut a.s).collect();
                 let refs: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
-                let _pass = PassRunning::new(self.passes.as_deref());
+                // Marked for mm's AoT writer while it runs (cleared on unwind too).
+                let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
                 catch_unwind(AssertUnwindSafe(|| {
                     let r = Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len);
                     injected_fault(&refs);

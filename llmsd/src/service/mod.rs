@@ -134,9 +134,9 @@ pub struct Service {
     /// completions only.
     turns: std::result::Result<Turns, String>,
     mm: Mutex<Manager>,
-    /// Set by the worker while it runs a forward pass: mm's AoT writer waits for the gaps
+    /// Marked by the worker while it runs a forward pass: mm's AoT writer waits for the gaps
     /// (`mm::Manager::passes_running`; none without the writer).
-    passes: Option<Arc<std::sync::atomic::AtomicBool>>,
+    passes: Option<Arc<mm::gate::PassGate>>,
     /// The worker's per-step timeline, while tracing is on ([`Service::set_trace`]).
     trace: Mutex<Option<call::Trace>>,
     /// Set (and signalled) when a call's end may have queued chunk lowerings (`leveller.rs`).
