@@ -134,6 +134,22 @@ struct Named {
     tokens: Vec<u32>,
 }
 
+impl Named {
+    fn as_ref(&self) -> NameRef<'_> {
+        NameRef { p: self.p, scope: self.scope, parent: self.parent, prefix_hash: self.prefix_hash, tokens: &self.tokens }
+    }
+}
+
+/// A pool chunk's identity to write to the log, borrowing its tokens.
+#[derive(Debug, Clone, Copy)]
+struct NameRef<'a> {
+    p: u32,
+    scope: u64,
+    parent: Option<u32>,
+    prefix_hash: u64,
+    tokens: &'a [u32],
+}
+
 const LOG_ADD: u8 = 1;
 const LOG_DEL: u8 = 2;
 /// Bytes of a log record's body before its tokens: op, chunk, scope, parent, prefix hash.
@@ -177,20 +193,24 @@ impl PoolLog {
         v
     }
 
-    fn record(op: u8, n: &Named) -> Vec<u8> {
-        let mut body = vec![op];
-        body.extend_from_slice(&n.p.to_le_bytes());
-        body.extend_from_slice(&n.scope.to_le_bytes());
-        body.extend_from_slice(&n.parent.unwrap_or(u32::MAX).to_le_bytes());
-        body.extend_from_slice(&n.prefix_hash.to_le_bytes());
-        for t in &n.tokens {
-            body.extend_from_slice(&t.to_le_bytes());
+    /// Appends a record to `out` in place (a fork's first promotions append 270 of them
+    /// under mm's lock: no allocation each).
+    fn record_into(out: &mut Vec<u8>, op: u8, n: &NameRef) {
+        let len = LOG_HEAD + 4 * n.tokens.len();
+        out.reserve(8 + len);
+        let at = out.len();
+        out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        out.push(op);
+        out.extend_from_slice(&n.p.to_le_bytes());
+        out.extend_from_slice(&n.scope.to_le_bytes());
+        out.extend_from_slice(&n.parent.unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&n.prefix_hash.to_le_bytes());
+        for t in n.tokens {
+            out.extend_from_slice(&t.to_le_bytes());
         }
-        let mut out = Vec::with_capacity(body.len() + 8);
-        out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
-        out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
-        out.extend_from_slice(&body);
-        out
+        let crc = crc32c::crc32c(&out[at + 8..]);
+        out[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
     }
 
     /// A new log naming `live` (written aside, fsynced and renamed over the old one).
@@ -201,7 +221,7 @@ impl PoolLog {
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
         let mut all = Vec::new();
         for n in live {
-            all.extend(Self::record(LOG_ADD, n));
+            Self::record_into(&mut all, LOG_ADD, &n.as_ref());
         }
         f.write_all(&all)?;
         f.sync_data()?;
@@ -210,10 +230,14 @@ impl PoolLog {
         Ok(Self { file, held: None })
     }
 
-    fn append(&mut self, op: u8, n: &Named) {
+    fn append(&mut self, op: u8, n: &NameRef) {
         match &mut self.held {
-            Some(h) => h.extend(Self::record(op, n)),
-            None => self.write(&Self::record(op, n)),
+            Some(h) => Self::record_into(h, op, n),
+            None => {
+                let mut one = Vec::new();
+                Self::record_into(&mut one, op, n);
+                self.write(&one);
+            }
         }
     }
 
@@ -278,6 +302,15 @@ impl Pool {
         let v = self.index.entry(key).or_default();
         if !v.contains(&id) {
             v.push(id);
+        }
+    }
+    /// `index_remove(key, old)` then `index_add(key, new)` in one lookup, and without freeing
+    /// and allocating the candidates' list when `old` was its only one (a promotion).
+    fn index_replace(&mut self, key: (u64, u64), old: Ident, new: Ident) {
+        let v = self.index.entry(key).or_default();
+        v.retain(|&x| x != old);
+        if !v.contains(&new) {
+            v.push(new);
         }
     }
     fn index_remove(&mut self, key: (u64, u64), id: Ident) {
@@ -854,11 +887,10 @@ impl Manager {
             home,
             retired: None,
         });
-        pool.index_remove((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)));
-        pool.index_add((scope, m.prefix_hash), Ident::Pool(p));
+        pool.index_replace((scope, m.prefix_hash), Ident::Own(ctx, chunk_u32(i)), Ident::Pool(p));
         if let Some(log) = &mut pool.log {
             let e = pool.entries[p as usize].as_ref().expect("made");
-            log.append(LOG_ADD, &Named { p, scope, parent, prefix_hash: m.prefix_hash, tokens: e.tokens.to_vec() });
+            log.append(LOG_ADD, &NameRef { p, scope, parent, prefix_hash: m.prefix_hash, tokens: &e.tokens });
         }
         // The context's own record is forgotten now and its space given back once the pool's
         // is written (below): one record per chunk, and one on flash at every moment.
@@ -1026,9 +1058,8 @@ impl Manager {
         let Some(e) = pool.entries.get_mut(p as usize).and_then(Option::take) else { return };
         let region = Arc::clone(&pool.region);
         pool.index_remove((e.scope, e.prefix_hash), Ident::Pool(p));
-        let named = Named { p, scope: e.scope, parent: e.parent, prefix_hash: e.prefix_hash, tokens: e.tokens.to_vec() };
         if let Some(log) = &mut pool.log {
-            log.append(LOG_DEL, &named);
+            log.append(LOG_DEL, &NameRef { p, scope: e.scope, parent: e.parent, prefix_hash: e.prefix_hash, tokens: &e.tokens });
         }
         if let Some(w) = &self.writer {
             if w.is_pending((POOL_CTX, p)) {
@@ -1319,5 +1350,39 @@ mod tests {
         pool.index_remove((1, 7), Ident::Own(3, 0));
         assert!(pool.index.is_empty());
         assert_eq!((pool.alloc(), pool.alloc(), pool.alloc()), (Some(0), Some(1), None), "two slots, two chunks");
+        // A promotion's replace is a remove then an add: the new one last, each once.
+        pool.index_add((2, 9), Ident::Own(4, 1));
+        pool.index_add((2, 9), Ident::Own(5, 1));
+        pool.index_replace((2, 9), Ident::Own(4, 1), Ident::Pool(1));
+        assert_eq!(pool.index[&(2, 9)], vec![Ident::Own(5, 1), Ident::Pool(1)]);
+        pool.index_replace((2, 9), Ident::Own(5, 1), Ident::Pool(1));
+        assert_eq!(pool.index[&(2, 9)], vec![Ident::Pool(1)]);
+        pool.index_replace((3, 1), Ident::Own(6, 0), Ident::Pool(0));
+        assert_eq!(pool.index[&(3, 1)], vec![Ident::Pool(0)]);
+    }
+
+    /// The log reads back what was written whole at start and appended since, held or not; a
+    /// torn last record ends the reading and what came before stays.
+    #[test]
+    fn the_pool_log_reads_back_its_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let named = |p: u32, parent: Option<u32>| Named {
+            p,
+            scope: 7,
+            parent,
+            prefix_hash: 0x1234 + u64::from(p),
+            tokens: (0..16).map(|t| t * 3 + p).collect(),
+        };
+        let mut log = PoolLog::rewrite(dir.path(), &[named(0, None), named(1, Some(0))]).unwrap();
+        log.hold();
+        log.append(LOG_ADD, &named(2, Some(1)).as_ref());
+        log.append(LOG_DEL, &named(1, Some(0)).as_ref());
+        log.release();
+        log.append(LOG_ADD, &named(3, Some(2)).as_ref());
+        assert_eq!(PoolLog::read(dir.path()), vec![named(0, None), named(2, Some(1)), named(3, Some(2))]);
+        let path = PoolLog::path(dir.path());
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        assert_eq!(PoolLog::read(dir.path()), vec![named(0, None), named(2, Some(1))]);
     }
 }
