@@ -1,5 +1,6 @@
-//! When the caller's forward passes run, so background work (the AoT writer) can fall in the
-//! gaps between them instead of taking a core from a pass.
+//! When the caller's forward passes run (or other work an app waits on, such as a fork), so
+//! background work (the AoT writer) can fall in the gaps between them instead of taking a
+//! core, or the disk, from it.
 //!
 //! A blocking gate, not a flag polled: the writer first slept 500 µs at a time while a pass
 //! ran, and on a 2-core machine whose two pool threads spin through a pass each wake-up
@@ -20,7 +21,9 @@ pub struct PassGate {
 
 #[derive(Debug, Default)]
 struct State {
-    running: bool,
+    /// Passes (and other foreground work) running now, on any thread: a fork on a
+    /// connection's thread may overlap the worker's pass, and the gap comes when both end.
+    running: usize,
     /// Threads blocked in [`PassGate::wait_gap`] (the end of a pass wakes them only then).
     sleepers: usize,
     /// Callers that wait for the background work itself ([`PassGate::urgent`]): while any
@@ -34,9 +37,9 @@ impl PassGate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Marks a pass running until the guard drops (also on unwind).
+    /// Marks a pass running until the guard drops (also on unwind). Guards may overlap.
     pub fn pass(&self) -> Pass<'_> {
-        self.lock().running = true;
+        self.lock().running += 1;
         Pass(self)
     }
 
@@ -45,7 +48,7 @@ impl PassGate {
     pub fn wait_gap(&self, most: Duration) {
         let until = Instant::now() + most;
         let mut g = self.lock();
-        while g.running && g.urgent == 0 {
+        while g.running > 0 && g.urgent == 0 {
             let now = Instant::now();
             if now >= until {
                 break;
@@ -68,7 +71,7 @@ impl PassGate {
 
     /// Whether a pass runs now.
     pub fn running(&self) -> bool {
-        self.lock().running
+        self.lock().running > 0
     }
 }
 
@@ -79,9 +82,9 @@ pub struct Pass<'a>(&'a PassGate);
 impl Drop for Pass<'_> {
     fn drop(&mut self) {
         let mut g = self.0.lock();
-        g.running = false;
+        g.running -= 1;
         // A wake-up only when someone sleeps: the pass's end costs a lock and no syscall.
-        if g.sleepers > 0 {
+        if g.running == 0 && g.sleepers > 0 {
             self.0.gap.notify_all();
         }
     }
@@ -128,6 +131,26 @@ mod tests {
         drop(pass);
         t.join().unwrap();
         assert!(out.load(Ordering::SeqCst));
+        assert!(!gate.running());
+    }
+
+    /// Two overlapping passes (a fork beside the worker's pass): the gap comes when both end,
+    /// in either order.
+    #[test]
+    fn the_gap_waits_for_every_overlapping_pass() {
+        let gate = Arc::new(PassGate::default());
+        let (a, b) = (gate.pass(), gate.pass());
+        let g = Arc::clone(&gate);
+        let t = std::thread::spawn(move || g.wait_gap(Duration::from_secs(3600)));
+        while gate.lock().sleepers == 0 && !t.is_finished() {
+            std::thread::yield_now();
+        }
+        drop(a);
+        assert!(gate.running(), "one pass still runs");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!t.is_finished(), "the waiter came out while a pass ran");
+        drop(b);
+        t.join().unwrap();
         assert!(!gate.running());
     }
 

@@ -5,7 +5,9 @@
 //! within it, and never a pinned chunk: evicting heavy chunks frees the most memory per chunk
 //! and, by eq. 4, leaves fewer chunks to reload later.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::IdMap;
 
 /// A chunk: (context, chunk index).
 pub type ChunkId = (u64, u32);
@@ -14,13 +16,13 @@ pub type ChunkId = (u64, u32);
 pub struct Lctru {
     /// Per level (0 = least compressed), last-use tick -> chunk.
     levels: Vec<BTreeMap<u64, ChunkId>>,
-    at: HashMap<ChunkId, (usize, u64)>,
+    at: IdMap<ChunkId, (usize, u64)>,
     tick: u64,
 }
 
 impl Lctru {
     pub fn new(n_levels: usize) -> Self {
-        Self { levels: (0..n_levels.max(1)).map(|_| BTreeMap::new()).collect(), at: HashMap::new(), tick: 0 }
+        Self { levels: (0..n_levels.max(1)).map(|_| BTreeMap::new()).collect(), at: IdMap::default(), tick: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -50,6 +52,20 @@ impl Lctru {
             self.levels[level].insert(t, c);
             self.at.insert(c, (level, t));
         }
+    }
+
+    /// Gives chunk `from`'s place (its level and recency) to `to`, which was not queued: a
+    /// chunk that changes its name and nothing else (a context's own chunk promoted into the
+    /// pool by a fork, which reads nothing). Returns false, changing nothing, when `from` was
+    /// not queued.
+    pub fn rename(&mut self, from: ChunkId, to: ChunkId) -> bool {
+        let Some((l, t)) = self.at.remove(&from) else { return false };
+        self.remove(to);
+        if let Some(c) = self.levels[l].get_mut(&t) {
+            *c = to;
+        }
+        self.at.insert(to, (l, t));
+        true
     }
 
     pub fn remove(&mut self, c: ChunkId) -> bool {
@@ -90,6 +106,24 @@ mod tests {
         assert_eq!(q.pop_victim(&pinned), Some((2, 1)), "(2,0) is still pinned");
         assert_eq!(q.pop_victim(&pinned), None, "only a pinned chunk is left");
         assert_eq!(q.pop_victim(&|_| false), Some((2, 0)));
+        assert!(q.is_empty());
+    }
+
+    /// A renamed chunk keeps its level and its place in the order; the old name is gone.
+    #[test]
+    fn a_renamed_chunk_keeps_its_place() {
+        let mut q = Lctru::new(2);
+        q.touch((1, 0), 0);
+        q.touch((1, 1), 0);
+        q.touch((1, 2), 1);
+        assert!(q.rename((1, 0), (9, 0)));
+        assert!(!q.rename((1, 0), (9, 1)), "no longer queued");
+        assert!(!q.contains((1, 0)) && q.contains((9, 0)) && !q.contains((9, 1)));
+        assert_eq!(q.len(), 3);
+        let none = |_: ChunkId| false;
+        assert_eq!(q.pop_victim(&none), Some((9, 0)), "the least recent at level 0, as (1,0) was");
+        assert_eq!(q.pop_victim(&none), Some((1, 1)));
+        assert_eq!(q.pop_victim(&none), Some((1, 2)));
         assert!(q.is_empty());
     }
 }

@@ -19,6 +19,7 @@ use crate::planner::{plan_forced, Plan};
 use crate::profile::Profile;
 use crate::ring::{Op, Ring};
 use crate::store::{Entry, RecordMeta, Store, StoreError};
+use crate::IdMap;
 
 mod share;
 use share::Unshare;
@@ -229,7 +230,7 @@ pub struct MmStats {
     pub killed_contexts: u64,
 }
 
-type Expected = Arc<Mutex<HashMap<ChunkId, RecordMeta>>>;
+type Expected = Arc<Mutex<IdMap<ChunkId, RecordMeta>>>;
 
 type Fallback = Arc<std::sync::RwLock<Option<Arc<dyn FaultRecompute>>>>;
 
@@ -279,21 +280,23 @@ const WRITER_HOLD: Duration = Duration::from_millis(100);
 
 /// The AoT writer: a thread that writes chunks modified by a call right after it returns.
 struct Writer {
-    tx: Option<Sender<WriteJob>>,
+    /// Jobs go in batches: a fork's first promotions queue 270 at once (one send, one
+    /// wake-up of the writer, instead of 270).
+    tx: Option<Sender<Vec<WriteJob>>>,
     /// Whether the caller runs a forward pass: the writer waits for a gap (at most
     /// [`WRITER_HOLD`]) before it copies and writes a batch, unless a caller waits for a
     /// write ([`Writer::wait_while`]).
     passes: Arc<PassGate>,
     /// Chunks queued and not yet written, with how many jobs each (a chunk a call wrote
     /// again before the writer took its last job has two, and two pins).
-    pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)>,
+    pending: Arc<(Mutex<IdMap<ChunkId, u32>>, std::sync::Condvar)>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Writer {
     fn spawn(store: Arc<Store>, failures: &WriteFailures) -> Self {
-        let (tx, rx) = mpsc::channel::<WriteJob>();
-        let pending: Arc<(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar)> = Arc::default();
+        let (tx, rx) = mpsc::channel::<Vec<WriteJob>>();
+        let pending: Arc<(Mutex<IdMap<ChunkId, u32>>, std::sync::Condvar)> = Arc::default();
         let passes = Arc::new(PassGate::default());
         let (p, f, gate) = (Arc::clone(&pending), Arc::clone(failures), Arc::clone(&passes));
         let handle = std::thread::Builder::new()
@@ -330,7 +333,7 @@ impl Writer {
     /// Waits while `busy(pending)`. The writer does not hold its batches back for passes
     /// meanwhile: a caller waiting on it under mm's lock (a delete from a connection thread,
     /// say) would otherwise wait out the hold while another call's passes run.
-    fn wait_while(&self, busy: impl Fn(&HashMap<ChunkId, u32>) -> bool) {
+    fn wait_while(&self, busy: impl Fn(&IdMap<ChunkId, u32>) -> bool) {
         let (m, cv) = &*self.pending;
         let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
         if !busy(&g) {
@@ -354,21 +357,28 @@ impl Drop for Writer {
 
 fn writer_loop(
     store: &Store,
-    rx: &Receiver<WriteJob>,
-    pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar),
+    rx: &Receiver<Vec<WriteJob>>,
+    pending: &(Mutex<IdMap<ChunkId, u32>>, std::sync::Condvar),
     failures: &Mutex<(u64, String)>,
     passes: &PassGate,
 ) {
     let Ok(mut ring) = Ring::new(64) else {
         eprintln!("llms: the AoT writer cannot create an io_uring; chunks will be written at reclaim");
         // Drain jobs, releasing their pins, so nothing waits on us.
-        for job in rx {
+        for job in rx.iter().flatten() {
             let _ = job.region.unpin(job.slot);
             finish(pending, &[(job.meta.context, job.meta.chunk)]);
         }
         return;
     };
-    while let Ok(first) = rx.recv() {
+    let mut queue: VecDeque<WriteJob> = VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(b) => queue.extend(b),
+                Err(_) => break,
+            }
+        }
         // Ahead of time means in the gaps between passes: copying, checksumming and writing a
         // batch beside a pass took a core (and the slots' write protection) from it. A
         // branch promotes its cached chunks, and writing their pool records (7.6 MB at 647
@@ -377,13 +387,13 @@ fn writer_loop(
         // waits for the writer runs no pass meanwhile.
         let until = Instant::now() + WRITER_HOLD;
         let hold = || passes.wait_gap(until.saturating_duration_since(Instant::now()));
-        let mut jobs = vec![first];
-        while jobs.len() < 32 {
+        while queue.len() < 32 {
             match rx.try_recv() {
-                Ok(j) => jobs.push(j),
+                Ok(b) => queue.extend(b),
                 Err(_) => break,
             }
         }
+        let jobs: Vec<WriteJob> = queue.drain(..queue.len().min(32)).collect();
         let mut copies = Vec::with_capacity(jobs.len());
         for j in &jobs {
             // A pass may have begun since the last chunk (jobs come as a call ends, or a
@@ -438,7 +448,7 @@ fn note_failure(failures: &Mutex<(u64, String)>, e: &StoreError) {
 }
 
 /// One job each of `ids` is done.
-fn finish(pending: &(Mutex<HashMap<ChunkId, u32>>, std::sync::Condvar), ids: &[ChunkId]) {
+fn finish(pending: &(Mutex<IdMap<ChunkId, u32>>, std::sync::Condvar), ids: &[ChunkId]) {
     let mut g = pending.0.lock().unwrap_or_else(|e| e.into_inner());
     for id in ids {
         if let Some(n) = g.get_mut(id) {
@@ -458,7 +468,7 @@ pub struct Manager {
     pager: Pager,
     store: Arc<Store>,
     profile: Option<Profile>,
-    ctxs: HashMap<u64, Ctx>,
+    ctxs: IdMap<u64, Ctx>,
     lctru: Lctru,
     expected: Expected,
     fallback: Fallback,
@@ -493,11 +503,11 @@ pub struct Manager {
     /// Chunks shared between contexts, when on ([`Manager::enable_sharing`]).
     pool: Option<share::Pool>,
     /// Each context's sharing scope (the service's (uid, app)).
-    scopes: HashMap<u64, u64>,
+    scopes: IdMap<u64, u64>,
     /// Token sequences the integrator declared shared by every scope ([`Manager::set_public_prefixes`]).
     public: Vec<Vec<u32>>,
     /// Sharing's counters, per scope (an app's figures say nothing of another's).
-    share_stats: HashMap<u64, SharingStats>,
+    share_stats: IdMap<u64, SharingStats>,
     pub stats: MmStats,
 }
 
@@ -552,7 +562,7 @@ impl Manager {
             pager,
             store,
             profile,
-            ctxs: HashMap::new(),
+            ctxs: IdMap::default(),
             expected: Arc::default(),
             fallback: Arc::default(),
             writer,
@@ -569,9 +579,9 @@ impl Manager {
             levelling_taken: 0,
             epochs: 0,
             pool: None,
-            scopes: HashMap::new(),
+            scopes: IdMap::default(),
             public: Vec::new(),
-            share_stats: HashMap::new(),
+            share_stats: IdMap::default(),
             stats: MmStats::default(),
         })
     }
@@ -740,6 +750,14 @@ impl Manager {
     /// made by `create` that holds no chunk yet. Returns the chunks with a usable record or a
     /// shared copy.
     pub fn restore(&mut self, ctx: u64, kv: &mut dyn KvContext) -> Result<usize> {
+        self.restore_from(ctx, kv, None)
+    }
+
+    /// [`Manager::restore`], with `from` a context of the same tokens (a fork's source), not
+    /// in a call: its pool chunks are taken as they are, and its chunks' prefix hashes, instead
+    /// of finding each chunk by hashing and comparing its tokens (a 4k-token fork's 270
+    /// lookups); its chunks past them are the new context's own.
+    pub(super) fn restore_from(&mut self, ctx: u64, kv: &mut dyn KvContext, from: Option<u64>) -> Result<usize> {
         let ct = self.codec.chunk_tokens();
         let n_tok = kv.tokens().len();
         let n = n_tok.div_ceil(ct);
@@ -759,8 +777,13 @@ impl Manager {
         }
         let region = Arc::clone(&self.ctx(ctx)?.region);
         let toks = kv.tokens().to_vec();
-        let hashes = prefix_hashes(&toks, ct);
+        let known = from.and_then(|f| self.ctxs.get(&f)).filter(|c| !c.in_call && c.chunks.len() == n && c.tokens == toks).map(|c| {
+            (c.chunks.iter().map(|m| m.prefix_hash).collect::<Vec<u64>>(), c.chunks.iter().map_while(|m| m.shared).collect::<Vec<u32>>())
+        });
+        let searched = known.is_none();
+        let (hashes, known) = known.unwrap_or_else(|| (prefix_hashes(&toks, ct), Vec::new()));
         let base = kv.base();
+        self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks.reserve(n);
         let dead = self.codec.dead_chunks(n_tok).min(n);
         let scope = self.pool.as_ref().and(self.scopes.get(&ctx).copied());
         let mut usable = 0;
@@ -769,7 +792,9 @@ impl Manager {
             let tokens = u32::try_from(n_tok.saturating_sub(i * ct).min(ct)).unwrap_or(u32::MAX);
             // A full chunk after shared ones: someone may hold it already (whole: a chunk dead
             // here reads its kept layers from the pool's copy).
-            let shared = if tokens as usize == ct && (i == 0 || prev.is_some()) {
+            let shared = if let Some(&p) = known.get(i) {
+                Some(p)
+            } else if searched && tokens as usize == ct && (i == 0 || prev.is_some()) {
                 self.find_shared(scope, prev, i, prefix_hash, &toks[i * ct..(i + 1) * ct])?
             } else {
                 None
@@ -781,7 +806,7 @@ impl Manager {
                 unsafe { kv.push_chunk(ptr, self.slot_size) }.map_err(engine)?;
                 let level = self.attach_shared(ctx, i, p, kv)?;
                 let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead, shared: Some(p) };
-                self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(m);
+                self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks.push(m);
                 usable += 1;
                 continue;
             }
@@ -803,7 +828,7 @@ impl Manager {
                 unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
             }
             let m = ChunkMeta { level, tokens, prefix_hash, density: 0.0, dead: i < dead, shared: None };
-            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(m);
+            self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks.push(m);
             self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), want(level));
         }
         kv.set_dead(dead).map_err(engine)?;
@@ -847,7 +872,7 @@ impl Manager {
         for &(i, p) in shared.iter().rev() {
             self.release(ctx, i, p, in_call);
         }
-        let c = self.ctxs.remove(&ctx).ok_or(MmError::NoContext(ctx))?;
+        let c = self.ctxs.remove(&ctx).ok_or_else(|| MmError::NoContext(ctx))?;
         // Only this context's writes must finish before its records go; other contexts'
         // AoT writes carry on (a sliding window deletes on the switch path).
         if let Some(w) = &self.writer {
@@ -873,7 +898,7 @@ impl Manager {
     }
 
     fn ctx(&self, ctx: u64) -> Result<&Ctx> {
-        self.ctxs.get(&ctx).ok_or(MmError::NoContext(ctx))
+        self.ctxs.get(&ctx).ok_or_else(|| MmError::NoContext(ctx))
     }
 
     fn level_index(&self, f: Format) -> usize {
@@ -907,7 +932,7 @@ impl Manager {
     fn kill(&mut self, ctx: u64, region: &Region, kv: &mut dyn KvContext, dead: usize) -> Result<()> {
         let newly: Vec<usize> = self.ctx(ctx)?.chunks.iter().take(dead).enumerate().filter(|(_, m)| !m.dead).map(|(i, _)| i).collect();
         for &i in &newly {
-            let m = &mut self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i];
+            let m = &mut self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i];
             m.dead = true;
             let m = *m;
             if m.shared.is_some() {
@@ -971,7 +996,7 @@ impl Manager {
         let mut shared = Vec::new();
         {
             self.epochs += 1;
-            let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
+            let c = self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?;
             c.in_call = true;
             c.epoch = self.epochs;
             for i in 0..n.min(c.chunks.len()) {
@@ -1023,7 +1048,7 @@ impl Manager {
                 // it may have been lowered, or this chunk promoted, since the last call.
                 let e = pool.get(p).expect("a live pool chunk");
                 let (level, at) = (e.level, Arc::clone(&e.at));
-                self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].level = level;
+                self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i].level = level;
                 // SAFETY: resident and pinned for the call; nothing writes a shared chunk, and
                 // `at` changes only with the bytes moved there ([`Manager::unhome`], eviction).
                 unsafe { kv.attach_moving(i, at, self.slot_size, level) }.map_err(engine)?;
@@ -1145,7 +1170,7 @@ impl Manager {
                     if region.state(i)? == SlotState::Resident {
                         region.discard(i)?;
                     }
-                    self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].dead = false;
+                    self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i].dead = false;
                 }
                 kv.revive_all();
                 strategy = Strategy::AllRecompute;
@@ -1468,7 +1493,7 @@ impl Manager {
             let ptr = NonNull::new(region.slot_ptr(i)).expect("mapped");
             // SAFETY: the slot is resident and pinned for the call.
             unsafe { kv.push_chunk(ptr, self.slot_size) }.map_err(engine)?;
-            let c = self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?;
+            let c = self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?;
             // Inside a call the new chunk joins the pinned working set (`end` unpins it);
             // before one, `begin` pins it with the rest. New chunks are not in LCTRU until
             // `end`, so reclaim cannot take them meanwhile.
@@ -1534,7 +1559,7 @@ impl Manager {
             // SAFETY: resident and pinned.
             unsafe { kv.adopt(i, ptr, self.slot_size) }.map_err(engine)?;
             let f = kv.format(i);
-            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks.push(ChunkMeta {
+            self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks.push(ChunkMeta {
                 level: f,
                 tokens: 0,
                 prefix_hash: 0,
@@ -1625,7 +1650,7 @@ impl Manager {
                 dead: i < dead,
                 shared: None,
             };
-            self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
+            self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i] = m;
             let meta = self.meta(ctx, i, &m);
             self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((ctx, chunk_u32(i)), meta);
             if m.tokens > 0 && !queued && !self.store.matches(&meta) && region.state(i)? == SlotState::Resident {
@@ -1646,7 +1671,7 @@ impl Manager {
                 self.lctru.touch((ctx, chunk_u32(i)), lvl);
             }
         }
-        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.in_call = false;
+        self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.in_call = false;
         self.index_own(ctx, kv.tokens());
         self.reclaim()?;
         self.refill_zero()
@@ -1682,35 +1707,56 @@ impl Manager {
             return Ok(());
         };
         region.pin(i)?;
-        *w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).entry((ctx, meta.chunk)).or_insert(0) += 1;
         let job = WriteJob { region: Arc::clone(region), slot: i, meta: *meta, len, replaces };
         match &mut self.held_jobs {
+            // Counted pending when released, all under one lock.
             Some(held) => held.push(job),
-            None => self.send_aot(job),
+            None => {
+                *w.pending.0.lock().unwrap_or_else(|e| e.into_inner()).entry((ctx, meta.chunk)).or_insert(0) += 1;
+                self.send_aot(vec![job]);
+            }
         }
         Ok(())
     }
 
-    fn send_aot(&mut self, job: WriteJob) {
+    /// Sends jobs (counted pending) to the writer: unpins them and counts them done if it
+    /// is gone.
+    fn send_aot(&mut self, jobs: Vec<WriteJob>) {
         let Some(w) = &self.writer else { return };
-        let (region, slot, id) = (Arc::clone(&job.region), job.slot, (job.meta.context, job.meta.chunk));
-        if w.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok()) {
-            self.stats.written_aot += 1;
+        let n = jobs.len() as u64;
+        let sent = match &w.tx {
+            Some(tx) => tx.send(jobs),
+            None => Err(mpsc::SendError(jobs)),
+        };
+        if let Err(mpsc::SendError(jobs)) = sent {
+            for j in &jobs {
+                let _ = j.region.unpin(j.slot);
+            }
+            let ids: Vec<ChunkId> = jobs.iter().map(|j| (j.meta.context, j.meta.chunk)).collect();
+            finish(&w.pending, &ids);
         } else {
-            let _ = region.unpin(slot);
-            finish(&w.pending, &[id]);
+            self.stats.written_aot += n;
         }
     }
 
-    /// While on, chunks queued for the AoT writer (pinned, counted pending) are not sent to
-    /// it; turning it off sends them. Nothing may wait for the writer meanwhile.
+    /// While on, chunks queued for the AoT writer (pinned) are not sent to it; turning it
+    /// off counts them pending and sends them. Nothing may wait for the writer, or ask
+    /// whether a chunk is pending, meanwhile (a fork's promotions, under mm's lock).
     pub(crate) fn hold_aot(&mut self, hold: bool) {
         if hold {
             self.held_jobs.get_or_insert_with(Vec::new);
-        } else {
-            for job in self.held_jobs.take().unwrap_or_default() {
-                self.send_aot(job);
+            return;
+        }
+        let jobs = self.held_jobs.take().unwrap_or_default();
+        let Some(w) = &self.writer else { return };
+        {
+            let mut g = w.pending.0.lock().unwrap_or_else(|e| e.into_inner());
+            for j in &jobs {
+                *g.entry((j.meta.context, j.meta.chunk)).or_insert(0) += 1;
             }
+        }
+        if !jobs.is_empty() {
+            self.send_aot(jobs);
         }
     }
 
@@ -1793,7 +1839,7 @@ impl Manager {
                     // Its sharers' engines learn the level at their next `begin`.
                     self.pool.as_mut().and_then(|p| p.get_mut(chunk_u32(job.chunk))).expect("valid").level = job.to;
                 } else {
-                    self.ctxs.get_mut(&job.ctx).ok_or(MmError::NoContext(job.ctx))?.chunks[job.chunk] = m;
+                    self.ctxs.get_mut(&job.ctx).ok_or_else(|| MmError::NoContext(job.ctx))?.chunks[job.chunk] = m;
                 }
                 self.lctru.set_level((job.ctx, chunk_u32(job.chunk)), self.level_index(job.to));
                 self.stats.releveled += 1;

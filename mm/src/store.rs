@@ -35,6 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::reaper::Reaper;
+use crate::IdMap;
 
 use bytemuck::{Pod, Zeroable};
 
@@ -210,8 +211,8 @@ impl StoreGeometry {
 
 #[derive(Debug, Default)]
 struct Index {
-    files: HashMap<u64, Arc<File>>,
-    entries: HashMap<(u64, u32), Entry>,
+    files: IdMap<u64, Arc<File>>,
+    entries: IdMap<(u64, u32), Entry>,
     seq: u64,
 }
 
@@ -717,6 +718,14 @@ impl Store {
     /// Forgets a chunk's record (its data changed and was not written again).
     pub fn invalidate(&self, ctx: u64, chunk: u32) {
         self.lock().entries.remove(&(ctx, chunk));
+    }
+
+    /// [`Store::invalidate`] for each of `chunks`, under one lock.
+    pub fn invalidate_all(&self, ctx: u64, chunks: impl IntoIterator<Item = u32>) {
+        let mut g = self.lock();
+        for chunk in chunks {
+            g.entries.remove(&(ctx, chunk));
+        }
     }
 
     /// Forgets a chunk's record and gives its space back: both record places are punched out,

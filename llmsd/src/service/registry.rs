@@ -255,6 +255,10 @@ impl Service {
             a.clone_from(b);
         }
         let src_mm = from.saved.mm_id;
+        // The AoT writer holds its copies and writes until the fork is answered: the first
+        // fork of a long context queues its chunks' pool records (52 MB at 4k tokens), and
+        // their writes beside the new context's fsync held the answer up.
+        let _quiet = self.passes.as_deref().map(mm::gate::PassGate::pass);
         let t0 = std::time::Instant::now();
         {
             let mut mm = lock(&self.mm);

@@ -53,6 +53,11 @@ pub(super) enum Ident {
     Own(u64, u32),
 }
 
+/// Promotions made and not yet settled ([`Manager::settle`]): (chunk of the context, pool
+/// chunk, the pool's record).
+#[derive(Debug, Default)]
+pub(super) struct Promoted(Vec<(u32, u32, RecordMeta)>);
+
 /// A shared chunk.
 #[derive(Debug)]
 pub(super) struct Entry {
@@ -668,7 +673,7 @@ impl Manager {
         self.hold_writes(false);
         promoted?;
         self.scopes.insert(dst, scope);
-        self.restore(dst, kv)?;
+        self.restore_from(dst, kv, Some(src))?;
         self.share_stats.entry(scope).or_default().forks += 1;
         let shared = (0..self.n_chunks(dst)).filter(|&i| self.ctx(dst).is_ok_and(|c| c.chunks[i].shared.is_some())).count();
         // The partial chunk: a copy of `src`'s (with neither its memory nor its record, the
@@ -750,25 +755,33 @@ impl Manager {
             return Ok(false);
         }
         let len = self.codec.live_bytes(m.level, false);
-        let record = self.meta(src, j, &m);
-        let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
-        if sr.state(j)? == SlotState::Resident {
-            // SAFETY: resident and not in a call: nothing writes it while we copy.
-            buf[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), len) });
-        } else if self.store.read(&record, buf).is_err() {
-            return Ok(false);
-        }
-        let tail = len.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
-        buf[len..tail].fill(0);
         if dr.state(j)? == SlotState::Resident {
             dr.discard(j)?;
         }
-        dr.copy_from(j, &self.arena.as_mut_slice()[..self.slot_size], len)?;
+        if sr.state(j)? == SlotState::Resident {
+            // Straight from the source's slot into the new one (one copy, in the kernel): a
+            // fork's partial chunk went through the arena first, a second copy of its bytes.
+            // SAFETY: resident (mm's lock held, `src` not in a call: nothing evicts or writes
+            // it meanwhile) and the whole slot mapped. Past `len` within its last page come
+            // the source slot's own bytes (this chunk's, of the context `dst` forks), which
+            // nothing reads: a chunk is its `len` bytes.
+            let from = unsafe { std::slice::from_raw_parts(sr.slot_ptr(j), self.slot_size) };
+            dr.copy_from(j, from, len)?;
+        } else {
+            let record = self.meta(src, j, &m);
+            let buf = &mut self.arena.as_mut_slice()[..self.slot_size];
+            if self.store.read(&record, buf).is_err() {
+                return Ok(false);
+            }
+            let tail = len.next_multiple_of(uffd_handler::PAGE).min(self.slot_size);
+            buf[len..tail].fill(0);
+            dr.copy_from(j, &self.arena.as_mut_slice()[..self.slot_size], len)?;
+        }
         let ptr = NonNull::new(dr.slot_ptr(j)).expect("mapped");
         // SAFETY: `dst`'s own slot, resident; `begin` pins it before the engine reads it.
         unsafe { kv.attach(j, ptr, self.slot_size, m.level) }.map_err(engine)?;
         let dm = ChunkMeta { level: m.level, density: m.density, ..dm };
-        self.ctxs.get_mut(&dst).ok_or(MmError::NoContext(dst))?.chunks[j] = dm;
+        self.ctxs.get_mut(&dst).ok_or_else(|| MmError::NoContext(dst))?.chunks[j] = dm;
         let meta = self.meta(dst, j, &dm);
         self.expected.lock().unwrap_or_else(|e| e.into_inner()).insert((dst, chunk_u32(j)), meta);
         self.lctru.touch((dst, chunk_u32(j)), self.level_index(m.level));
@@ -790,7 +803,12 @@ impl Manager {
         }
         match self.lookup(scope, h, prev.map(Ident::Pool), i, tokens) {
             Some(Ident::Pool(p)) => Ok(Some(p)),
-            Some(Ident::Own(c2, j)) => self.promote_own(c2, j as usize),
+            Some(Ident::Own(c2, j)) => {
+                let mut done = Promoted::default();
+                let p = self.promote_own(c2, j as usize, &mut done);
+                self.settle(c2, done);
+                p
+            }
             None => Ok(None),
         }
     }
@@ -803,7 +821,9 @@ impl Manager {
     /// 12k page-table entries). One that is not resident is read from its record into its
     /// pool slot. None when it cannot be: the context is in a call, the pool is full, or the
     /// chunk is neither resident nor readable.
-    pub(super) fn promote_own(&mut self, ctx: u64, i: usize) -> Result<Option<u32>> {
+    /// The store's and the fault handler's maps are changed by [`Manager::settle`] once for
+    /// all of `done`.
+    pub(super) fn promote_own(&mut self, ctx: u64, i: usize, done: &mut Promoted) -> Result<Option<u32>> {
         if let Some(p) = self.ctx(ctx)?.chunks.get(i).and_then(|m| m.shared) {
             return Ok(Some(p));
         }
@@ -815,7 +835,7 @@ impl Manager {
         let pool = self.pool.as_mut().expect("checked");
         let p = pool.alloc().expect("checked");
         if region.state(i)? == SlotState::Resident {
-            self.adopt(ctx, i, p, true)?;
+            self.adopt(ctx, i, p, true, done)?;
             return Ok(Some(p));
         }
         let len = self.codec.live_bytes(m.level, false);
@@ -834,7 +854,7 @@ impl Manager {
             pool.free.push(p);
             return Err(e.into());
         }
-        self.adopt(ctx, i, p, false)?;
+        self.adopt(ctx, i, p, false, done)?;
         Ok(Some(p))
     }
 
@@ -855,8 +875,9 @@ impl Manager {
     /// The bookkeeping of a promotion, once chunk `i` of `ctx` is pool chunk `p` (`home`: its
     /// bytes stay in the context's slot; else they are in the pool slot): the pool's entry,
     /// index and log, the context's record forgotten, LCTRU, the fault handler's
-    /// expectations, the pool's record queued.
-    fn adopt(&mut self, ctx: u64, i: usize, p: u32, home: bool) -> Result<()> {
+    /// expectations and the context's record forgotten (noted in `done`), the pool's record
+    /// queued.
+    fn adopt(&mut self, ctx: u64, i: usize, p: u32, home: bool, done: &mut Promoted) -> Result<()> {
         let ct = self.codec.chunk_tokens();
         let c = self.ctx(ctx)?;
         let scope = self.chunk_scope(ctx, i, &c.tokens).expect("checked promotable");
@@ -879,7 +900,12 @@ impl Manager {
             prefix_hash: m.prefix_hash,
             level: m.level,
             density: m.density,
-            sharers: vec![(ctx, chunk_u32(i))],
+            // Room for the sharer a fork attaches next (a second allocation per chunk else).
+            sharers: {
+                let mut v = Vec::with_capacity(2);
+                v.push((ctx, chunk_u32(i)));
+                v
+            },
             wanted: Vec::new(),
             calls: 0,
             epoch: self.epochs,
@@ -892,18 +918,14 @@ impl Manager {
             let e = pool.entries[p as usize].as_ref().expect("made");
             log.append(LOG_ADD, &NameRef { p, scope, parent, prefix_hash: m.prefix_hash, tokens: &e.tokens });
         }
-        // The context's own record is forgotten now and its space given back once the pool's
-        // is written (below): one record per chunk, and one on flash at every moment.
-        self.store.invalidate(ctx, chunk_u32(i));
-        self.lctru.remove((ctx, chunk_u32(i)));
-        self.lctru.touch((POOL_CTX, p), self.level_index(m.level));
-        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i].shared = Some(p);
-        let meta = self.pool_meta(p).expect("made");
-        {
-            let mut ex = self.expected.lock().unwrap_or_else(|e| e.into_inner());
-            ex.remove(&(ctx, chunk_u32(i)));
-            ex.insert((POOL_CTX, p), meta);
+        // The context's own record is forgotten (`settle`) and its space given back once the
+        // pool's is written (below): one record per chunk, and one on flash at every moment.
+        if !self.lctru.rename((ctx, chunk_u32(i)), (POOL_CTX, p)) {
+            self.lctru.touch((POOL_CTX, p), self.level_index(m.level));
         }
+        self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i].shared = Some(p);
+        let meta = self.pool_meta(p).expect("made");
+        done.0.push((chunk_u32(i), p, meta));
         let (region, slot) = self.pool.as_ref().map(|pl| pl.loc(p)).map(|(r, s)| (Arc::clone(r), s)).expect("made");
         self.write_aot_replacing(POOL_CTX, &region, slot, &meta, len, Some((ctx, chunk_u32(i))))?;
         self.share_stats.entry(scope).or_default().promoted += 1;
@@ -912,12 +934,41 @@ impl Manager {
 
     /// Promotes `ctx`'s first `n` chunks until one cannot be.
     fn promote_prefix(&mut self, ctx: u64, n: usize) -> Result<()> {
+        if let Some(pool) = self.pool.as_mut() {
+            let room = pool.region.n_slots().saturating_sub(pool.entries.len());
+            pool.entries.reserve(n.min(room));
+        }
+        let mut done = Promoted::default();
+        let mut result = Ok(());
         for i in 0..n {
-            if self.promote_own(ctx, i)?.is_none() {
-                break;
+            match self.promote_own(ctx, i, &mut done) {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
         }
-        Ok(())
+        self.settle(ctx, done);
+        result
+    }
+
+    /// The maps other threads read, changed for promotions of `ctx`'s chunks under one lock
+    /// each: the fault handler's expectations (a promoted chunk is the pool's record now) and
+    /// the store's index (the context's own record is forgotten). Until then nothing reads
+    /// them for these chunks: mm's lock is held, and a promoted chunk stays resident (at home,
+    /// or in its pool slot just filled).
+    pub(super) fn settle(&mut self, ctx: u64, done: Promoted) {
+        if done.0.is_empty() {
+            return;
+        }
+        self.store.invalidate_all(ctx, done.0.iter().map(|d| d.0));
+        let mut ex = self.expected.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, p, meta) in done.0 {
+            ex.remove(&(ctx, i));
+            ex.insert((POOL_CTX, p), meta);
+        }
     }
 
     /// Moves pool chunk `p` out of its home into its pool slot: its home context needs the
@@ -1138,7 +1189,7 @@ impl Manager {
             // SAFETY: the context's own slot, resident and pinned when in a call; otherwise
             // `begin` loads it before the engine reads it.
             unsafe { kv.attach(i, ptr, self.slot_size, level) }.map_err(engine)?;
-            let cm = &mut self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i];
+            let cm = &mut self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i];
             cm.shared = None;
             cm.level = level;
             let m = *cm;
@@ -1312,7 +1363,7 @@ impl Manager {
         }
         let tokens = chunk_u32(self.codec.chunk_tokens());
         let m = ChunkMeta { level, tokens, prefix_hash, density: density.unwrap_or(0.0), dead, shared: Some(p) };
-        self.ctxs.get_mut(&ctx).ok_or(MmError::NoContext(ctx))?.chunks[i] = m;
+        self.ctxs.get_mut(&ctx).ok_or_else(|| MmError::NoContext(ctx))?.chunks[i] = m;
         let meta = self.pool_meta(p).expect("a live pool chunk");
         let queued = self.levelling.iter().any(|j| (j.ctx, j.chunk) == (POOL_CTX, p as usize));
         let pending = self.writer.as_ref().is_some_and(|w| w.is_pending((POOL_CTX, p)));
