@@ -28,9 +28,14 @@ impl AttentionStats {
                 self.sum.resize(lim, 0.0);
                 self.count.resize(lim, 0);
             }
-            for (p, &a) in probs[i * ld..i * ld + lim].iter().enumerate() {
-                self.sum[p] += f64::from(a);
-                self.count[p] += 1;
+            // Zipped slices, no index: the service observes every row of every pass, and the
+            // indexed loop's bounds checks kept it scalar (~2% of a decode step's CPU).
+            let row = &probs[i * ld..i * ld + lim];
+            for (s, &a) in self.sum[..lim].iter_mut().zip(row) {
+                *s += f64::from(a);
+            }
+            for c in &mut self.count[..lim] {
+                *c += 1;
             }
         }
     }
