@@ -29,44 +29,19 @@ pub struct Sampler {
 }
 
 /// Index of the largest logit (the lowest index among equals, as llama.cpp's greedy sampler).
-/// The service samples every decoding call's row after each pass, on the worker, while the
-/// pool waits: a scalar scan that re-reads the best so far took ~30 us over a 49k vocabulary.
-/// So the largest value first, in 16 independent lanes (each lane's running maximum, which
-/// the compiler turns into vector compares), then the first index holding it: the same index
-/// as [`argmax_ref`] (ties, -0.0 against 0.0 and NaN included; `argmax_is_the_scalar_scan`).
+/// The service samples every decoding call's row after each pass on the worker while the pool
+/// waits, so not a scan that re-reads the best so far (0.66% of `llms bench-serve`'s CPU
+/// samples; 0.22% so): the largest value by the vector kernel, then the first index holding
+/// it, which is the scan's index (ties, -0.0 against 0.0, NaN: `argmax_is_the_scalar_scan`).
 pub fn argmax(logits: &[f32]) -> u32 {
-    const LANES: usize = 16;
-    // A leading NaN is never replaced in the scalar scan (nothing compares greater).
+    // The scan never replaces a leading NaN: nothing compares greater.
     if logits.first().is_none_or(|v| v.is_nan()) {
         return 0;
     }
-    let mut top = [f32::NEG_INFINITY; LANES];
-    let blocks = logits.chunks_exact(LANES);
-    let tail = blocks.remainder();
-    for b in blocks {
-        for (t, &v) in top.iter_mut().zip(b) {
-            // NaN never wins a lane, as in the scan.
-            *t = if v > *t { v } else { *t };
-        }
-    }
-    let mut max = tail.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    for &t in &top {
-        max = if t > max { t } else { max };
-    }
-    // The scan keeps the first value no later one exceeds: the first equal to the maximum
-    // (-0.0 == 0.0, so the first zero of either sign, as the scan). All -inf: index 0.
+    // NaN is never the maximum; -0.0 == 0.0, so the first zero of either sign, as the scan;
+    // all -inf: index 0.
+    let max = crate::kernels::row_max(logits);
     let best = logits.iter().position(|&v| v == max).unwrap_or(0);
-    u32::try_from(best).expect("vocabulary fits in u32")
-}
-
-/// The scalar reference for [`argmax`].
-pub fn argmax_ref(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
     u32::try_from(best).expect("vocabulary fits in u32")
 }
 
@@ -121,6 +96,17 @@ impl Sampler {
 mod tests {
     use super::*;
 
+    /// The scan [`argmax`] replaces, as the reference.
+    fn argmax_ref(logits: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        u32::try_from(best).expect("vocabulary fits in u32")
+    }
+
     proptest::proptest! {
         #[test]
         fn argmax_is_the_scalar_scan(
@@ -147,7 +133,7 @@ mod tests {
 
     #[test]
     fn argmax_over_a_vocabulary_is_the_scalar_scan() {
-        // Long inputs cross the 16-lane blocks and the tail: the maximum in each place.
+        // Long inputs cross the kernels' 8- and 16-wide blocks and the tail: the maximum in each place.
         let mut v: Vec<f32> = (0..49_157u32).map(|i| ((i.wrapping_mul(2_654_435_761) >> 8) as f32).sin()).collect();
         for at in [0, 7, 15, 16, 31, 4_000, 49_140, 49_155, 49_156] {
             let mut w = v.clone();

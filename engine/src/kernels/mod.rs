@@ -731,6 +731,21 @@ pub fn silu_mul_ref(g: &mut [f32], u: &[f32]) {
     }
 }
 
+/// The largest of `row`'s values that is not NaN (-inf when none is): softmax's kernels, for
+/// any row (greedy sampling's argmax over the vocabulary).
+pub fn row_max(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        if crate::simd::has_zmm() && row.len() >= 16 {
+            // SAFETY: the CPU has AVX512F.
+            return unsafe { avx2::row_max_zmm(row) };
+        }
+        // SAFETY: the CPU has AVX2.
+        return unsafe { avx2::row_max(row) };
+    }
+    row_max_ref(row)
+}
+
 /// The largest of `row`'s values that is not NaN (-inf when none is): a vector kernel takes
 /// the same maximum in any order.
 pub fn row_max_ref(row: &[f32]) -> f32 {
