@@ -24,8 +24,11 @@ use std::sync::{LazyLock, Mutex};
 use std::time::Instant;
 
 /// The distances tried, in bytes: 1 and 2 KiB were the best on the Intel host and too close on
-/// the AMD one; beyond 8 KiB the lines arrived too early at the AMD host's slow hours.
-pub const CANDIDATES: [usize; 6] = [1024, 2048, 3072, 4096, 6144, 8192];
+/// the AMD one; beyond 8 KiB the lines arrived too early at the AMD host's slow hours. 0 asks
+/// for nothing and leaves the stream to the hardware prefetchers: on an AMD EPYC guest with
+/// AVX-512 (2 Dec 2026) they streamed Q4_K at 0.94 of the read alone and at 0.56-0.64 with
+/// any distance from 512 bytes to 4 KiB (`matvec_rate`, docs/notes/engine.md).
+pub const CANDIDATES: [usize; 7] = [0, 1024, 2048, 3072, 4096, 6144, 8192];
 
 /// Products each candidate runs in a round.
 const SAMPLES: usize = 24;
@@ -269,7 +272,7 @@ mod tests {
         // one turn over all products, the odd candidates would only ever meet the cheap kinds
         // 1 and 3 and the even ones the expensive kinds: which side the fastest is on would
         // decide. Both sides are tried.
-        for fast in [1024, 2048, 8192] {
+        for fast in [0, 1024, 2048, 8192] {
             let mut t = Tuner::new(None);
             assert_eq!(t.chosen(), (6144, 0));
             round(&mut t, |i, k| {
