@@ -246,6 +246,14 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
     })
 }
 
+/// The mean depth, over `calls` calls that continue one context, at which a call's prompt is
+/// prefilled and at which its tokens are decoded: call `k` starts `k * (prompt + max_tokens)`
+/// tokens deep (a raw call adds its prompt and what it generates, `max_tokens` at most).
+pub fn call_depths(calls: usize, prompt: usize, max_tokens: usize) -> (usize, usize) {
+    let before = calls.saturating_sub(1) * (prompt + max_tokens) / 2;
+    (before, before + prompt + max_tokens / 2)
+}
+
 /// B contexts of `depth` tokens of `ids` (each from its own offset), then `tokens` decode steps
 /// with `Session::decode_batch` (one forward pass per step for all B), timed: the median over
 /// `reps` of the aggregate tokens/s and of the step time (ms). `ids` holds at least
@@ -321,4 +329,18 @@ pub fn batch_prefill(
         times.push(t0.elapsed().as_secs_f64() * 1000.0);
     }
     Ok(median(times))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::call_depths;
+
+    #[test]
+    fn call_depths_follow_a_context_through_its_calls() {
+        // One call: its prompt at the start, its tokens decoded half way through them.
+        assert_eq!(call_depths(1, 32, 64), (0, 64));
+        // Four calls of 32 + 64 tokens: they start 0, 96, 192 and 288 tokens deep.
+        assert_eq!(call_depths(4, 32, 64), (144, 208));
+        assert_eq!(call_depths(0, 32, 64), (0, 64));
+    }
 }

@@ -474,19 +474,24 @@ impl BenchServeArgs {
             };
             let r = run(&base, load, socket.as_deref(), &work, &dir, &text, trace.as_deref())?;
             // The engine's gain for this many contexts at about the calls' depth, 3 reps each.
+            // A client's calls continue its one context, so call `k` prefills its prompt
+            // `k` calls' tokens deep and decodes `max_tokens / 2` past its prompt on average:
+            // the mean over the calls, the depth whose step the service's steps are compared
+            // with (one call's depth, as before, left the engine's gain measured on contexts
+            // a third as deep as the service's: a 4-context step's attention grows with depth).
             let gain = if vs_solo {
                 let model = Arc::new(::engine::Model::load(&base.model)?);
                 let pool = Arc::new(::engine::ThreadPool::new(base.pool_threads()));
                 let ids = model.tokenizer.encode(&text, false, false)?;
                 let kv = base.level_formats()?[0];
-                let depth = prompt_tokens + max_tokens / 2;
-                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, depth, max_tokens, 3)?;
-                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, depth, max_tokens, 3)?;
+                let (prompt_depth, decode_depth) = crate::servebench::call_depths(calls, prompt_tokens, max_tokens);
+                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3)?;
+                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
                 // them all against one prompt's pass is what the TTFT ratio can reach then.
-                let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, depth, prompt_tokens, 3, kv)?;
-                let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, depth, prompt_tokens, 3, kv)?;
-                Some((many / one, pn / p1))
+                let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, prompt_depth, prompt_tokens, 3, kv)?;
+                let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, prompt_depth, prompt_tokens, 3, kv)?;
+                Some((many / one, pn / p1, decode_depth))
             } else {
                 None
             };
@@ -502,8 +507,9 @@ impl BenchServeArgs {
                 v["itl_p99_vs_solo"] = json!(r.itl_ms_p99 / s.itl_ms_p99);
                 v["ttft_p50_vs_solo"] = json!(r.ttft_ms_p50 / s.ttft_ms_p50);
             }
-            if let (Some((g, p)), Some(s)) = (gain, &solo) {
+            if let (Some((g, p, depth)), Some(s)) = (gain, &solo) {
                 v["engine_batch_gain"] = json!(g);
+                v["engine_batch_depth"] = json!(depth);
                 v["aggregate_vs_engine_gain"] = json!(r.aggregate_tok_s / s.aggregate_tok_s / g);
                 v["engine_prefill_together"] = json!(p);
             }
@@ -540,8 +546,11 @@ impl BenchServeArgs {
                 r.itl_ms_p99 / s.itl_ms_p99,
                 r.ttft_ms_p50 / s.ttft_ms_p50
             );
-            if let Some((g, p)) = gain {
-                println!("  the engine decodes {clients} contexts together at {g:.2}x one's (llms bench-batch): the service keeps {:.2} of that gain", agg / g);
+            if let Some((g, p, depth)) = gain {
+                println!(
+                    "  the engine decodes {clients} contexts {depth} tokens deep together at {g:.2}x one's (llms bench-batch): the service keeps {:.2} of that gain",
+                    agg / g
+                );
                 println!(
                     "  the engine prefills {clients} prompts together in {p:.2}x one prompt's pass (the TTFT of calls that start together)"
                 );
