@@ -753,7 +753,10 @@ fn bench(
             );
         }
         let how = if ahead.fixed { "fixed by LLMS_PREFETCH_AHEAD".to_string() } else { format!("tuned, {} rounds", ahead.rounds) };
-        println!("prefetch distance: {} bytes ({how})", ahead.bytes);
+        match ahead.bytes {
+            0 => println!("prefetch distance: none, the hardware prefetchers alone ({how})"),
+            b => println!("prefetch distance: {b} bytes ({how})"),
+        }
         print!("{pool_text}");
     }
     Ok(())
