@@ -248,10 +248,32 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
 
 /// The mean depth, over `calls` calls that continue one context, at which a call's prompt is
 /// prefilled and at which its tokens are decoded: call `k` starts `k * (prompt + max_tokens)`
-/// tokens deep (a raw call adds its prompt and what it generates, `max_tokens` at most).
-pub fn call_depths(calls: usize, prompt: usize, max_tokens: usize) -> (usize, usize) {
-    let before = calls.saturating_sub(1) * (prompt + max_tokens) / 2;
+/// tokens deep (a raw call adds its prompt and what it generates, `max_tokens` at most), but
+/// never deeper than leaves the call room in `max_context` (the service shifts a context that
+/// would outgrow it back under it).
+pub fn call_depths(calls: usize, prompt: usize, max_tokens: usize, max_context: usize) -> (usize, usize) {
+    let cap = max_context.saturating_sub(prompt + max_tokens);
+    let starts: usize = (0..calls).map(|k| (k * (prompt + max_tokens)).min(cap)).sum();
+    let before = starts / calls.max(1);
     (before, before + prompt + max_tokens / 2)
+}
+
+/// `ids` repeated to at least `n` tokens: the engine's speed at a depth does not depend on
+/// which tokens fill it, and a calibration text may be shorter than the depths measured.
+pub fn text_of_length(ids: &[u32], n: usize) -> Result<Vec<u32>> {
+    if ids.is_empty() {
+        bail!("no tokens to fill a context with");
+    }
+    Ok(ids.iter().copied().cycle().take(n.max(ids.len())).collect())
+}
+
+/// Errors unless `ids` holds `b` contexts of `depth + extra` tokens at offsets of 7.
+fn check_tokens(ids: &[u32], b: usize, depth: usize, extra: usize) -> Result<()> {
+    let need = 7 * b.saturating_sub(1) + depth + extra;
+    if ids.len() < need {
+        bail!("{b} contexts {depth} tokens deep need {need} tokens of text, {} given", ids.len());
+    }
+    Ok(())
 }
 
 /// B contexts of `depth` tokens of `ids` (each from its own offset), then `tokens` decode steps
@@ -269,6 +291,7 @@ pub fn batch_decode(
 ) -> Result<(f64, f64)> {
     use ::engine::model::{Scratch, SessionOptions};
     use ::engine::{Logits, Session};
+    check_tokens(ids, b, depth, 0)?;
     let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
     let (mut rates, mut steps) = (Vec::new(), Vec::new());
     for _ in 0..reps {
@@ -312,6 +335,7 @@ pub fn batch_prefill(
 ) -> Result<f64> {
     use ::engine::model::{Scratch, SessionOptions};
     use ::engine::{Logits, Session};
+    check_tokens(ids, b, depth, prompt)?;
     let opts = SessionOptions { capacity: depth + prompt + 1, base, ..SessionOptions::new(depth + prompt + 1) };
     let mut times = Vec::new();
     for _ in 0..reps {
@@ -333,14 +357,27 @@ pub fn batch_prefill(
 
 #[cfg(test)]
 mod tests {
-    use super::call_depths;
+    use super::{call_depths, check_tokens, text_of_length};
 
     #[test]
     fn call_depths_follow_a_context_through_its_calls() {
         // One call: its prompt at the start, its tokens decoded half way through them.
-        assert_eq!(call_depths(1, 32, 64), (0, 64));
+        assert_eq!(call_depths(1, 32, 64, 2048), (0, 64));
         // Four calls of 32 + 64 tokens: they start 0, 96, 192 and 288 tokens deep.
-        assert_eq!(call_depths(4, 32, 64), (144, 208));
-        assert_eq!(call_depths(0, 32, 64), (0, 64));
+        assert_eq!(call_depths(4, 32, 64, 2048), (144, 208));
+        assert_eq!(call_depths(0, 32, 64, 2048), (0, 64));
+        // A 512-token context: calls start at most 416 deep (0, 96, ..., 384, 416, 416).
+        assert_eq!(call_depths(7, 32, 64, 512), (256, 320));
+    }
+
+    #[test]
+    fn short_texts_are_repeated_and_short_contexts_refused() {
+        let ids = text_of_length(&[1, 2, 3], 7).unwrap();
+        assert_eq!(ids, [1, 2, 3, 1, 2, 3, 1]);
+        assert_eq!(text_of_length(&[1, 2, 3], 2).unwrap(), [1, 2, 3]);
+        assert!(text_of_length(&[], 5).is_err());
+        assert!(check_tokens(&ids, 1, 7, 0).is_ok());
+        assert!(check_tokens(&ids, 1, 7, 1).is_err());
+        assert!(check_tokens(&ids, 2, 1, 0).is_err(), "the second context starts 7 tokens in");
     }
 }

@@ -33,9 +33,10 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
 
 /// Asks for every cache line of the block [`super::ahead::distance`] bytes past `blk`, or for
 /// nothing at distance 0 (the hardware prefetchers alone). No fault: a prefetch past the
-/// matrix's end is dropped by the CPU, and the address is only computed, never read. Decode's products stream the weights and want the lines early;
-/// prefill's 4-token tiles reuse each block and are bound by arithmetic: the prefetch neither
-/// helps nor costs them (tools/bench/ab, pp512 0.99x), so every tile asks.
+/// matrix's end is dropped by the CPU, and the address is only computed, never read. Decode's
+/// products stream the weights and want the lines early; prefill's 4-token tiles reuse each
+/// block and are bound by arithmetic: the prefetch neither helps nor costs them
+/// (tools/bench/ab, pp512 0.99x), so every tile asks.
 #[inline(always)]
 unsafe fn prefetch_ahead<B>(blk: *const B) {
     let d = super::ahead::distance();

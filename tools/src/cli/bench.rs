@@ -482,9 +482,11 @@ impl BenchServeArgs {
             let gain = if vs_solo {
                 let model = Arc::new(::engine::Model::load(&base.model)?);
                 let pool = Arc::new(::engine::ThreadPool::new(base.pool_threads()));
-                let ids = model.tokenizer.encode(&text, false, false)?;
                 let kv = base.level_formats()?[0];
-                let (prompt_depth, decode_depth) = crate::servebench::call_depths(calls, prompt_tokens, max_tokens);
+                let (prompt_depth, decode_depth) =
+                    crate::servebench::call_depths(calls, prompt_tokens, max_tokens, base.max_context_tokens);
+                let need = 7 * clients + decode_depth.max(prompt_depth + prompt_tokens);
+                let ids = crate::servebench::text_of_length(&model.tokenizer.encode(&text, false, false)?, need)?;
                 let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3)?;
                 let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
