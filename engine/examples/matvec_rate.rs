@@ -11,6 +11,11 @@
 //!
 //! `cargo run --release -p engine --example matvec_rate [-- MiB_of_the_large_matrix]`
 //!
+//! `... --example matvec_rate -- rows [q4_0|q4_1|q8_0]`: instead, the time of one product
+//! against 1, 2, 3, 4 and 8 token rows at once (a batched decode step's rows, the 512-bit pair
+//! tiles where the CPU has them) over the default model's width (576 columns), from L2 and
+//! from DRAM, as a multiple of one row's: what a row more costs once the weights are read.
+//!
 //! The weights are bytes from a fixed recurrence with small f16 scales (the kernels' cost does
 //! not depend on the values); a benchmark, not a test: it asserts nothing.
 
@@ -32,14 +37,14 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
     let small = half::f16::from_f32(0.01).to_le_bytes();
     for blk in m.chunks_exact_mut(ts) {
-        // Q4_0: d first; Q4_K: d and dmin first (then its packed 6-bit scales).
+        // Q4_0: d first; Q4_1: d and m; Q4_K: d and dmin first (then its packed 6-bit scales).
         if ty == GgmlType::Q6K {
             // Q6_K: d last (after its codes and 8-bit scales).
             blk[ts - 2..].copy_from_slice(&small);
             continue;
         }
         blk[..2].copy_from_slice(&small);
-        if bs == 256 {
+        if bs == 256 || ty == GgmlType::Q4_1 {
             blk[2..4].copy_from_slice(&small);
         }
     }
@@ -124,7 +129,48 @@ fn warm_tuner(pool: &ThreadPool) {
     drop((mats, arena));
 }
 
+/// The `rows` mode (see the top): seconds per product against `n` rows, the best of 7 rounds.
+fn rows_table(ty: GgmlType) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = ThreadPool::new(threads);
+    let cols = 576;
+    println!("{ty:?}, {cols} columns, {threads} threads: time per product, and as a multiple of one row's");
+    for (label, rows) in [("L2", 512usize), ("DRAM", 131_072)] {
+        let w = PackedWeight::pack(ty, rows, cols, &matrix(ty, rows, cols)).expect("a packed type");
+        let mut one = 0.0;
+        for n in [1usize, 2, 3, 4, 8] {
+            let x: Vec<f32> = (0..n * cols).map(|i| ((i as f32) * 0.37).sin()).collect();
+            let mut acts = Acts::default();
+            acts.prepare(&x, n, cols, &[act_kind(ty)], &pool);
+            let mut out = vec![0f32; rows * n];
+            let o = OutPtr::new(&mut out);
+            let reps = ((256usize << 20) / w.bytes()).max(1);
+            let mut best = f64::MAX;
+            for _ in 0..7 {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    pool.for_runs("rows", w.groups(), 8, &|a, b| matmul_packed(&w, &acts, o, w.rows, a, b));
+                    black_box(&out);
+                }
+                best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+            }
+            if n == 1 {
+                one = best;
+            }
+            println!("{label:5} {n} row(s): {:9.1} us  {:5.2}x", best * 1e6, best / one);
+        }
+    }
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("rows") {
+        let ty = match std::env::args().nth(2).as_deref() {
+            Some("q4_0") => GgmlType::Q4_0,
+            Some("q8_0") => GgmlType::Q8_0,
+            _ => GgmlType::Q4_1,
+        };
+        return rows_table(ty);
+    }
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
     // The products run through decode's tuner (`ahead::tuned`): at `LLMS_PREFETCH_AHEAD`'s
     // distance when it is set, else at the one the tuner chooses. Its starting distance is

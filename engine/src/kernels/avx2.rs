@@ -70,20 +70,21 @@ macro_rules! packed_kernels {
         unsafe fn $tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: usize, out: OutPtr, ldo: usize) {
             let nb = w.blocks_per_row();
             let mut acc = [_mm256_setzero_ps(); T];
-            let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+            // The tile reads blocks `0..nb` of each token: the activations must have as many.
+            assert_eq!(a.nb, nb, "activations of another width");
+            let x = TokenBlocks::<T>::new(a, t0);
             match &w.data {
                 Packed::Q4(v) => {
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
                         prefetch_ahead(blk);
-                        let p = $q4sums::<T>(&blk.qs, a, &xrow, b);
+                        let p = $q4sums::<T>(&blk.qs, &x, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                         for t in 0..T {
-                            let k8 = xrow[t] + b;
                             let pf = _mm256_cvtepi32_ps(p[t]);
-                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
-                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(x.d(t, b))), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s(t, b)), acc[t]);
                         }
                     }
                 }
@@ -92,12 +93,11 @@ macro_rules! packed_kernels {
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
                         prefetch_ahead(blk);
-                        let p = $q4sums::<T>(&blk.qs, a, &xrow, b);
+                        let p = $q4sums::<T>(&blk.qs, &x, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         for t in 0..T {
-                            let k8 = xrow[t] + b;
-                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(8 * a.isum[k8])));
-                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(8 * x.isum(t, b))));
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(x.d(t, b))), acc[t]);
                         }
                     }
                 }
@@ -110,14 +110,14 @@ macro_rules! packed_kernels {
                             let wv = _mm256_loadu_si256(blk.qs.as_ptr().add(32 * k).cast());
                             let aw = _mm256_sign_epi8(wv, wv);
                             for t in 0..T {
-                                let x = bcast4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
-                                p[t] = $q8(p[t], aw, _mm256_sign_epi8(x, wv));
+                                let xv = bcast4(x.qs(t, b).add(4 * k));
+                                p[t] = $q8(p[t], aw, _mm256_sign_epi8(xv, wv));
                             }
                         }
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         for t in 0..T {
                             let pf = _mm256_cvtepi32_ps(p[t]);
-                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(x.d(t, b))), acc[t]);
                         }
                     }
                 }
@@ -127,12 +127,11 @@ macro_rules! packed_kernels {
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
                         prefetch_ahead(blk);
-                        let p = $q5sums::<T>(&blk.qh, &blk.qs, a, &xrow, b);
+                        let p = $q5sums::<T>(&blk.qh, &blk.qs, &x, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         for t in 0..T {
-                            let k8 = xrow[t] + b;
-                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(16 * a.isum[k8])));
-                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
+                            let pf = _mm256_cvtepi32_ps(_mm256_sub_epi32(p[t], _mm256_set1_epi32(16 * x.isum(t, b))));
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(x.d(t, b))), acc[t]);
                         }
                     }
                 }
@@ -144,14 +143,13 @@ macro_rules! packed_kernels {
                     let blks = &v[g * nb..(g + 1) * nb];
                     for (b, blk) in blks.iter().enumerate() {
                         prefetch_ahead(blk);
-                        let p = $q5sums::<T>(&blk.qh, &blk.qs, a, &xrow, b);
+                        let p = $q5sums::<T>(&blk.qh, &blk.qs, &x, b);
                         let dv = _mm256_cvtph_ps(_mm_loadu_si128(blk.d.as_ptr().cast()));
                         let mv = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().cast()));
                         for t in 0..T {
-                            let k8 = xrow[t] + b;
                             let pf = _mm256_cvtepi32_ps(p[t]);
-                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), acc[t]);
-                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[k8]), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(pf, _mm256_mul_ps(dv, _mm256_set1_ps(x.d(t, b))), acc[t]);
+                            acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s(t, b)), acc[t]);
                         }
                     }
                 }
@@ -163,7 +161,7 @@ macro_rules! packed_kernels {
         /// tokens, in i32 lanes.
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn $q4sums<const T: usize>(qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [__m256i; T] {
+        unsafe fn $q4sums<const T: usize>(qs: &[u8; 128], x: &TokenBlocks<T>, b: usize) -> [__m256i; T] {
             let mask = _mm256_set1_epi8(0x0F);
             let mut p = [_mm256_setzero_si256(); T];
             for k in 0..4 {
@@ -171,7 +169,7 @@ macro_rules! packed_kernels {
                 let lo = _mm256_and_si256(wv, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
                 for (t, pt) in p.iter_mut().enumerate() {
-                    let xq = a.qs[xrow[t] + b].as_ptr();
+                    let xq = x.qs(t, b);
                     *pt = $q4(*pt, lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
                 }
             }
@@ -182,7 +180,7 @@ macro_rules! packed_kernels {
         /// tokens: each 32-byte load's nibbles get their fifth bits from the block's `qh`.
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn $q5sums<const T: usize>(qh: &[u8; 32], qs: &[u8; 128], a: &Q8Acts, xrow: &[usize; T], b: usize) -> [__m256i; T] {
+        unsafe fn $q5sums<const T: usize>(qh: &[u8; 32], qs: &[u8; 128], x: &TokenBlocks<T>, b: usize) -> [__m256i; T] {
             let mask = _mm256_set1_epi8(0x0F);
             let h = _mm256_loadu_si256(qh.as_ptr().cast());
             let mut p = [_mm256_setzero_si256(); T];
@@ -191,7 +189,7 @@ macro_rules! packed_kernels {
                 let lo = $q5codes(_mm256_and_si256(wv, mask), h, 2 * k as i32);
                 let hi = $q5codes(_mm256_and_si256(_mm256_srli_epi16(wv, 4), mask), h, 2 * k as i32 + 1);
                 for (t, pt) in p.iter_mut().enumerate() {
-                    let xq = a.qs[xrow[t] + b].as_ptr();
+                    let xq = x.qs(t, b);
                     *pt = $q5(*pt, lo, hi, bcast4(xq.add(4 * k)), bcast4(xq.add(16 + 4 * k)));
                 }
             }
@@ -272,6 +270,90 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
     each_pair_tile!(pair_tile, matmul_packed_vnni256, w, a, out, ldo, g0, g1);
 }
 
+/// Tokens `t0..t0 + T` of a [`Q8Acts`] as raw pointers to their first block's codes, scale,
+/// minimum term and code sum, bounds checked once per tile: indexing the four arrays for each
+/// token at every block put a compare and branch beside each load in the hot loop (about a
+/// fifth of a 4-token tile's instructions).
+struct TokenBlocks<const T: usize> {
+    qs: [*const [i8; 32]; T],
+    d: [*const f32; T],
+    s: [*const f32; T],
+    isum: [*const i32; T],
+}
+
+impl<const T: usize> TokenBlocks<T> {
+    #[inline(always)]
+    fn new(a: &Q8Acts, t0: usize) -> Self {
+        let end = (t0 + T) * a.nb;
+        assert!(end <= a.qs.len() && end <= a.d.len() && end <= a.s.len() && end <= a.isum.len(), "tokens past the activations");
+        let at = |t: usize| (t0 + t) * a.nb;
+        // SAFETY: every offset is at most `end`, within each array (asserted above).
+        unsafe {
+            Self {
+                qs: std::array::from_fn(|t| a.qs.as_ptr().add(at(t))),
+                d: std::array::from_fn(|t| a.d.as_ptr().add(at(t))),
+                s: std::array::from_fn(|t| a.s.as_ptr().add(at(t))),
+                isum: std::array::from_fn(|t| a.isum.as_ptr().add(at(t))),
+            }
+        }
+    }
+    /// Token `t`'s block `b`'s codes. Safety: `b` < the activations' blocks per row.
+    #[inline(always)]
+    unsafe fn qs(&self, t: usize, b: usize) -> *const i8 {
+        self.qs[t].add(b).cast()
+    }
+    #[inline(always)]
+    unsafe fn d(&self, t: usize, b: usize) -> f32 {
+        *self.d[t].add(b)
+    }
+    #[inline(always)]
+    unsafe fn s(&self, t: usize, b: usize) -> f32 {
+        *self.s[t].add(b)
+    }
+    #[inline(always)]
+    unsafe fn isum(&self, t: usize, b: usize) -> i32 {
+        *self.isum[t].add(b)
+    }
+}
+
+/// [`TokenBlocks`] for [`Q8KActs`]: tokens `t0..t0 + T`'s first super-block's codes, scale and
+/// 16-value sums as raw pointers, bounds checked once per tile.
+struct KTokenBlocks<const T: usize> {
+    qs: [*const [i8; 256]; T],
+    d: [*const f32; T],
+    bsums: [*const [i16; 16]; T],
+}
+
+impl<const T: usize> KTokenBlocks<T> {
+    #[inline(always)]
+    fn new(a: &Q8KActs, t0: usize) -> Self {
+        let end = (t0 + T) * a.nb;
+        assert!(end <= a.qs.len() && end <= a.d.len() && end <= a.bsums.len(), "tokens past the activations");
+        let at = |t: usize| (t0 + t) * a.nb;
+        // SAFETY: every offset is at most `end`, within each array (asserted above).
+        unsafe {
+            Self {
+                qs: std::array::from_fn(|t| a.qs.as_ptr().add(at(t))),
+                d: std::array::from_fn(|t| a.d.as_ptr().add(at(t))),
+                bsums: std::array::from_fn(|t| a.bsums.as_ptr().add(at(t))),
+            }
+        }
+    }
+    /// Token `t`'s super-block `b`'s codes. Safety: `b` < the activations' blocks per row.
+    #[inline(always)]
+    unsafe fn qs(&self, t: usize, b: usize) -> *const i8 {
+        self.qs[t].add(b).cast()
+    }
+    #[inline(always)]
+    unsafe fn d(&self, t: usize, b: usize) -> f32 {
+        *self.d[t].add(b)
+    }
+    #[inline(always)]
+    unsafe fn bsums(&self, t: usize, b: usize) -> *const i16 {
+        self.bsums[t].add(b).cast()
+    }
+}
+
 /// Groups `g` and `g + 1` of a Q4_0, Q4_1 or Q8_0 matrix against `T` tokens from `t0` (see
 /// [`matmul_packed_vnni`]): the 256-bit tile's arm for the type, lane for lane.
 #[allow(clippy::needless_range_loop)] // `t` indexes several per-token arrays in step
@@ -281,55 +363,58 @@ unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: 
     let nb = w.blocks_per_row();
     let mask = _mm512_set1_epi8(0x0F);
     let x4 = |p: *const i8| _mm512_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()));
+    // The tile reads blocks `0..nb` of each token: the activations must have as many.
+    assert_eq!(a.nb, nb, "activations of another width");
+    let x = TokenBlocks::<T>::new(a, t0);
     // The 4-bit codes' integer sums (as `q4_sums`): `qs` of both groups' blocks.
-    let q4 = |q0: &[u8; 128], q1: &[u8; 128], b: usize, xrow: &[usize; T]| {
+    let q4 = |q0: &[u8; 128], q1: &[u8; 128], b: usize| {
         let mut p = [_mm512_setzero_si512(); T];
         for k in 0..4 {
             let wv = pair(_mm256_loadu_si256(q0.as_ptr().add(32 * k).cast()), _mm256_loadu_si256(q1.as_ptr().add(32 * k).cast()));
             let lo = _mm512_and_si512(wv, mask);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(wv), mask);
             for (t, pt) in p.iter_mut().enumerate() {
-                let xq = a.qs[xrow[t] + b].as_ptr();
+                let xq = x.qs(t, b);
                 *pt = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*pt, lo, x4(xq.add(4 * k))), hi, x4(xq.add(16 + 4 * k)));
             }
         }
         p
     };
     let mut acc = [_mm512_setzero_ps(); T];
-    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
     match &w.data {
         Packed::Q4S(v) => {
+            let (v0, v1) = (&v[g * nb..(g + 1) * nb], &v[(g + 1) * nb..(g + 2) * nb]);
             for b in 0..nb {
-                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                let (x0, x1) = (&v0[b], &v1[b]);
                 prefetch_ahead(x0);
                 prefetch_ahead(x1);
-                let p = q4(&x0.qs, &x1.qs, b, &xrow);
+                let p = q4(&x0.qs, &x1.qs, b);
                 let dv = f16x16(&x0.d, &x1.d);
                 for t in 0..T {
-                    let k8 = xrow[t] + b;
-                    let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], _mm512_set1_epi32(8 * a.isum[k8])));
-                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
+                    let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], _mm512_set1_epi32(8 * x.isum(t, b))));
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(x.d(t, b))), acc[t]);
                 }
             }
         }
         Packed::Q4(v) => {
+            let (v0, v1) = (&v[g * nb..(g + 1) * nb], &v[(g + 1) * nb..(g + 2) * nb]);
             for b in 0..nb {
-                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                let (x0, x1) = (&v0[b], &v1[b]);
                 prefetch_ahead(x0);
                 prefetch_ahead(x1);
-                let p = q4(&x0.qs, &x1.qs, b, &xrow);
+                let p = q4(&x0.qs, &x1.qs, b);
                 let (dv, mv) = (f16x16(&x0.d, &x1.d), f16x16(&x0.m, &x1.m));
                 for t in 0..T {
-                    let k8 = xrow[t] + b;
                     let pf = _mm512_cvtepi32_ps(p[t]);
-                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), acc[t]);
-                    acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[k8]), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(x.d(t, b))), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.s(t, b)), acc[t]);
                 }
             }
         }
         Packed::Q8(v) => {
+            let (v0, v1) = (&v[g * nb..(g + 1) * nb], &v[(g + 1) * nb..(g + 2) * nb]);
             for b in 0..nb {
-                let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+                let (x0, x1) = (&v0[b], &v1[b]);
                 prefetch_ahead(x0);
                 prefetch_ahead(x1);
                 let mut p = [_mm512_setzero_si512(); T];
@@ -341,14 +426,14 @@ unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: 
                     let aw = _mm512_abs_epi8(wv);
                     let neg = _mm512_movepi8_mask(wv);
                     for t in 0..T {
-                        let x = x4(a.qs[xrow[t] + b].as_ptr().add(4 * k));
-                        p[t] = _mm512_dpbusd_epi32(p[t], aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+                        let xv = x4(x.qs(t, b).add(4 * k));
+                        p[t] = _mm512_dpbusd_epi32(p[t], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
                     }
                 }
                 let dv = f16x16(&x0.d, &x1.d);
                 for t in 0..T {
                     let pf = _mm512_cvtepi32_ps(p[t]);
-                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[xrow[t] + b])), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(x.d(t, b))), acc[t]);
                 }
             }
         }
@@ -385,7 +470,9 @@ unsafe fn q6k_pair_tile<const T: usize>(
         }
     };
     let mut acc = [_mm512_setzero_ps(); T];
-    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    // The tile reads blocks `0..nb` of each token: the activations must have as many.
+    assert_eq!(a.nb, nb, "activations of another width");
+    let xa = KTokenBlocks::<T>::new(a, t0);
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
         prefetch_ahead(x0);
@@ -412,7 +499,7 @@ unsafe fn q6k_pair_tile<const T: usize>(
                 hi[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(wv), m4), top(h[k / 2], c + 1));
             }
             for t in 0..T {
-                let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                let xq = xa.qs(t, b).add(32 * j);
                 let x4 = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(o).cast::<i32>()));
                 let two = |v: &[__m512i; 4], k: usize, at: usize| {
                     _mm512_add_epi16(_mm512_maddubs_epi16(v[k], x4(at + 4 * k)), _mm512_maddubs_epi16(v[k + 1], x4(at + 4 * k + 4)))
@@ -429,9 +516,8 @@ unsafe fn q6k_pair_tile<const T: usize>(
         });
         let dv = f16x16(&x0.d, &x1.d);
         for t in 0..T {
-            let k8 = xrow[t] + b;
             // The 16-value sums as 8 (s, s + 1) pairs, one per i32 lane.
-            let bs = _mm256_loadu_si256(a.bsums[k8].as_ptr().cast());
+            let bs = _mm256_loadu_si256(xa.bsums(t, b).cast());
             let mut off = _mm512_setzero_si512();
             for (q, &sp) in scp.iter().enumerate() {
                 off = _mm512_add_epi32(
@@ -440,7 +526,7 @@ unsafe fn q6k_pair_tile<const T: usize>(
                 );
             }
             let p = _mm512_sub_epi32(isum[t], _mm512_slli_epi32::<5>(off));
-            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(a.d[k8])), _mm512_cvtepi32_ps(p)));
+            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(xa.d(t, b))), _mm512_cvtepi32_ps(p)));
         }
     }
     store_pair(&acc, w.rows, g, t0, out, ldo);
@@ -496,11 +582,13 @@ macro_rules! packed_k_kernels {
             let nb = w.blocks_per_row();
             let mask = _mm256_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); T];
-            let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+            // The tile reads blocks `0..nb` of each token: the activations must have as many.
+            assert_eq!(a.nb, nb, "activations of another width");
+            let xa = KTokenBlocks::<T>::new(a, t0);
             for b in 0..nb {
                 if let Packed::Q6K(v) = &w.data {
                     prefetch_ahead(&v[g * nb + b]);
-                    $q6k(&v[g * nb + b], a, &xrow, b, &mut acc);
+                    $q6k(&v[g * nb + b], &xa, b, &mut acc);
                     continue;
                 }
                 let (d, dmin, scales, mins, q, stride) = match &w.data {
@@ -534,7 +622,7 @@ macro_rules! packed_k_kernels {
                         }
                     }
                     for t in 0..T {
-                        let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                        let xq = xa.qs(t, b).add(32 * j);
                         let part = |k: usize| {
                             _mm256_add_epi16(
                                 _mm256_maddubs_epi16(lo[k], bcast4(xq.add(4 * k))),
@@ -556,16 +644,15 @@ macro_rules! packed_k_kernels {
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast()));
                 let mv = _mm256_cvtph_ps(_mm_loadu_si128(dmin.as_ptr().cast()));
                 for t in 0..T {
-                    let k8 = xrow[t] + b;
                     // [b0 b1 b2 b3 0 0 0 0 | b4 b5 b6 b7 0 0 0 0] as i16: pair (b0, b1) is i32 0.
-                    let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(a.bsums[k8].as_ptr().cast()), _mm256_setzero_si256());
+                    let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(xa.bsums(t, b).cast()), _mm256_setzero_si256());
                     let pick = |i: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i));
                     let m = _mm256_add_epi32(
                         _mm256_add_epi32(_mm256_madd_epi16(mq[0], pick(0)), _mm256_madd_epi16(mq[1], pick(1))),
                         _mm256_add_epi32(_mm256_madd_epi16(mq[2], pick(4)), _mm256_madd_epi16(mq[3], pick(5))),
                     );
                     let x = _mm256_sub_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(isum[t])), _mm256_mul_ps(mv, _mm256_cvtepi32_ps(m)));
-                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a.d[k8]), x));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(xa.d(t, b)), x));
                 }
             }
             store_group(&acc, w.rows, g, t0, out, ldo);
@@ -578,7 +665,7 @@ macro_rules! packed_k_kernels {
         #[allow(clippy::needless_range_loop)]
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn $q6k<const T: usize>(x: &crate::repack::BlockQ6Kx8, a: &Q8KActs, xrow: &[usize; T], b: usize, acc: &mut [__m256; T]) {
+        unsafe fn $q6k<const T: usize>(x: &crate::repack::BlockQ6Kx8, xa: &KTokenBlocks<T>, b: usize, acc: &mut [__m256; T]) {
             let m4 = _mm256_set1_epi8(0x0F);
             // Row r's scale of sub-block s in both i16 of i32 lane r; and (s, s + 1) pairs.
             let sc8: [__m128i; 16] = std::array::from_fn(|s| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast()));
@@ -609,7 +696,7 @@ macro_rules! packed_k_kernels {
                     hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), m4), top(h[k / 2], c + 1));
                 }
                 for t in 0..T {
-                    let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                    let xq = xa.qs(t, b).add(32 * j);
                     let two = |v: &[__m256i; 4], k: usize, at: usize| {
                         _mm256_add_epi16(
                             _mm256_maddubs_epi16(v[k], bcast4(xq.add(at + 4 * k))),
@@ -625,15 +712,14 @@ macro_rules! packed_k_kernels {
             let scp: [__m256i; 8] = std::array::from_fn(|q| _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * q], sc8[2 * q + 1])));
             let dv = _mm256_cvtph_ps(_mm_loadu_si128(x.d.as_ptr().cast()));
             for t in 0..T {
-                let k8 = xrow[t] + b;
                 // The 16-value sums as 8 (s, s + 1) pairs, one per i32 lane.
-                let bs = _mm256_loadu_si256(a.bsums[k8].as_ptr().cast());
+                let bs = _mm256_loadu_si256(xa.bsums(t, b).cast());
                 let mut off = _mm256_setzero_si256();
                 for (q, &sp) in scp.iter().enumerate() {
                     off = _mm256_add_epi32(off, _mm256_madd_epi16(sp, _mm256_permutevar8x32_epi32(bs, _mm256_set1_epi32(q as i32))));
                 }
                 let p = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(off, 5));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(a.d[k8])), _mm256_cvtepi32_ps(p)));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(xa.d(t, b))), _mm256_cvtepi32_ps(p)));
             }
         }
     };
@@ -676,7 +762,9 @@ unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t
     let nb = w.blocks_per_row();
     let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
-    let xrow: [usize; T] = std::array::from_fn(|t| (t0 + t) * nb);
+    // The tile reads blocks `0..nb` of each token: the activations must have as many.
+    assert_eq!(a.nb, nb, "activations of another width");
+    let xa = KTokenBlocks::<T>::new(a, t0);
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
         prefetch_ahead(x0);
@@ -700,7 +788,7 @@ unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t
                 hi[k] = _mm512_and_si512(_mm512_srli_epi16::<4>(wv), mask);
             }
             for t in 0..T {
-                let xq = a.qs[xrow[t] + b].as_ptr().add(32 * j);
+                let xq = xa.qs(t, b).add(32 * j);
                 let x4 = |o: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(o).cast::<i32>()));
                 let part = |k: usize| _mm512_add_epi16(_mm512_maddubs_epi16(lo[k], x4(4 * k)), _mm512_maddubs_epi16(hi[k], x4(16 + 4 * k)));
                 let p = _mm512_add_epi16(_mm512_add_epi16(part(0), part(1)), _mm512_add_epi16(part(2), part(3)));
@@ -714,15 +802,14 @@ unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t
         let dv = f16x16(&x0.d, &x1.d);
         let mv = f16x16(&x0.dmin, &x1.dmin);
         for t in 0..T {
-            let k8 = xrow[t] + b;
-            let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(a.bsums[k8].as_ptr().cast()), _mm256_setzero_si256());
+            let pairs = _mm256_hadd_epi16(_mm256_loadu_si256(xa.bsums(t, b).cast()), _mm256_setzero_si256());
             let pick = |i: i32| _mm512_broadcast_i64x4(_mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(i)));
             let m = _mm512_add_epi32(
                 _mm512_add_epi32(_mm512_madd_epi16(mq[0], pick(0)), _mm512_madd_epi16(mq[1], pick(1))),
                 _mm512_add_epi32(_mm512_madd_epi16(mq[2], pick(4)), _mm512_madd_epi16(mq[3], pick(5))),
             );
             let x = _mm512_sub_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum[t])), _mm512_mul_ps(mv, _mm512_cvtepi32_ps(m)));
-            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_set1_ps(a.d[k8]), x));
+            acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_set1_ps(xa.d(t, b)), x));
         }
     }
     store_pair(&acc, w.rows, g, t0, out, ldo);
