@@ -11,9 +11,10 @@
 //!
 //! `cargo run --release -p engine --example matvec_rate [-- MiB_of_the_large_matrix]`
 //!
-//! `... --example matvec_rate -- rows [q4_0|q4_1|q8_0]`: instead, the time of one product
+//! `... --example matvec_rate -- rows [q4_0|q4_1|q8_0|q4_k|q6_k]`: instead, the time of one product
 //! against 1, 2, 3, 4 and 8 token rows at once (a batched decode step's rows, the 512-bit pair
-//! tiles where the CPU has them) over the default model's width (576 columns), from L2 and
+//! tiles where the CPU has them) over the default model's width (576 columns; 2048 for the
+//! K-quants, whose blocks are 256 wide), from L2 and
 //! from DRAM, as a multiple of one row's: what a row more costs once the weights are read.
 //!
 //! The weights are bytes from a fixed recurrence with small f16 scales (the kernels' cost does
@@ -133,9 +134,10 @@ fn warm_tuner(pool: &ThreadPool) {
 fn rows_table(ty: GgmlType) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pool = ThreadPool::new(threads);
-    let cols = 576;
+    // The default model's width; K-quants' blocks are 256 wide, so theirs is a 1.7B model's.
+    let cols = if ty.block_size() == 256 { 2048 } else { 576 };
     println!("{ty:?}, {cols} columns, {threads} threads: time per product, and as a multiple of one row's");
-    for (label, rows) in [("L2", 512usize), ("DRAM", 131_072)] {
+    for (label, rows) in [("L2", 512usize), ("DRAM", 131_072 * 576 / cols)] {
         let w = PackedWeight::pack(ty, rows, cols, &matrix(ty, rows, cols)).expect("a packed type");
         let mut one = 0.0;
         for n in [1usize, 2, 3, 4, 8] {
@@ -167,6 +169,8 @@ fn main() {
         let ty = match std::env::args().nth(2).as_deref() {
             Some("q4_0") => GgmlType::Q4_0,
             Some("q8_0") => GgmlType::Q8_0,
+            Some("q4_k") => GgmlType::Q4K,
+            Some("q6_k") => GgmlType::Q6K,
             _ => GgmlType::Q4_1,
         };
         return rows_table(ty);
