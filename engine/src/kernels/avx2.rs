@@ -284,6 +284,14 @@ pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPt
     each_pair_tile!(pair_tile, matmul_packed_vnni256, w, a, out, ldo, g0, g1);
 }
 
+/// Where each of tokens `t0..t0 + T`'s rows of `nb` elements starts in `v`, all of them checked
+/// to lie within it here (so the tile's loop reads them without a check a block).
+#[inline(always)]
+fn token_rows<E, const T: usize>(v: &[E], t0: usize, nb: usize) -> [*const E; T] {
+    assert!((t0 + T) * nb <= v.len(), "tokens past the activations");
+    std::array::from_fn(|t| v[(t0 + t) * nb..].as_ptr())
+}
+
 /// Tokens `t0..t0 + T` of a [`Q8Acts`] as raw pointers to their first block's codes, scale,
 /// minimum term and code sum, bounds checked once per tile: indexing the four arrays for each
 /// token at every block put a compare and branch beside each load in the hot loop (about a
@@ -298,17 +306,11 @@ struct TokenBlocks<const T: usize> {
 impl<const T: usize> TokenBlocks<T> {
     #[inline(always)]
     fn new(a: &Q8Acts, t0: usize) -> Self {
-        let end = (t0 + T) * a.nb;
-        assert!(end <= a.qs.len() && end <= a.d.len() && end <= a.s.len() && end <= a.isum.len(), "tokens past the activations");
-        let at = |t: usize| (t0 + t) * a.nb;
-        // SAFETY: every offset is at most `end`, within each array (asserted above).
-        unsafe {
-            Self {
-                qs: std::array::from_fn(|t| a.qs.as_ptr().add(at(t))),
-                d: std::array::from_fn(|t| a.d.as_ptr().add(at(t))),
-                s: std::array::from_fn(|t| a.s.as_ptr().add(at(t))),
-                isum: std::array::from_fn(|t| a.isum.as_ptr().add(at(t))),
-            }
+        Self {
+            qs: token_rows(&a.qs, t0, a.nb),
+            d: token_rows(&a.d, t0, a.nb),
+            s: token_rows(&a.s, t0, a.nb),
+            isum: token_rows(&a.isum, t0, a.nb),
         }
     }
     /// Token `t`'s block `b`'s codes. Safety: `b` < the activations' blocks per row.
@@ -341,17 +343,7 @@ struct KTokenBlocks<const T: usize> {
 impl<const T: usize> KTokenBlocks<T> {
     #[inline(always)]
     fn new(a: &Q8KActs, t0: usize) -> Self {
-        let end = (t0 + T) * a.nb;
-        assert!(end <= a.qs.len() && end <= a.d.len() && end <= a.bsums.len(), "tokens past the activations");
-        let at = |t: usize| (t0 + t) * a.nb;
-        // SAFETY: every offset is at most `end`, within each array (asserted above).
-        unsafe {
-            Self {
-                qs: std::array::from_fn(|t| a.qs.as_ptr().add(at(t))),
-                d: std::array::from_fn(|t| a.d.as_ptr().add(at(t))),
-                bsums: std::array::from_fn(|t| a.bsums.as_ptr().add(at(t))),
-            }
-        }
+        Self { qs: token_rows(&a.qs, t0, a.nb), d: token_rows(&a.d, t0, a.nb), bsums: token_rows(&a.bsums, t0, a.nb) }
     }
     /// Token `t`'s super-block `b`'s codes. Safety: `b` < the activations' blocks per row.
     #[inline(always)]
