@@ -223,15 +223,22 @@ packed_kernels!(
     q5_codes_bw
 );
 
-/// Groups `g0..g1` of a packed product two at a time through the pair tile `$pair` (tiles of 4
-/// tokens, then the rest, as `each_tile!`), and an odd last group through `$single`, the
-/// 256-bit kernel for a range of groups.
+/// Groups `g0..g1` of a packed product two at a time through the pair tile `$pair` (tiles of 8
+/// tokens, then of 4, then the rest), and an odd last group through `$single`, the 256-bit
+/// kernel for a range of groups. A tile unpacks the pair's codes once for all its tokens, and
+/// 8 tokens' accumulators still fit the 32 vector registers: against two tiles of 4, a product
+/// of 8 rows from L2 took 0.87-0.89x the time in Q4_K and Q6_K (`matvec_rate rows`) and pp512
+/// of the default model (Q4_1) ran 1.06x (`tools/bench/ab`, 4 pairs; docs/notes/engine.md).
 macro_rules! each_pair_tile {
     ($pair:ident, $single:ident, $w:expr, $a:expr, $out:expr, $ldo:expr, $g0:expr, $g1:expr) => {{
         let n_tok = $a.rows;
         let mut g = $g0;
         while g + 2 <= $g1 {
             let mut t = 0;
+            while t + 8 <= n_tok {
+                $pair::<8>($w, $a, g, t, $out, $ldo);
+                t += 8;
+            }
             while t + 4 <= n_tok {
                 $pair::<4>($w, $a, g, t, $out, $ldo);
                 t += 4;

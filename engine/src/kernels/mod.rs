@@ -989,7 +989,7 @@ mod tests {
     fn packed_kernels_match_row_major_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0] {
-            for &(rows, cols, toks) in &[(8, 32, 1), (13, 64, 6), (40, 576, 9), (3, 96, 4), (24, 64, 2)] {
+            for &(rows, cols, toks) in &[(8, 32, 1), (13, 64, 6), (40, 576, 9), (3, 96, 4), (24, 64, 2), (24, 64, 15), (16, 96, 20)] {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
                 let p = PackedWeight::pack(ty, rows, cols, &data).expect("packable type");
@@ -1032,13 +1032,15 @@ mod tests {
     /// The K-quants packed in groups of 8 rows give the row-major scalar references' results
     /// (llama.cpp's arithmetic, `quant::dot_k4_ref` / `dot_q6k_ref`) bit for bit: from the kernel
     /// in use, the packed layout's own reference, and (where both run) VNNI and AVX2 alike; over
-    /// partial groups, groups in pairs (the 512-bit tiles) and alone, and 1, 2, 3 and 9 tokens
-    /// (tiles of 4 and the rest).
+    /// partial groups, groups in pairs (the 512-bit tiles) and alone, and 1, 2, 3, 9, 15 and 20 tokens
+    /// (tiles of 8, of 4 and the rest).
     #[test]
     fn k_quant_kernels_equal_the_references() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
         for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
-            for &(rows, cols, toks) in &[(5, 256, 1), (9, 768, 3), (4, 512, 9), (16, 256, 4), (17, 512, 9), (16, 256, 2)] {
+            for &(rows, cols, toks) in
+                &[(5, 256, 1), (9, 768, 3), (4, 512, 9), (16, 256, 4), (17, 512, 9), (16, 256, 2), (16, 256, 15), (24, 512, 20)]
+            {
                 let data = random_weights(ty, rows, cols, &mut rng);
                 let w = WeightView { ty, rows, cols, data: &data };
                 let x: Vec<f32> = (0..toks * cols).map(|_| rng.gen_range(-2.0..2.0)).collect();
