@@ -92,10 +92,17 @@ fn bench_json_reports_both_rates() {
     // Resident weights sit in the arena, a share of it on huge pages (none where THP is off).
     let share = v["huge_page_share"].as_f64().expect("resident weights report their huge pages");
     assert!((0.0..=1.0).contains(&share), "{share}");
-    // The floor reads a buffer of the weights' size, placed as they are.
+    // The floor reads a buffer of the weights' size, placed as they are, once a repetition;
+    // each repetition's tg is held to its own read.
     let v = json_ok(&["bench", "--pp", "16", "--tg", "4", "--reps", "1", "--floor", "--json"]);
-    assert!(v["floor"]["read_gb_s"].as_f64().unwrap() > 0.0);
-    assert!(v["floor"]["tg_vs_floor"].as_f64().unwrap() > 0.0);
+    let f = &v["floor"];
+    assert!(f["read_gb_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(f["reps_read_gb_s"].as_array().map(Vec::len), Some(1), "one read a repetition: {f}");
+    let (tg, floor) = (v["tg4_tok_s"].as_f64().unwrap(), f["tg_tok_s"].as_f64().unwrap());
+    let ratio = f["tg_vs_floor"].as_f64().unwrap();
+    assert!((ratio - tg / floor).abs() <= 1e-9 * ratio, "one repetition: its tg over its read's floor: {f}");
+    let v = json_ok(&["bench", "--pp", "16", "--tg", "4", "--reps", "3", "--floor", "--json"]);
+    assert_eq!(v["floor"]["reps_read_gb_s"].as_array().map(Vec::len), Some(3), "{}", v["floor"]);
 }
 
 /// `--pool-report`: every parallel operation of a prefill and of a decode, counted per token.

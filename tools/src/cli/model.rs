@@ -336,8 +336,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub pool_report: bool,
     /// Also measure the memory floor of decoding in the same run: a streaming read, by the
-    /// pool's threads, of a buffer the size of the weights one token reads, before and after
-    /// the timed runs; tg is reported as a share of the floor's tokens/s (bandwidth / bytes).
+    /// pool's threads, of a buffer the size of the weights one token reads, right after each
+    /// repetition's tg run; tg is reported as a share of the floor's tokens/s (bandwidth /
+    /// bytes), the median of the repetitions' own ratios.
     #[arg(long)]
     pub floor: bool,
     #[arg(long)]
@@ -555,7 +556,11 @@ fn bench(
         None
     };
     let floor_buf: &[u64] = floor_arena.as_ref().map_or(&[], |a| bytemuck::cast_slice(a.bytes()));
-    let mut floor_bw = if floor { vec![read_bandwidth(&pool, floor_buf, 5)] } else { Vec::new() };
+    // One read a repetition, right after its tg run: this shared host's memory speed moves
+    // between minutes (reads of 43 and 58 GB/s minutes apart in one run of tools/bench/sizes),
+    // and a floor read before and after every run had put decode above 1.1 of it in one row
+    // and below 0.85 in the next. Each repetition's tg is held to its own minute's read.
+    let mut floor_reads = Vec::new();
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
     }
@@ -659,16 +664,18 @@ fn bench(
                 pp_rates[i].push(pp as f64 / pp_s[i]);
                 tg_rates[i].push(tg as f64 / tg_s[i]);
             }
+            if floor {
+                floor_reads.push(read_bandwidth(&pool, floor_buf, 3));
+            }
         }
     }
-    if floor {
-        floor_bw.push(read_bandwidth(&pool, floor_buf, 5));
-    }
-    // The better of the two: the floor is what the machine can do, at its least disturbed.
-    let floor_bw = floor_bw.iter().copied().fold(0.0f64, f64::max);
-    #[allow(clippy::cast_precision_loss)]
-    let floor_tok_s = floor_bw / model.decode_bytes() as f64;
     let med = llmsd::stats::median;
+    // The floor in tokens/s of each repetition's read; tg's share of it, repetition by
+    // repetition (paired, as the formats' ratios are), and the median of those.
+    #[allow(clippy::cast_precision_loss)]
+    let floor_reps: Vec<f64> = floor_reads.iter().map(|bw| bw / model.decode_bytes() as f64).collect();
+    let vs_floor = |i: usize| med(tg_rates[i].iter().zip(&floor_reps).map(|(t, f)| t / f).collect());
+    let (floor_bw, floor_tok_s) = if floor { (med(floor_reads.clone()), med(floor_reps.clone())) } else { (0.0, 0.0) };
     let paired = |rates: &[Vec<f64>], i: usize| med(rates[i].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
     // The pool's statistics come from runs of their own, so the timed ones carry no probes.
     let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);
@@ -700,7 +707,7 @@ fn bench(
                 let mut v = json!({"model": model_path(m), "pp": pp, "tg": tg, "depth": depth, "kv": name(i), "threads": pool.threads(), "simd": ::engine::kernels::simd_name(), "weight_format": format_name, "huge_page_share": huge.map(|(_, s)| s), "sparsity": m.sparsity, format!("pp{pp}_tok_s"): med(pp_rates[i].clone()), format!("tg{tg}_tok_s"): med(tg_rates[i].clone())});
                 if floor {
                     v["floor"] = json!({"read_gb_s": floor_bw / 1e9, "decode_bytes": model.decode_bytes(), "tg_tok_s": floor_tok_s,
-                                        "tg_vs_floor": med(tg_rates[i].clone()) / floor_tok_s});
+                                        "tg_vs_floor": vs_floor(i), "reps_read_gb_s": floor_reads.iter().map(|b| b / 1e9).collect::<Vec<_>>()});
                 }
                 if i == 0 {
                     v["pool"] = pool_json.clone();
@@ -746,10 +753,10 @@ fn bench(
             #[allow(clippy::cast_precision_loss)]
             let mb = model.decode_bytes() as f64 / 1e6;
             println!(
-                "memory floor: {:.1} GB/s streaming read ({} threads) over the {mb:.0} MB a token reads: {floor_tok_s:.1} tok/s; tg{tg} at {:.2} of it",
+                "memory floor: {:.1} GB/s streaming read ({} threads) over the {mb:.0} MB a token reads: {floor_tok_s:.1} tok/s; tg{tg} at {:.2} of it (medians of {reps}, each repetition against its own read)",
                 floor_bw / 1e9,
                 pool.threads(),
-                med(tg_rates[0].clone()) / floor_tok_s
+                vs_floor(0)
             );
         }
         let how = if ahead.fixed { "fixed by LLMS_PREFETCH_AHEAD".to_string() } else { format!("tuned, {} rounds", ahead.rounds) };
