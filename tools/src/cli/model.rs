@@ -336,9 +336,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub pool_report: bool,
     /// Also measure the memory floor of decoding in the same run: a streaming read, by the
-    /// pool's threads, of a buffer the size of the weights one token reads, right after each
-    /// repetition's tg run; tg is reported as a share of the floor's tokens/s (bandwidth /
-    /// bytes), the median of the repetitions' own ratios.
+    /// pool's threads, of a buffer the size of the weights one token reads, right before and
+    /// after each repetition's tg run; tg is reported as a share of the floor's tokens/s
+    /// (bandwidth / bytes), the median of the repetitions' own ratios.
     #[arg(long)]
     pub floor: bool,
     #[arg(long)]
@@ -556,10 +556,12 @@ fn bench(
         None
     };
     let floor_buf: &[u64] = floor_arena.as_ref().map_or(&[], |a| bytemuck::cast_slice(a.bytes()));
-    // One read a repetition, right after its tg run: this shared host's memory speed moves
-    // between minutes (reads of 43 and 58 GB/s minutes apart in one run of tools/bench/sizes),
-    // and a floor read before and after every run had put decode above 1.1 of it in one row
-    // and below 0.85 in the next. Each repetition's tg is held to its own minute's read.
+    // Each repetition's tg is held to reads right before and after it (the better of the two):
+    // this shared host's memory speed moves between minutes (1.7B Q4_0: reads of 42-45 GB/s
+    // in one run and 63-66 in the next, the decode at 0.93 of them in both), and a floor read
+    // before and after all the runs had put decode above 1.1 of it in one row of
+    // tools/bench/sizes and below 0.85 in the next. A read after the decode alone caught a
+    // slower second than the decode's eight (7B: one repetition at 1.21).
     let mut floor_reads = Vec::new();
     if pp == 0 || tg == 0 || reps == 0 || depth + pp.max(tg) > model.config.ctx_len {
         bail!("--pp, --tg and --reps must be positive and depth + pp (and depth + tg) within the context");
@@ -649,6 +651,7 @@ fn bench(
             pp_s[i] = profiled(false, &mut || sessions[i].eval(&prompt[depth..depth + pp], Logits::Last).map(|_| ()).map_err(Into::into))?;
             sessions[i].truncate(depth);
         }
+        let before = if floor && rep > 0 { read_bandwidth(&pool, floor_buf, 3) } else { 0.0 };
         let (mut tok, mut tg_s) = (vec![prompt[depth]; k], vec![0.0; k]);
         for step in 0..tg {
             for j in 0..k {
@@ -665,7 +668,7 @@ fn bench(
                 tg_rates[i].push(tg as f64 / tg_s[i]);
             }
             if floor {
-                floor_reads.push(read_bandwidth(&pool, floor_buf, 3));
+                floor_reads.push(before.max(read_bandwidth(&pool, floor_buf, 3)));
             }
         }
     }
