@@ -673,12 +673,13 @@ fn bench(
         }
     }
     let med = llmsd::stats::median;
-    // The floor in tokens/s of each repetition's read; tg's share of it, repetition by
-    // repetition (paired, as the formats' ratios are), and the median of those.
+    // tg's share of each repetition's floor (its read over the bytes a token reads), paired as
+    // the formats' ratios are, and the median of those.
     #[allow(clippy::cast_precision_loss)]
-    let floor_reps: Vec<f64> = floor_reads.iter().map(|bw| bw / model.decode_bytes() as f64).collect();
-    let vs_floor = |i: usize| med(tg_rates[i].iter().zip(&floor_reps).map(|(t, f)| t / f).collect());
-    let (floor_bw, floor_tok_s) = if floor { (med(floor_reads.clone()), med(floor_reps.clone())) } else { (0.0, 0.0) };
+    let bytes = model.decode_bytes() as f64;
+    let vs_floor = |i: usize| med(tg_rates[i].iter().zip(&floor_reads).map(|(t, bw)| t * bytes / bw).collect());
+    let floor_bw = med(floor_reads.clone());
+    let floor_tok_s = floor_bw / bytes;
     let paired = |rates: &[Vec<f64>], i: usize| med(rates[i].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
     // The pool's statistics come from runs of their own, so the timed ones carry no probes.
     let (mut pool_text, mut pool_json) = (String::new(), serde_json::Value::Null);
@@ -753,8 +754,7 @@ fn bench(
             println!();
         }
         if floor {
-            #[allow(clippy::cast_precision_loss)]
-            let mb = model.decode_bytes() as f64 / 1e6;
+            let mb = bytes / 1e6;
             println!(
                 "memory floor: {:.1} GB/s streaming read ({} threads) over the {mb:.0} MB a token reads: {floor_tok_s:.1} tok/s; tg{tg} at {:.2} of it (medians of {reps}, each repetition against its own read)",
                 floor_bw / 1e9,
