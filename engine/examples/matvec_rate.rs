@@ -80,22 +80,27 @@ fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) ->
 /// bytes per second (four sums so the loads are not serialized behind one addition chain), the
 /// best of `rounds`.
 fn read_rate(pool: &ThreadPool, buf: &[u8], rounds: usize) -> f64 {
-    let words: &[u64] = bytemuck::cast_slice(&buf[..buf.len() / 8 * 8]);
     let mut best = 0.0f64;
     for _ in 0..rounds {
         let t = Instant::now();
-        pool.for_chunks("read", words.len(), (1 << 20) / 8, &|a, b| {
-            let mut acc = [0u64; 4];
-            for w in words[a..b].chunks_exact(4) {
-                for (s, &x) in acc.iter_mut().zip(w) {
-                    *s = s.wrapping_add(x);
-                }
-            }
-            black_box(acc);
-        });
-        best = best.max((words.len() * 8) as f64 / t.elapsed().as_secs_f64());
+        read_pass(pool, buf);
+        best = best.max(buf.len() as f64 / t.elapsed().as_secs_f64());
     }
     best
+}
+
+/// One streaming read of `buf` by `pool`'s threads in 1 MiB pieces.
+fn read_pass(pool: &ThreadPool, buf: &[u8]) {
+    let words: &[u64] = bytemuck::cast_slice(&buf[..buf.len() / 8 * 8]);
+    pool.for_chunks("read", words.len(), (1 << 20) / 8, &|a, b| {
+        let mut acc = [0u64; 4];
+        for w in words[a..b].chunks_exact(4) {
+            for (s, &x) in acc.iter_mut().zip(w) {
+                *s = s.wrapping_add(x);
+            }
+        }
+        black_box(acc);
+    });
 }
 
 /// `mats` moved into one arena, as the model places its resident matrices (on huge pages where
@@ -164,7 +169,67 @@ fn rows_table(ty: GgmlType) {
     }
 }
 
+/// The `distances` mode (see the top): each type's many matrices at every candidate distance
+/// and the read, in turn pass by pass, so the host's memory moving between minutes moves them
+/// all alike; each pass's rate relative to the read of its round, the median over the rounds.
+fn distances_table(rounds: usize, ds: &[usize]) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = ThreadPool::new(threads);
+    let cols = 2048;
+    println!("{threads} threads, many 2-9M matrices (256 MiB) against the read of the same bytes; median of {rounds} rounds");
+    println!("{:6} {}", "type", ds.iter().map(|d| format!("{d:>7}")).collect::<String>());
+    let mut out = Vec::new();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+        let x: Vec<f32> = (0..cols).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let mut acts = Acts::default();
+        acts.prepare(&x, 1, cols, &[act_kind(ty)], &pool);
+        let mut mats = Vec::new();
+        while mats.iter().map(PackedWeight::bytes).sum::<usize>() < 256 << 20 {
+            let rows = if mats.len() % 3 == 2 { 8192 } else { 2048 };
+            mats.push(PackedWeight::pack(ty, rows, cols, &matrix(ty, rows, cols)).expect("a packed type"));
+        }
+        let (mats, arena) = in_arena(mats);
+        let mut ratios = vec![Vec::new(); ds.len()];
+        for r in 0..rounds {
+            // The read of all the matrices' bytes, as the floor reads a model's.
+            let t = Instant::now();
+            for w in &mats {
+                read_pass(&pool, w.as_bytes());
+            }
+            let read = mats.iter().map(PackedWeight::bytes).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
+            // Rotated each round, so no distance always follows the read.
+            for i in 0..ds.len() {
+                let c = (i + r) % ds.len();
+                ahead::pin(Some(ds[c]));
+                ratios[c].push(rate(&pool, &mats, &acts, 1) / read);
+            }
+        }
+        ahead::pin(None);
+        drop((mats, arena));
+        let med: Vec<f64> = ratios
+            .into_iter()
+            .map(|mut v| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            })
+            .collect();
+        println!("{:6} {}", format!("{ty:?}"), med.iter().map(|m| format!("{m:>7.3}")).collect::<String>());
+        out.push(serde_json::json!({ "type": format!("{ty:?}"), "vs_read": med }));
+    }
+    println!("{}", serde_json::json!({ "distances": ds, "rounds": rounds, "types": out }));
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("distances") {
+        let rounds = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(15);
+        // Distances in bytes, comma-separated (multiples of 64): the tuner's by default.
+        let ds: Vec<usize> = std::env::args()
+            .nth(3)
+            .map(|a| a.split(',').filter_map(|d| d.trim().parse().ok()).filter(|d: &usize| d.is_multiple_of(64)).collect())
+            .filter(|v: &Vec<usize>| !v.is_empty())
+            .unwrap_or_else(|| ahead::CANDIDATES.to_vec());
+        return distances_table(rounds, &ds);
+    }
     if std::env::args().nth(1).as_deref() == Some("rows") {
         let ty = match std::env::args().nth(2).as_deref() {
             Some("q4_0") => GgmlType::Q4_0,

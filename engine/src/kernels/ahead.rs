@@ -217,6 +217,15 @@ pub fn tuned<R>(bytes: usize, rows: usize, product: impl FnOnce() -> R) -> R {
     r
 }
 
+/// Pins the distance as `LLMS_PREFETCH_AHEAD` does (`Some`), or hands it back to the tuner
+/// (`None`, a fresh round next): for benchmarks that compare distances product by product in
+/// one process, where the host's memory speed moves alike for all of them.
+pub fn pin(d: Option<usize>) {
+    let mut t = TUNER.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *t = Tuner::new(d);
+    AHEAD.store(t.chosen().0, Ordering::Relaxed);
+}
+
 /// What the process's tuner has chosen, for reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Choice {

@@ -51,6 +51,25 @@ unsafe fn prefetch_ahead<B>(blk: *const B) {
     }
 }
 
+/// Part `i` of `n` of [`prefetch_ahead`]'s lines, for a block whose loop runs in `n` steps:
+/// the K-quant single-stream tile asks for a step's share of the block ahead at each of its 8
+/// sub-blocks. An 8-row block of Q4_K is 18 lines and of Q6_K 27, and asked for all at once at
+/// the block's start the burst outran the core's outstanding misses: on the AMD EPYC guest
+/// Q6_K's stream went from 0.80-0.97 to 0.94-1.11 of the read, Q4_K's within the noise
+/// (`matvec_rate distances`, docs/notes/engine.md). Q4_0's blocks are 3 lines: asked at once.
+#[inline(always)]
+unsafe fn prefetch_ahead_part<B>(blk: *const B, i: usize, n: usize) {
+    let d = super::ahead::distance();
+    if d == 0 {
+        return;
+    }
+    let p = blk.cast::<i8>().wrapping_add(d);
+    let lines = std::mem::size_of::<B>().div_ceil(64);
+    for l in lines * i / n..lines * (i + 1) / n {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l));
+    }
+}
+
 /// The packed matrix kernels, stamped out once per instruction set: `$q4`/`$q4_end`/`$q8` are
 /// how 4-byte dot products accumulate. Every variant computes the same integers (the sums
 /// never overflow), so they agree bit for bit.
@@ -600,14 +619,14 @@ macro_rules! packed_k_kernels {
             let xa = KTokenBlocks::<T>::new(a, t0);
             for b in 0..nb {
                 if let Packed::Q6K(v) = &w.data {
-                    prefetch_ahead(&v[g * nb + b]);
                     $q6k(&v[g * nb + b], &xa, b, &mut acc);
                     continue;
                 }
+                let mut pf: *const u8 = std::ptr::null();
                 let (d, dmin, scales, mins, q, stride) = match &w.data {
                     Packed::Q4K(v) => {
                         let x = &v[g * nb + b];
-                        prefetch_ahead(x);
+                        pf = (x as *const crate::repack::BlockQ4Kx8).cast();
                         (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs[..], 128)
                     }
                     Packed::Q5K(v) => {
@@ -619,6 +638,9 @@ macro_rules! packed_k_kernels {
                 };
                 let mut isum = [_mm256_setzero_si256(); T];
                 for j in 0..8 {
+                    if !pf.is_null() {
+                        prefetch_ahead_part(pf.cast::<crate::repack::BlockQ4Kx8>(), j, 8);
+                    }
                     // Row r's scale in both i16 of i32 lane r.
                     let sc8 = _mm_loadl_epi64(scales.as_ptr().add(8 * j).cast());
                     let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
@@ -684,6 +706,7 @@ macro_rules! packed_k_kernels {
             let sc8: [__m128i; 16] = std::array::from_fn(|s| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast()));
             let mut isum = [_mm256_setzero_si256(); T];
             for j in 0..8 {
+                prefetch_ahead_part(x, j, 8);
                 let sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j], sc8[2 * j]));
                 let sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j + 1], sc8[2 * j + 1]));
                 let h = [
