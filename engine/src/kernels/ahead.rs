@@ -27,7 +27,9 @@ use std::time::Instant;
 /// the AMD one; beyond 8 KiB the lines arrived too early at the AMD host's slow hours. 0 asks
 /// for nothing and leaves the stream to the hardware prefetchers: on an AMD EPYC guest with
 /// AVX-512 (2 Dec 2026) they streamed Q4_K at 0.94 of the read alone and at 0.56-0.64 with
-/// any distance from 512 bytes to 4 KiB (`matvec_rate`, docs/notes/engine.md).
+/// any distance from 512 bytes to 4 KiB (`matvec_rate`, docs/notes/engine.md), when the K
+/// tiles asked for a block's 18-27 lines in one burst; asked a sub-block's share at a time,
+/// every type streamed best at 4-24 KiB alike and 3-10% slower at 0 (`matvec_rate distances`).
 pub const CANDIDATES: [usize; 7] = [0, 1024, 2048, 3072, 4096, 6144, 8192];
 
 /// Products each candidate runs in a round.
