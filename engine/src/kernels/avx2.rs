@@ -56,7 +56,9 @@ unsafe fn prefetch_ahead<B>(blk: *const B) {
 /// sub-blocks. An 8-row block of Q4_K is 18 lines and of Q6_K 27, and asked for all at once at
 /// the block's start the burst outran the core's outstanding misses: on the AMD EPYC guest
 /// Q6_K's stream went from 0.80-0.97 to 0.94-1.11 of the read, Q4_K's within the noise
-/// (`matvec_rate distances`, docs/notes/engine.md). Q4_0's blocks are 3 lines: asked at once.
+/// (`matvec_rate distances`, docs/notes/engine.md). The 512-bit pair tiles ask for both
+/// groups' blocks so: 8 rows of Q4_K from memory 0.80x the time, of Q6_K 0.85x (`matvec_rate
+/// rows`). Q4_0's blocks are 3 lines: asked at once.
 #[inline(always)]
 unsafe fn prefetch_ahead_part<B>(blk: *const B, i: usize, n: usize) {
     let d = super::ahead::distance();
@@ -507,8 +509,6 @@ unsafe fn q6k_pair_tile<const T: usize>(
     let xa = KTokenBlocks::<T>::new(a, t0);
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
-        prefetch_ahead(x0);
-        prefetch_ahead(x1);
         let sc8 = |x: &BlockQ6Kx8, s: usize| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast());
         // Row r's scale of sub-block s in both i16 of i32 lane r, both groups.
         let sc = |s: usize| {
@@ -520,6 +520,8 @@ unsafe fn q6k_pair_tile<const T: usize>(
         let load = |o: usize| pair(_mm256_loadu_si256(x0.q.as_ptr().add(o).cast()), _mm256_loadu_si256(x1.q.as_ptr().add(o).cast()));
         let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..8 {
+            prefetch_ahead_part(x0, j, 8);
+            prefetch_ahead_part(x1, j, 8);
             let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
             let h = [load(192 * j + 128), load(192 * j + 160)];
             let mut lo = [_mm512_setzero_si512(); 4];
@@ -803,10 +805,10 @@ unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t
     let xa = KTokenBlocks::<T>::new(a, t0);
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
-        prefetch_ahead(x0);
-        prefetch_ahead(x1);
         let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..8 {
+            prefetch_ahead_part(x0, j, 8);
+            prefetch_ahead_part(x1, j, 8);
             // Row r's scale in both i16 of i32 lane r.
             let sc_of = |x: &crate::repack::BlockQ4Kx8| {
                 let sc8 = _mm_loadl_epi64(x.scales.as_ptr().add(8 * j).cast());
