@@ -57,8 +57,9 @@ unsafe fn prefetch_ahead<B>(blk: *const B) {
 /// the block's start the burst outran the core's outstanding misses: on the AMD EPYC guest
 /// Q6_K's stream went from 0.80-0.97 to 0.94-1.11 of the read, Q4_K's within the noise
 /// (`matvec_rate distances`, docs/notes/engine.md). The 512-bit pair tiles ask for both
-/// groups' blocks so: 8 rows of Q4_K from memory 0.80x the time, of Q6_K 0.85x (`matvec_rate
-/// rows`). Q4_0's blocks are 3 lines: asked at once.
+/// groups' blocks so when they stream (a batched decode step's [`SPREAD_ROWS`] rows or fewer):
+/// 8 rows of Q4_K from memory 0.80x the time, of Q6_K 0.85x (`matvec_rate rows`). Q4_0's
+/// blocks are 3 lines: asked at once.
 #[inline(always)]
 unsafe fn prefetch_ahead_part<B>(blk: *const B, i: usize, n: usize) {
     let d = super::ahead::distance();
@@ -291,6 +292,13 @@ macro_rules! each_pair_tile {
 /// docs/notes/engine.md).
 const PAIRS_FROM: usize = 5;
 
+/// A K pair tile over activations of this many rows or fewer streams its weights (a decode
+/// step's), and asks ahead a sub-block's share at a time ([`prefetch_ahead_part`]); over more
+/// (a prompt's), its blocks come again from the caches for every tile of tokens, and the asks
+/// spread into its loop cost it: `tools/bench/ab`, pp512 at the 1.7B Q4_K_M shape 0.85x (4
+/// pairs 0.81-0.97), so a prompt's tiles ask at each block's start as before.
+const SPREAD_ROWS: usize = 8;
+
 /// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's,
 /// Q4_1's and Q8_0's groups go two at a time for [`PAIRS_FROM`] tokens or more: group `g`'s 8
 /// rows in the low half of each vector and `g + 1`'s in the high half, against the same
@@ -507,8 +515,13 @@ unsafe fn q6k_pair_tile<const T: usize>(
     // The tile reads blocks `0..nb` of each token: the activations must have as many.
     assert_eq!(a.nb, nb, "activations of another width");
     let xa = KTokenBlocks::<T>::new(a, t0);
+    let spread = a.rows <= SPREAD_ROWS;
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+        if !spread {
+            prefetch_ahead(x0);
+            prefetch_ahead(x1);
+        }
         let sc8 = |x: &BlockQ6Kx8, s: usize| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast());
         // Row r's scale of sub-block s in both i16 of i32 lane r, both groups.
         let sc = |s: usize| {
@@ -520,8 +533,10 @@ unsafe fn q6k_pair_tile<const T: usize>(
         let load = |o: usize| pair(_mm256_loadu_si256(x0.q.as_ptr().add(o).cast()), _mm256_loadu_si256(x1.q.as_ptr().add(o).cast()));
         let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..8 {
-            prefetch_ahead_part(x0, j, 8);
-            prefetch_ahead_part(x1, j, 8);
+            if spread {
+                prefetch_ahead_part(x0, j, 8);
+                prefetch_ahead_part(x1, j, 8);
+            }
             let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
             let h = [load(192 * j + 128), load(192 * j + 160)];
             let mut lo = [_mm512_setzero_si512(); 4];
@@ -803,12 +818,19 @@ unsafe fn k_pair_tile<const T: usize>(w: &PackedWeight, a: &Q8KActs, g: usize, t
     // The tile reads blocks `0..nb` of each token: the activations must have as many.
     assert_eq!(a.nb, nb, "activations of another width");
     let xa = KTokenBlocks::<T>::new(a, t0);
+    let spread = a.rows <= SPREAD_ROWS;
     for b in 0..nb {
         let (x0, x1) = (&v[g * nb + b], &v[(g + 1) * nb + b]);
+        if !spread {
+            prefetch_ahead(x0);
+            prefetch_ahead(x1);
+        }
         let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..8 {
-            prefetch_ahead_part(x0, j, 8);
-            prefetch_ahead_part(x1, j, 8);
+            if spread {
+                prefetch_ahead_part(x0, j, 8);
+                prefetch_ahead_part(x1, j, 8);
+            }
             // Row r's scale in both i16 of i32 lane r.
             let sc_of = |x: &crate::repack::BlockQ4Kx8| {
                 let sc8 = _mm_loadl_epi64(x.scales.as_ptr().add(8 * j).cast());
