@@ -52,8 +52,8 @@ unsafe fn prefetch_ahead<B>(blk: *const B) {
 }
 
 /// Part `i` of `n` of [`prefetch_ahead`]'s lines, for a block whose loop runs in `n` steps:
-/// the K-quant single-stream tile asks for a step's share of the block ahead at each of its 8
-/// sub-blocks. An 8-row block of Q4_K is 18 lines and of Q6_K 27, and asked for all at once at
+/// the K-quant single-stream tile over a decode step's rows ([`SPREAD_ROWS`]) asks for a
+/// step's share of the block ahead at each of its 8 sub-blocks. An 8-row block of Q4_K is 18 lines and of Q6_K 27, and asked for all at once at
 /// the block's start the burst outran the core's outstanding misses: on the AMD EPYC guest
 /// Q6_K's stream went from 0.80-0.97 to 0.94-1.11 of the read, Q4_K's within the noise
 /// (`matvec_rate distances`, docs/notes/engine.md). The 512-bit pair tiles ask for both
@@ -292,7 +292,7 @@ macro_rules! each_pair_tile {
 /// docs/notes/engine.md).
 const PAIRS_FROM: usize = 5;
 
-/// A K pair tile over activations of this many rows or fewer streams its weights (a decode
+/// A K tile over activations of this many rows or fewer streams its weights (a decode
 /// step's), and asks ahead a sub-block's share at a time ([`prefetch_ahead_part`]); over more
 /// (a prompt's), its blocks come again from the caches for every tile of tokens, and the asks
 /// spread into its loop cost it: `tools/bench/ab`, pp512 at the 1.7B Q4_K_M shape 0.85x (4
@@ -634,16 +634,25 @@ macro_rules! packed_k_kernels {
             // The tile reads blocks `0..nb` of each token: the activations must have as many.
             assert_eq!(a.nb, nb, "activations of another width");
             let xa = KTokenBlocks::<T>::new(a, t0);
+            // Decode's rows stream the weights: the asks spread over the sub-blocks.
+            let spread = a.rows <= SPREAD_ROWS;
             for b in 0..nb {
                 if let Packed::Q6K(v) = &w.data {
-                    $q6k(&v[g * nb + b], &xa, b, &mut acc);
+                    if !spread {
+                        prefetch_ahead(&v[g * nb + b]);
+                    }
+                    $q6k(&v[g * nb + b], &xa, b, spread, &mut acc);
                     continue;
                 }
-                let mut pf: *const u8 = std::ptr::null();
+                let mut spread_q4k = None;
                 let (d, dmin, scales, mins, q, stride) = match &w.data {
                     Packed::Q4K(v) => {
                         let x = &v[g * nb + b];
-                        pf = (x as *const crate::repack::BlockQ4Kx8).cast();
+                        if spread {
+                            spread_q4k = Some(x);
+                        } else {
+                            prefetch_ahead(x);
+                        }
                         (&x.d, &x.dmin, &x.scales, &x.mins, &x.qs[..], 128)
                     }
                     Packed::Q5K(v) => {
@@ -655,8 +664,8 @@ macro_rules! packed_k_kernels {
                 };
                 let mut isum = [_mm256_setzero_si256(); T];
                 for j in 0..8 {
-                    if !pf.is_null() {
-                        prefetch_ahead_part(pf.cast::<crate::repack::BlockQ4Kx8>(), j, 8);
+                    if let Some(x) = spread_q4k {
+                        prefetch_ahead_part(x, j, 8);
                     }
                     // Row r's scale in both i16 of i32 lane r.
                     let sc8 = _mm_loadl_epi64(scales.as_ptr().add(8 * j).cast());
@@ -717,13 +726,15 @@ macro_rules! packed_k_kernels {
         #[allow(clippy::needless_range_loop)]
         #[inline]
         #[target_feature(enable = $feat)]
-        unsafe fn $q6k<const T: usize>(x: &crate::repack::BlockQ6Kx8, xa: &KTokenBlocks<T>, b: usize, acc: &mut [__m256; T]) {
+        unsafe fn $q6k<const T: usize>(x: &crate::repack::BlockQ6Kx8, xa: &KTokenBlocks<T>, b: usize, spread: bool, acc: &mut [__m256; T]) {
             let m4 = _mm256_set1_epi8(0x0F);
             // Row r's scale of sub-block s in both i16 of i32 lane r; and (s, s + 1) pairs.
             let sc8: [__m128i; 16] = std::array::from_fn(|s| _mm_loadl_epi64(x.scales.as_ptr().add(8 * s).cast()));
             let mut isum = [_mm256_setzero_si256(); T];
             for j in 0..8 {
-                prefetch_ahead_part(x, j, 8);
+                if spread {
+                    prefetch_ahead_part(x, j, 8);
+                }
                 let sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j], sc8[2 * j]));
                 let sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8[2 * j + 1], sc8[2 * j + 1]));
                 let h = [
