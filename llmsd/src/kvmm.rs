@@ -311,4 +311,40 @@ mod tests {
             assert_eq!(format(code(f)), f);
         }
     }
+
+    /// The leveller converts a chunk a layer at a time (`mm::LevelWork::encode_layers`): each
+    /// layer's conversion alone gives the bytes of the whole chunk's, for every lowering.
+    #[test]
+    fn a_chunk_converts_layer_by_layer_to_the_same_bytes() {
+        use rand::{Rng, SeedableRng};
+        let geom = KvGeometry { n_layers: 3, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
+        let codec = EngineCodec { geom, fingerprint: 0, kept: 3, window: 0 };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut src = vec![0u8; geom.chunk_bytes(KvFormat::Int8)];
+        for layer in 0..geom.n_layers {
+            for kv in 0..2 {
+                for h in 0..geom.n_kv_heads {
+                    let blk = &mut src[geom.block_offset(KvFormat::Int8, layer, kv, h)..][..geom.head_block_bytes(KvFormat::Int8, kv)];
+                    for t in 0..geom.chunk_tokens {
+                        // An outlier channel, as K has.
+                        let x: Vec<f32> =
+                            (0..geom.head_dim).map(|c| rng.gen_range(-1.0f32..1.0) * if c == 5 { 20.0 } else { 1.0 }).collect();
+                        engine::kv::write_token(KvFormat::Int8, blk, t, geom.chunk_tokens, &x);
+                    }
+                }
+            }
+        }
+        let (from, lb) = (code(KvFormat::Int8), geom.layer_bytes(KvFormat::Int8));
+        for to in KvFormat::ALL.into_iter().filter(|f| !f.is_base()) {
+            for tokens in [geom.chunk_tokens, 9] {
+                let mut whole = vec![0u8; geom.chunk_bytes(to)];
+                codec.convert(from, &src, code(to), &mut whole, tokens, geom.n_layers).unwrap();
+                let mut layers = vec![0u8; geom.chunk_bytes(to)];
+                for (s, d) in src.chunks_exact(lb).zip(layers.chunks_exact_mut(geom.layer_bytes(to))) {
+                    codec.convert(from, s, code(to), d, tokens, 1).unwrap();
+                }
+                assert!(whole == layers, "{} at {tokens} tokens", to.name());
+            }
+        }
+    }
 }

@@ -36,7 +36,9 @@ pub trait Codec: Send + Sync {
     /// Re-encodes a chunk from format `from` (`src`, its first `tokens` positions, `layers`
     /// layers: all, or a dead chunk's kept ones) to `to` in `dst` (`layers` layers of `to`):
     /// the engine's conversion without its session, so that a chunk can be lowered on another
-    /// thread than the call's ([`crate::Manager::set_background_levels`]). The default cannot.
+    /// thread than the call's ([`crate::Manager::set_background_levels`]). Each layer converts
+    /// on its own (the background encoder converts a layer at a time: a chunk's conversion is
+    /// its layers' conversions side by side). The default cannot.
     fn convert(&self, from: Format, _src: &[u8], to: Format, _dst: &mut [u8], _tokens: usize, _layers: usize) -> Result<(), EngineError> {
         Err(EngineError::new(format!("this codec cannot convert {} to {} by itself", self.name(from), self.name(to))))
     }

@@ -41,15 +41,18 @@ impl Codec for FakeCodec {
     }
 }
 
-/// [`pattern`]'s conversion from the bytes alone: a chunk at a lower level is its first bytes
-/// at the higher one, re-keyed (what a codec's `convert` must be: a function of the bytes).
+/// [`pattern`]'s conversion from the bytes alone: each layer of a chunk at a lower level is
+/// the first bytes of that layer at the higher one, re-keyed (what a codec's `convert` must be:
+/// a function of the bytes, layer by layer).
 fn fake_convert(from: Format, src: &[u8], to: Format, dst: &mut [u8], layers: usize) -> Result<(), mm::EngineError> {
-    let n = layers * FakeCodec.layer_bytes(to);
-    if dst.len() != n || src.len() < n || src.len() != layers * FakeCodec.layer_bytes(from) {
+    let (fb, tb) = (FakeCodec.layer_bytes(from), FakeCodec.layer_bytes(to));
+    if dst.len() != layers * tb || src.len() != layers * fb || tb > fb {
         return Err(mm::EngineError::new(format!("sizes {} -> {} for {layers} layers", src.len(), dst.len())));
     }
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s ^ key(from) ^ key(to);
+    for (d, s) in dst.chunks_exact_mut(tb).zip(src.chunks_exact(fb)) {
+        for (d, s) in d.iter_mut().zip(s) {
+            *d = s ^ key(from) ^ key(to);
+        }
     }
     Ok(())
 }
@@ -91,18 +94,19 @@ impl Codec for WindowCodec {
     }
 }
 
-/// A chunk's bytes at level `f`: the first bytes of its base level's, keyed by the level (so
-/// a lower level is a function of a higher one's bytes: [`fake_convert`]).
+/// A chunk's bytes at level `f`: each layer the first bytes of its base level's layer, keyed
+/// by the level (so a lower level is a function of a higher one's bytes: [`fake_convert`]).
 fn pattern(hash: u64, f: Format) -> Vec<u8> {
     let mut x = hash | 1;
-    (0..FakeCodec.chunk_bytes(f))
+    let base: Vec<u8> = (0..FakeCodec.chunk_bytes(0))
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            x as u8 ^ key(f)
+            x as u8
         })
-        .collect()
+        .collect();
+    base.chunks_exact(FakeCodec.layer_bytes(0)).flat_map(|l| &l[..FakeCodec.layer_bytes(f)]).map(|b| b ^ key(f)).collect()
 }
 
 fn key(f: Format) -> u8 {

@@ -19,6 +19,16 @@ use super::{lock, Service};
 /// 33-34 ms at nice 19, 40-41 ms with no leveller at all: within this host's noise of it.)
 const NICE: libc::c_int = 19;
 
+/// Longest the leveller waits for a gap between passes before it encodes a layer anyway: the
+/// priority alone did not keep it off the passes. A nice-19 thread's turn on a core is as long
+/// in time as any other's, and a pass waits for its slowest thread, so each turn the leveller
+/// took beside a pass stalled it: 11-25 ms passes where a 4-client step takes ~5 ms, none with
+/// `--levels int8` (no lowering), and SCHED_IDLE did no better (#56). Waiting for the gap each
+/// layer, it holds a core for a layer's encoding (~0.5 ms on the default model) at most when
+/// a pass begins. Passes end every few ms under load, so the hold bounds only a pass stream
+/// with no gap at all.
+const GAP_HOLD: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl Service {
     /// Tells the leveller `end` may have queued lowerings.
     pub(super) fn wake_leveller(&self) {
@@ -51,9 +61,17 @@ impl Service {
                 let Some(work) = lock(&self.mm).take_level_work() else { break };
                 // A panic in an encoder (a bug) fails this chunk, not the leveller: the chunk
                 // is written at the level it has and stays there.
-                let lowered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.encode(&*codec))).unwrap_or_else(|p| {
-                    Err(mm::EngineError::new(format!("the encoder panicked: {}", super::call::panic_message(p.as_ref()))))
-                });
+                // A layer at a time, each in a gap between the worker's passes where it can
+                // wait for one (`LevelWork::encode_layers`).
+                let before = || {
+                    if let Some(g) = &self.passes {
+                        g.wait_gap(GAP_HOLD);
+                    }
+                };
+                let lowered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.encode_layers(&*codec, before)))
+                    .unwrap_or_else(|p| {
+                        Err(mm::EngineError::new(format!("the encoder panicked: {}", super::call::panic_message(p.as_ref()))))
+                    });
                 if let Err(e) = lock(&self.mm).finish_level_work(work, lowered) {
                     warn!("installing a lowered chunk: {e}");
                 }
