@@ -21,6 +21,7 @@ use tracing::{error, info, warn};
 
 use super::ctxfile::Saved;
 use super::history::History;
+use super::syncer::SyncJob;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::{code, SessionKv};
 use crate::proto::{Call, CallStats, ErrorCode, Event};
@@ -48,14 +49,14 @@ pub(super) struct Job {
 /// the pool's threads hold, and a blocking-pool thread per request). Neither is bounded: a
 /// call sends at most its `max_tokens` events and its end.
 #[derive(Clone)]
-enum Events {
+pub(super) enum Events {
     Thread(Sender<Event>),
     Task(tokio::sync::mpsc::UnboundedSender<Event>),
 }
 
 impl Events {
     /// `Err` when the receiver is gone (its client left).
-    fn send(&self, ev: Event) -> Result<(), ()> {
+    pub(super) fn send(&self, ev: Event) -> Result<(), ()> {
         match self {
             Self::Thread(tx) => tx.send(ev).map_err(drop),
             Self::Task(tx) => tx.send(ev).map_err(drop),
@@ -348,7 +349,8 @@ impl Service {
                             None => Some(&j.call.ctx),
                             Some(h) => h.pin.as_ref(),
                         };
-                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c))
+                        // (Or its last answer waits for its file's sync: syncer.rs.)
+                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c) || self.sync.waits(c))
                     };
                     // A uid holding half the batch yields to other uids' calls in line: one
                     // app's long calls cannot keep everyone else out of the model.
@@ -527,7 +529,10 @@ impl Service {
             }
             saved.calls += 1;
             saved.last_used = super::history::now_ms();
-            self.save(&saved).map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {}", crate::describe(&e))))?;
+            // Whole in the page cache once renamed; durable once the syncer is done with it,
+            // and only then is the call answered (`finish`, syncer.rs).
+            super::ctxfile::write_as(&self.ctx_dir, &saved, false)
+                .map_err(|e| refuse(ErrorCode::Failed, format!("saving the context: {}", crate::describe(&e))))?;
             Ok(out)
         });
         let (session, saved, unusable) = match &r {
@@ -1055,17 +1060,22 @@ impl Service {
                 self.settle(&a.job, &a.ctx, a.made, a.s, a.before, a.saved, Ok(out))
             }
         };
-        let ev = match r {
+        match r {
             Ok((text, stats)) => {
                 self.prom.call(&stats);
-                Event::Done { text, stats }
+                // Answered once the context's file is durable, off the worker (syncer.rs); by
+                // this thread if no syncer runs.
+                let job = SyncJob { ctx: a.ctx, app: a.job.owner.app, events: a.job.events, ev: Event::Done { text, stats } };
+                if let Err(job) = self.sync.defer(job) {
+                    let synced = super::ctxfile::sync(&self.ctx_dir, &[&job.ctx]).map_err(|e| crate::describe(&e));
+                    self.answer_synced(*job, synced);
+                }
             }
             Err(r) => {
                 self.prom.failed();
-                r.into()
+                let _ = a.job.events.send(r.into());
             }
-        };
-        let _ = a.job.events.send(ev);
+        }
     }
 }
 

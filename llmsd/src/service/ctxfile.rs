@@ -170,6 +170,21 @@ pub(super) fn write(dir: &Path, saved: &Saved) -> Result<()> {
     write_as(dir, saved, true)
 }
 
+/// Makes the context files `ids` durable, as [`write`] would have (each file, then the
+/// directory once for them all): for files written by [`write_as`] without the syncs. A file
+/// that is gone (its context deleted since) needs nothing.
+pub(super) fn sync(dir: &Path, ids: &[&str]) -> Result<()> {
+    for id in ids {
+        match std::fs::File::open(path(dir, id)) {
+            Ok(f) => f.sync_all().with_context(|| format!("syncing context {id}'s file"))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("opening context {id}'s file to sync it")),
+        }
+    }
+    std::fs::File::open(dir)?.sync_all().context("syncing the contexts directory")?;
+    Ok(())
+}
+
 /// [`write`] without the syncs (`durable` false): as safe against a crash of the process (the
 /// file is whole in the page cache once renamed), not against a power loss, after which the
 /// file may be missing. For a context nothing was acknowledged in yet.

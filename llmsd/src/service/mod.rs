@@ -25,6 +25,7 @@ mod pressure;
 mod registry;
 mod slots;
 mod state_dir;
+mod syncer;
 mod turns;
 
 use std::collections::{HashMap, VecDeque};
@@ -137,6 +138,8 @@ pub struct Service {
     /// Marked by the worker while it runs a forward pass: mm's AoT writer waits for the gaps
     /// (`mm::Manager::passes_running`; none without the writer).
     passes: Option<Arc<mm::gate::PassGate>>,
+    /// Where the worker hands answers that wait for their context file's sync (syncer.rs).
+    sync: syncer::Syncer,
     /// The worker's per-step timeline, while tracing is on ([`Service::set_trace`]).
     trace: Mutex<Option<call::Trace>>,
     /// Set (and signalled) when a call's end may have queued chunk lowerings (`leveller.rs`).
@@ -289,6 +292,7 @@ impl Service {
             passes: mm.passes_running(),
             mm: Mutex::new(mm),
             leveller: (Mutex::new(false), Condvar::new()),
+            sync: syncer::Syncer::default(),
             trace: Mutex::new(None),
             refill,
             registry: Mutex::new(HashMap::new()),
@@ -357,6 +361,11 @@ impl Service {
     pub fn serve(self: &Arc<Self>, listener: UnixListener, http: HttpListeners) -> Result<()> {
         let http_socket = self.cfg.http_socket_path();
         let front = self.start_http(http)?;
+        // Before the worker: its first answers go through it.
+        let syncer = {
+            let (svc, rx) = (Arc::clone(self), self.sync.open());
+            std::thread::Builder::new().name("llmsd-syncer".into()).spawn(move || svc.syncer(&rx))?
+        };
         let worker = {
             let svc = Arc::clone(self);
             std::thread::Builder::new().name("llmsd-worker".into()).spawn(move || svc.worker())?
@@ -377,6 +386,9 @@ impl Service {
             }
         }
         let _ = worker.join();
+        // Every answer the worker deferred is sent (its file synced) before serve returns.
+        self.sync.close();
+        let _ = syncer.join();
         self.wake_leveller();
         let _ = leveller.join();
         let mut mm = lock(&self.mm);
@@ -449,7 +461,7 @@ impl Service {
 /// Fault injection for tests, in debug builds only: with `LLMS_FAULT_PANIC_AT=<stage>`, a
 /// request whose `trigger` (its app, or its text) contains `FAULT` panics at that stage of its
 /// handling (`native-request`, `native-stream`, `enqueue`, `begin` (on the worker, after a
-/// stateless call's context was chosen or made), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
+/// stateless call's context was chosen or made), `sync` (the syncer, making a call's file durable), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
 /// (llmsd/tests/doors.rs checks that every such panic gives back what it held).
 #[cfg(debug_assertions)]
 fn fault_point(stage: &str, trigger: &str) {
