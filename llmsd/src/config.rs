@@ -88,9 +88,10 @@ pub struct Config {
     /// split so theirs are not stalled (a whole prompt runs at once when nothing decodes).
     pub prefill_piece: usize,
     /// A pass that carries a prompt piece beside decoding calls takes at most this many times
-    /// the pass of those decodes alone (predicted from the worker's own pass times): the piece
-    /// is cut to fit, down to one token, so a prompt never holds the others' next tokens
-    /// longer than that. `prefill_piece` stays the most a piece holds.
+    /// a lone call's decode pass, or half again the decoding calls' own pass if that is longer
+    /// (predicted from the worker's own pass times): the piece is cut to fit, down to one
+    /// token, so a prompt never holds the others' next tokens longer than that.
+    /// `prefill_piece` stays the most a piece holds.
     pub prefill_hold: f64,
     /// Contexts of one app that start with the same tokens hold one copy of those chunks, in
     /// memory and in the swap store; a new context whose first prompt starts with a prefix
@@ -179,7 +180,7 @@ impl Default for Config {
             max_queue: 256,
             max_batch: 8,
             prefill_piece: 16,
-            prefill_hold: 2.0,
+            prefill_hold: 4.0,
             prefix_sharing: true,
             public_prefixes: Vec::new(),
             durability: "batch".into(),
@@ -387,7 +388,7 @@ impl Config {
             bail!("public_prefixes needs prefix_sharing = true");
         }
         if !(1.0..=100.0).contains(&self.prefill_hold) {
-            bail!("prefill_hold {} must be in [1, 100] (times a decode pass)", self.prefill_hold);
+            bail!("prefill_hold {} must be in [1, 100] (times a lone call's decode pass)", self.prefill_hold);
         }
         if !(self.ratio > 0.0 && self.ratio <= 1.0) {
             bail!("ratio {} must be in (0, 1]", self.ratio);

@@ -124,13 +124,42 @@ impl PassCost {
     }
 
     /// Prompt tokens a pass with `decoding` rows can carry so that it takes at most `hold`
-    /// times their pass alone, between 1 and `most`.
+    /// times a lone call's decode pass, between 1 and `most`.
+    ///
+    /// A lone call's pass, not the decoding rows' own: what a client feels is its gap between
+    /// tokens against what it gets alone, and the rows' pass already grows with them. Held to
+    /// twice the rows' pass, a piece beside one decoding call was 4 tokens (a 32-token prompt
+    /// took 8 passes) and beside three 6-8, which put the TTFT p50 of 4 clients whose calls
+    /// arrive apart at ~3x a lone call's; the same bound over the lone pass gives more tokens
+    /// when few calls decode and fewer when many do, where the rows' pass is itself long.
+    /// Many rows can take most of that bound by themselves (prompts then went in 1-4 tokens a
+    /// pass, the TTFT p50 of 8 clients ~8x a lone call's at a hold of 3), so a pass may always
+    /// take half again its rows' pass.
     fn piece(&self, decoding: usize, hold: f64, most: usize) -> usize {
         let Some((fixed, per_row)) = self.line() else { return most };
-        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let fits = ((hold - 1.0) * (fixed + per_row * decoding as f64) / per_row).floor() as usize;
+        #[allow(clippy::cast_precision_loss)]
+        let rows = fixed + per_row * decoding as f64;
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let fits = (((hold * (fixed + per_row)).max(1.5 * rows) - rows) / per_row).floor().max(0.0) as usize;
         fits.clamp(1, most)
     }
+}
+
+/// Prompt tokens the next pass carries: `left[i]` is call i's prompt tokens still to run
+/// (None: it decodes), `decoding` the calls that decode, `piece` what fits beside them.
+///
+/// When no call decodes, only the shortest prompt (up to a pass's 512): prefill is
+/// arithmetic that batching does not share (four prompts cost ~3.5x one here), so prompts
+/// that arrive together (a convoy: their calls ended together) prefilled in one pass give
+/// every caller its first token at ~3.5 prompts' time, and they end together again, round
+/// after round. One at a time, the first caller has its token after one prompt's time, the
+/// others' prompts go in pieces beside its decoding, and the calls end apart, so the next
+/// round's prompts arrive apart and each runs beside the others' decoding.
+fn pass_room(left: &[Option<usize>], decoding: usize, piece: impl FnOnce() -> usize) -> usize {
+    if decoding > 0 {
+        return piece();
+    }
+    left.iter().flatten().min().map_or(0, |&n| n.clamp(1, MAX_PASS))
 }
 
 /// How many prompt tokens each call feeds in a pass with `room` for them: `left[i]` is call
@@ -761,14 +790,12 @@ impl Service {
         let mut rows: Vec<usize> = Vec::new();
         let mut pieces: Vec<Vec<u32>> = Vec::new();
         let decoding = active.iter().filter(|a| a.next.is_some()).count();
-        // The pass's prompt tokens: up to a pass's 512 when no call decodes, else what fits
-        // `prefill_hold`. They go to the prompts with the fewest tokens left first: a short
-        // prompt does not wait behind a long one's pieces (its caller waits for a first
-        // token; the long one's caller waits far longer anyway), and calls that start
-        // together (a convoy: they ended together) are prefilled in one pass, not one by one.
-        let room =
-            if decoding == 0 { MAX_PASS } else { cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS)) };
+        // The pass's prompt tokens (`pass_room`): the shortest prompt when no call decodes,
+        // else what fits `prefill_hold`. They go to the prompts with the fewest tokens left
+        // first: a short prompt does not wait behind a long one's pieces (its caller waits
+        // for a first token; the long one's caller waits far longer anyway).
         let left: Vec<Option<usize>> = active.iter().map(|a| a.next.is_none().then(|| a.ids.len() - a.fed)).collect();
+        let room = pass_room(&left, decoding, || cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS)));
         let piece_of = prompt_pieces(&left, room);
         for (i, a) in active.iter_mut().enumerate() {
             if let Some(t) = a.next {
@@ -1177,11 +1204,45 @@ fn injected_fault(_: &[&[u32]]) {}
 
 #[cfg(test)]
 mod tests {
-    use super::prompt_pieces;
+    use super::{pass_room, prompt_pieces, PassCost, MAX_PASS};
 
     #[test]
-    fn prompts_that_start_together_share_a_pass_shortest_first() {
-        // Nothing decodes: a convoy of four 40-token prompts goes in one pass of 160.
+    fn a_convoy_is_prefilled_one_prompt_a_pass() {
+        let never = || unreachable!("no call decodes: no piece beside them");
+        // Nothing decodes: of four 40-token prompts that arrived together, one runs.
+        let left = [Some(40); 4];
+        assert_eq!(prompt_pieces(&left, pass_room(&left, 0, never)), vec![40, 0, 0, 0]);
+        // The shortest one, whole.
+        let left = [Some(300), Some(12), Some(50)];
+        assert_eq!(prompt_pieces(&left, pass_room(&left, 0, never)), vec![0, 12, 0]);
+        // A long prompt alone fills a pass of 512 and goes on in the next.
+        assert_eq!(pass_room(&[Some(2000)], 0, never), MAX_PASS);
+        // Calls decode: what fits beside them, shortest prompt first.
+        let left = [None, Some(40), Some(20)];
+        assert_eq!(prompt_pieces(&left, pass_room(&left, 1, || 30)), vec![0, 10, 20]);
+        // Nothing to prefill.
+        assert_eq!(pass_room(&[], 0, never), 0);
+    }
+
+    #[test]
+    fn a_piece_fits_the_hold_over_a_lone_calls_pass() {
+        let mut cost = PassCost::default();
+        assert_eq!(cost.piece(3, 4.0, 16), 16, "no line yet: the most");
+        // Passes of 2 ms + 0.5 ms a row: a lone call's pass is 2.5 ms, the hold 10.25 ms.
+        for rows in [1, 4, 9, 20, 2, 7] {
+            cost.add(rows, 2.0 + 0.5 * rows as f64);
+        }
+        assert_eq!(cost.piece(1, 4.1, 32), 15, "beside one call: 7.75 ms of tokens");
+        assert_eq!(cost.piece(3, 4.1, 32), 13);
+        assert_eq!(cost.piece(3, 4.1, 8), 8, "at most `most`");
+        // 16 rows: 10 ms of the 10.25, but a pass may take half again the rows' 10 ms.
+        assert_eq!(cost.piece(16, 4.1, 32), 10, "many rows: half again their pass");
+        assert_eq!(cost.piece(1, 1.0, 32), 2, "the tightest hold: half again the rows' pass");
+        assert_eq!(cost.piece(1, 1.0, 1), 1);
+    }
+
+    #[test]
+    fn pieces_go_to_the_shortest_prompts_first() {
         assert_eq!(prompt_pieces(&[Some(40); 4], 512), vec![40; 4]);
         // Room for less: the shortest prompts first, the next one cut, the longest waits.
         assert_eq!(prompt_pieces(&[Some(300), Some(10), None, Some(50)], 40), vec![0, 10, 0, 30]);

@@ -342,8 +342,8 @@ pub struct BenchServeArgs {
     /// Prompt tokens per pass while others decode [default: the service's, 16].
     #[arg(long)]
     pub prefill_piece: Option<usize>,
-    /// A pass carrying a prompt piece takes at most this many times the decode pass alone
-    /// [default: the service's, 2].
+    /// A pass carrying a prompt piece takes at most this many times a lone call's decode pass
+    /// (or half again the decoding calls' pass) [default: the service's, 4].
     #[arg(long)]
     pub prefill_hold: Option<f64>,
     /// One more client sends prompts of this many tokens (fresh contexts, one token each) all
