@@ -21,7 +21,6 @@ use tracing::{error, info, warn};
 
 use super::ctxfile::Saved;
 use super::history::History;
-use super::syncer::SyncJob;
 use super::{lock, ms, not_found, refuse, Owner, Refusal, Service};
 use crate::kvmm::{code, SessionKv};
 use crate::proto::{Call, CallStats, ErrorCode, Event};
@@ -62,6 +61,15 @@ impl Events {
             Self::Task(tx) => tx.send(ev).map_err(drop),
         }
     }
+}
+
+/// An answer that waits for its context's file to be durable (syncer.rs).
+pub(super) struct SyncJob {
+    pub ctx: String,
+    /// The calling app (what fault injection keys on).
+    pub app: String,
+    pub events: Events,
+    pub ev: Event,
 }
 
 /// The most tokens one forward pass runs (the engine's own split of a long `eval`).

@@ -5,7 +5,7 @@
 //! host's virtual disk and far longer on a phone's flash under write load (#56).
 //!
 //! A call is still acknowledged only once its turn is on disk: the answer waits here for the
-//! syncs. Until then its context counts as in a call (`Service::syncing`): a next call on it
+//! syncs. Until then its context counts as in a call (`Syncer::waits`): a next call on it
 //! waits in line, so nothing is written over a file not yet synced. A power loss before the
 //! sync may leave the file damaged; reading falls back to the previous copy, which is the
 //! context before the unacknowledged call (ctxfile.rs). A sync that fails leaves the context
@@ -18,18 +18,9 @@ use std::sync::Mutex;
 
 use tracing::warn;
 
-use super::call::Events;
+use super::call::SyncJob;
 use super::{lock, refuse, Service};
-use crate::proto::{ErrorCode, Event};
-
-/// An answer that waits for its context's file to be durable.
-pub(super) struct SyncJob {
-    pub ctx: String,
-    /// The calling app (what fault injection keys on).
-    pub app: String,
-    pub events: Events,
-    pub ev: Event,
-}
+use crate::proto::ErrorCode;
 
 /// The worker's side of the syncer: where answers go, and the contexts that wait.
 #[derive(Default)]
