@@ -476,15 +476,14 @@ impl Service {
     /// The call's context, out of the registry and ready: see [`Service::prepare`].
     fn begin_call(&self, job: Job, t0: Instant, scratch: &mut Scratch, reserved: usize) -> Result<Active, Refusal> {
         // A stateless client's call: which context, and what it lacks.
-        let (ctx, given, made) = match &job.history {
-            None => (job.call.ctx.clone(), None, false),
+        let (ctx, given, made, chosen) = match &job.history {
+            None => (job.call.ctx.clone(), None, false, None),
             Some(h) => {
                 let (chosen, ids) = self.resolve(&job.owner, h)?;
                 let ctx = chosen.ctx.clone();
                 let made = chosen.how != "continued";
                 self.prom.cached(chosen.cached_tokens);
-                let _ = h.chosen.send(chosen);
-                (ctx, Some(ids), made)
+                (ctx, Some(ids), made, Some(chosen))
             }
         };
         // A context made for this call goes if anything below unwinds before the call owns it
@@ -504,6 +503,12 @@ impl Service {
         };
         // On a refusal the guard deletes a context made for the call.
         let (mut s, before) = taken?;
+        // The caller learns its context only now that it is out of the registry: told before,
+        // it could pin it in a next request that found it idle, and waited in line for this
+        // call to end (200 after it) instead of being told it is busy (409).
+        if let (Some(h), Some(chosen)) = (&job.history, chosen) {
+            let _ = h.chosen.send(chosen);
+        }
         guard.disarm();
         let mut saved = before.clone();
         s.set_scratch(std::mem::take(scratch));
