@@ -1102,9 +1102,8 @@ impl Service {
         };
         match r {
             Ok((text, stats)) => {
-                self.prom.call(&stats);
-                // Answered once the context's file is durable, off the worker (syncer.rs); by
-                // this thread if no syncer runs.
+                // Answered (and counted) once the context's file is durable, off the worker
+                // (syncer.rs); by this thread if no syncer runs.
                 let job = SyncJob { ctx: a.ctx, app: a.job.owner.app, events: a.job.events, ev: Event::Done { text, stats } };
                 if let Err(job) = self.sync.defer(job) {
                     let synced = super::ctxfile::sync(&self.ctx_dir, &[&job.ctx]).map_err(|e| crate::describe(&e));

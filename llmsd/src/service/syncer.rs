@@ -20,7 +20,7 @@ use tracing::warn;
 
 use super::call::SyncJob;
 use super::{lock, refuse, Service};
-use crate::proto::ErrorCode;
+use crate::proto::{ErrorCode, Event};
 
 /// The worker's side of the syncer: where answers go, and the contexts that wait.
 #[derive(Default)]
@@ -98,7 +98,12 @@ impl Service {
     /// leaves its context unavailable.
     pub(super) fn answer_synced(&self, job: SyncJob, synced: Result<(), String>) {
         let ev = match synced {
-            Ok(()) => job.ev,
+            Ok(()) => {
+                if let Event::Done { stats, .. } = &job.ev {
+                    self.prom.call(stats);
+                }
+                job.ev
+            }
             Err(why) => {
                 warn!(ctx = %job.ctx, "the context's file could not be made durable: {why}");
                 if let Some(e) = lock(&self.registry).get_mut(&job.ctx) {
