@@ -249,7 +249,10 @@ impl Service {
             let mut partial: Option<(usize, String)> = None;
             for (id, e) in reg.iter() {
                 let s = &e.saved;
-                let usable = s.owner == *owner && e.unavailable.is_none() && e.session.is_some() && s.pending.is_empty();
+                // A context whose last answer waits for its file's sync is in its call still
+                // (syncer.rs): continued now, its file would be written over one not yet synced.
+                let usable =
+                    s.owner == *owner && e.unavailable.is_none() && e.session.is_some() && s.pending.is_empty() && !self.sync.waits(id);
                 if !usable || h.pin.as_ref().is_some_and(|p| p != id) {
                     continue;
                 }
