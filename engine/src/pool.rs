@@ -420,6 +420,14 @@ impl OutPtr {
         // write disjoint indices (contract of matmul_rows).
         unsafe { *self.ptr.add(idx) = v };
     }
+    /// Writes `vs` from element `idx` on, with one bounds check for the row (a check per
+    /// element was a quarter of a prefill attention job's own time, outside its kernels).
+    #[inline]
+    pub fn write_row(&self, idx: usize, vs: &[f32]) {
+        assert!(idx <= self.len && vs.len() <= self.len - idx, "output row {idx}..+{} out of {}", vs.len(), self.len);
+        // SAFETY: in bounds (checked above); as `write`, threads write disjoint elements.
+        unsafe { std::ptr::copy_nonoverlapping(vs.as_ptr(), self.ptr.add(idx), vs.len()) };
+    }
 }
 
 #[cfg(test)]

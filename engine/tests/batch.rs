@@ -93,6 +93,57 @@ fn batched_decode_equals_each_sessions_own() {
     }
 }
 
+/// Contexts past decoding attention's first 128-token span on every side of a batch (each
+/// context and KV head one job, the spans' values still added in order) against each decoded
+/// alone (by spans, a job a span): a lowered chunk, a split level read in the rotated domain
+/// and an observed context among them; identical logits, tokens and observed attention.
+#[test]
+fn batched_contexts_past_a_span_equal_each_sessions_own() {
+    let m = Arc::new(Model::load(&model_path()).unwrap());
+    let p = Arc::new(ThreadPool::new(2));
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
+    let toks = m.tokenizer.encode(&text, false, false).unwrap();
+    let prompts: [&[u32]; 3] = [&toks[..150], &toks[300..500], &toks[600..830]];
+    let build = || -> Vec<(Session, u32)> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, pr)| {
+                let mut s = session(&m, &p, KvFormat::Int8, i == 2);
+                let next = argmax(s.eval(pr, Logits::Last).unwrap());
+                s.kv.set_format(3, if i == 0 { KvFormat::Q4 } else { KvFormat::K3V3 }).unwrap();
+                (s, next)
+            })
+            .collect()
+    };
+    let mut solo = build();
+    let mut want: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
+    for (i, (s, next)) in solo.iter_mut().enumerate() {
+        for _ in 0..8 {
+            let l = s.eval(&[*next], Logits::Last).unwrap().to_vec();
+            *next = argmax(&l);
+            want[i].push(l);
+        }
+    }
+    let mut st = build();
+    let mut scratch = Scratch::default();
+    let vocab = m.config.vocab;
+    for step in 0..8 {
+        let (mut sessions, nexts): (Vec<&mut Session>, Vec<u32>) = st.iter_mut().map(|(s, n)| (s, *n)).unzip();
+        let logits = Session::decode_batch(&mut sessions, &nexts, &mut scratch).unwrap().to_vec();
+        for (i, row) in logits.chunks_exact(vocab).enumerate() {
+            assert!(row == want[i][step].as_slice(), "session {i}, step {step}: logits differ from its own decode");
+            st[i].1 = argmax(row);
+        }
+    }
+    for (i, (s, _)) in st.iter().enumerate() {
+        assert_eq!(s.tokens, solo[i].0.tokens, "session {i}'s tokens");
+    }
+    let (x, y) = (st[2].0.attention.as_ref().unwrap(), solo[2].0.attention.as_ref().unwrap());
+    assert_eq!(x.count, y.count, "attention counted alike");
+    assert!(x.sum == y.sum, "attention observed alike");
+}
+
 /// A bad batch changes no session: a token outside the vocabulary, a full session, sessions of
 /// different models, a token count that does not match.
 #[test]
