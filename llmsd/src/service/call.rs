@@ -163,11 +163,40 @@ impl PassCost {
 /// after round. One at a time, the first caller has its token after one prompt's time, the
 /// others' prompts go in pieces beside its decoding, and the calls end apart, so the next
 /// round's prompts arrive apart and each runs beside the others' decoding.
-fn pass_room(left: &[Option<usize>], decoding: usize, piece: impl FnOnce() -> usize) -> usize {
+///
+/// Beside decoding calls, a prompt longer than what fits goes in as few passes as that allows,
+/// in even pieces ([`even_piece`]).
+fn pass_room(left: &[Option<usize>], decoding: usize, piece: impl FnOnce() -> (usize, usize)) -> usize {
+    let shortest = left.iter().flatten().min().copied();
     if decoding > 0 {
-        return piece();
+        let (fits, most) = piece();
+        return match shortest {
+            Some(n) if n > fits => even_piece(n, fits, most),
+            _ => fits,
+        };
     }
-    left.iter().flatten().min().map_or(0, |&n| n.clamp(1, MAX_PASS))
+    shortest.map_or(0, |n| n.clamp(1, MAX_PASS))
+}
+
+/// The next piece of a prompt with `left` tokens to go where a pass fits `fits` (at most
+/// `most`): the prompt's rest in the fewest passes `fits` allows, the pieces even — or in one
+/// pass fewer when that takes pieces at most a tenth over `fits`. A piece's size bounds the
+/// others' gap in its pass, and the last piece of a prompt cut to `fits` was often a few
+/// tokens (a 32-token prompt beside three decoding calls went 15 + 15 + 2: a whole third pass
+/// for the caller's first token and a third long gap for the others, where 16 + 16 holds each
+/// pass a few percent longer; cut 12 + 12 + 8, the first two gaps are longer than 11 + 11 + 10).
+fn even_piece(left: usize, fits: usize, most: usize) -> usize {
+    let fits = fits.max(1);
+    if left <= fits {
+        return left;
+    }
+    let passes = left.div_ceil(fits);
+    let fewer = left.div_ceil(passes - 1);
+    if fewer * 10 <= fits * 11 && fewer <= most {
+        fewer
+    } else {
+        left.div_ceil(passes)
+    }
 }
 
 /// How many prompt tokens each call feeds in a pass with `room` for them: `left[i]` is call
@@ -808,7 +837,8 @@ impl Service {
         // first: a short prompt does not wait behind a long one's pieces (its caller waits
         // for a first token; the long one's caller waits far longer anyway).
         let left: Vec<Option<usize>> = active.iter().map(|a| a.next.is_none().then(|| a.ids.len() - a.fed)).collect();
-        let room = pass_room(&left, decoding, || cost.piece(decoding, self.cfg.prefill_hold, self.cfg.prefill_piece.clamp(1, MAX_PASS)));
+        let most = self.cfg.prefill_piece.clamp(1, MAX_PASS);
+        let room = pass_room(&left, decoding, || (cost.piece(decoding, self.cfg.prefill_hold, most), most));
         let piece_of = prompt_pieces(&left, room);
         for (i, a) in active.iter_mut().enumerate() {
             if let Some(t) = a.next {
@@ -1231,7 +1261,14 @@ mod tests {
         assert_eq!(pass_room(&[Some(2000)], 0, never), MAX_PASS);
         // Calls decode: what fits beside them, shortest prompt first.
         let left = [None, Some(40), Some(20)];
-        assert_eq!(prompt_pieces(&left, pass_room(&left, 1, || 30)), vec![0, 10, 20]);
+        assert_eq!(prompt_pieces(&left, pass_room(&left, 1, || (30, 32))), vec![0, 10, 20]);
+        // Beside them, a prompt longer than a pass fits: as few passes as fit, even pieces.
+        let left = [None, Some(32)];
+        assert_eq!(pass_room(&left, 1, || (15, 16)), 16, "16 + 16, a tenth over 15, not 15 + 15 + 2");
+        assert_eq!(pass_room(&left, 1, || (12, 16)), 11, "11 + 11 + 10, not 12 + 12 + 8");
+        assert_eq!(pass_room(&[None, Some(21)], 1, || (12, 16)), 11);
+        assert_eq!(pass_room(&[None, Some(10)], 1, || (12, 16)), 12, "a prompt that fits: the room as it is");
+        assert_eq!(pass_room(&left, 1, || (15, 15)), 11, "never over `most`: 11 + 11 + 10");
         // Nothing to prefill.
         assert_eq!(pass_room(&[], 0, never), 0);
     }
