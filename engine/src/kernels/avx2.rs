@@ -2150,3 +2150,33 @@ pub(crate) unsafe fn decode_rows_to_int8<const BITS: usize>(blk: &[u8], t_cap: u
         }
     }
 }
+
+/// [`super::int8_codes`] eight values at a time: the scalar code's clamp, NaN to 0, truncation,
+/// and a step away from zero where the cut-off part is at least a half (all exact in f32 within
+/// ±127), so the same bytes.
+///
+/// # Safety
+/// Needs AVX2; `x` and `out` of equal length.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
+    let n = x.len().min(out.len());
+    let (v_inv, lo, hi) = (_mm256_set1_ps(inv), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let (half, neg_half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5), _mm256_set1_ps(1.0));
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n.
+        let y = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), v_inv);
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(y, y);
+        // `max` takes its second operand for a NaN; the NaN lanes are zeroed just after.
+        let y = _mm256_andnot_ps(nan, _mm256_min_ps(_mm256_max_ps(y, lo), hi));
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+        let f = _mm256_sub_ps(y, t);
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(f, half), one);
+        let down = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(f, neg_half), one);
+        let q = _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_add_ps(t, up), down));
+        let w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+        _mm_storel_epi64(out.as_mut_ptr().add(i).cast(), _mm_packs_epi16(w, w));
+        i += 8;
+    }
+    super::int8_codes_ref(&x[i..n], inv, &mut out[i..n]);
+}
