@@ -205,8 +205,25 @@ fn put_f16(b: &mut [u8], i: usize, v: f32) {
     b[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
 }
 
+/// An int8 row's codes: `out[i] = round(x[i] * inv)`, clamped to ±127, NaN to 0, halves away
+/// from zero. The cache's writers take one ([`write_token_with`]): the model hands in the
+/// vector kernel (`kernels::int8_codes`, the same bytes), which sits above this module.
+pub type Int8Codes = fn(&[f32], f32, &mut [u8]);
+
+/// The scalar [`Int8Codes`].
+pub fn int8_codes_ref(x: &[f32], inv: f32, out: &mut [u8]) {
+    for (c, &v) in out.iter_mut().zip(x) {
+        *c = round_i8(v * inv) as u8;
+    }
+}
+
 /// Writes one token's head vector into a base-format head block.
 pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32]) {
+    write_token_with(f, blk, t, t_cap, x, int8_codes_ref);
+}
+
+/// [`write_token`], an int8 row's codes computed by `codes`.
+pub fn write_token_with(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32], codes: Int8Codes) {
     let hd = x.len();
     match f {
         KvFormat::F16 => {
@@ -239,7 +256,7 @@ pub fn write_token(f: KvFormat, blk: &mut [u8], t: usize, t_cap: usize, x: &[f32
             let s = f16::from_f32(amax / 127.0).to_f32();
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
             put_f16(blk, t, s);
-            crate::kernels::int8_codes(x, inv, &mut blk[t_cap * 2 + t * hd..t_cap * 2 + (t + 1) * hd]);
+            codes(x, inv, &mut blk[t_cap * 2 + t * hd..t_cap * 2 + (t + 1) * hd]);
         }
         _ => {
             panic!("tokens are appended only to base-format chunks (f16, int8)")
@@ -917,7 +934,7 @@ fn round_code(y: f32, top: f32) -> f32 {
 /// libm's `roundf`: a prefill writes every token's K and V a value at a time, on the calling
 /// thread, and the call per value was ~3% of a 50-token pass.
 #[inline]
-pub(crate) fn round_i8(y: f32) -> i8 {
+fn round_i8(y: f32) -> i8 {
     // Clamping first gives what clamping the rounded value gives (a value past ±127 rounds to
     // at least ±127 either way); within ±127 truncation and `y - t` are exact.
     let y = y.clamp(-127.0, 127.0);
@@ -1392,19 +1409,8 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         ys.extend((0..200_000).map(|_| f32::from_bits(rng.gen::<u32>())));
         ys.extend((0..200_000).map(|_| rng.gen_range(-130.0f32..130.0)));
-        for &y in &ys {
+        for y in ys {
             assert_eq!(round_i8(y), libm(y), "{y:e} ({:#x})", y.to_bits());
-        }
-        // The row kernel (eight at a time, the rest scalar): the same bytes, at scales that
-        // move values across the clamp and the halves.
-        for inv in [1.0f32, 0.5, 3.0, 1.0 / 0.37, 1e-3] {
-            for len in [ys.len(), 61, 8, 3] {
-                let x = &ys[ys.len() - len..];
-                let (mut got, mut want) = (vec![0u8; len], vec![0u8; len]);
-                crate::kernels::int8_codes(x, inv, &mut got);
-                crate::kernels::int8_codes_ref(x, inv, &mut want);
-                assert_eq!(got, want, "scale {inv}, {len} values");
-            }
         }
     }
 

@@ -264,6 +264,11 @@ impl ChunkedKv {
 
     /// Writes one position's K and V (`[kv_head][head_dim]` each) for a layer.
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        self.write_with(layer, pos, k, v, kv::int8_codes_ref);
+    }
+
+    /// [`Self::write`], an int8 chunk's codes computed by `codes` (the model's vector kernel).
+    pub fn write_with(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32], codes: kv::Int8Codes) {
         let g = self.geom;
         let (ci, t) = (pos / g.chunk_tokens, pos % g.chunk_tokens);
         assert!(ci >= self.dead, "position {pos}: chunk {ci} is dead");
@@ -276,7 +281,14 @@ impl ChunkedKv {
         for (kvsel, src) in [(0, k), (1, v)] {
             for h in 0..g.n_kv_heads {
                 let off = g.block_offset(f, slot, kvsel, h);
-                kv::write_token(f, &mut bytes[off..off + g.head_block_bytes(f, kvsel)], t, g.chunk_tokens, &src[h * hd..(h + 1) * hd]);
+                kv::write_token_with(
+                    f,
+                    &mut bytes[off..off + g.head_block_bytes(f, kvsel)],
+                    t,
+                    g.chunk_tokens,
+                    &src[h * hd..(h + 1) * hd],
+                    codes,
+                );
             }
         }
     }

@@ -769,7 +769,7 @@ struct OneCache<'a> {
 
 impl Caches for OneCache<'_> {
     fn write(&mut self, layer: usize, _row: usize, pos: usize, k: &[f32], v: &[f32]) {
-        self.kv.write(layer, pos, k, v);
+        self.kv.write_with(layer, pos, k, v, kernels::int8_codes);
     }
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
         attention(pool, c, self.kv, layer, qkv, ld, positions, out, self.observer.as_deref_mut());
@@ -787,7 +787,7 @@ impl Caches for ManyCaches<'_, '_> {
     fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]) {
         // The spans are in row order: a binary search finds the row's session.
         let i = self.spans.partition_point(|r| r.end <= row);
-        self.sessions[i].kv.write(layer, pos, k, v);
+        self.sessions[i].kv.write_with(layer, pos, k, v, kernels::int8_codes);
     }
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
         // Sessions with one tile of rows (decoding) attend together, in the same few pool

@@ -21,6 +21,22 @@ fn argmax(v: &[f32]) -> u32 {
     engine::sampler::argmax(v)
 }
 
+/// Each session decodes `steps` greedy tokens on its own from its next token: every step's logits.
+fn decode_alone(sessions: &mut [(Session, u32)], steps: usize) -> Vec<Vec<Vec<f32>>> {
+    sessions
+        .iter_mut()
+        .map(|(s, next)| {
+            (0..steps)
+                .map(|_| {
+                    let l = s.eval(&[*next], Logits::Last).unwrap().to_vec();
+                    *next = argmax(&l);
+                    l
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Four contexts of different lengths and formats (lowered chunks, a split level read in the
 /// rotated domain; one context past decoding attention's first 128-token span, the others
 /// within it), decoded 12 steps one at a time and as one batch, then in batches of other
@@ -55,14 +71,7 @@ fn batched_decode_equals_each_sessions_own() {
     };
     // Reference: each session alone.
     let mut solo = build();
-    let mut want: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 4];
-    for (i, (s, next)) in solo.iter_mut().enumerate() {
-        for _ in 0..12 {
-            let l = s.eval(&[*next], Logits::Last).unwrap().to_vec();
-            *next = argmax(&l);
-            want[i].push(l);
-        }
-    }
+    let want = decode_alone(&mut solo, 12);
     // Batches of 4, then of 1, 2 and 3 over the same steps.
     for sizes in [vec![4usize], vec![1, 2, 1], vec![3, 1], vec![2, 2]] {
         let mut st = build();
@@ -117,14 +126,7 @@ fn batched_contexts_past_a_span_equal_each_sessions_own() {
             .collect()
     };
     let mut solo = build();
-    let mut want: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
-    for (i, (s, next)) in solo.iter_mut().enumerate() {
-        for _ in 0..8 {
-            let l = s.eval(&[*next], Logits::Last).unwrap().to_vec();
-            *next = argmax(&l);
-            want[i].push(l);
-        }
-    }
+    let want = decode_alone(&mut solo, 8);
     let mut st = build();
     let mut scratch = Scratch::default();
     let vocab = m.config.vocab;

@@ -2178,5 +2178,5 @@ pub(super) unsafe fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
         _mm_storel_epi64(out.as_mut_ptr().add(i).cast(), _mm_packs_epi16(w, w));
         i += 8;
     }
-    super::int8_codes_ref(&x[i..n], inv, &mut out[i..n]);
+    crate::kv::int8_codes_ref(&x[i..n], inv, &mut out[i..n]);
 }

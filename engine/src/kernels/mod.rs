@@ -710,7 +710,9 @@ pub fn softmax_f16(row: &mut [f32]) {
 /// `out[i] = round(x[i] * inv)` clamped to ±127, NaN to 0, rounding half away from zero (libm's
 /// `roundf`), as bytes: an int8 K/V row's codes ([`crate::kv::write_token`]). A prompt's rows
 /// are written on the calling thread between the pool's operations, and the scalar loop was
-/// ~0.4 ms of an ~11 ms pass with a 16-token piece (perf). Bit for bit [`int8_codes_ref`].
+/// ~0.4 ms of an ~11 ms pass with a 16-token piece (perf). Bit for bit
+/// [`crate::kv::int8_codes_ref`]; the model hands it to the cache's writes
+/// ([`crate::kvcache::ChunkedKv::write_with`]), which sit below this module.
 pub fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
     assert_eq!(x.len(), out.len(), "int8_codes' rows");
     #[cfg(target_arch = "x86_64")]
@@ -719,14 +721,7 @@ pub fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
         unsafe { avx2::int8_codes(x, inv, out) };
         return;
     }
-    int8_codes_ref(x, inv, out);
-}
-
-/// The scalar reference for [`int8_codes`].
-pub fn int8_codes_ref(x: &[f32], inv: f32, out: &mut [u8]) {
-    for (c, &v) in out.iter_mut().zip(x) {
-        *c = crate::kv::round_i8(v * inv) as u8;
-    }
+    crate::kv::int8_codes_ref(x, inv, out);
 }
 
 pub fn silu_mul(g: &mut [f32], u: &[f32]) {
@@ -1005,6 +1000,29 @@ mod tests {
             }
         }
         data
+    }
+
+    /// The int8 K/V rows' codes eight lanes at a time give the scalar reference's bytes (itself
+    /// checked against libm's `roundf` in kv's tests): halves, the clamp, NaN, infinities and
+    /// random bits, at scales that move values across them, ragged lengths.
+    #[test]
+    fn int8_codes_equal_the_scalar_reference() {
+        let mut ys: Vec<f32> = (-600..=600).map(|i| i as f32 * 0.5).collect();
+        ys.extend([0.0, -0.0, 0.499_999_97, -0.499_999_97, 126.5, -126.5, 127.499_99, 127.5, -127.5, 1e30, -1e30]);
+        ys.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::MIN_POSITIVE, f32::EPSILON]);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        ys.extend((0..200_000).map(|_| f32::from_bits(rng.gen::<u32>())));
+        ys.extend((0..200_000).map(|_| rng.gen_range(-130.0f32..130.0)));
+        for inv in [1.0f32, 0.5, 3.0, 1.0 / 0.37, 1e-3] {
+            for len in [ys.len(), 61, 8, 3] {
+                for x in [&ys[..len], &ys[ys.len() - len..]] {
+                    let (mut got, mut want) = (vec![0u8; len], vec![0u8; len]);
+                    int8_codes(x, inv, &mut got);
+                    crate::kv::int8_codes_ref(x, inv, &mut want);
+                    assert_eq!(got, want, "scale {inv}, {len} values");
+                }
+            }
+        }
     }
 
     #[test]
