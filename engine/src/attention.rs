@@ -41,6 +41,45 @@ impl AttentionStats {
         }
     }
 
+    /// The totals [`Self::add_rows`] would add for these rows, into `sum` and `count` (sized to
+    /// the longest row): per position, the probabilities the rows give it and how many rows
+    /// see it.
+    pub fn totals(probs: &[f32], ld: usize, limits: &[usize], sum: &mut Vec<f64>, count: &mut Vec<u64>) {
+        let n = limits.iter().copied().max().unwrap_or(0);
+        sum.clear();
+        sum.resize(n, 0.0);
+        count.clear();
+        count.resize(n, 0);
+        for (i, &lim) in limits.iter().enumerate().filter(|(_, &lim)| lim > 0) {
+            for (s, &a) in sum[..lim].iter_mut().zip(&probs[i * ld..i * ld + lim]) {
+                *s += f64::from(a);
+            }
+            // A row sees positions 0..lim: marked at its last, then summed from the top down,
+            // so count[p] is the rows whose limit is above p.
+            count[lim - 1] += 1;
+        }
+        for p in (0..n.saturating_sub(1)).rev() {
+            count[p] += count[p + 1];
+        }
+    }
+
+    /// Adds totals from [`Self::totals`]. The same sums as adding the rows one by one: the
+    /// probabilities are f16 values (softmax rounds them), each a multiple of 2^-24 at most 1,
+    /// so their sums are exact in f64 in any order.
+    pub fn add_totals(&mut self, sum: &[f64], count: &[u64]) {
+        let n = sum.len().min(count.len());
+        if self.sum.len() < n {
+            self.sum.resize(n, 0.0);
+            self.count.resize(n, 0);
+        }
+        for (s, &a) in self.sum[..n].iter_mut().zip(sum) {
+            *s += a;
+        }
+        for (c, &k) in self.count[..n].iter_mut().zip(count) {
+            *c += k;
+        }
+    }
+
     /// Information density of a range of positions (LLMS eq. 1): each token's received
     /// attention averaged over the rows that see it, the heads and the layers; then averaged
     /// over the tokens of the range.
@@ -205,8 +244,8 @@ fn whole_contexts(plans: &[SpanPlan], nkv: usize, threads: usize) -> bool {
 
 /// Each thread's buffers for a prefill tile's jobs ([`attention`]): the queries, outputs and
 /// span parts (five tiles of floats), the queries' limits and visible counts, the blocks'
-/// scratch, and the scores.
-type TileJob = (Vec<f32>, Vec<usize>, Vec<usize>, BlockScratch, Vec<f32>);
+/// scratch, the scores, and the job's attention totals per position for an observer.
+type TileJob = (Vec<f32>, Vec<usize>, Vec<usize>, BlockScratch, Vec<f32>, (Vec<f64>, Vec<u64>));
 
 thread_local! {
     static TILE_JOB: std::cell::RefCell<TileJob> = std::cell::RefCell::default();
@@ -426,7 +465,12 @@ pub(crate) fn attention(
                     }
                 }
                 if let Some(obs) = &obs {
-                    obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(scores, p_max, &limits[..nq]);
+                    // The job's rows summed per position first, outside the lock: every job of
+                    // the context adds to the same positions, and with the rows added under it
+                    // (24 rows of a few hundred positions a job) the threads queued for it.
+                    let (sum, count) = &mut bufs.5;
+                    AttentionStats::totals(&scores[..nq * p_max], p_max, &limits[..nq], sum, count);
+                    obs.lock().unwrap_or_else(|e| e.into_inner()).add_totals(sum, count);
                 }
                 for t in t0..t1 {
                     for j in 0..per_job {
@@ -844,6 +888,27 @@ mod tests {
     use super::*;
     use crate::kv::KvGeometry;
     use rand::{Rng, SeedableRng};
+
+    /// A job's rows summed per position, then added, give the stats adding the rows one by one
+    /// gives, bit for bit (f16 probabilities: exact sums), into stats already holding a row.
+    #[test]
+    fn observed_totals_equal_the_rows_added_one_by_one() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (ld, limits) = (40, [17usize, 18, 18, 1, 40, 33]);
+        let probs: Vec<f32> = (0..limits.len() * ld).map(|_| half::f16::from_f32(rng.gen_range(0.0f32..1.0)).to_f32()).collect();
+        let first: Vec<f32> = (0..9).map(|_| half::f16::from_f32(rng.gen_range(0.0f32..1.0)).to_f32()).collect();
+        let (mut rows, mut totals) = (AttentionStats::default(), AttentionStats::default());
+        for st in [&mut rows, &mut totals] {
+            st.add_rows(&first, 9, &[9]);
+        }
+        rows.add_rows(&probs, ld, &limits);
+        let (mut sum, mut count) = (Vec::new(), Vec::new());
+        AttentionStats::totals(&probs, ld, &limits, &mut sum, &mut count);
+        totals.add_totals(&sum, &count);
+        assert_eq!(rows.count, totals.count);
+        assert!(rows.sum == totals.sum, "the same sums");
+        assert_eq!(totals.count[..3], [7, 6, 6]);
+    }
 
     /// Attention over chunks in every format equals a plain f32 attention over their
     /// dequantized values (same f16 rounding of Q and of the probabilities).
