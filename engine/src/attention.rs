@@ -573,8 +573,6 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             (slot_of, d8, d32)
         })
         .collect();
-    // Each context's output, for the whole-context jobs (each writes its own heads' columns).
-    let outs: Vec<OutPtr> = ctxs.iter_mut().map(|d| OutPtr::new(d.out)).collect();
     let lbs: Vec<LayerBlocks> = ctxs
         .iter()
         .zip(&decoded)
@@ -616,6 +614,9 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             p
         })
         .collect();
+    let whole = whole_contexts(&plans, nkv, pool.threads());
+    // Each context's output, for the whole-context jobs (each writes its own heads' columns).
+    let outs: Vec<OutPtr> = if whole { ctxs.iter_mut().map(|d| OutPtr::new(d.out)).collect() } else { Vec::new() };
     let mut q = vec![0.0f32; nq_all * nkv * hd];
     let mut limits = vec![0usize; nq_all];
     for (d, p) in ctxs.iter().zip(&plans) {
@@ -688,7 +689,7 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
             obs.lock().unwrap_or_else(|e| e.into_inner()).add_rows(probs, lim, &[lim]);
         }
     };
-    if whole_contexts(&plans, nkv, pool.threads()) {
+    if whole {
         // One job per context and KV head: its scores, softmax and values in one go, the
         // values summed span by span and the spans added in order as the three passes below
         // add them (the same operations on the same rows in the same order: the same bits;

@@ -273,8 +273,9 @@ pub struct Q8Acts {
 /// Rows a job of a parallel quantization takes, or None to quantize on the calling thread:
 /// from 4096 values (8 rows of the default model's 576: a 16-token prompt piece beside
 /// three decoding calls spent ~0.7 ms of its ~11 ms pass quantizing its 19 rows on one
-/// thread while the other waited, perf), in as many jobs as threads up to 16 rows each (a prompt's: the dynamic share
-/// evens out a thread slowed by the host). Each block is quantized alone: the same bits.
+/// thread while the other waited, perf), in as many jobs as threads, at most 16 rows each
+/// (a long prompt's many jobs even out a thread slowed by the host). Each block is quantized
+/// alone: the same bits.
 fn rows_per_job(rows: usize, cols: usize, threads: usize) -> Option<usize> {
     const MAX_ROWS_PER_JOB: usize = 16;
     const MIN_VALUES: usize = 4096;

@@ -703,10 +703,6 @@ pub fn softmax_f16(row: &mut [f32]) {
     softmax_f16_ref(row, max);
 }
 
-/// SwiGLU's gate in place: `g = g / (1 + e^-g) * u` (SiLU of the gate times the up row). Every
-/// path takes `e^-g` with `exp_lane`'s polynomial (its argument capped at 88) and
-/// divides exactly, so they agree bit for bit — and across architectures, where libm's `expf`
-/// need not. llama.cpp computes this gate with its own vector `exp` too (`ggml_v_silu`).
 /// `out[i] = round(x[i] * inv)` clamped to ±127, NaN to 0, rounding half away from zero (libm's
 /// `roundf`), as bytes: an int8 K/V row's codes ([`crate::kv::write_token`]). A prompt's rows
 /// are written on the calling thread between the pool's operations, and the scalar loop was
@@ -724,6 +720,10 @@ pub fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
     crate::kv::int8_codes_ref(x, inv, out);
 }
 
+/// SwiGLU's gate in place: `g = g / (1 + e^-g) * u` (SiLU of the gate times the up row). Every
+/// path takes `e^-g` with `exp_lane`'s polynomial (its argument capped at 88) and
+/// divides exactly, so they agree bit for bit — and across architectures, where libm's `expf`
+/// need not. llama.cpp computes this gate with its own vector `exp` too (`ggml_v_silu`).
 pub fn silu_mul(g: &mut [f32], u: &[f32]) {
     assert_eq!(g.len(), u.len(), "silu_mul's rows");
     #[cfg(target_arch = "x86_64")]
