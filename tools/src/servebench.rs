@@ -318,6 +318,92 @@ pub fn batch_decode(
     Ok((median(rates), median(steps)))
 }
 
+/// A prompt piece beside decoding calls, as the service's passes carry it (`llms bench-batch
+/// --piece`): each a median over `rounds`, in ms.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PieceTimes {
+    /// The decoding contexts' step alone.
+    pub step_ms: f64,
+    /// The same step with the piece in the pass.
+    pub mixed_ms: f64,
+    /// The piece alone in a pass.
+    pub alone_ms: f64,
+    /// What the piece adds to the step, over what it costs alone (the median of the rounds'
+    /// own ratios): below 1, the pass shares work between them (the weights' reads).
+    pub beside_vs_alone: f64,
+}
+
+/// `b` contexts `depth` tokens deep decoding while one more, as deep, takes a `piece`-token
+/// piece of a prompt, with the service's sessions (its base level `base`, attention observed).
+/// Each round times three passes one after the other, so the host's drift falls on all alike:
+/// the `b` contexts' step, the step with the piece beside it, and the piece alone; the piece's
+/// context is cut back after each piece, so every piece runs `depth` deep (the decoding
+/// contexts go two tokens deeper a round).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_piece(
+    model: &Arc<::engine::Model>,
+    pool: &Arc<::engine::ThreadPool>,
+    ids: &[u32],
+    b: usize,
+    depth: usize,
+    piece: usize,
+    rounds: usize,
+    base: ::engine::kv::KvFormat,
+) -> Result<PieceTimes> {
+    use ::engine::model::{Scratch, SessionOptions};
+    use ::engine::{Logits, Session};
+    check_tokens(ids, b + 1, depth, piece)?;
+    let cap = depth + 2 * rounds + piece + 1;
+    let opts = SessionOptions { capacity: cap, base, observe_attention: true, ..SessionOptions::new(cap) };
+    let mut sessions: Vec<Session> = (0..=b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();
+    let mut next = Vec::with_capacity(b);
+    for (i, s) in sessions.iter_mut().enumerate() {
+        let logits = s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?;
+        if i < b {
+            next.push(::engine::sampler::argmax(logits));
+        }
+    }
+    let prompt = &ids[b * 7 + depth..b * 7 + depth + piece];
+    let mut scratch = Scratch::default();
+    let (mut step, mut mixed, mut alone, mut ratio) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut pass = |sessions: &mut [Session], with_decode: bool, with_piece: bool, next: &mut Vec<u32>| -> Result<f64> {
+        let (dec, rest) = sessions.split_at_mut(b);
+        let mut refs: Vec<&mut Session> = Vec::new();
+        let mut toks: Vec<&[u32]> = Vec::new();
+        let now: Vec<u32> = next.clone();
+        if with_decode {
+            refs.extend(dec.iter_mut());
+            toks.extend(now.chunks(1));
+        }
+        if with_piece {
+            refs.push(&mut rest[0]);
+            toks.push(prompt);
+        }
+        let t0 = Instant::now();
+        let logits = Session::step_batch(&mut refs, &toks, &mut scratch)?;
+        let ms = t0.elapsed().as_secs_f64() * 1000.0;
+        if with_decode {
+            for (n, row) in next.iter_mut().zip(logits.chunks_exact(model.config.vocab)) {
+                *n = ::engine::sampler::argmax(row);
+            }
+        }
+        if with_piece {
+            rest[0].truncate(depth);
+        }
+        Ok(ms)
+    };
+    for _ in 0..rounds {
+        let s = pass(&mut sessions, true, false, &mut next)?;
+        let m = pass(&mut sessions, true, true, &mut next)?;
+        let a = pass(&mut sessions, false, true, &mut next)?;
+        ratio.push((m - s) / a);
+        step.push(s);
+        mixed.push(m);
+        alone.push(a);
+    }
+    Ok(PieceTimes { step_ms: median(step), mixed_ms: median(mixed), alone_ms: median(alone), beside_vs_alone: median(ratio) })
+}
+
 /// One forward pass of `b` contexts at `depth` tokens each taking a `prompt`-token piece
 /// (several calls' prompts prefilled together, as the service does when they start together):
 /// the pass's ms, median of `reps`. `base`: the KV format new chunks take, the service's base

@@ -36,7 +36,7 @@ fn every_bench_command_runs_at_its_smallest() {
         ("bench-load", &["--tokens", "64", "--reps", "1", "--state-dir", s]),
         ("bench-switch", &["--tokens", "160", "--reps", "1", "--state-dir", s]),
         ("bench-http", &["--turns", "2", "--user-tokens", "8", "--reply-tokens", "4", "--reps", "1", "--state-dir", s]),
-        ("bench-batch", &["--sizes", "1", "2", "--depth", "16", "--tokens", "4", "--reps", "1"]),
+        ("bench-batch", &["--sizes", "1", "2", "--depth", "16", "--tokens", "4", "--reps", "1", "--piece", "4"]),
         ("bench-tokenize", &["--bytes", "4096", "--reps", "1"]),
         ("bench-doors", &["--chars", "2000", "--reps", "1", "--state-dir", s]),
         ("bench-serve", &["--clients", "2", "--calls", "1", "--prompt-tokens", "8", "--max-tokens", "4", "--state-dir", s]),
@@ -47,6 +47,15 @@ fn every_bench_command_runs_at_its_smallest() {
         let mut a = vec![cmd, "--json"];
         a.extend_from_slice(args);
         let v = llms(&a, state);
+        if cmd == "bench-batch" {
+            // --piece: each size's three pass times, beside its decode figures.
+            for row in v.as_array().unwrap() {
+                let t = &row["piece"]["times"];
+                for k in ["step_ms", "mixed_ms", "alone_ms"] {
+                    assert!(t[k].as_f64().is_some_and(|ms| ms > 0.0), "bench-batch --piece: {k} in {row}");
+                }
+            }
+        }
         eprintln!("{cmd}: {}", v.to_string().chars().take(200).collect::<String>());
     }
 }

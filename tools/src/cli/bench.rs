@@ -271,6 +271,11 @@ pub struct BenchBatchArgs {
     pub tokens: usize,
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Also time a prompt piece of this many tokens beside each batch, as the service's passes
+    /// carry one (its sessions: int8 cache, attention observed): the step alone, the step with
+    /// the piece, and the piece alone, alternating, over --tokens rounds.
+    #[arg(long)]
+    pub piece: Option<usize>,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -283,29 +288,41 @@ impl BenchBatchArgs {
     /// median over `reps` of aggregate tokens/s and of the step time (each context's
     /// inter-token latency), and both as ratios to B = 1 measured in the same run.
     pub fn run(self) -> Result<()> {
-        let Self { sizes, depth, tokens, reps, json, m } = self;
+        let Self { sizes, depth, tokens, reps, piece, json, m } = self;
         if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
             bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
+        }
+        if piece.is_some_and(|p| !(1..=512).contains(&p)) {
+            bail!("--piece in 1..=512");
         }
         let (model, pool) = load(&m)?;
         let text = read_text(Path::new(CALIB_TEXT)).unwrap_or_else(|_| "The quick brown fox jumps over the lazy dog. ".repeat(400));
         let ids = model.tokenizer.encode(&text, false, false)?;
         let max_b = sizes.iter().copied().max().unwrap_or(1);
-        if ids.len() < depth + max_b * 7 {
+        if ids.len() < depth + (max_b + 1) * 7 + piece.unwrap_or(0) {
             bail!("the text is too short for --depth {depth}");
         }
         let mut rows = Vec::new();
+        let mut pieces = Vec::new();
         for &b in &sizes {
             let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps)?;
             rows.push((b, rate, step));
+            if let Some(p) = piece {
+                pieces.push(crate::servebench::batch_piece(&model, &pool, &ids, b, depth, p, tokens, ::engine::kv::KvFormat::Int8)?);
+            }
         }
         let base = rows.iter().find(|r| r.0 == 1).map(|r| (r.1, r.2));
         if json {
             let v: Vec<_> = rows
                 .iter()
-                .map(|&(b, rate, step)| {
-                    json!({"batch": b, "aggregate_tok_s": rate, "step_ms": step,
-                           "vs_one": base.map(|(r, _)| rate / r), "step_vs_one": base.map(|(_, s)| step / s)})
+                .enumerate()
+                .map(|(i, &(b, rate, step))| {
+                    let mut v = json!({"batch": b, "aggregate_tok_s": rate, "step_ms": step,
+                           "vs_one": base.map(|(r, _)| rate / r), "step_vs_one": base.map(|(_, s)| step / s)});
+                    if let (Some(p), Some(t)) = (piece, pieces.get(i)) {
+                        v["piece"] = json!({"tokens": p, "kv": "int8", "times": t});
+                    }
+                    v
                 })
                 .collect();
             println!("{}", serde_json::to_string(&v)?);
@@ -316,6 +333,13 @@ impl BenchBatchArgs {
         for &(b, rate, step) in &rows {
             let (r1, s1) = base.unwrap_or((rate, step));
             println!("{b:>5} {rate:>12.1} {step:>10.2} {:>8.2} {:>10.2}", rate / r1, step / s1);
+        }
+        if let Some(p) = piece {
+            println!("a {p}-token prompt piece beside them (int8 cache, attention observed; medians of {tokens} alternating rounds, ms)");
+            println!("{:>5} {:>10} {:>12} {:>12} {:>14}", "B", "step", "step+piece", "piece alone", "beside/alone");
+            for (&(b, ..), t) in rows.iter().zip(&pieces) {
+                println!("{b:>5} {:>10.2} {:>12.2} {:>12.2} {:>14.2}", t.step_ms, t.mixed_ms, t.alone_ms, t.beside_vs_alone);
+            }
         }
         Ok(())
     }
