@@ -313,3 +313,53 @@ fn a_pass_that_panics_fails_only_the_call_that_made_it() {
     }
     d.stop();
 }
+
+/// Saving a finished call's turn holds no other call: with one app's save held (injected at
+/// `save`: standing for a context file's write that waits, as a write into the page cache
+/// does for dirty pages' writeback on a device under write load), another app's call runs its
+/// passes and streams its tokens meanwhile; once the save goes on, both calls are answered
+/// and the held one's turn is in its context. (With the write on the worker, no pass ran
+/// while it waited.)
+#[test]
+#[cfg_attr(not(debug_assertions), ignore = "the hold is injected in debug builds only (make test runs them)")]
+fn a_save_that_waits_holds_no_other_call() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let release = dir.path().join("release");
+    let held = release.with_extension("held");
+    let env = [("LLMS_FAULT_HOLD_AT", "save".to_string()), ("LLMS_FAULT_HOLD_FILE", release.display().to_string())];
+    let d = Daemon::start_env(dir.path(), "hold", &dir.path().join("hold"), EXACT, &env);
+    let slow = std::thread::spawn({
+        let socket = d.socket.clone();
+        move || {
+            let mut c = Client::connect(&socket, "FAULT-app").unwrap();
+            let ctx = c.new_ctx(None).unwrap();
+            let (out, st) = c.call(&raw(&ctx, TEXTS[1], 8), &mut |_| {}).unwrap();
+            let tokens = c.list().unwrap().into_iter().find(|i| i.ctx == ctx).unwrap().tokens;
+            (out, st, tokens)
+        }
+    });
+    llms_tests::wait_until("the first call's save to be held", Duration::from_secs(120), || held.exists().then_some(()));
+    let mut c = d.client("other");
+    let ctx = c.new_ctx(None).unwrap();
+    let mut while_held = 0;
+    let (out, st) = c
+        .call(&raw(&ctx, TEXTS[2], 16), &mut |_| {
+            if held.exists() {
+                while_held += 1;
+                if while_held == 4 {
+                    // Its answer, too, goes through the syncer: the save goes on now.
+                    std::fs::write(&release, b"").unwrap();
+                }
+            }
+        })
+        .unwrap();
+    assert!(while_held >= 4, "the other call streamed {while_held} token(s) while the save was held: the save held the worker");
+    assert_eq!(st.output_tokens, 16, "{out:?} {st:?}");
+    let (slow_out, slow_st, slow_tokens) = slow.join().unwrap();
+    assert_eq!(slow_st.output_tokens, 8, "{slow_out:?}");
+    assert_eq!(slow_tokens, slow_st.context_tokens, "the held call's turn is saved in its context");
+    d.stop();
+}

@@ -163,6 +163,7 @@ fn panics_anywhere_give_back_what_the_connection_held() {
         ("http-tokenize", true, 30),
         ("http-answer", true, 30),
         ("begin", true, 30),
+        ("save", false, 5),
         ("sync", false, 5),
     ]
     .into_iter()

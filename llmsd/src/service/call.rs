@@ -4,8 +4,8 @@
 //! registry and brings its chunks back (mm `begin`: read or recompute as planned, then
 //! pinned); [`Service::step`] runs one forward pass for every call in the batch (each decoding
 //! call's next token, a piece of one prompt); [`Service::finish`] ends a call in mm (unpin,
-//! AoT write, re-level, reclaim) and saves its context. The registry and mm are never locked
-//! while the model computes.
+//! AoT write, re-level, reclaim) and hands its turn to the syncer, which saves its context
+//! (syncer.rs). The registry and mm are never locked while the model computes.
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -63,13 +63,25 @@ impl Events {
     }
 }
 
-/// An answer that waits for its context's file to be durable (syncer.rs).
+/// A finished call's turn for the syncer (syncer.rs), which saves it (its context file
+/// written, [`Service::settle`]), makes the file durable and only then answers.
 pub(super) struct SyncJob {
     pub ctx: String,
     /// The calling app (what fault injection keys on).
     pub app: String,
     pub events: Events,
-    pub ev: Event,
+    pub turn: Box<Turn>,
+}
+
+/// What [`Service::settle`] needs to save a call's turn, and the answer it gives.
+pub(super) struct Turn {
+    pub owner: Owner,
+    pub made: bool,
+    pub s: Session,
+    pub before: Saved,
+    pub saved: Saved,
+    pub text: String,
+    pub stats: CallStats,
 }
 
 /// The most tokens one forward pass runs (the engine's own split of a long `eval`).
@@ -564,9 +576,9 @@ impl Service {
                 next: None,
                 out: Output::default(),
             }),
-            Ok(Err(e)) => Err(self.settle(&job, &ctx, made, s, before, saved, Err(e)).expect_err("failed")),
+            Ok(Err(e)) => Err(self.settle(&job.owner, &ctx, made, s, before, saved, Err(e)).expect_err("failed")),
             Err(panic) => {
-                let r = self.quarantine(&ctx, s, saved.mm_id, &panic_message(panic.as_ref()));
+                let r = self.quarantine(&ctx, Some(s), saved.mm_id, &panic_message(panic.as_ref()));
                 if made {
                     let _ = self.del_ctx(&job.owner, &ctx);
                 }
@@ -580,9 +592,9 @@ impl Service {
     /// what it made). A call that failed anywhere (a full disk included) leaves the context as
     /// it was before it; a context made for a failed call goes.
     #[allow(clippy::too_many_arguments)]
-    fn settle(
+    pub(super) fn settle(
         &self,
-        job: &Job,
+        owner: &Owner,
         ctx: &str,
         made: bool,
         s: Session,
@@ -630,7 +642,7 @@ impl Service {
             e.unavailable = unusable;
         }
         if !ok && made {
-            let _ = self.del_ctx(&job.owner, ctx);
+            let _ = self.del_ctx(owner, ctx);
         }
         let out = r?;
         let mut m = lock(&self.metrics);
@@ -656,7 +668,7 @@ impl Service {
 
     /// After a call panicked: unpins what mm can, marks the context unavailable (its data
     /// kept, its owner told why, deletable) and says so.
-    fn quarantine(&self, ctx: &str, s: Session, mm_id: u64, what: &str) -> Refusal {
+    pub(super) fn quarantine(&self, ctx: &str, s: Option<Session>, mm_id: u64, what: &str) -> Refusal {
         // Its memory goes (the session may be half-way through anything); its records stay.
         drop(s);
         let _ = catch_unwind(AssertUnwindSafe(|| lock(&self.mm).close(mm_id)));
@@ -1106,15 +1118,15 @@ impl Service {
             }
             self.wake_leveller();
         }
-        let r = match how {
+        let refusal = match how {
             Outcome::Panicked(what) => {
-                let r = self.quarantine(&a.ctx, a.s, a.saved.mm_id, &what);
+                let r = self.quarantine(&a.ctx, Some(a.s), a.saved.mm_id, &what);
                 if a.made {
                     let _ = self.del_ctx(&a.job.owner, &a.ctx);
                 }
-                Err(r)
+                r
             }
-            Outcome::Failed(r) => self.settle(&a.job, &a.ctx, a.made, a.s, a.before, a.saved, Err(r)),
+            Outcome::Failed(r) => self.settle(&a.job.owner, &a.ctx, a.made, a.s, a.before, a.saved, Err(r)).expect_err("failed"),
             Outcome::Done => {
                 let c = &a.job.call;
                 // A stateless client sends the turn's end itself with its next history.
@@ -1126,25 +1138,28 @@ impl Service {
                     recomputed = st.recomputed_chunks, prompt = st.prompt_tokens, cached = st.cached_tokens, output = st.output_tokens,
                     batch = st.batch_max, finish = %st.finish, "call"
                 );
-                let out = (std::mem::take(&mut a.out.text), a.stats);
-                self.settle(&a.job, &a.ctx, a.made, a.s, a.before, a.saved, Ok(out))
+                // Saved (its context file written), made durable and answered off the worker
+                // (syncer.rs), by this thread if no syncer runs: writing the file, even into
+                // the page cache, can wait (on a device under write load, for the dirty
+                // pages' writeback), and every other call's next token waited with it.
+                let turn = Turn {
+                    owner: a.job.owner,
+                    made: a.made,
+                    s: a.s,
+                    before: a.before,
+                    saved: a.saved,
+                    text: std::mem::take(&mut a.out.text),
+                    stats: a.stats,
+                };
+                let job = SyncJob { ctx: a.ctx, app: turn.owner.app.clone(), events: a.job.events, turn: Box::new(turn) };
+                if let Err(job) = self.sync.defer(job) {
+                    self.save_and_answer(vec![*job]);
+                }
+                return;
             }
         };
-        match r {
-            Ok((text, stats)) => {
-                // Answered (and counted) once the context's file is durable, off the worker
-                // (syncer.rs); by this thread if no syncer runs.
-                let job = SyncJob { ctx: a.ctx, app: a.job.owner.app, events: a.job.events, ev: Event::Done { text, stats } };
-                if let Err(job) = self.sync.defer(job) {
-                    let synced = super::ctxfile::sync(&self.ctx_dir, &[&job.ctx]).map_err(|e| crate::describe(&e));
-                    self.answer_synced(*job, synced);
-                }
-            }
-            Err(r) => {
-                self.prom.failed();
-                let _ = a.job.events.send(r.into());
-            }
-        }
+        self.prom.failed();
+        let _ = a.job.events.send(refusal.into());
     }
 }
 

@@ -461,13 +461,32 @@ impl Service {
 /// Fault injection for tests, in debug builds only: with `LLMS_FAULT_PANIC_AT=<stage>`, a
 /// request whose `trigger` (its app, or its text) contains `FAULT` panics at that stage of its
 /// handling (`native-request`, `native-stream`, `enqueue`, `begin` (on the worker, after a
-/// stateless call's context was chosen or made), `sync` (the syncer, making a call's file durable), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
+/// stateless call's context was chosen or made), `save` (the syncer, writing a finished call's context file), `sync` (the syncer, making it durable), `http-auth`, `http-tokenize`, `http-answer`), standing for a bug anywhere a connection is handled; other requests pass
 /// (llmsd/tests/doors.rs checks that every such panic gives back what it held).
+///
+/// With `LLMS_FAULT_HOLD_AT=<stage>` and `LLMS_FAULT_HOLD_FILE=<path>`, such a request waits
+/// at that stage instead, standing for a write or a lock that waits: it creates `<path>.held`,
+/// waits until `<path>` exists (two minutes at most), then removes `<path>.held` and goes on
+/// (llmsd/tests/batching.rs checks that a held save holds no other call).
 #[cfg(debug_assertions)]
 fn fault_point(stage: &str, trigger: &str) {
     static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    if AT.get_or_init(|| std::env::var("LLMS_FAULT_PANIC_AT").ok()).as_deref() == Some(stage) && trigger.contains("FAULT") {
+    static HOLD: std::sync::OnceLock<Option<(String, std::path::PathBuf)>> = std::sync::OnceLock::new();
+    if !trigger.contains("FAULT") {
+        return;
+    }
+    if AT.get_or_init(|| std::env::var("LLMS_FAULT_PANIC_AT").ok()).as_deref() == Some(stage) {
         panic!("injected fault at {stage}");
+    }
+    let hold = HOLD.get_or_init(|| Some((std::env::var("LLMS_FAULT_HOLD_AT").ok()?, std::env::var_os("LLMS_FAULT_HOLD_FILE")?.into())));
+    if let Some((_, release)) = hold.as_ref().filter(|(at, _)| at == stage) {
+        let held = release.with_extension("held");
+        let _ = std::fs::write(&held, stage);
+        let t0 = std::time::Instant::now();
+        while !release.exists() && t0.elapsed() < std::time::Duration::from_secs(120) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let _ = std::fs::remove_file(held);
     }
 }
 
