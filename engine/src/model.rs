@@ -1121,10 +1121,16 @@ fn matmul_cols(
     // never fewer than ~4 tasks a thread when the matrix allows: with 8-group chunks a
     // 576-row matrix was 9 tasks, so at 16 threads 7 of them had nothing to do
     // (`llms bench --pool-report` shows tasks per call). On 2 threads this changes nothing.
-    let most = if n <= 8 { 8 } else { 2 };
+    // A few prompt tokens (a piece beside decoding calls: 16 here) make short groups too: at
+    // 2 groups a chunk a 16-token piece's products were ~10,000 claims a pass, ~4% of it in
+    // the claims (perf of `llms bench --pp 16 --depth 320 --kv int8`); the chunks grow back to
+    // decode's 8 groups as the tokens shrink to 16.
+    let most = if n <= 8 { 8 } else { (128 / n).clamp(2, 8) };
     // Each thread's groups in one forward stream (`for_runs`): decode reads the weights at the
-    // prefetchers' pace.
+    // prefetchers' pace. An even count: the 512-bit kernels take groups in pairs, and a chunk
+    // of 5 left a group a chunk to the 256-bit tile (24 tokens: 0.94x the pass).
     let chunk = (units / (4 * pool.threads())).clamp(1, most);
+    let chunk = if chunk > 1 { chunk & !1 } else { chunk };
     let product = || {
         pool.for_runs("matmul", units, chunk, &|a, b| {
             for (m, &(u0, r0)) in ms.iter().zip(&starts) {
