@@ -1,7 +1,7 @@
 //! Decode attention's work on one 16-token chunk of one KV head for a GQA group of 3 queries
 //! (the default model's shape), per format and step: the block's parameters parsed, the K
 //! scores, the K outliers' corrections, the V values; and a prefill job's (8 tokens by the
-//! group: 24 queries) int8 scores and values. Prints the fastest of 40 rounds of each (ns),
+//! group: 24 queries) int8 and f16 scores and values. Prints the fastest of 40 rounds of each (ns),
 //! measured in turn so that the machine's noise falls on every format alike, and the int8
 //! multiply-adds a ns of both shapes.
 //!
@@ -44,6 +44,9 @@ fn main() {
     for s in i8blk[..2 * T].chunks_exact_mut(2) {
         s.copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
     }
+    // f16 values of modest size (any bits would do, but a NaN or an infinity might not run
+    // at the speed of a number).
+    let f16blk: Vec<u8> = (0..T * HD).flat_map(|i| half::f16::from_f32((i as f32 * 0.013).sin()).to_le_bytes()).collect();
     let kblk = bytes(g.head_block_bytes(KvFormat::K4V3, 0), 91);
     let vblk = bytes(g.head_block_bytes(KvFormat::K4V3, 1), 53);
     let (mut zero, mut step, mut scales) = (vec![0f32; HD], vec![0f32; HD], vec![0f32; T]);
@@ -64,8 +67,10 @@ fn main() {
         "k4v3 V values",
         "int8 K scores 24q",
         "int8 V values 24q",
+        "f16 K scores 24q",
+        "f16 V values 24q",
     ];
-    let mut best = [f64::MAX; 9];
+    let mut best = [f64::MAX; 11];
     for _ in 0..ROUNDS {
         let mut time = |i: usize, f: &mut dyn FnMut()| {
             let s = Instant::now();
@@ -93,6 +98,9 @@ fn main() {
         time(6, &mut || chunk_values(&probs, T, 0, v3, &visible, HD, &mut out));
         time(7, &mut || chunk_scores(&q24, HD, k8, &visible24, 0.125, &mut scores24, T, 0));
         time(8, &mut || chunk_values(&probs24, T, 0, k8, &visible24, HD, &mut out24));
+        let k16 = KvRows::F16(&f16blk);
+        time(9, &mut || chunk_scores(&q24, HD, k16, &visible24, 0.125, &mut scores24, T, 0));
+        time(10, &mut || chunk_values(&probs24, T, 0, k16, &visible24, HD, &mut out24));
     }
     best[4] -= best[3];
     println!("one chunk (16 tokens) of one KV head, {NQ} queries, head_dim {HD}: fastest of {ROUNDS} rounds, ns");
@@ -101,8 +109,10 @@ fn main() {
     }
     let (int8, k4v3) = (best[0] + best[1], best[2..7].iter().sum::<f64>());
     // Multiply-adds a call: queries x tokens x head_dim.
-    for (n, q, b) in [("3q", NQ, best[0] + best[1]), ("24q", PQ, best[7] + best[8])] {
-        println!("  int8 K+V, {n}: {:.1} multiply-adds a ns", (2 * q * T * HD) as f64 / b);
+    for (n, q, b) in
+        [("int8 K+V, 3q", NQ, best[0] + best[1]), ("int8 K+V, 24q", PQ, best[7] + best[8]), ("f16 K+V, 24q", PQ, best[9] + best[10])]
+    {
+        println!("  {n}: {:.1} multiply-adds a ns", (2 * q * T * HD) as f64 / b);
     }
     println!("  int8 total {int8:.1}, k4v3 total {k4v3:.1}: k4v3 at {:.2}x int8's speed", int8 / k4v3);
     black_box((&scores, &out, &scores24, &out24));

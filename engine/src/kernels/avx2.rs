@@ -1205,6 +1205,10 @@ pub(super) unsafe fn chunk_scores(
         return;
     }
     if visible.len() > 3 && crate::simd::has_zmm() {
+        if let KvRows::Int8 { .. } | KvRows::F16(_) = k {
+            scores_turned(k, q, hd, visible, scale, scores, ld, col0);
+            return;
+        }
         with_rows!(k, rows => scores_zmm(rows, q, hd, visible, scale, scores, ld, col0));
         return;
     }
@@ -1479,6 +1483,183 @@ unsafe fn scores_zmm<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize],
             }
             store_scores(part, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, |_, sum| _mm256_mul_ps(sum, sc));
         }
+    }
+}
+
+/// `r` transposed as a 16 x 16 matrix of 32-bit words: lane `i` of `out[j]` is lane `j` of
+/// `r[i]` (interleaves of words, then of pairs, then two rounds of 128-bit lane shuffles).
+#[inline(always)]
+unsafe fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
+    // Per 128-bit lane L (words 4L..4L + 3), rows 4g..4g + 3: u[g][k] holds word 4L + k of the
+    // four rows in lane L.
+    // (Loops, not `array::from_fn`: a closure does not take the function's target features,
+    // and its intrinsics were left as calls.)
+    let mut u = [[_mm512_setzero_si512(); 4]; 4];
+    for (g, ug) in u.iter_mut().enumerate() {
+        let (a, b, c, d) = (r[4 * g], r[4 * g + 1], r[4 * g + 2], r[4 * g + 3]);
+        let (t0, t1) = (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+        let (t2, t3) = (_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+        *ug = [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)];
+    }
+    let mut out = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        // Words k and 8 + k (0x88: lanes 0, 2 of each), 4 + k and 12 + k (0xdd: lanes 1, 3).
+        let v = _mm512_shuffle_i32x4::<0x88>(u[0][k], u[1][k]);
+        let v2 = _mm512_shuffle_i32x4::<0xdd>(u[0][k], u[1][k]);
+        let w = _mm512_shuffle_i32x4::<0x88>(u[2][k], u[3][k]);
+        let w2 = _mm512_shuffle_i32x4::<0xdd>(u[2][k], u[3][k]);
+        out[k] = _mm512_shuffle_i32x4::<0x88>(v, w);
+        out[8 + k] = _mm512_shuffle_i32x4::<0xdd>(v, w);
+        out[4 + k] = _mm512_shuffle_i32x4::<0x88>(v2, w2);
+        out[12 + k] = _mm512_shuffle_i32x4::<0xdd>(v2, w2);
+    }
+    out
+}
+
+/// Byte `B` of each 32-bit lane of `w`, sign-extended, as floats.
+#[inline(always)]
+unsafe fn byte_lanes<const B: u32>(w: __m512i) -> __m512 {
+    let x = match B {
+        0 => _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(w)),
+        1 => _mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(w)),
+        2 => _mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(w)),
+        _ => _mm512_srai_epi32::<24>(w),
+    };
+    _mm512_cvtepi32_ps(x)
+}
+
+/// Queries a turned score tile takes at once ([`scores_turned`]): 8 lane sums each, 24
+/// accumulators, beside a channel's row vector and a query's broadcast channel.
+const TQ: usize = 3;
+
+/// [`chunk_scores`] of a prefill job's many queries against an int8 or f16 block, with the
+/// block turned: a vector holds one channel of 16 tokens (`kt[c]`, lane `t`: the reference's
+/// row value, an int8 token's scale times its code or an f16 value widened), built once a
+/// block of 16 tokens for every query, so a query's 16 scores are 8 chains of multiply-adds,
+/// chain `l` over channels `l, l + 8, ...`, and the chains added as [`super::dot_lanes`] adds
+/// its lanes: the same bits. The row-wise 512-bit tiles ([`scores_zmm`]) spent as many
+/// instructions again on pairing rows and on horizontal sums: a 16-token chunk's scores for 24
+/// queries took 694-734 ns there and 565-572 here in int8, 687-695 and 591-593 in f16, on the
+/// AMD host (`cargo run --release -p engine --example attention_kernels`), whose 512-bit
+/// multiply-adds run one a cycle. Not for a decoding step's 3 queries: turning a block costs
+/// about what their scores do (int8 156 ns against 158).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn scores_turned(k: KvRows, q: &[f32], hd: usize, visible: &[usize], scale: f32, scores: &mut [f32], ld: usize, col0: usize) {
+    let n = visible.iter().copied().max().unwrap_or(0);
+    // Up to 256 channels by 16 tokens (16 KiB): every channel below `hd` written before read.
+    let mut turned = std::mem::MaybeUninit::<[__m512; 256]>::uninit();
+    let kt = turned.as_mut_ptr().cast::<__m512>();
+    let sc = _mm512_set1_ps(scale);
+    for t0 in (0..n).step_by(16) {
+        let m = (n - t0).min(16);
+        match k {
+            KvRows::Int8 { blk, t_cap } => turn_int8(blk, t_cap, t0, m, hd, kt),
+            KvRows::F16(b) => turn_f16(b, t0, m, hd, kt),
+            _ => unreachable!("only int8 and f16 rows are turned"),
+        }
+        for g0 in (0..visible.len()).step_by(TQ) {
+            let group = &visible[g0..(g0 + TQ).min(visible.len())];
+            if group.iter().all(|&v| v <= t0) {
+                continue;
+            }
+            let (qp, out) = (q.as_ptr().add(g0 * hd), scores.as_mut_ptr().add(g0 * ld + col0 + t0));
+            match group.len() {
+                3 => turned_dots::<3>(kt, hd, qp, group, t0, sc, out, ld),
+                2 => turned_dots::<2>(kt, hd, qp, group, t0, sc, out, ld),
+                _ => turned_dots::<1>(kt, hd, qp, group, t0, sc, out, ld),
+            }
+        }
+    }
+}
+
+/// Words `w0..w0 + d` (32-bit, `d` <= 16) of rows `t0..t0 + m` (`m` <= 16) at `rows`, `stride`
+/// bytes apart, turned ([`transpose16`]): lane `t` of `out[j]` is word `w0 + j` of row
+/// `t0 + t`, zero for rows past `m`.
+#[inline(always)]
+unsafe fn turn_words(rows: *const u8, stride: usize, t0: usize, m: usize, w0: usize, d: usize) -> [__m512i; 16] {
+    let mask: __mmask16 = ((1u32 << d) - 1) as __mmask16;
+    let mut r = [_mm512_setzero_si512(); 16];
+    for (j, row) in r.iter_mut().enumerate().take(m) {
+        *row = _mm512_maskz_loadu_epi32(mask, rows.add((t0 + j) * stride + 4 * w0).cast());
+    }
+    transpose16(&r)
+}
+
+/// An int8 block's tokens `t0..t0 + m` turned into `kt` (channel `c` at `kt[c]`).
+#[inline(always)]
+unsafe fn turn_int8(blk: &[u8], t_cap: usize, t0: usize, m: usize, hd: usize, kt: *mut __m512) {
+    let s = if m == 16 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(2 * t0).cast()))
+    } else {
+        let mut h = [0u16; 16];
+        for (j, x) in h.iter_mut().enumerate().take(m) {
+            *x = u16::from_le_bytes([blk[2 * (t0 + j)], blk[2 * (t0 + j) + 1]]);
+        }
+        _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().cast()))
+    };
+    let words = hd / 4;
+    for w0 in (0..words).step_by(16) {
+        let d = (words - w0).min(16);
+        let cols = turn_words(blk.as_ptr().add(2 * t_cap), hd, t0, m, w0, d);
+        for (j, &w) in cols.iter().enumerate().take(d) {
+            let c = kt.add(4 * (w0 + j));
+            c.write(_mm512_mul_ps(s, byte_lanes::<0>(w)));
+            c.add(1).write(_mm512_mul_ps(s, byte_lanes::<1>(w)));
+            c.add(2).write(_mm512_mul_ps(s, byte_lanes::<2>(w)));
+            c.add(3).write(_mm512_mul_ps(s, byte_lanes::<3>(w)));
+        }
+    }
+}
+
+/// An f16 block's tokens `t0..t0 + m` turned into `kt` (each value widened exactly).
+#[inline(always)]
+unsafe fn turn_f16(b: &[u8], t0: usize, m: usize, hd: usize, kt: *mut __m512) {
+    let words = hd / 2;
+    for w0 in (0..words).step_by(16) {
+        let d = (words - w0).min(16);
+        let cols = turn_words(b.as_ptr(), 2 * hd, t0, m, w0, d);
+        for (j, &w) in cols.iter().enumerate().take(d) {
+            let c = kt.add(2 * (w0 + j));
+            c.write(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
+            c.add(1).write(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(w))));
+        }
+    }
+}
+
+/// The scores of `Q` queries (at `q`, stride `hd`) against a turned block (`kt`), lane `t` of
+/// query `i` stored at `out[i * ld + t]` where the query sees token `t0 + t`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn turned_dots<const Q: usize>(
+    kt: *const __m512,
+    hd: usize,
+    q: *const f32,
+    group: &[usize],
+    t0: usize,
+    sc: __m512,
+    out: *mut f32,
+    ld: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 8]; Q];
+    for c0 in (0..hd).step_by(8) {
+        for l in 0..8 {
+            let k = kt.add(c0 + l).read();
+            for (i, a) in acc.iter_mut().enumerate() {
+                a[l] = _mm512_fmadd_ps(k, _mm512_set1_ps(*q.add(i * hd + c0 + l)), a[l]);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        let cnt = group[i].saturating_sub(t0).min(16);
+        if cnt == 0 {
+            continue;
+        }
+        let even = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+        let odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+        let sum = _mm512_mul_ps(_mm512_add_ps(even, odd), sc);
+        _mm512_mask_storeu_ps(out.add(i * ld), ((1u32 << cnt) - 1) as __mmask16, sum);
     }
 }
 

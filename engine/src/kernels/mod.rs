@@ -1327,6 +1327,36 @@ mod tests {
         }
     }
 
+    /// A prefill job's scores against int8 and f16 blocks of any chunk length (the 512-bit
+    /// kernels turn 16 tokens at a time: whole and partial blocks, a block's count below and
+    /// at the chunk's) give the reference's bits.
+    #[test]
+    fn many_queries_score_any_chunk_length_as_the_reference() {
+        use crate::kv::{self, KvFormat, KvGeometry};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(33);
+        for (hd, ct) in [(64, 8), (64, 32), (24, 48), (128, 20), (256, 16), (8, 40)] {
+            let g = KvGeometry { n_layers: 1, n_kv_heads: 1, head_dim: hd, chunk_tokens: ct };
+            let vals: Vec<f32> = (0..ct * hd).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            for f in [KvFormat::Int8, KvFormat::F16] {
+                let mut blk = vec![0u8; g.head_block_bytes(f, 0)];
+                for t in 0..ct {
+                    kv::write_token(f, &mut blk, t, ct, &vals[t * hd..(t + 1) * hd]);
+                }
+                let k = if f == KvFormat::F16 { KvRows::F16(&blk) } else { KvRows::Int8 { blk: &blk, t_cap: ct } };
+                // Every count up to the chunk's as the largest, and queries seeing fewer.
+                for top in 1..=ct {
+                    let visible: Vec<usize> = (0..7).map(|i| if i == 2 { top } else { (i * 5 + top) % (top + 1) }).collect();
+                    let q: Vec<f32> = (0..7 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let ld = ct + 5;
+                    let (mut x, mut y) = (vec![-9.0; 7 * ld], vec![-9.0; 7 * ld]);
+                    chunk_scores(&q, hd, k, &visible, 0.125, &mut x, ld, 2);
+                    chunk_scores_ref(&q, hd, k, &visible, 0.125, &mut y, ld, 2);
+                    assert!(x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{f:?} hd {hd} chunk {ct} top {top}");
+                }
+            }
+        }
+    }
+
     /// The softmax in use gives the scalar reference's bits, and the shared `exp` is within
     /// 2 ulp of libm over the range attention uses.
     #[test]
