@@ -1,9 +1,9 @@
 //! Decode attention's work on one 16-token chunk of one KV head for a GQA group of 3 queries
 //! (the default model's shape), per format and step: the block's parameters parsed, the K
 //! scores, the K outliers' corrections, the V values; and a prefill job's (8 tokens by the
-//! group: 24 queries) int8 and f16 scores and values. Prints the fastest of 40 rounds of each (ns),
-//! measured in turn so that the machine's noise falls on every format alike, and the int8
-//! multiply-adds a ns of both shapes.
+//! group: 24 queries) int8 and f16 scores and values. Prints the fastest of 40 rounds of each
+//! (ns), measured in turn so that the machine's noise falls on every format alike, and the
+//! multiply-adds a ns of each shape.
 //!
 //! `cargo run --release -p engine --example attention_kernels`
 //!
