@@ -1345,10 +1345,11 @@ mod tests {
                 let k = if f == KvFormat::F16 { KvRows::F16(&blk) } else { KvRows::Int8 { blk: &blk, t_cap: ct } };
                 // Every count up to the chunk's as the largest, and queries seeing fewer.
                 for top in 1..=ct {
-                    let visible: Vec<usize> = (0..7).map(|i| if i == 2 { top } else { (i * 5 + top) % (top + 1) }).collect();
-                    let q: Vec<f32> = (0..7 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    // Ten queries: turned tiles of 3, 3, 3 and 1.
+                    let visible: Vec<usize> = (0..10).map(|i| if i == 2 { top } else { (i * 5 + top) % (top + 1) }).collect();
+                    let q: Vec<f32> = (0..10 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
                     let ld = ct + 5;
-                    let (mut x, mut y) = (vec![-9.0; 7 * ld], vec![-9.0; 7 * ld]);
+                    let (mut x, mut y) = (vec![-9.0; 10 * ld], vec![-9.0; 10 * ld]);
                     chunk_scores(&q, hd, k, &visible, 0.125, &mut x, ld, 2);
                     chunk_scores_ref(&q, hd, k, &visible, 0.125, &mut y, ld, 2);
                     assert!(x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{f:?} hd {hd} chunk {ct} top {top}");
