@@ -992,38 +992,22 @@ struct F32Rows(*const f32);
 struct F16Rows(*const u8);
 struct I8Rows(*const u8, usize);
 
-impl RowLoad for F32Rows {
-    #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
-        let p = self.0.add(t * hd + 8 * c0);
-        for c in 0..n {
-            out.add(c).write(_mm256_loadu_ps(p.add(8 * c)));
+// The plain formats load lanes through [`RowLanes`]: one decode each, for both the block
+// kernels and the in-register ones.
+macro_rules! row_load_by_lanes {
+    ($($t:ty),*) => {$(
+        impl RowLoad for $t {
+            #[inline(always)]
+            unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
+                let row = self.row(t, hd);
+                for c in 0..n {
+                    out.add(c).write(<$t as RowLanes>::lane(row, c0 + c));
+                }
+            }
         }
-    }
+    )*};
 }
-impl RowLoad for F16Rows {
-    #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
-        let p = self.0.add(2 * (t * hd + 8 * c0));
-        for c in 0..n {
-            out.add(c).write(_mm256_cvtph_ps(_mm_loadu_si128(p.add(16 * c).cast())));
-        }
-    }
-}
-impl RowLoad for I8Rows {
-    #[inline(always)]
-    unsafe fn load_lanes(&self, t: usize, hd: usize, c0: usize, out: *mut __m256, n: usize) {
-        // The row's f16 scale widened in a register (F16C: exact, as `f16::to_f32`, which was
-        // a call a row).
-        let bits = self.0.add(2 * t).cast::<i16>().read_unaligned();
-        let s = _mm256_cvtph_ps(_mm_set1_epi16(bits));
-        let p = self.0.add(self.1 * 2 + t * hd + 8 * c0);
-        for c in 0..n {
-            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()));
-            out.add(c).write(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q)));
-        }
-    }
-}
+row_load_by_lanes!(F32Rows, F16Rows, I8Rows);
 
 /// Eight `B`-bit codes (channel order, low bits first) from the `B` bytes at `p`, as i32s:
 /// the bytes broadcast to every lane, each lane shifted by its code's offset and masked.
@@ -1217,12 +1201,14 @@ pub(super) unsafe fn chunk_scores(
             scores_inline(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0)
         }
         KvRows::F16(b) if visible.len() <= 3 => scores_inline(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0),
+        KvRows::F32(v) if visible.len() <= 3 => scores_inline(&F32Rows(v.as_ptr()), q, hd, visible, scale, scores, ld, col0),
         _ => with_rows!(k, rows => scores_with(rows, q, hd, visible, scale, scores, ld, col0)),
     }
 }
 
-/// A row's lanes read where they are used ([`scores_inline`]): `row` once a row (an int8
-/// row's scale widened there), `lane` for each 8 channels.
+/// A row's lanes as registers: `row` once a row (an int8 row's scale widened there), `lane`
+/// for each 8 channels. The score tiles ([`dots`]) read rows through it, from the chunk
+/// itself ([`scores_inline`]) or from a block of rows decoded before ([`BlockRows`]).
 trait RowLanes {
     type Row: Copy;
     /// # Safety
@@ -1244,6 +1230,30 @@ impl RowLanes for I8Rows {
         _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * c).cast()))))
     }
 }
+impl RowLanes for F32Rows {
+    type Row = *const f32;
+    #[inline(always)]
+    unsafe fn row(&self, t: usize, hd: usize) -> Self::Row {
+        self.0.add(t * hd)
+    }
+    #[inline(always)]
+    unsafe fn lane(p: Self::Row, c: usize) -> __m256 {
+        _mm256_loadu_ps(p.add(8 * c))
+    }
+}
+/// A [`RowBlock`]'s rows, already decoded (`t` the row in the block).
+struct BlockRows(*const [__m256; 32]);
+impl RowLanes for BlockRows {
+    type Row = *const __m256;
+    #[inline(always)]
+    unsafe fn row(&self, t: usize, _hd: usize) -> Self::Row {
+        self.0.add(t).cast()
+    }
+    #[inline(always)]
+    unsafe fn lane(p: Self::Row, c: usize) -> __m256 {
+        p.add(c).read()
+    }
+}
 impl RowLanes for F16Rows {
     type Row = *const u8;
     #[inline(always)]
@@ -1256,12 +1266,11 @@ impl RowLanes for F16Rows {
     }
 }
 
-/// [`scores_with`] for a decoding step's group (up to 3 queries) over int8 or f16 rows: each
-/// row lane decoded where the group's multiply-adds use it, in registers, instead of written
-/// to a block of rows and read back (the same operations on the same values: the same
-/// bits). A 16-token int8 chunk's scores for 3 queries: 129.5-130.0 ns against 154.4-157.3
-/// through the block (`cargo run --release -p engine --example attention_kernels`, 4 runs
-/// alternating).
+/// [`scores_with`] for a decoding step's group (up to 3 queries): each row lane decoded where
+/// the group's multiply-adds use it, in registers, instead of written to a block of rows and
+/// read back (the same operations on the same values: the same bits). A 16-token int8 chunk's
+/// scores for 3 queries: 129.5-130.0 ns against 154.4-157.3 through the block (`cargo run
+/// --release -p engine --example attention_kernels`, 4 runs alternating).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1275,64 +1284,12 @@ unsafe fn scores_inline<L: RowLanes>(
     ld: usize,
     col0: usize,
 ) {
-    let lanes = hd / 8;
     let n = visible.iter().copied().max().unwrap_or(0);
     let sc = _mm256_set1_ps(scale);
-    // Lane sums of up to 3 queries by a block's 8 rows, as [`dots`] writes them.
-    let mut part = std::mem::MaybeUninit::<[__m256; 8 * 3]>::uninit();
-    let pp = part.as_mut_ptr().cast::<__m256>();
-    let qp = q.as_ptr();
     for t0 in (0..n).step_by(8) {
         let m = (n - t0).min(8);
-        let mut j = 0;
-        while j < m {
-            let r = (m - j).min(3);
-            let at = (k, t0 + j, hd, lanes, qp, pp.add(j));
-            match (visible.len(), r) {
-                (3, 3) => inline_dots::<L, 3, 3>(at),
-                (3, 2) => inline_dots::<L, 3, 2>(at),
-                (3, _) => inline_dots::<L, 3, 1>(at),
-                (2, 3) => inline_dots::<L, 2, 3>(at),
-                (2, 2) => inline_dots::<L, 2, 2>(at),
-                (2, _) => inline_dots::<L, 2, 1>(at),
-                (_, 3) => inline_dots::<L, 1, 3>(at),
-                (_, 2) => inline_dots::<L, 1, 2>(at),
-                (_, _) => inline_dots::<L, 1, 1>(at),
-            }
-            j += r;
-        }
-        store_scores(pp, visible, t0, scores.as_mut_ptr(), ld, col0, |_, sum| _mm256_mul_ps(sum, sc));
-    }
-}
-
-/// [`dots_rows`] for `Q` queries (at `q`, stride `hd`) and rows `t..t + R`, each row lane
-/// decoded in registers: `part[8 * i + r]` is query `i`'s lane sums with row `t + r`.
-#[inline(always)]
-unsafe fn inline_dots<L: RowLanes, const Q: usize, const R: usize>(
-    (k, t, hd, lanes, q, part): (&L, usize, usize, usize, *const f32, *mut __m256),
-) {
-    // (A loop, not `array::from_fn`: a closure does not take the function's target features.)
-    let mut rows = [k.row(t, hd); R];
-    for (r, row) in rows.iter_mut().enumerate().skip(1) {
-        *row = k.row(t + r, hd);
-    }
-    let mut acc = [[_mm256_setzero_ps(); R]; Q];
-    for c in 0..lanes {
-        let mut x = [_mm256_setzero_ps(); R];
-        for (xr, &row) in x.iter_mut().zip(&rows) {
-            *xr = L::lane(row, c);
-        }
-        for (i, a) in acc.iter_mut().enumerate() {
-            let qc = _mm256_loadu_ps(q.add(i * hd + 8 * c));
-            for (slot, xr) in a.iter_mut().zip(&x) {
-                *slot = _mm256_fmadd_ps(*xr, qc, *slot);
-            }
-        }
-    }
-    for (i, a) in acc.iter().enumerate() {
-        for (r, v) in a.iter().enumerate() {
-            part.add(8 * i + r).write(*v);
-        }
+        let query = |i: usize, c: usize| _mm256_loadu_ps(q.as_ptr().add(i * hd + 8 * c));
+        score_block(k, t0, m, hd, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
     }
 }
 
@@ -1359,10 +1316,11 @@ type RowBlock = [[__m256; 32]; 8];
 /// the reference takes it). One dot at a time left the multiply-add's latency exposed; two
 /// rows (six chains for a GQA group of 3) still waited on it.
 #[inline(always)]
-unsafe fn dots<const Q: usize>(
-    rows: *const [__m256; 32],
+unsafe fn dots<L: RowLanes, const Q: usize>(
+    rows: &L,
+    first: usize,
     m: usize,
-    lanes: usize,
+    hd: usize,
     query: impl Fn(usize, usize) -> __m256,
     part: *mut __m256,
 ) {
@@ -1370,27 +1328,36 @@ unsafe fn dots<const Q: usize>(
     while j < m {
         let k = (m - j).min(3);
         match k {
-            3 => dots_rows::<Q, 3>(rows, j, lanes, &query, part),
-            2 => dots_rows::<Q, 2>(rows, j, lanes, &query, part),
-            _ => dots_rows::<Q, 1>(rows, j, lanes, &query, part),
+            3 => dots_rows::<L, Q, 3>(rows, first, j, hd, &query, part),
+            2 => dots_rows::<L, Q, 2>(rows, first, j, hd, &query, part),
+            _ => dots_rows::<L, Q, 1>(rows, first, j, hd, &query, part),
         }
         j += k;
     }
 }
 
-/// [`dots`] for rows `j..j + R`.
+/// [`dots`] for rows `first + j..first + j + R` of `rows`, into `part`'s rows `j..j + R`.
 #[inline(always)]
-unsafe fn dots_rows<const Q: usize, const R: usize>(
-    rows: *const [__m256; 32],
+unsafe fn dots_rows<L: RowLanes, const Q: usize, const R: usize>(
+    rows: &L,
+    first: usize,
     j: usize,
-    lanes: usize,
+    hd: usize,
     query: &impl Fn(usize, usize) -> __m256,
     part: *mut __m256,
 ) {
-    let p: [*const __m256; R] = std::array::from_fn(|r| rows.add(j + r).cast::<__m256>());
+    // (Loops, not `array::from_fn`: a closure does not take the function's target features,
+    // and an int8 row's scale widened in one cost the in-register tile a fifth of its speed.)
+    let mut p = [rows.row(first + j, hd); R];
+    for (r, row) in p.iter_mut().enumerate().skip(1) {
+        *row = rows.row(first + j + r, hd);
+    }
     let mut acc = [[_mm256_setzero_ps(); R]; Q];
-    for c in 0..lanes {
-        let x: [__m256; R] = std::array::from_fn(|r| p[r].add(c).read());
+    for c in 0..hd / 8 {
+        let mut x = [_mm256_setzero_ps(); R];
+        for (xr, &row) in x.iter_mut().zip(&p) {
+            *xr = L::lane(row, c);
+        }
         for (i, a) in acc.iter_mut().enumerate() {
             let qc = query(i, c);
             for (slot, xr) in a.iter_mut().zip(&x) {
@@ -1435,13 +1402,15 @@ unsafe fn store_scores(
 }
 
 /// The scores of a block of up to 8 rows for every query, in groups of up to 3 (the GQA group
-/// of a decoding step is one): [`dots`], then [`store_scores`].
+/// of a decoding step is one): [`dots`] over rows `first..first + m` of `rows`, then
+/// [`store_scores`] (token `t0` the block's first).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn score_block(
-    rows: *const [__m256; 32],
+unsafe fn score_block<L: RowLanes>(
+    rows: &L,
+    first: usize,
     m: usize,
-    lanes: usize,
+    hd: usize,
     visible: &[usize],
     t0: usize,
     scores: *mut f32,
@@ -1459,9 +1428,9 @@ unsafe fn score_block(
         }
         let q = |i: usize, c: usize| query(g0 + i, c);
         match group.len() {
-            3 => dots::<3>(rows, m, lanes, q, pp),
-            2 => dots::<2>(rows, m, lanes, q, pp),
-            _ => dots::<1>(rows, m, lanes, q, pp),
+            3 => dots::<L, 3>(rows, first, m, hd, q, pp),
+            2 => dots::<L, 2>(rows, first, m, hd, q, pp),
+            _ => dots::<L, 1>(rows, first, m, hd, q, pp),
         }
         store_scores(pp, group, t0, scores.add(g0 * ld), ld, col0, |i, sum| finish(g0 + i, sum));
     }
@@ -1513,7 +1482,7 @@ unsafe fn scores_channel<const B: usize>(
             }
             let query = |i: usize, c: usize| sp.add(32 * i + c).read();
             let finish = |i: usize, sum: __m256| _mm256_mul_ps(_mm256_sub_ps(sum, _mm256_set1_ps(offset[i])), sc);
-            score_block(rp, m, lanes, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, query, finish);
+            score_block(&BlockRows(rp), 0, m, hd, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, query, finish);
         }
     }
 }
@@ -1534,7 +1503,7 @@ unsafe fn scores_with<L: RowLoad>(k: &L, q: &[f32], hd: usize, visible: &[usize]
             k.load_lanes(t0 + j, hd, 0, rp.add(j).cast(), lanes);
         }
         let query = |i: usize, c: usize| _mm256_loadu_ps(q.as_ptr().add(i * hd + 8 * c));
-        score_block(rp, m, lanes, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
+        score_block(&BlockRows(rp), 0, m, hd, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
     }
 }
 
