@@ -758,6 +758,10 @@ impl Session {
 /// one of its positions), or several sessions' (row `t` is session `t`'s next position).
 trait Caches {
     fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]);
+    /// Whether an observer records the attention of these rows (then every row attends).
+    fn observed(&self) -> bool;
+    /// From now on the pass holds only rows `rows` (ascending) of those it had, in that order.
+    fn keep_rows(&mut self, rows: &[usize]);
     #[allow(clippy::too_many_arguments)]
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]);
 }
@@ -771,6 +775,10 @@ impl Caches for OneCache<'_> {
     fn write(&mut self, layer: usize, _row: usize, pos: usize, k: &[f32], v: &[f32]) {
         self.kv.write_with(layer, pos, k, v, kernels::int8_codes);
     }
+    fn observed(&self) -> bool {
+        self.observer.is_some()
+    }
+    fn keep_rows(&mut self, _rows: &[usize]) {}
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
         attention(pool, c, self.kv, layer, qkv, ld, positions, out, self.observer.as_deref_mut());
     }
@@ -789,6 +797,14 @@ impl Caches for ManyCaches<'_, '_> {
         let i = self.spans.partition_point(|r| r.end <= row);
         self.sessions[i].kv.write_with(layer, pos, k, v, kernels::int8_codes);
     }
+    fn observed(&self) -> bool {
+        self.sessions.iter().any(|s| s.attention.is_some())
+    }
+    fn keep_rows(&mut self, rows: &[usize]) {
+        for r in &mut self.spans {
+            *r = rows.partition_point(|&x| x < r.start)..rows.partition_point(|&x| x < r.end);
+        }
+    }
     fn attend(&mut self, pool: &ThreadPool, c: &Config, layer: usize, qkv: &[f32], ld: usize, positions: &[usize], out: &mut [f32]) {
         // Sessions with one tile of rows (decoding) attend together, in the same few pool
         // operations; longer pieces of prompts tile their own.
@@ -800,6 +816,9 @@ impl Caches for ManyCaches<'_, '_> {
             let (o, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * c.q_dim());
             rest = tail;
             let s = &mut **s;
+            if r.is_empty() {
+                continue;
+            }
             if r.len() <= TILE {
                 decoding.push((&s.kv, r.clone(), o));
                 observers.push(s.attention.as_mut().map(std::sync::Mutex::new));
@@ -851,8 +870,17 @@ fn forward_rows(
     before_layer: &mut dyn FnMut(usize),
 ) {
     let c = &model.config;
-    let n = tokens.len();
+    let mut n = tokens.len();
     let (dim, kvd, hd, qd) = (c.dim, c.kv_dim(), c.head_dim, c.q_dim());
+    debug_assert!(logit_rows.windows(2).all(|w| w[0] < w[1]) && logit_rows.iter().all(|&r| r < n));
+    // After the last layer's K/V are written, only the rows asked for logits are needed: the
+    // rest of that layer (its attention where nothing observes it, the output projection,
+    // the feed-forward block) runs for those rows alone, as llama.cpp's graph does (its
+    // `inp_out_ids`). A prompt's piece beside decoding calls keeps 1 of its 16 rows there, a
+    // recompute none. Not while statistics of the activations are collected (a calibration
+    // counts every row). A row's arithmetic is its own, so the kept rows' bits are unchanged.
+    let trim = logit_rows.len() < n && sp.calibrator.is_none() && sp.channel_use.is_none();
+    let last_layer = model.layers.len().saturating_sub(1);
     s.x.resize(n * dim, 0.0);
     s.xb.resize(n * dim, 0.0);
     s.qkv.resize(n * (qd + 2 * kvd), 0.0);
@@ -871,7 +899,7 @@ fn forward_rows(
     for (li, l) in model.layers.iter().enumerate() {
         before_layer(li);
         // Attention block.
-        rmsnorm_rows(pool, &s.x, &l.attn_norm, c.norm_eps, &mut s.xb, dim);
+        rmsnorm_rows(pool, &s.x[..n * dim], &l.attn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);
         announce(model, pool, li, 0, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.wq, &l.wk, &l.wv], &s.xb, n, &mut s.acts, &mut s.qkv);
@@ -908,14 +936,35 @@ fn forward_rows(
             let kv = &s.qkv[t * ld + qd..(t + 1) * ld];
             caches.write(li, t, pos, &kv[..kvd], &kv[kvd..]);
         }
-        caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
+        let kept: Vec<usize>;
+        let mut positions = positions;
+        if trim && li == last_layer {
+            let m = logit_rows.len();
+            if caches.observed() {
+                caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
+                keep_rows(&mut s.att, qd, logit_rows);
+            } else if m > 0 {
+                keep_rows(&mut s.qkv, ld, logit_rows);
+                kept = logit_rows.iter().map(|&r| positions[r]).collect();
+                positions = &kept;
+                caches.keep_rows(logit_rows);
+                caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
+            }
+            keep_rows(&mut s.x, dim, logit_rows);
+            n = m;
+            if n == 0 {
+                break;
+            }
+        } else {
+            caches.attend(pool, c, li, &s.qkv, ld, positions, &mut s.att);
+        }
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 1, &mut s.att[..n * qd]);
         announce(model, pool, li, 1, &s.att[..n * qd], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.wo], &s.att[..n * qd], n, &mut s.acts, &mut s.xb);
         add_residual(&mut s.x, &mut s.xb[..n * dim], l.post_attn_norm.as_deref(), c.norm_eps, dim);
 
         // Feed-forward block.
-        rmsnorm_rows(pool, &s.x, &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
+        rmsnorm_rows(pool, &s.x[..n * dim], &l.ffn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 2, &mut s.xb[..n * dim]);
         announce(model, pool, li, 2, &s.xb[..n * dim], n, &mut s.ranges);
         matmul_multi(pool, model, &[&l.w_gate, &l.w_up], &s.xb, n, &mut s.acts, &mut s.ffn);
@@ -958,7 +1007,13 @@ fn forward_rows(
     if logit_rows.is_empty() {
         return;
     }
-    let rows = logit_rows;
+    let kept: Vec<usize>;
+    let rows = if trim {
+        kept = (0..logit_rows.len()).collect();
+        &kept
+    } else {
+        logit_rows
+    };
     let m = rows.len();
     let mut xn = vec![0.0; m * dim];
     for (i, &r) in rows.iter().enumerate() {
@@ -1280,6 +1335,15 @@ fn rmsnorm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 
 /// `x += out` row by row, with `out` normalized first where the model does (Gemma 3's norms
 /// after attention and after the feed-forward).
+/// Moves row `keep[i]` of `buf` (rows of `width` values; `keep` ascending) to row `i`.
+fn keep_rows(buf: &mut [f32], width: usize, keep: &[usize]) {
+    for (i, &r) in keep.iter().enumerate() {
+        if r != i {
+            buf.copy_within(r * width..(r + 1) * width, i * width);
+        }
+    }
+}
+
 fn add_residual(x: &mut [f32], out: &mut [f32], post_norm: Option<&[f32]>, eps: f32, dim: usize) {
     if let Some(w) = post_norm {
         for row in out.chunks_exact_mut(dim) {

@@ -183,57 +183,103 @@ fn prefill_pieces_batched_with_decodes_equal_their_own_runs() {
     let toks = m.tokenizer.encode(&text, false, false).unwrap();
     let vocab = m.config.vocab;
     let long = &toks[200..261];
-    // Alone: the long prompt at once, then 4 decode steps; the short one decodes 8 steps.
-    let mut a = session(&m, &p, KvFormat::Int8, true);
-    let mut want_a = vec![a.eval(long, Logits::Last).unwrap().to_vec()];
-    for _ in 0..4 {
-        let t = argmax(want_a.last().unwrap());
-        want_a.push(a.eval(&[t], Logits::Last).unwrap().to_vec());
-    }
-    let mut b = session(&m, &p, KvFormat::Int8, false);
-    let mut want_b = vec![b.eval(&toks[..20], Logits::Last).unwrap().to_vec()];
-    for _ in 0..8 {
-        let t = argmax(want_b.last().unwrap());
-        want_b.push(b.eval(&[t], Logits::Last).unwrap().to_vec());
-    }
-    // Batched: the long prompt in pieces of 16 beside b's decode steps, then both decode.
-    let mut a2 = session(&m, &p, KvFormat::Int8, true);
-    let mut b2 = session(&m, &p, KvFormat::Int8, false);
-    b2.eval(&toks[..20], Logits::None).unwrap();
-    let mut scratch = Scratch::default();
-    let (mut got_a, mut got_b): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (Vec::new(), vec![want_b[0].clone()]);
-    let mut rest = long;
-    for step in 0..8 {
-        let tb = argmax(got_b.last().unwrap());
-        let ta: Vec<u32> = if rest.is_empty() {
-            vec![argmax(got_a.last().unwrap())]
-        } else {
-            let (piece, r) = rest.split_at(rest.len().min(16));
-            rest = r;
-            piece.to_vec()
-        };
-        let done_prefill = rest.is_empty();
-        let logits = Session::step_batch(&mut [&mut a2, &mut b2], &[&ta, &[tb]], &mut scratch).unwrap().to_vec();
-        assert_eq!(logits.len(), 2 * vocab, "step {step}: one row of logits per session");
-        if done_prefill {
-            got_a.push(logits[..vocab].to_vec());
+    // With a's attention observed every row attends in the last layer; with nothing
+    // observed only the rows asked for logits do (the batch's rows trimmed there).
+    for observe_a in [true, false] {
+        // Alone: the long prompt at once, then 4 decode steps; the short one decodes 8 steps.
+        let mut a = session(&m, &p, KvFormat::Int8, observe_a);
+        let mut want_a = vec![a.eval(long, Logits::Last).unwrap().to_vec()];
+        for _ in 0..4 {
+            let t = argmax(want_a.last().unwrap());
+            want_a.push(a.eval(&[t], Logits::Last).unwrap().to_vec());
         }
-        got_b.push(logits[vocab..].to_vec());
+        let mut b = session(&m, &p, KvFormat::Int8, false);
+        let mut want_b = vec![b.eval(&toks[..20], Logits::Last).unwrap().to_vec()];
+        for _ in 0..8 {
+            let t = argmax(want_b.last().unwrap());
+            want_b.push(b.eval(&[t], Logits::Last).unwrap().to_vec());
+        }
+        // Batched: the long prompt in pieces of 16 beside b's decode steps, then both decode.
+        let mut a2 = session(&m, &p, KvFormat::Int8, observe_a);
+        let mut b2 = session(&m, &p, KvFormat::Int8, false);
+        b2.eval(&toks[..20], Logits::None).unwrap();
+        let mut scratch = Scratch::default();
+        let (mut got_a, mut got_b): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (Vec::new(), vec![want_b[0].clone()]);
+        let mut rest = long;
+        for step in 0..8 {
+            let tb = argmax(got_b.last().unwrap());
+            let ta: Vec<u32> = if rest.is_empty() {
+                vec![argmax(got_a.last().unwrap())]
+            } else {
+                let (piece, r) = rest.split_at(rest.len().min(16));
+                rest = r;
+                piece.to_vec()
+            };
+            let done_prefill = rest.is_empty();
+            let logits = Session::step_batch(&mut [&mut a2, &mut b2], &[&ta, &[tb]], &mut scratch).unwrap().to_vec();
+            assert_eq!(logits.len(), 2 * vocab, "step {step}: one row of logits per session");
+            if done_prefill {
+                got_a.push(logits[..vocab].to_vec());
+            }
+            got_b.push(logits[vocab..].to_vec());
+        }
+        assert_eq!(got_b.len(), want_b.len());
+        for (i, (g, w)) in got_b.iter().zip(&want_b).enumerate() {
+            assert!(g == w, "b's step {i} differs from its own decode");
+        }
+        assert_eq!(got_a.len(), want_a.len(), "a: its prompt in 4 pieces, then 4 decodes");
+        for (i, (g, w)) in got_a.iter().zip(&want_a).enumerate() {
+            assert!(g == w, "a's row {i} differs from its own run of the whole prompt");
+        }
+        assert_eq!(a2.tokens, a.tokens);
+        if observe_a {
+            assert_eq!(a2.attention.as_ref().unwrap().count, a.attention.as_ref().unwrap().count);
+            let (x, y) = (a2.attention.as_ref().unwrap(), a.attention.as_ref().unwrap());
+            assert!(x.sum == y.sum, "attention observed alike");
+            continue;
+        }
+        // Refused whole: an empty piece.
+        let n = a2.tokens.len();
+        assert!(Session::step_batch(&mut [&mut a2], &[&[]], &mut scratch).is_err());
+        assert_eq!(a2.tokens.len(), n);
     }
-    assert_eq!(got_b.len(), want_b.len());
-    for (i, (g, w)) in got_b.iter().zip(&want_b).enumerate() {
-        assert!(g == w, "b's step {i} differs from its own decode");
+}
+
+/// A forward pass computes the last layer past its K/V only for the rows whose logits are
+/// asked for (`Logits::Last`, `None`): those logits, the cache every later step reads and the
+/// attention observed are what the whole computation (`Logits::All`, every row to the end)
+/// gives, bit for bit.
+#[test]
+fn rows_without_logits_skip_the_last_layer_alike() {
+    let m = Arc::new(Model::load(&model_path()).unwrap());
+    let p = Arc::new(ThreadPool::new(2));
+    let text = std::fs::read_to_string(fixture("gpl-3.txt")).unwrap();
+    let toks = m.tokenizer.encode(&text, false, false).unwrap();
+    let vocab = m.config.vocab;
+    let prompt = &toks[40..77];
+    for observe in [false, true] {
+        for base in [KvFormat::Int8, KvFormat::F16] {
+            let mut whole = session(&m, &p, base, observe);
+            let all = whole.eval(prompt, Logits::All).unwrap().to_vec();
+            assert_eq!(all.len(), prompt.len() * vocab);
+            let last_row = &all[(prompt.len() - 1) * vocab..];
+            let mut last = session(&m, &p, base, observe);
+            assert!(last.eval(prompt, Logits::Last).unwrap() == last_row, "{base:?} observe {observe}: Last's logits");
+            let mut none = session(&m, &p, base, observe);
+            assert!(none.eval(prompt, Logits::None).unwrap().is_empty());
+            // Three greedy steps on each: the same logits (the last layer's K/V and every
+            // other layer's alike).
+            let mut next = argmax(last_row);
+            for step in 0..3 {
+                let w = whole.eval(&[next], Logits::Last).unwrap().to_vec();
+                assert!(last.eval(&[next], Logits::Last).unwrap() == &w[..], "{base:?} observe {observe}: step {step} after Last");
+                assert!(none.eval(&[next], Logits::Last).unwrap() == &w[..], "{base:?} observe {observe}: step {step} after None");
+                next = argmax(&w);
+            }
+            if observe {
+                let (x, y, z) = (whole.attention.as_ref().unwrap(), last.attention.as_ref().unwrap(), none.attention.as_ref().unwrap());
+                assert!(x.sum == y.sum && x.sum == z.sum && x.count == y.count && x.count == z.count, "{base:?}: attention observed alike");
+            }
+        }
     }
-    assert_eq!(got_a.len(), want_a.len(), "a: its prompt in 4 pieces, then 4 decodes");
-    for (i, (g, w)) in got_a.iter().zip(&want_a).enumerate() {
-        assert!(g == w, "a's row {i} differs from its own run of the whole prompt");
-    }
-    assert_eq!(a2.tokens, a.tokens);
-    assert_eq!(a2.attention.as_ref().unwrap().count, a.attention.as_ref().unwrap().count);
-    let (x, y) = (a2.attention.as_ref().unwrap(), a.attention.as_ref().unwrap());
-    assert!(x.sum == y.sum, "attention observed alike");
-    // Refused whole: an empty piece.
-    let n = a2.tokens.len();
-    assert!(Session::step_batch(&mut [&mut a2], &[&[]], &mut scratch).is_err());
-    assert_eq!(a2.tokens.len(), n);
 }
