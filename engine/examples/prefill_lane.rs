@@ -51,7 +51,8 @@ fn main() {
     };
     let prompt = &toks[600 + depth..600 + depth + prompt_len];
     let (mut solo_step, mut solo_prompt) = (Vec::new(), Vec::new());
-    let (mut mixed_gap, mut mixed_prompt, mut lane_gap, mut lane_worst, mut lane_prompt) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut mixed_gap, mut mixed_prompt, mut lane_gap, mut lane_worst, mut lane_prompt) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
         let mut s = session(&all, 0);
         let t = Instant::now();
@@ -102,7 +103,12 @@ fn main() {
     println!("{threads} threads, 3 calls decoding {depth} deep, a {prompt_len}-token prompt joining; medians of {rounds} rounds, ms");
     println!("solo:  a step {ss:.2}, the prompt alone {sp:.2}");
     println!("mixed: a pass (their gap) {mg:.2} = {:.2}x solo's step; the prompt in {mp:.2} = {:.2}x alone", mg / ss, mp / sp);
-    println!("lane:  a step (their gap) {lg:.2} = {:.2}x, a round's longest {lw:.2} = {:.2}x; the prompt in {lp:.2} = {:.2}x alone", lg / ss, lw / ss, lp / sp);
+    println!(
+        "lane:  a step (their gap) {lg:.2} = {:.2}x, a round's longest {lw:.2} = {:.2}x; the prompt in {lp:.2} = {:.2}x alone",
+        lg / ss,
+        lw / ss,
+        lp / sp
+    );
     println!(
         "{}",
         serde_json::json!({
