@@ -138,6 +138,10 @@ pub struct CallStats {
     /// alone).
     #[serde(default)]
     pub batch_max: u32,
+    /// Of `prompt_tokens`, those prefilled on the prefill lane: on their own share of the
+    /// threads beside other calls' decoding (`prefill_lane`, docs/llmsd.md, "Batching").
+    #[serde(default)]
+    pub lane_tokens: u32,
     /// What the caller must know about its context before trusting this answer (it was
     /// restored from its previous copy: the last call it acknowledged is not in it).
     #[serde(default, skip_serializing_if = "String::is_empty")]

@@ -620,11 +620,26 @@ impl Session {
     /// its sparsity, hold no calibrator or channel counter, and have room for their tokens (a
     /// batch does not slide a window); on an error no session has changed.
     pub fn step_batch<'s>(sessions: &mut [&mut Session], tokens: &[&[u32]], scratch: &'s mut Scratch) -> Result<&'s [f32]> {
+        let Some(first) = sessions.first() else { return Ok(&[]) };
+        let pool = Arc::clone(&first.pool);
+        Self::step_batch_on(&pool, sessions, tokens, scratch)
+    }
+
+    /// [`Session::step_batch`] on `pool`'s threads instead of the sessions' own: a caller can
+    /// run two passes at once on disjoint sessions, each on a pool of its own (a prompt
+    /// prefilled on one core while other contexts decode on the other). The same bits on any
+    /// pool.
+    pub fn step_batch_on<'s>(
+        pool: &Arc<ThreadPool>,
+        sessions: &mut [&mut Session],
+        tokens: &[&[u32]],
+        scratch: &'s mut Scratch,
+    ) -> Result<&'s [f32]> {
         if sessions.len() != tokens.len() {
             return Err(ModelError::Batch("one token list per session"));
         }
         let Some(first) = sessions.first() else { return Ok(&[]) };
-        let (model, pool, sparsity) = (Arc::clone(&first.model), Arc::clone(&first.pool), first.sparsity.clone());
+        let (model, pool, sparsity) = (Arc::clone(&first.model), Arc::clone(pool), first.sparsity.clone());
         let vocab = model.config.vocab;
         for (s, t) in sessions.iter().zip(tokens) {
             if !Arc::ptr_eq(&s.model, &model) {

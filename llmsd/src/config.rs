@@ -93,6 +93,12 @@ pub struct Config {
     /// token, so a prompt never holds the others' next tokens longer than that.
     /// `prefill_piece` stays the most a piece holds.
     pub prefill_hold: f64,
+    /// While calls decode, a joining prompt is prefilled on its own share of the threads (half
+    /// of them, one of two) beside the decoding calls' pass on the rest, its piece sized to
+    /// take as long as their pass, instead of in pieces inside their pass: their gap between
+    /// tokens is then their pass on fewer threads, not their pass plus the prompt's arithmetic
+    /// (docs/llmsd.md, "Batching"). Needs 2 threads or more; off: pieces as `prefill_hold` says.
+    pub prefill_lane: bool,
     /// Contexts of one app that start with the same tokens hold one copy of those chunks, in
     /// memory and in the swap store; a new context whose first prompt starts with a prefix
     /// the app holds takes those chunks instead of computing them (docs/llmsd.md, "Shared
@@ -181,6 +187,7 @@ impl Default for Config {
             max_batch: 8,
             prefill_piece: 16,
             prefill_hold: 4.0,
+            prefill_lane: true,
             prefix_sharing: true,
             public_prefixes: Vec::new(),
             durability: "batch".into(),

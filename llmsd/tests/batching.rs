@@ -70,24 +70,40 @@ fn concurrent_calls_share_passes_and_answer_as_alone() {
     assert!(solo.iter().flatten().all(|(_, s)| s.batch_max == 1), "max_batch 1 runs calls alone");
     assert_eq!(st.memory_waits, 0);
 
-    // Batched, with prompts prefilled in pieces of 8 tokens inside the others' decode steps.
-    let d = Daemon::start(dir.path(), "batch", &dir.path().join("batch"), &format!("{EXACT}max_batch = 4\nprefill_piece = 8\n"));
-    let batched = concurrent(&d, 2, 40);
-    d.stop();
-    for (k, (a, b)) in solo.iter().zip(&batched).enumerate() {
-        for (j, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(!x.0.is_empty(), "client {k} call {j} generated nothing");
-            assert_eq!(x.0, y.0, "client {k} call {j}: the batched answer differs from the one alone");
-            assert_eq!(
-                (x.1.prompt_tokens, x.1.output_tokens, x.1.context_tokens),
-                (y.1.prompt_tokens, y.1.output_tokens, y.1.context_tokens)
-            );
-            assert!(y.1.batch_max <= 4);
+    // Batched, with prompts prefilled in pieces of 8 tokens inside the others' decode steps,
+    // and on the prefill lane beside them.
+    for lane in [false, true] {
+        let name = format!("batch-{lane}");
+        let settings = format!("{EXACT}max_batch = 4\nprefill_piece = 8\nprefill_lane = {lane}\n");
+        let d = Daemon::start(dir.path(), &name, &dir.path().join(&name), &settings);
+        let batched = concurrent(&d, 2, 40);
+        d.stop();
+        let on_lane = batched.iter().flatten().filter(|(_, s)| s.lane_tokens > 0).count();
+        if lane {
+            // Four calls start together: the first prompt runs alone, the others on the lane
+            // while it decodes.
+            assert!(on_lane > 0, "no prompt ran on the lane: {batched:?}");
+            for (_, s) in batched.iter().flatten() {
+                assert!(s.lane_tokens == 0 || s.lane_tokens == s.prompt_tokens, "a short prompt goes to the lane whole: {s:?}");
+            }
+        } else {
+            assert_eq!(on_lane, 0, "prefill_lane = false runs no lane");
         }
+        for (k, (a, b)) in solo.iter().zip(&batched).enumerate() {
+            for (j, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!(!x.0.is_empty(), "client {k} call {j} generated nothing");
+                assert_eq!(x.0, y.0, "client {k} call {j}: the batched answer differs from the one alone");
+                assert_eq!(
+                    (x.1.prompt_tokens, x.1.output_tokens, x.1.context_tokens),
+                    (y.1.prompt_tokens, y.1.output_tokens, y.1.context_tokens)
+                );
+                assert!(y.1.batch_max <= 4);
+            }
+        }
+        let shared = batched.iter().flatten().filter(|(_, s)| s.batch_max > 1).count();
+        assert!(shared > 0, "four clients calling together never shared a pass: {batched:?}");
+        eprintln!("lane {lane}: {shared} of 8 calls shared forward passes, {on_lane} prefilled on the lane");
     }
-    let shared = batched.iter().flatten().filter(|(_, s)| s.batch_max > 1).count();
-    assert!(shared > 0, "four clients calling together never shared a pass: {batched:?}");
-    eprintln!("{shared} of 8 calls shared forward passes");
 }
 
 #[test]
@@ -265,53 +281,65 @@ fn a_pass_that_panics_fails_only_the_call_that_made_it() {
     let poison = *enc(poison_prompt).last().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let env = [("LLMS_FAULT_PANIC_TOKEN", poison.to_string())];
-    let d = Daemon::start_env(dir.path(), "fault", &dir.path().join("fault"), &format!("{EXACT}max_batch = 4\n"), &env);
-    // The innocent client: two calls on one context; the guilty one calls once the first of
-    // them decodes, so its prompt runs in a pass with it.
-    let (go, started) = std::sync::mpsc::channel::<()>();
-    let guilty = std::thread::spawn({
-        let socket = d.socket.clone();
-        move || {
-            let mut c = Client::connect(&socket, "guilty").unwrap();
-            let ctx = c.new_ctx(None).unwrap();
-            started.recv().unwrap();
-            let err = c.call(&raw(&ctx, poison_prompt, 16), &mut |_| {}).unwrap_err();
-            (c, ctx, format!("{err:#}"))
-        }
-    });
-    let mut c = d.client("innocent");
-    let ctx = c.new_ctx(None).unwrap();
-    let mut seen = 0;
-    let (first, st1) = c
-        .call(&raw(&ctx, TEXTS[0], 48), &mut |_| {
-            seen += 1;
-            if seen == 1 {
-                go.send(()).unwrap();
+    // In pieces beside the innocent call's decoding (one pass, split after the panic), and on
+    // the prefill lane beside it (a pass of its own, on its own thread).
+    for lane in [false, true] {
+        let name = format!("fault-{lane}");
+        let settings = format!("{EXACT}max_batch = 4\nprefill_lane = {lane}\n");
+        let d = Daemon::start_env(dir.path(), &name, &dir.path().join(&name), &settings, &env);
+        // The innocent client: two calls on one context; the guilty one calls once the first of
+        // them decodes, so its prompt runs in a pass with it (or beside it, on the lane).
+        let (go, started) = std::sync::mpsc::channel::<()>();
+        let guilty = std::thread::spawn({
+            let socket = d.socket.clone();
+            move || {
+                let mut c = Client::connect(&socket, "guilty").unwrap();
+                let ctx = c.new_ctx(None).unwrap();
+                started.recv().unwrap();
+                let err = c.call(&raw(&ctx, poison_prompt, 16), &mut |_| {}).unwrap_err();
+                (c, ctx, format!("{err:#}"))
             }
-        })
-        .unwrap();
-    let (mut g, gctx, err) = guilty.join().unwrap();
-    assert!(err.contains("quarantined"), "the guilty call's error: {err}");
-    assert_eq!(st1.output_tokens, 48, "the innocent call ran to its length: {st1:?}");
-    assert_eq!(st1.batch_max, 2, "the guilty prompt shared a pass with the innocent call: {st1:?}");
-    assert!(d.log_text().contains("run again one by one"), "the batched pass panicked and was split: {}", d.log_text());
-    let (second, _) = c.call(&raw(&ctx, " And then:", 24), &mut |_| {}).unwrap();
-    // The guilty context stays quarantined; its owner can still make others.
-    let again = g.call(&raw(&gctx, " more", 4), &mut |_| {}).unwrap_err();
-    assert!(format!("{again:#}").contains("quarantined"), "{again:#}");
-    let fresh = g.new_ctx(None).unwrap();
-    g.call(&raw(&fresh, "Hello", 4), &mut |_| {}).unwrap();
-    // The innocent calls, again on a fresh context with nobody else: the same answers.
-    let ctx2 = c.new_ctx(None).unwrap();
-    let (first2, alone) = c.call(&raw(&ctx2, TEXTS[0], 48), &mut |_| {}).unwrap();
-    let (second2, _) = c.call(&raw(&ctx2, " And then:", 24), &mut |_| {}).unwrap();
-    assert_eq!(alone.batch_max, 1);
-    assert_eq!((first, second), (first2.clone(), second2.clone()), "the failed pass changed an innocent call's answer");
-    // The injected token never ran in the innocent calls (else they would have failed too).
-    for t in [TEXTS[0], first2.as_str(), second2.as_str(), " And then:"] {
-        assert!(!enc(t).contains(&poison), "{t:?} holds the injected token");
+        });
+        let mut c = d.client("innocent");
+        let ctx = c.new_ctx(None).unwrap();
+        let mut seen = 0;
+        let (first, st1) = c
+            .call(&raw(&ctx, TEXTS[0], 48), &mut |_| {
+                seen += 1;
+                if seen == 1 {
+                    go.send(()).unwrap();
+                }
+            })
+            .unwrap();
+        let (mut g, gctx, err) = guilty.join().unwrap();
+        assert!(err.contains("quarantined"), "the guilty call's error: {err}");
+        assert_eq!(st1.output_tokens, 48, "the innocent call ran to its length: {st1:?}");
+        if lane {
+            // Its prompt ran beside the innocent call's passes, not in one of them.
+            assert_eq!(st1.batch_max, 1, "the guilty prompt went to the lane: {st1:?}");
+            assert!(d.log_text().contains("injected fault"), "the lane's pass panicked: {}", d.log_text());
+        } else {
+            assert_eq!(st1.batch_max, 2, "the guilty prompt shared a pass with the innocent call: {st1:?}");
+            assert!(d.log_text().contains("run again one by one"), "the batched pass panicked and was split: {}", d.log_text());
+        }
+        let (second, _) = c.call(&raw(&ctx, " And then:", 24), &mut |_| {}).unwrap();
+        // The guilty context stays quarantined; its owner can still make others.
+        let again = g.call(&raw(&gctx, " more", 4), &mut |_| {}).unwrap_err();
+        assert!(format!("{again:#}").contains("quarantined"), "{again:#}");
+        let fresh = g.new_ctx(None).unwrap();
+        g.call(&raw(&fresh, "Hello", 4), &mut |_| {}).unwrap();
+        // The innocent calls, again on a fresh context with nobody else: the same answers.
+        let ctx2 = c.new_ctx(None).unwrap();
+        let (first2, alone) = c.call(&raw(&ctx2, TEXTS[0], 48), &mut |_| {}).unwrap();
+        let (second2, _) = c.call(&raw(&ctx2, " And then:", 24), &mut |_| {}).unwrap();
+        assert_eq!(alone.batch_max, 1);
+        assert_eq!((first, second), (first2.clone(), second2.clone()), "the failed pass changed an innocent call's answer");
+        // The injected token never ran in the innocent calls (else they would have failed too).
+        for t in [TEXTS[0], first2.as_str(), second2.as_str(), " And then:"] {
+            assert!(!enc(t).contains(&poison), "{t:?} holds the injected token");
+        }
+        d.stop();
     }
-    d.stop();
 }
 
 /// Saving a finished call's turn holds no other call: with one app's save held (injected at

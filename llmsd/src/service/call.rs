@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine::model::Scratch;
-use engine::{Sampler, SamplerConfig, Session, Utf8Stream};
+use engine::{Sampler, SamplerConfig, Session, ThreadPool, Utf8Stream};
 use mm::Strategy;
 use tracing::{error, info, warn};
 
@@ -104,6 +104,9 @@ pub struct StepTrace {
     /// Calls that decoded a token in the pass, and prompt tokens prefilled in it.
     pub decode_rows: u32,
     pub prefill_tokens: u32,
+    /// `prefill_lane`: a prompt's pass on the lane that came back in this step (it ran beside
+    /// this step's and the ones before), ms.
+    pub lane_ms: f64,
     pub finish_ms: f64,
     pub ended: u32,
 }
@@ -283,6 +286,51 @@ enum Outcome {
     Panicked(String),
 }
 
+/// `prefill_lane`: a thread that prefills one call's prompt at a time on its own share of
+/// the threads while the worker's passes decode the other calls on the rest. The call is out
+/// of the batch meanwhile (the lane owns it) and comes back once its pass is done.
+struct Lane {
+    decode: Arc<ThreadPool>,
+    jobs: Sender<LaneJob>,
+    done: Receiver<LaneDone>,
+    /// The call on the lane: its context and the chunk memory it keeps pinned (admission
+    /// counts both as a call in the batch).
+    busy: Option<(String, usize)>,
+    /// The lane's own scratch, between its jobs.
+    scratch: Option<Scratch>,
+    /// Its thread is gone (cannot happen: it catches its passes' panics); prompts then go in
+    /// pieces beside the decoding calls.
+    gone: bool,
+}
+
+struct LaneJob {
+    a: Active,
+    piece: Vec<u32>,
+    scratch: Scratch,
+}
+
+struct LaneDone {
+    a: Active,
+    piece: Vec<u32>,
+    /// Where the call's positions were before the pass.
+    from: usize,
+    run: std::thread::Result<engine::model::Result<usize>>,
+    scratch: Scratch,
+    ms: f64,
+}
+
+impl Lane {
+    fn calls(&self) -> usize {
+        usize::from(self.busy.is_some())
+    }
+    fn holds(&self, ctx: &str) -> bool {
+        self.busy.as_ref().is_some_and(|(c, _)| c == ctx)
+    }
+    fn reserved(&self) -> usize {
+        self.busy.as_ref().map_or(0, |b| b.1)
+    }
+}
+
 impl Service {
     /// Queues a call; its events arrive on the returned channel.
     pub(super) fn submit(&self, owner: &Owner, call: Call, cancel: Arc<AtomicBool>) -> Result<Receiver<Event>, Refusal> {
@@ -385,28 +433,62 @@ impl Service {
         let mut scratch = Scratch::default();
         let mut active: Vec<Active> = Vec::new();
         let mut cost = PassCost::default();
-        loop {
-            let t0 = Instant::now();
-            let running = active.len();
-            if !self.admit(&mut active, &mut scratch) {
-                break;
-            }
-            let admit_ms = ms(t0.elapsed());
-            let mut st = self.step(&mut active, &mut scratch, &mut cost);
-            if let Some(trace) = lock(&self.trace).as_mut() {
-                st.at_ms = ms(t0.duration_since(trace.since));
-                st.admit_ms = admit_ms;
-                st.started = u32::try_from((active.len() + st.ended as usize).saturating_sub(running)).unwrap_or(u32::MAX);
-                if trace.steps.len() < MAX_TRACE_STEPS {
-                    trace.steps.push(st);
+        std::thread::scope(|sc| {
+            let mut lane = self.lanes.as_ref().map(|(decode, prompt)| {
+                let (jobs, jobs_rx) = mpsc::channel::<LaneJob>();
+                let (done_tx, done) = mpsc::channel::<LaneDone>();
+                let pool = Arc::clone(prompt);
+                sc.spawn(move || {
+                    crate::sched::long_slice_or_warn();
+                    for LaneJob { mut a, piece, mut scratch } in jobs_rx {
+                        let from = a.s.n_past();
+                        let t = Instant::now();
+                        let run = {
+                            // A pass for mm's AoT writer as the worker's are (they may overlap).
+                            let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
+                            catch_unwind(AssertUnwindSafe(|| {
+                                let refs = [piece.as_slice()];
+                                let r = Session::step_batch_on(&pool, &mut [&mut a.s], &refs, &mut scratch).map(<[f32]>::len);
+                                injected_fault(&refs);
+                                r
+                            }))
+                        };
+                        let ms = ms(t.elapsed());
+                        if done_tx.send(LaneDone { a, piece, from, run, scratch, ms }).is_err() {
+                            break;
+                        }
+                    }
+                });
+                Lane { decode: Arc::clone(decode), jobs, done, busy: None, scratch: Some(Scratch::default()), gone: false }
+            });
+            loop {
+                let t0 = Instant::now();
+                // (A call on the lane is in the batch as much as one in `active`.)
+                let in_batch = |active: &Vec<Active>, lane: &Option<Lane>| active.len() + lane.as_ref().map_or(0, Lane::calls);
+                let running = in_batch(&active, &lane);
+                if !self.admit(&mut active, &mut scratch, lane.as_ref()) {
+                    break;
+                }
+                let admit_ms = ms(t0.elapsed());
+                let mut st = self.step(&mut active, &mut scratch, &mut cost, lane.as_mut());
+                if let Some(trace) = lock(&self.trace).as_mut() {
+                    st.at_ms = ms(t0.duration_since(trace.since));
+                    st.admit_ms = admit_ms;
+                    st.started = u32::try_from((in_batch(&active, &lane) + st.ended as usize).saturating_sub(running)).unwrap_or(u32::MAX);
+                    if trace.steps.len() < MAX_TRACE_STEPS {
+                        trace.steps.push(st);
+                    }
                 }
             }
-        }
+            // Dropping the lane closes its job channel: its thread ends and the scope joins it.
+        });
     }
 
     /// Starts queued calls while the batch has room and their memory fits; blocks while
     /// nothing runs and nothing waits. False once the service stops with nothing running.
-    fn admit(&self, active: &mut Vec<Active>, scratch: &mut Scratch) -> bool {
+    fn admit(&self, active: &mut Vec<Active>, scratch: &mut Scratch, lane: Option<&Lane>) -> bool {
+        // The call on the lane counts as one in the batch.
+        let on_lane = lane.map_or(0, Lane::calls);
         loop {
             let (at, mut job) = {
                 let mut q = lock(&self.queue);
@@ -415,9 +497,9 @@ impl Service {
                         for j in q.drain(..) {
                             let _ = j.events.send(Event::error(ErrorCode::ShuttingDown, "the service is stopping"));
                         }
-                        return !active.is_empty();
+                        return !active.is_empty() || on_lane > 0;
                     }
-                    if active.len() >= self.cfg.max_batch.max(1) {
+                    if active.len() + on_lane >= self.cfg.max_batch.max(1) {
                         return true;
                     }
                     // Calls on one context run one after the other: a call whose context is
@@ -428,7 +510,7 @@ impl Service {
                             Some(h) => h.pin.as_ref(),
                         };
                         // (Or its last answer waits for its file's sync: syncer.rs.)
-                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c) || self.sync.waits(c))
+                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c) || lane.is_some_and(|l| l.holds(c)) || self.sync.waits(c))
                     };
                     // A uid holding half the batch yields to other uids' calls in line: one
                     // app's long calls cannot keep everyone else out of the model.
@@ -440,7 +522,7 @@ impl Service {
                     if let Some(i) = pick {
                         break (i, q.remove(i).expect("in the queue"));
                     }
-                    if !active.is_empty() {
+                    if !active.is_empty() || on_lane > 0 {
                         return true;
                     }
                     q = self.queued.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -448,8 +530,8 @@ impl Service {
             };
             // Outside the queue's lock: `stats` takes mm's before the queue's.
             let reserved = self.estimate(&job);
-            let pinned: usize = active.iter().map(|a| a.reserved).sum();
-            if !active.is_empty() && pinned + reserved > lock(&self.mm).budget() {
+            let pinned: usize = active.iter().map(|a| a.reserved).sum::<usize>() + lane.map_or(0, Lane::reserved);
+            if (!active.is_empty() || on_lane > 0) && pinned + reserved > lock(&self.mm).budget() {
                 // It waits for memory where it was in line, and the calls behind it with it.
                 let first = job.memory_since.is_none();
                 job.memory_since.get_or_insert_with(Instant::now);
@@ -838,8 +920,18 @@ impl Service {
     /// One forward pass for the running calls: each decoding call's sampled token and pieces
     /// of the shortest prompts still to prefill (as many as fit a pass's 512 tokens when no
     /// call decodes). Then each call takes its logits; the calls that ended leave the batch.
-    fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost) -> StepTrace {
+    ///
+    /// With `prefill_lane`, while calls decode the shortest prompt goes to the lane whole (up
+    /// to a pass's 512 tokens), where it runs on its own share of the threads beside this and
+    /// the next passes, which then decode on the other share; the other prompts wait for the
+    /// lane. A call back from the lane rejoins the batch here.
+    fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost, mut lane: Option<&mut Lane>) -> StepTrace {
         let mut trace = StepTrace::default();
+        if let Some(l) = lane.as_deref_mut() {
+            self.lane_back(active, l, &mut trace);
+            self.lane_out(active, l);
+        }
+        let lane_busy = lane.as_ref().is_some_and(|l| l.busy.is_some());
         let mut ended: Vec<(usize, Outcome)> = Vec::new();
         let mut rows: Vec<usize> = Vec::new();
         let mut pieces: Vec<Vec<u32>> = Vec::new();
@@ -850,7 +942,13 @@ impl Service {
         // for a first token; the long one's caller waits far longer anyway).
         let left: Vec<Option<usize>> = active.iter().map(|a| a.next.is_none().then(|| a.ids.len() - a.fed)).collect();
         let most = self.cfg.prefill_piece.clamp(1, MAX_PASS);
-        let room = pass_room(&left, decoding, || (cost.piece(decoding, self.cfg.prefill_hold, most), most));
+        // Prompts wait for a busy lane while calls decode (beside them on fewer threads they
+        // would stretch every pass); with nothing decoding the shortest one runs here.
+        let room = if lane_busy && decoding > 0 {
+            0
+        } else {
+            pass_room(&left, decoding, || (cost.piece(decoding, self.cfg.prefill_hold, most), most))
+        };
         let piece_of = prompt_pieces(&left, room);
         for (i, a) in active.iter_mut().enumerate() {
             if let Some(t) = a.next {
@@ -899,65 +997,25 @@ impl Service {
                 // Marked for mm's AoT writer while it runs (cleared on unwind too).
                 let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
                 catch_unwind(AssertUnwindSafe(|| {
-                    let r = Session::step_batch(&mut sessions, &refs, scratch).map(<[f32]>::len);
+                    // Beside the lane's pass, on the other share of the threads.
+                    let r = match lane.as_ref().filter(|_| lane_busy) {
+                        Some(l) => Session::step_batch_on(&l.decode, &mut sessions, &refs, scratch),
+                        None => Session::step_batch(&mut sessions, &refs, scratch),
+                    };
                     injected_fault(&refs);
-                    r
+                    r.map(<[f32]>::len)
                 }))
             };
             let pass_ms = ms(t0.elapsed());
             trace.pass_ms = pass_ms;
-            cost.add(pieces.iter().map(Vec::len).sum(), pass_ms);
-            match run {
-                Ok(Ok(len)) => {
-                    self.take_rows(active, &rows, &pieces, &scratch.logits()[..len], n, &mut ended);
-                    if decoding > 0 {
-                        self.prom.step(n, pass_ms);
-                    }
-                }
-                Ok(Err(e)) => {
-                    // Checked before any session changed: each call in the pass fails.
-                    for &i in &rows {
-                        ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string()))));
-                    }
-                }
-                Err(p) if n == 1 => {
-                    *scratch = Scratch::default();
-                    ended.push((rows[0], Outcome::Panicked(panic_message(p.as_ref()))));
-                }
-                Err(p) => {
-                    // Which call's data made the model panic is not known: each call's piece
-                    // runs again alone, its positions rolled back first (the pass wrote only
-                    // those, and a row's arithmetic does not depend on the others: a call that
-                    // goes on answers as if the pass had not failed; only the attention observer
-                    // may have counted part of the failed pass, and densities only guide levels).
-                    // The one that panics alone is quarantined; the others go on.
-                    *scratch = Scratch::default();
-                    warn!(calls = n, "a forward pass panicked ({}); its calls run again one by one", panic_message(p.as_ref()));
-                    for (k, &i) in rows.iter().enumerate() {
-                        let a = &mut active[i];
-                        let s = &mut a.s;
-                        // A write never reaches a chunk another context shares (mm copies it first).
-                        if let Err(e) = lock(&self.mm).truncate(a.saved.mm_id, &mut SessionKv(s), from[k]) {
-                            warn!("rolling back a failed pass: {e}");
-                        }
-                        s.truncate(from[k]);
-                        let piece = [pieces[k].as_slice()];
-                        let r = catch_unwind(AssertUnwindSafe(|| {
-                            let r = Session::step_batch(&mut [s], &piece, scratch).map(<[f32]>::len);
-                            injected_fault(&piece);
-                            r
-                        }));
-                        match r {
-                            Ok(Ok(len)) => self.take_rows(active, &[i], &pieces[k..=k], &scratch.logits()[..len], n, &mut ended),
-                            Ok(Err(e)) => ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string())))),
-                            Err(p) => {
-                                *scratch = Scratch::default();
-                                ended.push((i, Outcome::Panicked(panic_message(p.as_ref()))));
-                            }
-                        }
-                    }
-                }
+            if !lane_busy {
+                // (Passes beside the lane run on fewer threads: not the ones pieces are cut by.)
+                cost.add(pieces.iter().map(Vec::len).sum(), pass_ms);
             }
+            if decoding > 0 && matches!(run, Ok(Ok(_))) {
+                self.prom.step(n, pass_ms);
+            }
+            self.after_pass(active, &rows, &pieces, &from, run, scratch, n, &mut ended);
         }
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         ended.dedup_by_key(|e| e.0);
@@ -969,6 +1027,151 @@ impl Service {
         }
         trace.finish_ms = ms(t0.elapsed());
         trace
+    }
+
+    /// The lane's call, if its pass is done (waited for when nothing else would run): back in
+    /// the batch, taking its logits as a call of a pass does; one that failed ends here.
+    fn lane_back(&self, active: &mut Vec<Active>, lane: &mut Lane, trace: &mut StepTrace) {
+        if lane.busy.is_none() {
+            return;
+        }
+        let d = if active.is_empty() {
+            lane.done.recv().map_err(|_| true)
+        } else {
+            lane.done.try_recv().map_err(|e| matches!(e, mpsc::TryRecvError::Disconnected))
+        };
+        let LaneDone { a, piece, from, run, mut scratch, ms } = match d {
+            Ok(d) => d,
+            Err(gone) => {
+                if gone {
+                    // Cannot happen (the lane catches its pass's panics): its call is lost
+                    // with it, and its client's stream ends.
+                    error!("the prefill lane stopped with a call on it");
+                    lane.busy = None;
+                    lane.gone = true;
+                }
+                return;
+            }
+        };
+        lane.busy = None;
+        trace.lane_ms = ms;
+        let mut a = a;
+        if matches!(run, Ok(Ok(_))) {
+            a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
+        }
+        active.push(a);
+        let i = active.len() - 1;
+        let mut ended = Vec::new();
+        self.after_pass(active, &[i], &[piece], &[from], run, &mut scratch, 1, &mut ended);
+        lane.scratch = Some(scratch);
+        if let Some((i, how)) = ended.pop() {
+            let a = active.remove(i);
+            self.finish(a, how);
+        }
+    }
+
+    /// Sends the shortest prompt to a free lane while calls decode: all of it, or a pass's
+    /// 512 tokens of it (a longer one comes back and goes again).
+    fn lane_out(&self, active: &mut Vec<Active>, lane: &mut Lane) {
+        if lane.gone || lane.busy.is_some() || !active.iter().any(|a| a.next.is_some()) {
+            return;
+        }
+        let vocab = self.model.config.vocab;
+        let Some(i) = active
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.next.is_none() && a.fed < a.ids.len() && !a.job.cancel.load(Ordering::SeqCst))
+            .min_by_key(|(_, a)| a.ids.len() - a.fed)
+            .map(|(i, _)| i)
+        else {
+            return;
+        };
+        let a = &active[i];
+        let piece = a.ids[a.fed..a.ids.len().min(a.fed + MAX_PASS)].to_vec();
+        // What a pass would refuse stays in the batch, where the pass fails it.
+        if a.s.n_past() + piece.len() > a.s.kv.capacity() || piece.iter().any(|&t| t as usize >= vocab) {
+            return;
+        }
+        let a = active.remove(i);
+        let busy = (a.ctx.clone(), a.reserved);
+        let scratch = lane.scratch.take().unwrap_or_default();
+        // The pool of all threads parks its idle workers: the two passes take the cores.
+        self.pool.rest();
+        match lane.jobs.send(LaneJob { a, piece, scratch }) {
+            Ok(()) => lane.busy = Some(busy),
+            Err(mpsc::SendError(job)) => {
+                // The lane's thread is gone (it cannot panic outside its pass's catch): the
+                // call goes on in the batch.
+                error!("the prefill lane stopped; prompts go in pieces beside decoding calls");
+                lane.gone = true;
+                lane.scratch = Some(job.scratch);
+                active.insert(i, job.a);
+            }
+        }
+    }
+
+    /// A pass's outcome for its calls (`rows`, their `pieces`, where their positions were
+    /// before it: `from`): each takes its logits from `scratch`; a refused pass fails them
+    /// all; a panic fails the call alone if it was alone, else each call's piece runs again
+    /// by itself from where the pass started. `batch`: the calls in the step.
+    #[allow(clippy::too_many_arguments)]
+    fn after_pass(
+        &self,
+        active: &mut [Active],
+        rows: &[usize],
+        pieces: &[Vec<u32>],
+        from: &[usize],
+        run: std::thread::Result<engine::model::Result<usize>>,
+        scratch: &mut Scratch,
+        batch: usize,
+        ended: &mut Vec<(usize, Outcome)>,
+    ) {
+        match run {
+            Ok(Ok(len)) => self.take_rows(active, rows, pieces, &scratch.logits()[..len], batch, ended),
+            Ok(Err(e)) => {
+                // Checked before any session changed: each call in the pass fails.
+                for &i in rows {
+                    ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string()))));
+                }
+            }
+            Err(p) if rows.len() == 1 => {
+                *scratch = Scratch::default();
+                ended.push((rows[0], Outcome::Panicked(panic_message(p.as_ref()))));
+            }
+            Err(p) => {
+                // Which call's data made the model panic is not known: each call's piece
+                // runs again alone, its positions rolled back first (the pass wrote only
+                // those, and a row's arithmetic does not depend on the others: a call that
+                // goes on answers as if the pass had not failed; only the attention observer
+                // may have counted part of the failed pass, and densities only guide levels).
+                // The one that panics alone is quarantined; the others go on.
+                *scratch = Scratch::default();
+                warn!(calls = rows.len(), "a forward pass panicked ({}); its calls run again one by one", panic_message(p.as_ref()));
+                for (k, &i) in rows.iter().enumerate() {
+                    let a = &mut active[i];
+                    let s = &mut a.s;
+                    // A write never reaches a chunk another context shares (mm copies it first).
+                    if let Err(e) = lock(&self.mm).truncate(a.saved.mm_id, &mut SessionKv(s), from[k]) {
+                        warn!("rolling back a failed pass: {e}");
+                    }
+                    s.truncate(from[k]);
+                    let piece = [pieces[k].as_slice()];
+                    let r = catch_unwind(AssertUnwindSafe(|| {
+                        let r = Session::step_batch(&mut [s], &piece, scratch).map(<[f32]>::len);
+                        injected_fault(&piece);
+                        r
+                    }));
+                    match r {
+                        Ok(Ok(len)) => self.take_rows(active, &[i], &pieces[k..=k], &scratch.logits()[..len], batch, ended),
+                        Ok(Err(e)) => ended.push((i, Outcome::Failed(refuse(ErrorCode::Failed, e.to_string())))),
+                        Err(p) => {
+                            *scratch = Scratch::default();
+                            ended.push((i, Outcome::Panicked(panic_message(p.as_ref()))));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// After a pass: each call in `rows` takes its row of `logits` (a decoding call its next

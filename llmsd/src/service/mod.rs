@@ -131,6 +131,9 @@ pub struct Service {
     cfg: Config,
     model: Arc<Model>,
     pool: Arc<ThreadPool>,
+    /// `prefill_lane`: the pools a step splits the threads into, the decoding calls' and a
+    /// joining prompt's (call.rs, `Service::step`).
+    lanes: Option<(Arc<ThreadPool>, Arc<ThreadPool>)>,
     /// The chat template's turn pieces; `Err` (why) for a base model, which serves raw
     /// completions only.
     turns: std::result::Result<Turns, String>,
@@ -244,6 +247,13 @@ impl Service {
         // Its threads and the worker's take long CPU slices: the threads that stream tokens (and
         // the apps waiting for them) preempt the passes when they wake (crate::sched).
         let pool = Arc::new(ThreadPool::with_start(threads, crate::sched::long_slice_or_warn));
+        let lanes = (cfg.prefill_lane && threads >= 2).then(|| {
+            let prompt = threads / 2;
+            (
+                Arc::new(ThreadPool::with_start(threads - prompt, crate::sched::long_slice_or_warn)),
+                Arc::new(ThreadPool::with_start(prompt, crate::sched::long_slice_or_warn)),
+            )
+        });
         // A base model (no template, no ChatML tokens) serves raw completions; a template
         // llmsd cannot continue is still an error at start.
         let turns = match Turns::new(&model) {
@@ -288,6 +298,7 @@ impl Service {
             cfg,
             model,
             pool,
+            lanes,
             turns,
             passes: mm.passes_running(),
             mm: Mutex::new(mm),

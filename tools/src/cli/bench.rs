@@ -370,6 +370,10 @@ pub struct BenchServeArgs {
     /// (or half again the decoding calls' pass) [default: the service's, 4].
     #[arg(long)]
     pub prefill_hold: Option<f64>,
+    /// A joining prompt on its own share of the threads beside the decoding calls' pass
+    /// (`true`), or in pieces inside it (`false`) [default: the service's, true].
+    #[arg(long)]
+    pub prefill_lane: Option<bool>,
     /// One more client sends prompts of this many tokens (fresh contexts, one token each) all
     /// through the run: what a long prefill costs the others' inter-token latency.
     #[arg(long, default_value_t = 0)]
@@ -464,6 +468,7 @@ impl BenchServeArgs {
             max_batch,
             prefill_piece,
             prefill_hold,
+            prefill_lane,
             long_prefill,
             vs_solo,
             levels,
@@ -483,6 +488,7 @@ impl BenchServeArgs {
         base.max_batch = max_batch.unwrap_or(base.max_batch);
         base.prefill_piece = prefill_piece.unwrap_or(base.prefill_piece);
         base.prefill_hold = prefill_hold.unwrap_or(base.prefill_hold);
+        base.prefill_lane = prefill_lane.unwrap_or(base.prefill_lane);
         if let Some(l) = levels {
             base.levels = l;
         }
@@ -589,8 +595,16 @@ impl BenchServeArgs {
             );
             for s in &w.slowest {
                 println!(
-                    "    at {:>8.1} ms: start {} call(s) {:>6.1} ms, pass of {} decoding + {} prompt tokens {:>6.1} ms, end {} call(s) {:>6.1} ms",
-                    s.at_ms, s.started, s.admit_ms, s.decode_rows, s.prefill_tokens, s.pass_ms, s.ended, s.finish_ms
+                    "    at {:>8.1} ms: start {} call(s) {:>6.1} ms, pass of {} decoding + {} prompt tokens {:>6.1} ms{}, end {} call(s) {:>6.1} ms",
+                    s.at_ms,
+                    s.started,
+                    s.admit_ms,
+                    s.decode_rows,
+                    s.prefill_tokens,
+                    s.pass_ms,
+                    if s.lane_ms > 0.0 { format!(" (the prompts' lane {:.1} ms)", s.lane_ms) } else { String::new() },
+                    s.ended,
+                    s.finish_ms
                 );
             }
         }
