@@ -1088,7 +1088,8 @@ impl Service {
         let Some(i) = active
             .iter()
             .enumerate()
-            .filter(|(_, a)| a.next.is_none() && a.fed < a.ids.len() && !a.job.cancel.load(Ordering::SeqCst))
+            // (A cancelled call's prompt too: a cancelled call keeps what it made, as in pieces.)
+            .filter(|(_, a)| a.next.is_none() && a.fed < a.ids.len())
             .min_by_key(|(_, a)| a.ids.len() - a.fed)
             .map(|(i, _)| i)
         else {
