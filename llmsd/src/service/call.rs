@@ -1047,7 +1047,7 @@ impl Service {
         } else {
             lane.done.try_recv().map_err(|e| matches!(e, mpsc::TryRecvError::Disconnected))
         };
-        let LaneDone { a, piece, from, run, mut scratch, ms } = match d {
+        let LaneDone { mut a, piece, from, run, mut scratch, ms } = match d {
             Ok(d) => d,
             Err(gone) => {
                 if gone {
@@ -1062,7 +1062,6 @@ impl Service {
         };
         lane.busy = None;
         trace.lane_ms = ms;
-        let mut a = a;
         if matches!(run, Ok(Ok(_))) {
             a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
         }
