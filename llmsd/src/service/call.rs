@@ -316,12 +316,11 @@ struct LaneJob {
     scratch: Scratch,
 }
 
+/// The lane's call after its pass, its logits taken (`Service::after_pass`): how it ended, if
+/// it did.
 struct LaneDone {
     a: Active,
-    piece: Vec<u32>,
-    /// Where the call's positions were before the pass.
-    from: usize,
-    run: std::thread::Result<engine::model::Result<usize>>,
+    ended: Option<Outcome>,
     scratch: Scratch,
     ms: f64,
 }
@@ -461,7 +460,16 @@ impl Service {
                             }))
                         };
                         let ms = ms(t.elapsed());
-                        if done_tx.send(LaneDone { a, piece, from, run, scratch, ms }).is_err() {
+                        if matches!(run, Ok(Ok(_))) {
+                            a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
+                        }
+                        // The call takes its logits here, as a call of the worker's pass does
+                        // there: a prompt that is in samples its first token and streams it
+                        // now, not once the worker's pass in flight ends (its caller's wait).
+                        let mut ended = Vec::new();
+                        self.after_pass(std::slice::from_mut(&mut a), &[0], &[piece], &[from], run, &mut scratch, 1, &mut ended);
+                        let ended = ended.pop().map(|(_, how)| how);
+                        if done_tx.send(LaneDone { a, ended, scratch, ms }).is_err() {
                             break;
                         }
                     }
@@ -1037,7 +1045,7 @@ impl Service {
     }
 
     /// The lane's call, if its pass is done (waited for when nothing else would run): back in
-    /// the batch, taking its logits as a call of a pass does; one that failed ends here.
+    /// the batch with its logits taken on the lane; one whose pass failed ends here.
     fn lane_back(&self, active: &mut Vec<Active>, lane: &mut Lane, trace: &mut StepTrace) {
         if lane.busy.is_none() {
             return;
@@ -1047,7 +1055,7 @@ impl Service {
         } else {
             lane.done.try_recv().map_err(|e| matches!(e, mpsc::TryRecvError::Disconnected))
         };
-        let LaneDone { mut a, piece, from, run, mut scratch, ms } = match d {
+        let LaneDone { a, ended, scratch, ms } = match d {
             Ok(d) => d,
             Err(gone) => {
                 if gone {
@@ -1062,17 +1070,10 @@ impl Service {
         };
         lane.busy = None;
         trace.lane_ms = ms;
-        if matches!(run, Ok(Ok(_))) {
-            a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
-        }
-        active.push(a);
-        let i = active.len() - 1;
-        let mut ended = Vec::new();
-        self.after_pass(active, &[i], &[piece], &[from], run, &mut scratch, 1, &mut ended);
         lane.scratch = Some(scratch);
-        if let Some((i, how)) = ended.pop() {
-            let a = active.remove(i);
-            self.finish(a, how);
+        match ended {
+            Some(how) => self.finish(a, how),
+            None => active.push(a),
         }
     }
 
