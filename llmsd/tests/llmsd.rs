@@ -785,10 +785,17 @@ fn one_uid_cannot_take_the_service_for_itself() {
                     max_text_per_uid = \"2KiB\"\nmax_disk_per_uid = \"4MiB\"\n";
     let d = Daemon::start(dir.path(), "u", &dir.path().join("state"), settings);
     let mut c = d.client("a");
+    // The start-up probe (a connection opened and closed) is counted until its thread sees
+    // it closed: wait until only this client's connection is, or the fifth below may fit.
+    llms_tests::wait_until("the start-up probe's slot to be given back", Duration::from_secs(30), || {
+        (c.stats().unwrap().connections == 1).then_some(())
+    });
 
     // Connections: the main client and three more; a fifth is refused, naming the limit.
     let mut extra: Vec<UnixStream> = (0..3).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
     let mut fifth = UnixStream::connect(&d.socket).unwrap();
+    // An admitted fifth would wait for a request for idle_timeout_s (an hour): bound the read.
+    fifth.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     match read_event(&mut fifth) {
         Some(Event::Error { code: ErrorCode::TooMany, message }) => assert!(message.contains("max_connections_per_uid"), "{message}"),
         e => panic!("{e:?}"),
