@@ -317,7 +317,13 @@ fn raw_frame(s: &mut UnixStream, body: &[u8]) {
     proto::write_frame(s, body).unwrap();
 }
 
+/// The next event on a raw connection, None when it closed (or nothing came for 5 minutes: a
+/// connection the service admitted by mistake waits `idle_timeout_s`, an hour, for a request,
+/// and a test that expected an answer must fail, not hang its CI run).
 fn read_event(s: &mut UnixStream) -> Option<Event> {
+    if s.read_timeout().ok().flatten().is_none() {
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    }
     proto::read_frame(s).ok().map(|b| proto::decode_event(&b).unwrap())
 }
 
@@ -794,8 +800,6 @@ fn one_uid_cannot_take_the_service_for_itself() {
     // Connections: the main client and three more; a fifth is refused, naming the limit.
     let mut extra: Vec<UnixStream> = (0..3).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
     let mut fifth = UnixStream::connect(&d.socket).unwrap();
-    // An admitted fifth would wait for a request for idle_timeout_s (an hour): bound the read.
-    fifth.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     match read_event(&mut fifth) {
         Some(Event::Error { code: ErrorCode::TooMany, message }) => assert!(message.contains("max_connections_per_uid"), "{message}"),
         e => panic!("{e:?}"),
