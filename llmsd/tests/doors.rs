@@ -138,11 +138,8 @@ fn a_megabyte_word_is_refused_cleanly_on_both_doors() {
     }
     let (text, _) = c.call(&call(&ctx, "Hi", 4), &mut |_| {}).unwrap();
     assert!(!text.is_empty());
-    // Only this connection is counted once the HTTP request's thread has given its slot back
-    // (it may still be closing when the answer is read).
-    llms_tests::wait_until("the HTTP connection's slot to be given back", Duration::from_secs(30), || {
-        (c.stats().unwrap().connections == 1).then_some(())
-    });
+    // Only this connection is counted (the HTTP request's, once its thread has closed it).
+    common::wait_only_this_connection(&mut c, "after the HTTP calls");
     d.stop();
 }
 
@@ -217,9 +214,7 @@ fn panics_anywhere_give_back_what_the_connection_held() {
         let (text, _) = c.call(&call(&ctx, "Hi", 3), &mut |_| {}).unwrap();
         assert!(!text.is_empty(), "{stage}: the service goes on");
         // Connections of panicked requests may take a moment to be dropped by their threads.
-        llms_tests::wait_until(&format!("{stage}: every panicked connection to give its slot back"), Duration::from_secs(30), || {
-            (c.stats().unwrap().connections == 1).then_some(())
-        });
+        common::wait_only_this_connection(&mut c, stage);
         drop(c);
         d.stop();
     }

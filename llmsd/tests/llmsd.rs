@@ -792,10 +792,8 @@ fn one_uid_cannot_take_the_service_for_itself() {
     let d = Daemon::start(dir.path(), "u", &dir.path().join("state"), settings);
     let mut c = d.client("a");
     // The start-up probe (a connection opened and closed) is counted until its thread sees
-    // it closed: wait until only this client's connection is, or the fifth below may fit.
-    llms_tests::wait_until("the start-up probe's slot to be given back", Duration::from_secs(30), || {
-        (c.stats().unwrap().connections == 1).then_some(())
-    });
+    // it closed: without waiting for it, the fifth below may fit.
+    common::wait_only_this_connection(&mut c, "the start-up probe");
 
     // Connections: the main client and three more; a fifth is refused, naming the limit.
     let mut extra: Vec<UnixStream> = (0..3).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();

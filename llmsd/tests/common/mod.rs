@@ -228,3 +228,12 @@ pub fn fill_disk(d: &Daemon, mnt: &Path) -> PathBuf {
     }
     filler
 }
+
+/// Waits until `c`'s uid holds `c`'s connection alone. A closed connection keeps its slot until
+/// its thread sees the close (the start-up probe's, an HTTP request's, a panicked one's): a
+/// test that counts connections or fills the uid's limit waits for them first.
+pub fn wait_only_this_connection(c: &mut Client, what: &str) {
+    llms_tests::wait_until(&format!("{what}: the closed connections' slots to be given back"), Duration::from_secs(30), || {
+        (c.stats().unwrap().connections == 1).then_some(())
+    });
+}
