@@ -36,6 +36,9 @@ struct Shared {
     sleepers: AtomicUsize,
     /// Set by [`ThreadPool::rest`]: idle workers park at once instead of spinning.
     rest: AtomicBool,
+    /// Set by [`ThreadPool::lend`]: workers from this index on sit out (they leave a job at
+    /// their next chunk, join no new one and park), their cores lent to other threads.
+    lent_from: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -119,6 +122,7 @@ impl ThreadPool {
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             rest: AtomicBool::new(false),
+            lent_from: AtomicUsize::new(usize::MAX),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -163,7 +167,9 @@ impl ThreadPool {
         // see them counted as sleepers).
         s.rest.store(false, Ordering::Relaxed);
         s.state.store(gen << 32, Ordering::SeqCst);
-        if s.sleepers.load(Ordering::SeqCst) > 0 {
+        // (With every worker lent there is no one to wake: each job would wake them to park
+        // again, on the cores they lent.)
+        if s.sleepers.load(Ordering::SeqCst) > 0 && s.lent_from.load(Ordering::SeqCst) > 1 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
@@ -198,6 +204,18 @@ impl ThreadPool {
     /// their spin time on cores the blocking work may need. The next job wakes them.
     pub fn rest(&self) {
         self.shared.rest.store(true, Ordering::Relaxed);
+    }
+
+    /// Lends the cores of `n` of the workers to other threads (a pass of another pool, say),
+    /// from now until `lend(0)`: they leave the job they are in at their next chunk (its
+    /// caller and the other workers take the rest: the chunks, not the threads, fix the
+    /// bits), join no new one and park. With every worker lent the caller runs each job
+    /// alone. Another thread may call this while a job runs: a service starting a prompt
+    /// beside a decode pass in flight takes a core from it within a chunk, not at its end.
+    pub fn lend(&self, n: usize) {
+        let from = if n == 0 { usize::MAX } else { self.n.saturating_sub(n).max(1) };
+        // (Parked lent workers wake with the next job: `run`.)
+        self.shared.lent_from.store(from, Ordering::SeqCst);
     }
 
     /// Turns per-operation statistics on or off (off: one relaxed load per operation).
@@ -255,9 +273,12 @@ impl ThreadPool {
             task(0, 0, n);
         } else {
             let runs = Runs::new(n, chunk, parts.clamp(1, self.n));
+            let lent = &self.shared.lent_from;
             self.run(&|idx| {
                 let (own, mut from) = (runs.own(idx), 0);
-                while let Some((a, b)) = runs.claim(own, &mut from) {
+                // (The caller, participant 0, is never lent.)
+                while idx < lent.load(Ordering::Relaxed) {
+                    let Some((a, b)) = runs.claim(own, &mut from) else { break };
                     task(idx, a, b);
                 }
             });
@@ -354,19 +375,24 @@ fn worker(s: &Shared, idx: usize) {
             }
             std::hint::spin_loop();
             spins += 1;
-            if spins.is_multiple_of(1024) && (start.elapsed() > SPIN || s.rest.load(Ordering::Relaxed)) {
+            let lent = || idx >= s.lent_from.load(Ordering::Relaxed);
+            if spins.is_multiple_of(1024) && (start.elapsed() > SPIN || s.rest.load(Ordering::Relaxed) || lent()) {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
-                while s.state.load(Ordering::SeqCst) >> 32 == seen_gen && !s.shutdown.load(Ordering::Acquire) {
+                // A lent worker sleeps through jobs until its core is given back.
+                while (s.state.load(Ordering::SeqCst) >> 32 == seen_gen || idx >= s.lent_from.load(Ordering::SeqCst))
+                    && !s.shutdown.load(Ordering::Acquire)
+                {
                     g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
                 s.sleepers.fetch_sub(1, Ordering::SeqCst);
             }
         };
         seen_gen = word >> 32;
-        // Join unless the job has been closed (or replaced) meanwhile.
+        // Join unless the job has been closed (or replaced) meanwhile, or this worker's core
+        // is lent (it goes back to park: see `lend`).
         let mut w = word;
-        let joined = loop {
+        let joined = idx < s.lent_from.load(Ordering::Relaxed) && loop {
             if w >> 32 != seen_gen || w & CLOSED != 0 {
                 break false;
             }
@@ -444,6 +470,65 @@ impl OutPtr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lent_workers_join_no_job_until_given_back() {
+        let pool = ThreadPool::new(3);
+        let seen: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+        let job = |idx: usize| {
+            seen[idx].fetch_add(1, Ordering::Relaxed);
+            // Long enough for every running worker to join.
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        pool.lend(1);
+        for _ in 0..200 {
+            pool.run(&job);
+        }
+        assert_eq!(seen[2].load(Ordering::Relaxed), 0, "the lent worker (the last) joined a job");
+        pool.lend(2);
+        let before = seen[1].load(Ordering::Relaxed);
+        for _ in 0..200 {
+            pool.run(&job);
+        }
+        assert_eq!(seen[1].load(Ordering::Relaxed), before, "a lent worker joined a job");
+        assert_eq!(seen[0].load(Ordering::Relaxed), 400, "the caller runs every job");
+        // Given back, they join again (waited for without a time bound on the work: a hang
+        // guard of a minute, for a machine too loaded to run them at all).
+        pool.lend(0);
+        let t = Instant::now();
+        while (seen[1].load(Ordering::Relaxed) == before || seen[2].load(Ordering::Relaxed) == 0) && t.elapsed() < Duration::from_secs(60) {
+            pool.run(&job);
+        }
+        assert!(seen[1].load(Ordering::Relaxed) > before && seen[2].load(Ordering::Relaxed) > 0, "given back, the workers never joined");
+    }
+
+    #[test]
+    fn a_job_in_flight_gives_up_a_lent_worker_and_still_covers_its_range() {
+        let pool = ThreadPool::new(2);
+        for round in 0..50 {
+            let n = 2000;
+            let covered: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let after_lend = AtomicUsize::new(0);
+            let lent = std::sync::atomic::AtomicBool::new(false);
+            let on = std::thread::current().id();
+            pool.for_runs("test", n, 4, &|a, b| {
+                if a >= n / 4 && !lent.swap(true, Ordering::Relaxed) {
+                    pool.lend(1);
+                }
+                if lent.load(Ordering::Relaxed) && std::thread::current().id() != on {
+                    after_lend.fetch_add(1, Ordering::Relaxed);
+                }
+                for c in &covered[a..b] {
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            pool.lend(0);
+            assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "round {round}");
+            // The worker leaves at its next chunk: at most the one it was in and one it had
+            // claimed as the flag was set.
+            assert!(after_lend.load(Ordering::Relaxed) <= 2, "round {round}: the lent worker ran {} chunks", after_lend.load(Ordering::Relaxed));
+        }
+    }
 
     #[test]
     fn chunks_cover_the_range_exactly_once() {

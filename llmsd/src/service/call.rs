@@ -7,11 +7,12 @@
 //! AoT write, re-level, reclaim) and hands its turn to the syncer, which saves its context
 //! (syncer.rs). The registry and mm are never locked while the model computes.
 
+use std::collections::VecDeque;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use engine::model::Scratch;
@@ -114,6 +115,9 @@ pub struct StepTrace {
     /// `prefill_lane`: a prompt's pass on the lane that came back in this step (it ran beside
     /// this step's and the ones before), ms.
     pub lane_ms: f64,
+    /// `prefill_lane`: the lane started a call put in line during this step's pass (1), its
+    /// prompt's pass beside the pass's rest (`LaneGate`).
+    pub lane_took: u32,
     pub finish_ms: f64,
     pub ended: u32,
 }
@@ -293,39 +297,183 @@ enum Outcome {
     Panicked(String),
 }
 
-/// `prefill_lane`: a thread that prefills one call's prompt at a time on its own share of
-/// the threads while the worker's passes decode the other calls on the rest. The call is out
-/// of the batch meanwhile (the lane owns it) and comes back once its pass is done.
-struct Lane {
-    decode: Arc<ThreadPool>,
-    jobs: Sender<LaneJob>,
+/// `prefill_lane`: the threads split in two while a prompt joins calls that decode, and
+/// what the worker and the lane's thread share.
+pub(super) struct Lanes {
+    /// The decoding calls' share of the threads, for the worker's passes beside the lane.
+    pub(super) decode: Arc<ThreadPool>,
+    /// The prompt's share, the lane's own.
+    pub(super) prompt: Arc<ThreadPool>,
+    gate: LaneGate,
+}
+
+impl Lanes {
+    pub(super) fn new(decode: Arc<ThreadPool>, prompt: Arc<ThreadPool>) -> Self {
+        Self { decode, prompt, gate: LaneGate::default() }
+    }
+}
+
+/// The lane's thread and the worker meet here: the worker hands it a call's prompt (`job`),
+/// and while the worker's pass runs on all the threads with the lane idle, the gate is
+/// `open` with the batch that pass holds: a call put in line meanwhile (`poke`) is started
+/// by the lane's thread itself, within the batch's limits, and prefilled at once on the
+/// lane's share of the threads, the pass in flight giving up those cores
+/// ([`ThreadPool::lend`]). A call sent the moment its last one ended (an app's next turn)
+/// used to wait in line for the whole pass in flight, ~7 ms of its ~60 ms first token at 4
+/// clients (docs/notes/llmsd.md). The worker takes note of the call at the pass's end
+/// (`close`); until then no one else starts a call.
+#[derive(Default)]
+struct LaneGate {
+    st: Mutex<GateState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    job: Option<LaneJob>,
+    /// The worker's pass in flight with the lane idle: the batch it holds.
+    open: Option<BatchView>,
+    /// A call was put in line since the lane last looked.
+    poked: bool,
+    /// The lane's thread is choosing from the line: `close` waits for it.
+    picking: bool,
+    /// The call the lane started by itself (context, pinned bytes), for the worker.
+    taken: Option<(String, usize)>,
+    /// The worker is gone: the lane's thread ends.
+    shut: bool,
+}
+
+/// What admission needs of the worker's batch (`Service::admit`'s rules, for the lane).
+#[derive(Clone)]
+struct BatchView {
+    ctxs: Vec<String>,
+    owners: Vec<Owner>,
+    pinned: usize,
+}
+
+/// What the lane's thread does next.
+enum LaneWork {
+    Job(LaneJob),
+    Pick(BatchView),
+}
+
+impl LaneGate {
+    /// The worker's pass on all the threads is starting and the lane is idle.
+    fn open(&self, view: BatchView, pool: &ThreadPool, lend: usize) {
+        let mut g = lock(&self.st);
+        g.open = Some(view);
+        if g.poked && !g.shut {
+            pool.lend(lend);
+            self.cv.notify_all();
+        }
+    }
+
+    /// The pass has ended: the call the lane started meanwhile, if it did.
+    fn close(&self) -> Option<(String, usize)> {
+        let mut g = lock(&self.st);
+        g.open = None;
+        while g.picking {
+            g = self.cv.wait(g).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        g.poked = false;
+        g.taken.take()
+    }
+
+    /// A call was put in line: an open gate lends the pass's cores to the lane at once (the
+    /// lane's thread is to run on them) and wakes it.
+    fn poke(&self, pool: &ThreadPool, lend: usize) {
+        let mut g = lock(&self.st);
+        g.poked = true;
+        if g.open.is_some() && g.taken.is_none() && !g.shut {
+            pool.lend(lend);
+            self.cv.notify_all();
+        }
+    }
+
+    fn send(&self, job: LaneJob) {
+        lock(&self.st).job = Some(job);
+        self.cv.notify_all();
+    }
+
+    /// The worker is gone, or the lane's thread (it cannot panic outside its passes' catch,
+    /// but if it did, the worker must not wait for its choice nor lend it cores).
+    fn shut(&self) {
+        let mut g = lock(&self.st);
+        g.shut = true;
+        g.picking = false;
+        self.cv.notify_all();
+    }
+
+    fn is_shut(&self) -> bool {
+        lock(&self.st).shut
+    }
+
+    /// The lane's next work; None once the worker is gone.
+    fn next(&self) -> Option<LaneWork> {
+        let mut g = lock(&self.st);
+        loop {
+            if let Some(j) = g.job.take() {
+                return Some(LaneWork::Job(j));
+            }
+            if g.shut {
+                return None;
+            }
+            if g.poked && g.taken.is_none() {
+                if let Some(view) = g.open.clone() {
+                    g.poked = false;
+                    g.picking = true;
+                    return Some(LaneWork::Pick(view));
+                }
+            }
+            g = self.cv.wait(g).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// The lane's choice: a call it started (it holds `taken` until the worker's `close`), or
+    /// none (the lent cores go back).
+    fn picked(&self, taken: Option<(String, usize)>, pool: &ThreadPool) {
+        let mut g = lock(&self.st);
+        g.picking = false;
+        if taken.is_none() {
+            pool.lend(0);
+        }
+        g.taken = taken;
+        self.cv.notify_all();
+    }
+}
+
+/// The worker's side of the lane: its call, and the lane thread's answers.
+struct Lane<'a> {
+    lanes: &'a Lanes,
     done: Receiver<LaneDone>,
     /// The call on the lane: its context and the chunk memory it keeps pinned (admission
     /// counts both as a call in the batch).
     busy: Option<(String, usize)>,
-    /// The lane's own scratch, between its jobs.
-    scratch: Option<Scratch>,
     /// Its thread is gone (cannot happen: it catches its passes' panics); prompts then go in
     /// pieces beside the decoding calls.
     gone: bool,
 }
 
+impl Drop for Lane<'_> {
+    fn drop(&mut self) {
+        self.lanes.gate.shut();
+    }
+}
+
 struct LaneJob {
     a: Active,
     piece: Vec<u32>,
-    scratch: Scratch,
 }
 
 /// The lane's call after its pass, its logits taken (`Service::after_pass`): how it ended, if
-/// it did.
+/// it did. None: a call the lane started that could not start (answered there).
 struct LaneDone {
-    a: Active,
+    a: Option<Active>,
     ended: Option<Outcome>,
-    scratch: Scratch,
     ms: f64,
 }
 
-impl Lane {
+impl Lane<'_> {
     fn calls(&self) -> usize {
         usize::from(self.busy.is_some())
     }
@@ -423,6 +571,9 @@ impl Service {
         q.push_back(Job { owner: owner.clone(), call, prompt_ids, received: Instant::now(), memory_since: None, events, cancel, history });
         self.queued.notify_one();
         drop(q);
+        if let Some(l) = &self.lanes {
+            l.gate.poke(&self.pool, l.prompt.threads());
+        }
         super::fault_point("enqueue", &owner.app);
         Ok(())
     }
@@ -440,41 +591,37 @@ impl Service {
         let mut active: Vec<Active> = Vec::new();
         let mut cost = PassCost::default();
         std::thread::scope(|sc| {
-            let mut lane = self.lanes.as_ref().map(|(decode, prompt)| {
-                let (jobs, jobs_rx) = mpsc::channel::<LaneJob>();
+            let mut lane = self.lanes.as_ref().map(|lanes| {
                 let (done_tx, done) = mpsc::channel::<LaneDone>();
-                let pool = Arc::clone(prompt);
                 sc.spawn(move || {
                     crate::sched::long_slice_or_warn();
-                    for LaneJob { mut a, piece, mut scratch } in jobs_rx {
-                        let from = a.s.n_past();
-                        let t = Instant::now();
-                        let run = {
-                            // A pass for mm's AoT writer as the worker's are (they may overlap).
-                            let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
-                            catch_unwind(AssertUnwindSafe(|| {
-                                let refs = [piece.as_slice()];
-                                let r = Session::step_batch_on(&pool, &mut [&mut a.s], &refs, &mut scratch).map(<[f32]>::len);
-                                injected_fault(&refs);
-                                r
-                            }))
-                        };
-                        let ms = ms(t.elapsed());
-                        if matches!(run, Ok(Ok(_))) {
-                            a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
+                    // However the thread ends, the gate is shut and the lent cores given back.
+                    struct Exit<'a>(&'a Lanes, &'a ThreadPool);
+                    impl Drop for Exit<'_> {
+                        fn drop(&mut self) {
+                            self.0.gate.shut();
+                            self.1.lend(0);
                         }
-                        // The call takes its logits here, as a call of the worker's pass does
-                        // there: a prompt that is in samples its first token and streams it
-                        // now, not once the worker's pass in flight ends (its caller's wait).
-                        let mut ended = Vec::new();
-                        self.after_pass(std::slice::from_mut(&mut a), &[0], &[piece], &[from], run, &mut scratch, 1, &mut ended);
-                        let ended = ended.pop().map(|(_, how)| how);
-                        if done_tx.send(LaneDone { a, ended, scratch, ms }).is_err() {
+                    }
+                    let _exit = Exit(lanes, &self.pool);
+                    // The lane's own scratch, between its passes.
+                    let mut scratch = Scratch::default();
+                    while let Some(work) = lanes.gate.next() {
+                        let d = match work {
+                            LaneWork::Job(LaneJob { a, piece }) => self.lane_pass(lanes, a, piece, &mut scratch),
+                            LaneWork::Pick(view) => match self.lane_start(lanes, &view, &mut scratch) {
+                                Some(d) => d,
+                                None => continue,
+                            },
+                        };
+                        // The cores lent for a call the lane started go back with its pass.
+                        self.pool.lend(0);
+                        if done_tx.send(d).is_err() {
                             break;
                         }
                     }
                 });
-                Lane { decode: Arc::clone(decode), jobs, done, busy: None, scratch: Some(Scratch::default()), gone: false }
+                Lane { lanes, done, busy: None, gone: false }
             });
             loop {
                 let t0 = Instant::now();
@@ -495,7 +642,7 @@ impl Service {
                     }
                 }
             }
-            // Dropping the lane closes its job channel: its thread ends and the scope joins it.
+            // Dropping the lane shuts its gate: its thread ends and the scope joins it.
         });
     }
 
@@ -517,23 +664,13 @@ impl Service {
                     if active.len() + on_lane >= self.cfg.max_batch.max(1) {
                         return true;
                     }
-                    // Calls on one context run one after the other: a call whose context is
-                    // in the batch waits for it (the first call in line that can start does).
-                    let in_batch = |j: &Job| {
-                        let ctx = match &j.history {
-                            None => Some(&j.call.ctx),
-                            Some(h) => h.pin.as_ref(),
-                        };
-                        // (Or its last answer waits for its file's sync: syncer.rs.)
-                        ctx.is_some_and(|c| active.iter().any(|a| a.ctx == *c) || lane.is_some_and(|l| l.holds(c)) || self.sync.waits(c))
-                    };
-                    // A uid holding half the batch yields to other uids' calls in line: one
-                    // app's long calls cannot keep everyone else out of the model.
-                    let share = self.cfg.max_batch.max(1).div_ceil(2);
-                    let full = |j: &Job| active.iter().filter(|a| a.job.owner.shares_quota(&j.owner)).count() >= share;
                     // A call whose caller went away before it started is dropped unanswered.
                     q.retain(|j| !j.cancel.load(Ordering::SeqCst));
-                    let pick = q.iter().position(|j| !in_batch(j) && !full(j)).or_else(|| q.iter().position(|j| !in_batch(j)));
+                    let pick = self.first_startable(
+                        &q,
+                        |c| active.iter().any(|a| a.ctx == *c) || lane.is_some_and(|l| l.holds(c)),
+                        |o| active.iter().filter(|a| a.job.owner.shares_quota(o)).count(),
+                    );
                     if let Some(i) = pick {
                         break (i, q.remove(i).expect("in the queue"));
                     }
@@ -564,6 +701,98 @@ impl Service {
                 active.push(a);
             }
         }
+    }
+
+    /// Where the first call in line that can start is: calls on one context run one after the
+    /// other, so a call whose context is in the batch (`in_batch`) waits for it (or its last
+    /// answer waits for its file's sync: syncer.rs); and a uid holding half the batch (`held`:
+    /// its calls in it) yields to other uids' calls in line: one app's long calls cannot keep
+    /// everyone else out of the model.
+    fn first_startable(&self, q: &VecDeque<Job>, in_batch: impl Fn(&String) -> bool, held: impl Fn(&Owner) -> usize) -> Option<usize> {
+        let waits = |j: &Job| {
+            let ctx = match &j.history {
+                None => Some(&j.call.ctx),
+                Some(h) => h.pin.as_ref(),
+            };
+            ctx.is_some_and(|c| in_batch(c) || self.sync.waits(c))
+        };
+        let share = self.cfg.max_batch.max(1).div_ceil(2);
+        q.iter().position(|j| !waits(j) && held(&j.owner) < share).or_else(|| q.iter().position(|j| !waits(j)))
+    }
+
+    /// The lane's thread takes the call [`Service::admit`] would take next, were the batch of
+    /// the pass in flight (`view`) at its end: none while the batch is full, when it would wait
+    /// for memory (it does so on the worker, in line), or when it is a stateless client's (its
+    /// context is chosen on the worker).
+    fn lane_pick(&self, view: &BatchView) -> Option<(Job, usize)> {
+        if self.stopping.load(Ordering::SeqCst) || view.ctxs.len() + 1 > self.cfg.max_batch.max(1) {
+            return None;
+        }
+        let (at, job) = {
+            let mut q = lock(&self.queue);
+            q.retain(|j| !j.cancel.load(Ordering::SeqCst));
+            let i = self.first_startable(&q, |c| view.ctxs.contains(c), |o| view.owners.iter().filter(|x| x.shares_quota(o)).count())?;
+            if q[i].history.is_some() {
+                return None;
+            }
+            (i, q.remove(i)?)
+        };
+        // Outside the queue's lock, as in `admit`.
+        let reserved = self.estimate(&job);
+        if view.pinned + reserved > lock(&self.mm).budget() {
+            let mut q = lock(&self.queue);
+            let at = at.min(q.len());
+            q.insert(at, job);
+            return None;
+        }
+        Some((job, reserved))
+    }
+
+    /// On the lane's thread, with the gate open: starts the next call in line ([`Service::lane_pick`])
+    /// and prefills its prompt's first pass on the lane's threads, the cores lent by the pass
+    /// in flight ([`LaneGate`]). None: nothing could start.
+    fn lane_start(&self, lanes: &Lanes, view: &BatchView, scratch: &mut Scratch) -> Option<LaneDone> {
+        let picked = self.lane_pick(view);
+        lanes.gate.picked(picked.as_ref().map(|(j, r)| (j.call.ctx.clone(), *r)), &self.pool);
+        let (job, reserved) = picked?;
+        // (Lent already when the call was put in line; again, for one that was in line first.)
+        self.pool.lend(lanes.prompt.threads());
+        let Some(a) = self.start(job, scratch, reserved, 0.0) else {
+            // Answered where it failed to start.
+            return Some(LaneDone { a: None, ended: None, ms: 0.0 });
+        };
+        let piece = a.ids[a.fed..a.ids.len().min(a.fed + LANE_PASS)].to_vec();
+        let vocab = self.model.config.vocab;
+        if a.next.is_some() || piece.is_empty() || a.s.n_past() + piece.len() > a.s.kv.capacity() || piece.iter().any(|&t| t as usize >= vocab) {
+            // Nothing to prefill, or what a pass would refuse: the batch takes it (as `lane_out`).
+            return Some(LaneDone { a: Some(a), ended: None, ms: 0.0 });
+        }
+        Some(self.lane_pass(lanes, a, piece, scratch))
+    }
+
+    /// A prompt's pass on the lane's share of the threads. The call takes its logits here, as a
+    /// call of the worker's pass does there: a prompt that is in samples its first token and
+    /// streams it now, not once the worker's pass in flight ends (its caller's wait).
+    fn lane_pass(&self, lanes: &Lanes, mut a: Active, piece: Vec<u32>, scratch: &mut Scratch) -> LaneDone {
+        let from = a.s.n_past();
+        let t = Instant::now();
+        let run = {
+            // A pass for mm's AoT writer as the worker's are (they may overlap).
+            let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
+            catch_unwind(AssertUnwindSafe(|| {
+                let refs = [piece.as_slice()];
+                let r = Session::step_batch_on(&lanes.prompt, &mut [&mut a.s], &refs, scratch).map(<[f32]>::len);
+                injected_fault(&refs);
+                r
+            }))
+        };
+        let ms = ms(t.elapsed());
+        if matches!(run, Ok(Ok(_))) {
+            a.stats.lane_tokens += u32::try_from(piece.len()).unwrap_or(u32::MAX);
+        }
+        let mut ended = Vec::new();
+        self.after_pass(std::slice::from_mut(&mut a), &[0], &[piece], &[from], run, scratch, 1, &mut ended);
+        LaneDone { a: Some(a), ended: ended.pop().map(|(_, how)| how), ms }
     }
 
     /// Bytes of chunk memory a queued call will keep pinned while it runs, at most: its
@@ -1004,6 +1233,17 @@ impl Service {
             let n = rows.len();
             // Where each call's positions start: a pass that panics is undone from here.
             let from: Vec<usize> = rows.iter().map(|&i| active[i].s.n_past()).collect();
+            // A pass on all the threads with the lane idle opens its gate: a call put in line
+            // meanwhile starts on the lane at once (`LaneGate`).
+            let gate = lane.as_ref().filter(|l| !lane_busy && !l.gone && decoding > 0).map(|l| {
+                let view = BatchView {
+                    ctxs: active.iter().map(|a| a.ctx.clone()).collect(),
+                    owners: active.iter().map(|a| a.job.owner.clone()).collect(),
+                    pinned: active.iter().map(|a| a.reserved).sum(),
+                };
+                l.lanes.gate.open(view, &self.pool, l.lanes.prompt.threads());
+                &l.lanes.gate
+            });
             let run = {
                 // `rows` is increasing: each call's session once, in the pieces' order.
                 let mut sessions: Vec<&mut Session> =
@@ -1014,13 +1254,19 @@ impl Service {
                 catch_unwind(AssertUnwindSafe(|| {
                     // Beside the lane's pass, on the other share of the threads.
                     let r = match lane.as_ref().filter(|_| lane_busy) {
-                        Some(l) => Session::step_batch_on(&l.decode, &mut sessions, &refs, scratch),
+                        Some(l) => Session::step_batch_on(&l.lanes.decode, &mut sessions, &refs, scratch),
                         None => Session::step_batch(&mut sessions, &refs, scratch),
                     };
                     injected_fault(&refs);
                     r.map(<[f32]>::len)
                 }))
             };
+            if let Some(taken) = gate.and_then(LaneGate::close) {
+                trace.lane_took = 1;
+                if let Some(l) = lane.as_deref_mut() {
+                    l.busy = Some(taken);
+                }
+            }
             let pass_ms = ms(t0.elapsed());
             trace.pass_ms = pass_ms;
             if !lane_busy {
@@ -1055,7 +1301,7 @@ impl Service {
         } else {
             lane.done.try_recv().map_err(|e| matches!(e, mpsc::TryRecvError::Disconnected))
         };
-        let LaneDone { a, ended, scratch, ms } = match d {
+        let LaneDone { a, ended, ms } = match d {
             Ok(d) => d,
             Err(gone) => {
                 if gone {
@@ -1070,10 +1316,11 @@ impl Service {
         };
         lane.busy = None;
         trace.lane_ms = ms;
-        lane.scratch = Some(scratch);
-        match ended {
-            Some(how) => self.finish(a, how),
-            None => active.push(a),
+        match (a, ended) {
+            (Some(a), Some(how)) => self.finish(a, how),
+            (Some(a), None) => active.push(a),
+            // A call the lane took that could not start: answered there.
+            (None, _) => {}
         }
     }
 
@@ -1081,6 +1328,11 @@ impl Service {
     /// [`LANE_PASS`] tokens of it (a longer one comes back and goes again, unless a shorter
     /// one waits).
     fn lane_out(&self, active: &mut Vec<Active>, lane: &mut Lane) {
+        if !lane.gone && lane.lanes.gate.is_shut() {
+            // (Its thread cannot panic outside its passes' catch; were it gone, the calls go on.)
+            error!("the prefill lane stopped; prompts go in pieces beside decoding calls");
+            lane.gone = true;
+        }
         if lane.gone || lane.busy.is_some() || !active.iter().any(|a| a.next.is_some()) {
             return;
         }
@@ -1102,21 +1354,10 @@ impl Service {
             return;
         }
         let a = active.remove(i);
-        let busy = (a.ctx.clone(), a.reserved);
-        let scratch = lane.scratch.take().unwrap_or_default();
+        lane.busy = Some((a.ctx.clone(), a.reserved));
         // The pool of all threads parks its idle workers: the two passes take the cores.
         self.pool.rest();
-        match lane.jobs.send(LaneJob { a, piece, scratch }) {
-            Ok(()) => lane.busy = Some(busy),
-            Err(mpsc::SendError(job)) => {
-                // The lane's thread is gone (it cannot panic outside its pass's catch): the
-                // call goes on in the batch.
-                error!("the prefill lane stopped; prompts go in pieces beside decoding calls");
-                lane.gone = true;
-                lane.scratch = Some(job.scratch);
-                active.insert(i, job.a);
-            }
-        }
+        lane.lanes.gate.send(LaneJob { a, piece });
     }
 
     /// A pass's outcome for its calls (`rows`, their `pieces`, where their positions were

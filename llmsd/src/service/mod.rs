@@ -133,7 +133,7 @@ pub struct Service {
     pool: Arc<ThreadPool>,
     /// `prefill_lane`: the pools a step splits the threads into, the decoding calls' and a
     /// joining prompt's (call.rs, `Service::step`).
-    lanes: Option<(Arc<ThreadPool>, Arc<ThreadPool>)>,
+    lanes: Option<call::Lanes>,
     /// The chat template's turn pieces; `Err` (why) for a base model, which serves raw
     /// completions only.
     turns: std::result::Result<Turns, String>,
@@ -249,7 +249,7 @@ impl Service {
         let pool = Arc::new(ThreadPool::with_start(threads, crate::sched::long_slice_or_warn));
         let lanes = (cfg.prefill_lane && threads >= 2).then(|| {
             let prompt = threads / 2;
-            (
+            call::Lanes::new(
                 Arc::new(ThreadPool::with_start(threads - prompt, crate::sched::long_slice_or_warn)),
                 Arc::new(ThreadPool::with_start(prompt, crate::sched::long_slice_or_warn)),
             )
