@@ -226,6 +226,10 @@ pub struct ServiceStats {
     /// in the budget.
     #[serde(default)]
     pub memory_waits: u64,
+    /// Calls the prefill lane started itself, beside the decoding calls' pass in flight
+    /// (docs/llmsd.md, "Batching"), rather than at the pass's end.
+    #[serde(default)]
+    pub lane_starts: u64,
     /// Connections the caller's uid holds open now (this one included), on both sockets.
     #[serde(default)]
     pub connections: u32,

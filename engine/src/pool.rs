@@ -392,15 +392,16 @@ fn worker(s: &Shared, idx: usize) {
         // Join unless the job has been closed (or replaced) meanwhile, or this worker's core
         // is lent (it goes back to park: see `lend`).
         let mut w = word;
-        let joined = idx < s.lent_from.load(Ordering::Relaxed) && loop {
-            if w >> 32 != seen_gen || w & CLOSED != 0 {
-                break false;
-            }
-            match s.state.compare_exchange_weak(w, w + 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => break true,
-                Err(cur) => w = cur,
-            }
-        };
+        let joined = idx < s.lent_from.load(Ordering::Relaxed)
+            && loop {
+                if w >> 32 != seen_gen || w & CLOSED != 0 {
+                    break false;
+                }
+                match s.state.compare_exchange_weak(w, w + 1, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => break true,
+                    Err(cur) => w = cur,
+                }
+            };
         if !joined {
             continue;
         }
@@ -526,7 +527,11 @@ mod tests {
             assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1), "round {round}");
             // The worker leaves at its next chunk: at most the one it was in and one it had
             // claimed as the flag was set.
-            assert!(after_lend.load(Ordering::Relaxed) <= 2, "round {round}: the lent worker ran {} chunks", after_lend.load(Ordering::Relaxed));
+            assert!(
+                after_lend.load(Ordering::Relaxed) <= 2,
+                "round {round}: the lent worker ran {} chunks",
+                after_lend.load(Ordering::Relaxed)
+            );
         }
     }
 

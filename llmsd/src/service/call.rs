@@ -7,8 +7,8 @@
 //! AoT write, re-level, reclaim) and hands its turn to the syncer, which saves its context
 //! (syncer.rs). The registry and mm are never locked while the model computes.
 
-use std::collections::VecDeque;
 use std::any::Any;
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -349,11 +349,14 @@ struct BatchView {
     ctxs: Vec<String>,
     owners: Vec<Owner>,
     pinned: usize,
+    /// The batch has room for one more call (below `max_batch`): without it a call put in
+    /// line lends no cores, for the lane could not take it.
+    room: bool,
 }
 
 /// What the lane's thread does next.
 enum LaneWork {
-    Job(LaneJob),
+    Job(Box<LaneJob>),
     Pick(BatchView),
 }
 
@@ -361,8 +364,9 @@ impl LaneGate {
     /// The worker's pass on all the threads is starting and the lane is idle.
     fn open(&self, view: BatchView, pool: &ThreadPool, lend: usize) {
         let mut g = lock(&self.st);
+        let room = view.room;
         g.open = Some(view);
-        if g.poked && !g.shut {
+        if g.poked && room && !g.shut {
             pool.lend(lend);
             self.cv.notify_all();
         }
@@ -384,7 +388,7 @@ impl LaneGate {
     fn poke(&self, pool: &ThreadPool, lend: usize) {
         let mut g = lock(&self.st);
         g.poked = true;
-        if g.open.is_some() && g.taken.is_none() && !g.shut {
+        if g.open.as_ref().is_some_and(|v| v.room) && g.taken.is_none() && !g.shut {
             pool.lend(lend);
             self.cv.notify_all();
         }
@@ -413,12 +417,12 @@ impl LaneGate {
         let mut g = lock(&self.st);
         loop {
             if let Some(j) = g.job.take() {
-                return Some(LaneWork::Job(j));
+                return Some(LaneWork::Job(Box::new(j)));
             }
             if g.shut {
                 return None;
             }
-            if g.poked && g.taken.is_none() {
+            if g.poked && g.taken.is_none() && g.open.as_ref().is_some_and(|v| v.room) {
                 if let Some(view) = g.open.clone() {
                     g.poked = false;
                     g.picking = true;
@@ -608,7 +612,7 @@ impl Service {
                     let mut scratch = Scratch::default();
                     while let Some(work) = lanes.gate.next() {
                         let d = match work {
-                            LaneWork::Job(LaneJob { a, piece }) => self.lane_pass(lanes, a, piece, &mut scratch),
+                            LaneWork::Job(j) => self.lane_pass(lanes, j.a, j.piece, &mut scratch),
                             LaneWork::Pick(view) => match self.lane_start(lanes, &view, &mut scratch) {
                                 Some(d) => d,
                                 None => continue,
@@ -725,7 +729,7 @@ impl Service {
     /// for memory (it does so on the worker, in line), or when it is a stateless client's (its
     /// context is chosen on the worker).
     fn lane_pick(&self, view: &BatchView) -> Option<(Job, usize)> {
-        if self.stopping.load(Ordering::SeqCst) || view.ctxs.len() + 1 > self.cfg.max_batch.max(1) {
+        if self.stopping.load(Ordering::SeqCst) || !view.room {
             return None;
         }
         let (at, job) = {
@@ -761,9 +765,14 @@ impl Service {
             // Answered where it failed to start.
             return Some(LaneDone { a: None, ended: None, ms: 0.0 });
         };
+        lock(&self.metrics).lane_starts += 1;
         let piece = a.ids[a.fed..a.ids.len().min(a.fed + LANE_PASS)].to_vec();
         let vocab = self.model.config.vocab;
-        if a.next.is_some() || piece.is_empty() || a.s.n_past() + piece.len() > a.s.kv.capacity() || piece.iter().any(|&t| t as usize >= vocab) {
+        if a.next.is_some()
+            || piece.is_empty()
+            || a.s.n_past() + piece.len() > a.s.kv.capacity()
+            || piece.iter().any(|&t| t as usize >= vocab)
+        {
             // Nothing to prefill, or what a pass would refuse: the batch takes it (as `lane_out`).
             return Some(LaneDone { a: Some(a), ended: None, ms: 0.0 });
         }
@@ -1240,6 +1249,7 @@ impl Service {
                     ctxs: active.iter().map(|a| a.ctx.clone()).collect(),
                     owners: active.iter().map(|a| a.job.owner.clone()).collect(),
                     pinned: active.iter().map(|a| a.reserved).sum(),
+                    room: active.len() < self.cfg.max_batch.max(1),
                 };
                 l.lanes.gate.open(view, &self.pool, l.lanes.prompt.threads());
                 &l.lanes.gate
@@ -1263,7 +1273,7 @@ impl Service {
             };
             if let Some(taken) = gate.and_then(LaneGate::close) {
                 trace.lane_took = 1;
-                if let Some(l) = lane.as_deref_mut() {
+                if let Some(l) = lane {
                     l.busy = Some(taken);
                 }
             }

@@ -120,6 +120,8 @@ struct Metrics {
     calls: u64,
     /// Times the first call in line waited for memory (see `call.rs`, `admit`).
     memory_waits: u64,
+    /// Calls the prefill lane started beside a pass in flight (call.rs, `LaneGate`).
+    lane_starts: u64,
     /// Recent switch latencies, ms.
     switch_ms: VecDeque<f64>,
     /// The last fork's time in mm (sharing its chunks) and writing its context file, ms.

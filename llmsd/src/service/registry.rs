@@ -456,6 +456,7 @@ impl Service {
             write_failures: mm.write_failures().0,
             last_write_error: mm.write_failures().1,
             memory_waits: m.memory_waits,
+            lane_starts: m.lane_starts,
             connections: u32::try_from(self.connections_of(&super::slots::Holder::Uid(owner.uid))).unwrap_or(u32::MAX),
             pressure: lock(&self.pressure).clone(),
             sharing: {
