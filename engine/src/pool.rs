@@ -39,6 +39,12 @@ struct Shared {
     /// Set by [`ThreadPool::lend`]: workers from this index on sit out (they leave a job at
     /// their next chunk, join no new one and park), their cores lent to other threads.
     lent_from: AtomicUsize,
+    /// Each worker is inside a job, or about to join one (set before it reads `lent_from`:
+    /// [`ThreadPool::wait_lent`] and a worker see each other's store, so a lent worker either
+    /// stays out or is waited for).
+    inside: Vec<AtomicBool>,
+    /// Signalled when a lent worker leaves a job ([`ThreadPool::wait_lent`]).
+    left: (Mutex<()>, Condvar),
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -123,6 +129,8 @@ impl ThreadPool {
             sleepers: AtomicUsize::new(0),
             rest: AtomicBool::new(false),
             lent_from: AtomicUsize::new(usize::MAX),
+            inside: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            left: (Mutex::new(()), Condvar::new()),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -216,6 +224,26 @@ impl ThreadPool {
         let from = if n == 0 { usize::MAX } else { self.n.saturating_sub(n).max(1) };
         // (Parked lent workers wake with the next job: `run`.)
         self.shared.lent_from.store(from, Ordering::SeqCst);
+    }
+
+    /// Waits until no lent worker ([`ThreadPool::lend`]) is inside a job: the thread that
+    /// borrows their cores calls this before its work, so it does not take a core from a
+    /// worker in the middle of a chunk, which the job's caller would then wait for (a
+    /// worker preempted by a thread with a long CPU slice held a decode pass up to that
+    /// slice). Sleeps, so a borrower that woke on the worker's core gives it back at once.
+    pub fn wait_lent(&self) {
+        let s = &*self.shared;
+        let lent = |s: &Shared| {
+            let from = s.lent_from.load(Ordering::SeqCst);
+            s.inside.iter().skip(from.max(1)).any(|b| b.load(Ordering::SeqCst))
+        };
+        if !lent(s) {
+            return;
+        }
+        let mut g = s.left.0.lock().unwrap_or_else(|e| e.into_inner());
+        while lent(s) {
+            g = s.left.1.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// Turns per-operation statistics on or off (off: one relaxed load per operation).
@@ -392,7 +420,8 @@ fn worker(s: &Shared, idx: usize) {
         // Join unless the job has been closed (or replaced) meanwhile, or this worker's core
         // is lent (it goes back to park: see `lend`).
         let mut w = word;
-        let joined = idx < s.lent_from.load(Ordering::Relaxed)
+        s.inside[idx].store(true, Ordering::SeqCst);
+        let joined = idx < s.lent_from.load(Ordering::SeqCst)
             && loop {
                 if w >> 32 != seen_gen || w & CLOSED != 0 {
                     break false;
@@ -403,6 +432,7 @@ fn worker(s: &Shared, idx: usize) {
                 }
             };
         if !joined {
+            leave(s, idx);
             continue;
         }
         let jref = s.job.load(Ordering::Relaxed);
@@ -414,6 +444,16 @@ fn worker(s: &Shared, idx: usize) {
             s.panicked.store(true, Ordering::Relaxed);
         }
         s.state.fetch_sub(1, Ordering::AcqRel);
+        leave(s, idx);
+    }
+}
+
+/// Worker `idx` is out of any job; a thread waiting for lent workers to leave learns it.
+fn leave(s: &Shared, idx: usize) {
+    s.inside[idx].store(false, Ordering::SeqCst);
+    if idx >= s.lent_from.load(Ordering::SeqCst) {
+        let _g = s.left.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.left.1.notify_all();
     }
 }
 
@@ -501,6 +541,36 @@ mod tests {
             pool.run(&job);
         }
         assert!(seen[1].load(Ordering::Relaxed) > before && seen[2].load(Ordering::Relaxed) > 0, "given back, the workers never joined");
+    }
+
+    #[test]
+    fn wait_lent_returns_once_the_lent_worker_is_out_of_its_job() {
+        let pool = ThreadPool::new(2);
+        for _ in 0..20 {
+            let in_job = AtomicBool::new(false);
+            let done = AtomicBool::new(false);
+            std::thread::scope(|sc| {
+                let (p, in_job, done) = (&pool, &in_job, &done);
+                sc.spawn(move || {
+                    // Once worker 1 is in a long chunk, lend it and wait for it.
+                    while !in_job.load(Ordering::SeqCst) && !done.load(Ordering::SeqCst) {
+                        std::hint::spin_loop();
+                    }
+                    p.lend(1);
+                    p.wait_lent();
+                    assert!(!in_job.load(Ordering::SeqCst), "wait_lent returned while the lent worker was in a chunk");
+                });
+                pool.for_chunks("test", 64, 1, &|_, _| {
+                    if std::thread::current().name().is_some_and(|n| n.starts_with("llms-worker")) {
+                        in_job.store(true, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(2));
+                        in_job.store(false, Ordering::SeqCst);
+                    }
+                });
+                done.store(true, Ordering::SeqCst);
+            });
+            pool.lend(0);
+        }
     }
 
     #[test]

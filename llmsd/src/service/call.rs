@@ -760,7 +760,9 @@ impl Service {
         lanes.gate.picked(picked.as_ref().map(|(j, r)| (j.call.ctx.clone(), *r)), &self.pool);
         let (job, reserved) = picked?;
         // (Lent already when the call was put in line; again, for one that was in line first.)
+        // Nothing runs here until the lent workers are out of the pass's job in flight.
         self.pool.lend(lanes.prompt.threads());
+        self.pool.wait_lent();
         let Some(a) = self.start(job, scratch, reserved, 0.0) else {
             // Answered where it failed to start.
             return Some(LaneDone { a: None, ended: None, ms: 0.0 });
