@@ -372,15 +372,21 @@ impl LaneGate {
         }
     }
 
-    /// The pass has ended: the call the lane started meanwhile, if it did.
-    fn close(&self) -> Option<(String, usize)> {
+    /// The pass has ended: the call the lane started meanwhile, if it did. Without one, cores
+    /// lent for a call put in line go back (the lane's thread may not have woken before the
+    /// pass ended: the worker's admission takes that call now).
+    fn close(&self, pool: &ThreadPool) -> Option<(String, usize)> {
         let mut g = lock(&self.st);
         g.open = None;
         while g.picking {
             g = self.cv.wait(g).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
         g.poked = false;
-        g.taken.take()
+        let taken = g.taken.take();
+        if taken.is_none() {
+            pool.lend(0);
+        }
+        taken
     }
 
     /// A call was put in line: an open gate lends the pass's cores to the lane at once (the
@@ -1273,7 +1279,7 @@ impl Service {
                     r.map(<[f32]>::len)
                 }))
             };
-            if let Some(taken) = gate.and_then(LaneGate::close) {
+            if let Some(taken) = gate.and_then(|g| g.close(&self.pool)) {
                 trace.lane_took = 1;
                 if let Some(l) = lane {
                     l.busy = Some(taken);
