@@ -774,17 +774,26 @@ impl Service {
             return Some(LaneDone { a: None, ended: None, ms: 0.0 });
         };
         lock(&self.metrics).lane_starts += 1;
-        let piece = a.ids[a.fed..a.ids.len().min(a.fed + LANE_PASS)].to_vec();
-        let vocab = self.model.config.vocab;
-        if a.next.is_some()
-            || piece.is_empty()
-            || a.s.n_past() + piece.len() > a.s.kv.capacity()
-            || piece.iter().any(|&t| t as usize >= vocab)
-        {
+        match self.lane_piece(&a) {
+            Some(piece) => Some(self.lane_pass(lanes, a, piece, scratch)),
             // Nothing to prefill, or what a pass would refuse: the batch takes it (as `lane_out`).
-            return Some(LaneDone { a: Some(a), ended: None, ms: 0.0 });
+            None => Some(LaneDone { a: Some(a), ended: None, ms: 0.0 }),
         }
-        Some(self.lane_pass(lanes, a, piece, scratch))
+    }
+
+    /// The next piece of a call's prompt for the lane (all of it, or [`LANE_PASS`] tokens):
+    /// none when it has no prompt left, or a pass would refuse the piece (it stays in the
+    /// batch, where the pass fails it).
+    fn lane_piece(&self, a: &Active) -> Option<Vec<u32>> {
+        let piece = &a.ids[a.fed.min(a.ids.len())..a.ids.len().min(a.fed + LANE_PASS)];
+        (a.next.is_none() && !self.refuses(a, piece)).then(|| piece.to_vec())
+    }
+
+    /// Whether a pass would refuse `piece` for call `a`: empty, past its context's capacity,
+    /// or a token outside the vocabulary.
+    fn refuses(&self, a: &Active, piece: &[u32]) -> bool {
+        let vocab = self.model.config.vocab;
+        piece.is_empty() || a.s.n_past() + piece.len() > a.s.kv.capacity() || piece.iter().any(|&t| t as usize >= vocab)
     }
 
     /// A prompt's pass on the lane's share of the threads. The call takes its logits here, as a
@@ -1229,11 +1238,11 @@ impl Service {
             }
         }
         // What the pass would refuse for one call fails that call alone, not the whole pass.
-        let (mut k, vocab) = (0, self.model.config.vocab);
+        let mut k = 0;
         while k < rows.len() {
             let a = &active[rows[k]];
             let p = &pieces[k];
-            if p.is_empty() || a.s.n_past() + p.len() > a.s.kv.capacity() || p.iter().any(|&t| t as usize >= vocab) {
+            if self.refuses(a, p) {
                 let why = format!("the call's {} tokens do not fit its context of {}", p.len(), a.s.n_past());
                 ended.push((rows.remove(k), Outcome::Failed(refuse(ErrorCode::Failed, why))));
                 pieces.remove(k);
@@ -1354,7 +1363,6 @@ impl Service {
         if lane.gone || lane.busy.is_some() || !active.iter().any(|a| a.next.is_some()) {
             return;
         }
-        let vocab = self.model.config.vocab;
         let Some(i) = active
             .iter()
             .enumerate()
@@ -1365,12 +1373,9 @@ impl Service {
         else {
             return;
         };
-        let a = &active[i];
-        let piece = a.ids[a.fed..a.ids.len().min(a.fed + LANE_PASS)].to_vec();
-        // What a pass would refuse stays in the batch, where the pass fails it.
-        if a.s.n_past() + piece.len() > a.s.kv.capacity() || piece.iter().any(|&t| t as usize >= vocab) {
+        let Some(piece) = self.lane_piece(&active[i]) else {
             return;
-        }
+        };
         let a = active.remove(i);
         lane.busy = Some((a.ctx.clone(), a.reserved));
         // The pool of all threads parks its idle workers: the two passes take the cores.
