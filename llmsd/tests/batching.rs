@@ -394,3 +394,63 @@ fn a_save_that_waits_holds_no_other_call() {
     assert_eq!(slow_tokens, slow_st.context_tokens, "the held call's turn is saved in its context");
     d.stop();
 }
+
+/// A call the prefill lane takes from the line but cannot start (here its start panics,
+/// injected for apps named `FAULT...`) is answered with an error there, and the lane and the
+/// worker go on: the decoding call answers as it does alone, and a later call put in line is
+/// still started by the lane beside a pass (were the failed call's place on the lane never
+/// given back, no call could go to the lane again).
+#[test]
+#[cfg_attr(not(debug_assertions), ignore = "the fault is injected in debug builds only (make test runs them)")]
+fn a_call_the_lane_cannot_start_is_answered_and_the_lane_goes_on() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("LLMS_FAULT_PANIC_AT", "begin".to_string())];
+    let settings = format!("{EXACT}max_batch = 4\nprefill_lane = true\n");
+    let d = Daemon::start_env(dir.path(), "lane-start", &dir.path().join("state"), &settings, &env);
+    let (go, started) = std::sync::mpsc::channel::<()>();
+    // The steady call's tokens so far: the later call waits for a few more after the failed
+    // one's answer, so that it is put in line during a later pass (one put in line during the
+    // same pass waits for the worker, as the lane is then still held by the failed call).
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let others = std::thread::spawn({
+        let (socket, seen) = (d.socket.clone(), Arc::clone(&seen));
+        move || {
+            let mut bad = Client::connect(&socket, "FAULT-app").unwrap();
+            let bad_ctx = bad.new_ctx(None).unwrap();
+            let mut good = Client::connect(&socket, "later").unwrap();
+            let good_ctx = good.new_ctx(None).unwrap();
+            started.recv().unwrap();
+            let err = bad.call(&raw(&bad_ctx, TEXTS[1], 8), &mut |_| {}).unwrap_err();
+            let at = seen.load(std::sync::atomic::Ordering::SeqCst);
+            // (A hang guard, not a timing assertion: the steady call has tokens to spare.)
+            let t0 = std::time::Instant::now();
+            while seen.load(std::sync::atomic::Ordering::SeqCst) < at + 3 && t0.elapsed() < Duration::from_secs(300) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let later = good.call(&raw(&good_ctx, TEXTS[2], 8), &mut |_| {}).unwrap();
+            (format!("{err:#}"), later)
+        }
+    });
+    let mut c = d.client("steady");
+    let ctx = c.new_ctx(None).unwrap();
+    let (out, _) = c
+        .call(&raw(&ctx, TEXTS[0], 96), &mut |_| {
+            if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                let _ = go.send(());
+            }
+        })
+        .unwrap();
+    let (err, (later_out, later_st)) = others.join().unwrap();
+    let st = c.stats().unwrap();
+    assert!(err.contains("failed inside the service"), "the call that could not start: {err}");
+    assert!(!later_out.is_empty() && later_st.lane_tokens == later_st.prompt_tokens, "the later call went to the lane: {later_st:?}");
+    assert!(st.lane_starts > 0, "the lane started no call after the failed one: {st:?}");
+    // The decoding call's answer is its answer alone (a fresh context, the same prompt).
+    let solo_ctx = c.new_ctx(None).unwrap();
+    let (solo, _) = c.call(&raw(&solo_ctx, TEXTS[0], 96), &mut |_| {}).unwrap();
+    assert_eq!(out, solo, "the decoding call's answer changed");
+    d.stop();
+}
