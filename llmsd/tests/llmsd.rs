@@ -317,14 +317,20 @@ fn raw_frame(s: &mut UnixStream, body: &[u8]) {
     proto::write_frame(s, body).unwrap();
 }
 
-/// The next event on a raw connection, None when it closed (or nothing came for 5 minutes: a
-/// connection the service admitted by mistake waits `idle_timeout_s`, an hour, for a request,
-/// and a test that expected an answer must fail, not hang its CI run).
+/// The next event on a raw connection, None when it closed. Nothing for 5 minutes fails the
+/// test (a connection the service admitted by mistake waits `idle_timeout_s`, an hour, for a
+/// request): it must fail, not hang its CI run, nor pass as a close.
 fn read_event(s: &mut UnixStream) -> Option<Event> {
     if s.read_timeout().ok().flatten().is_none() {
         s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     }
-    proto::read_frame(s).ok().map(|b| proto::decode_event(&b).unwrap())
+    match proto::read_frame(s) {
+        Ok(b) => Some(proto::decode_event(&b).unwrap()),
+        Err(proto::FrameError::Io(e)) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            panic!("no event and no close in 5 minutes")
+        }
+        Err(_) => None,
+    }
 }
 
 fn is_error(e: Option<Event>, code: ErrorCode) -> bool {
