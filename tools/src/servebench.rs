@@ -280,6 +280,7 @@ fn check_tokens(ids: &[u32], b: usize, depth: usize, extra: usize) -> Result<()>
 /// with `Session::decode_batch` (one forward pass per step for all B), timed: the median over
 /// `reps` of the aggregate tokens/s and of the step time (ms). `ids` holds at least
 /// `depth + 7 b` tokens.
+#[allow(clippy::too_many_arguments)]
 pub fn batch_decode(
     model: &Arc<::engine::Model>,
     pool: &Arc<::engine::ThreadPool>,
@@ -288,6 +289,7 @@ pub fn batch_decode(
     depth: usize,
     tokens: usize,
     reps: usize,
+    profile: bool,
 ) -> Result<(f64, f64)> {
     use ::engine::model::{Scratch, SessionOptions};
     use ::engine::{Logits, Session};
@@ -301,6 +303,11 @@ pub fn batch_decode(
             next.push(::engine::sampler::argmax(s.eval(&ids[i * 7..i * 7 + depth], Logits::Last)?));
         }
         let mut scratch = Scratch::default();
+        // The pool's statistics, when asked, cover the timed steps only (not the prefills).
+        if profile {
+            pool.take_profile();
+            pool.set_profiling(true);
+        }
         let t0 = std::time::Instant::now();
         for _ in 0..tokens {
             let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
@@ -310,6 +317,7 @@ pub fn batch_decode(
             }
         }
         let secs = t0.elapsed().as_secs_f64();
+        pool.set_profiling(false);
         #[allow(clippy::cast_precision_loss)]
         rates.push((b * tokens) as f64 / secs);
         #[allow(clippy::cast_precision_loss)]

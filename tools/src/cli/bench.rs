@@ -276,6 +276,11 @@ pub struct BenchBatchArgs {
     /// the piece, and the piece alone, alternating, over --tokens rounds.
     #[arg(long)]
     pub piece: Option<usize>,
+    /// After the timed runs, one more run of each size with the thread pool's statistics on
+    /// (as `llms bench --pool-report`, per decode step rather than per token): where a step
+    /// of B contexts spends its time, operation by operation.
+    #[arg(long)]
+    pub pool_report: bool,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -288,7 +293,7 @@ impl BenchBatchArgs {
     /// median over `reps` of aggregate tokens/s and of the step time (each context's
     /// inter-token latency), and both as ratios to B = 1 measured in the same run.
     pub fn run(self) -> Result<()> {
-        let Self { sizes, depth, tokens, reps, piece, json, m } = self;
+        let Self { sizes, depth, tokens, reps, piece, pool_report, json, m } = self;
         if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
             bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
         }
@@ -304,9 +309,17 @@ impl BenchBatchArgs {
         }
         let mut rows = Vec::new();
         let mut pieces = Vec::new();
+        let mut reports = Vec::new();
         for &b in &sizes {
-            let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps)?;
+            let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps, false)?;
             rows.push((b, rate, step));
+            if pool_report {
+                let (_, ms) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, 1, true)?;
+                #[allow(clippy::cast_precision_loss)]
+                let secs = ms * tokens as f64 / 1000.0;
+                let (text, v) = super::model::pool_report(&format!("{b} context(s), {tokens} steps"), tokens, &pool.take_profile(), secs);
+                reports.push((text, v));
+            }
             if let Some(p) = piece {
                 pieces.push(crate::servebench::batch_piece(&model, &pool, &ids, b, depth, p, tokens, ::engine::kv::KvFormat::Int8)?);
             }
@@ -322,6 +335,9 @@ impl BenchBatchArgs {
                     if let (Some(p), Some(t)) = (piece, pieces.get(i)) {
                         v["piece"] = json!({"tokens": p, "kv": "int8", "times": t});
                     }
+                    if let Some((_, r)) = reports.get(i) {
+                        v["pool"] = r.clone();
+                    }
                     v
                 })
                 .collect();
@@ -333,6 +349,9 @@ impl BenchBatchArgs {
         for &(b, rate, step) in &rows {
             let (r1, s1) = base.unwrap_or((rate, step));
             println!("{b:>5} {rate:>12.1} {step:>10.2} {:>8.2} {:>10.2}", rate / r1, step / s1);
+        }
+        for (text, _) in &reports {
+            print!("{text}");
         }
         if let Some(p) = piece {
             println!("a {p}-token prompt piece beside them (int8 cache, attention observed; medians of {tokens} alternating rounds, ms)");
@@ -517,8 +536,8 @@ impl BenchServeArgs {
                     crate::servebench::call_depths(calls, prompt_tokens, max_tokens, base.max_context_tokens);
                 let need = 7 * clients + decode_depth.max(prompt_depth + prompt_tokens);
                 let ids = crate::servebench::text_of_length(&model.tokenizer.encode(&text, false, false)?, need)?;
-                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3)?;
-                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3)?;
+                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3, false)?;
+                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3, false)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
                 // them all against one prompt's pass is what the TTFT ratio can reach then.
                 let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, prompt_depth, prompt_tokens, 3, kv)?;

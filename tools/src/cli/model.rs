@@ -383,7 +383,7 @@ fn read_bandwidth(pool: &::engine::ThreadPool, buf: &[u64], passes: usize) -> f6
 
 /// The pool's statistics for one run of `tokens` tokens, as a table and as JSON.
 #[allow(clippy::cast_precision_loss)]
-fn pool_report(what: &str, tokens: usize, ops: &[::engine::pool::OpProfile], wall_s: f64) -> (String, serde_json::Value) {
+pub(crate) fn pool_report(what: &str, tokens: usize, ops: &[::engine::pool::OpProfile], wall_s: f64) -> (String, serde_json::Value) {
     use std::fmt::Write as _;
     let threads = ops.first().map_or(1, |o| o.threads);
     let in_ops: f64 = ops.iter().map(|o| o.wall.as_secs_f64()).sum();
