@@ -262,6 +262,10 @@ pub fn q4_block(ty: GgmlType, row: &[u8], b: usize) -> (f16, f16, [u8; QK / 2]) 
 #[derive(Debug, Default, Clone)]
 pub struct Q8Acts {
     pub qs: Vec<[i8; QK]>,
+    /// The codes plus 128, as unsigned bytes (`qs ^ 0x80`; codes are within -127..=127, so
+    /// 1..=255): VNNI's `dpbusd` multiplies unsigned by signed bytes, and with the activations
+    /// unsigned a Q8_0 product needs no per-token sign flips (see the pair tile's Q8_0 arm).
+    pub qu: Vec<[u8; QK]>,
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub isum: Vec<i32>,
@@ -293,22 +297,23 @@ impl Q8Acts {
         self.rows = rows;
         let n = rows * nb;
         self.qs.resize(n, [0; QK]);
+        self.qu.resize(n, [0; QK]);
         self.d.resize(n, 0.0);
         self.s.resize(n, 0.0);
         self.isum.resize(n, 0);
         let Some(per_job) = rows_per_job(rows, cols, pool.threads()) else {
-            quantize_blocks_q8(&x[..n * QK], &mut self.qs, &mut self.d, &mut self.s, &mut self.isum);
+            quantize_blocks_q8(&x[..n * QK], &mut self.qs, &mut self.qu, &mut self.d, &mut self.s, &mut self.isum);
             return;
         };
         let step = per_job * nb;
         let jobs: Vec<_> = x[..n * QK]
             .chunks(step * QK)
-            .zip(self.qs.chunks_mut(step))
+            .zip(self.qs.chunks_mut(step).zip(self.qu.chunks_mut(step)))
             .zip(self.d.chunks_mut(step).zip(self.s.chunks_mut(step)))
             .zip(self.isum.chunks_mut(step))
             .map(|(((x, q), (d, s)), i)| (x, q, d, s, i))
             .collect();
-        pool.scatter("quantize activations", jobs, &|(x, q, d, s, i)| quantize_blocks_q8(x, q, d, s, i));
+        pool.scatter("quantize activations", jobs, &|(x, (q, u), d, s, i)| quantize_blocks_q8(x, q, u, d, s, i));
     }
 }
 
@@ -316,17 +321,17 @@ impl Q8Acts {
 /// present. Every matrix product's input goes through here (serially on the calling thread
 /// in a decode step); the compiler's vectorization of [`quantize_block_q8`] packed the codes
 /// a byte at a time (`vpextrb`/`vpinsrb`, ~3 cycles a value), so the AVX2 path is written out.
-pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], qu: &mut [[u8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2() {
-        let n = qs.len().min(d.len()).min(s.len()).min(isum.len()).min(x.len() / QK);
+        let n = qs.len().min(qu.len()).min(d.len()).min(s.len()).min(isum.len()).min(x.len() / QK);
         for (b, xb) in x.chunks_exact(QK).take(n).enumerate() {
             // SAFETY: the CPU has the features (checked just above); `xb` holds 32 values.
-            (d[b], s[b], isum[b]) = unsafe { quantize_block_q8_avx2(xb.try_into().expect("32 values"), &mut qs[b]) };
+            (d[b], s[b], isum[b]) = unsafe { quantize_block_q8_avx2(xb.try_into().expect("32 values"), &mut qs[b], &mut qu[b]) };
         }
         return;
     }
-    quantize_blocks_body(x, qs, d, s, isum);
+    quantize_blocks_body(x, qs, qu, d, s, isum);
 }
 
 /// [`quantize_block_q8`] on AVX2, operation for operation the scalar code's (the same
@@ -337,7 +342,7 @@ pub fn quantize_blocks_q8(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut
 /// Needs AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_block_q8_avx2(x: &[f32; QK], out: &mut [i8; QK]) -> (f32, f32, i32) {
+unsafe fn quantize_block_q8_avx2(x: &[f32; QK], out: &mut [i8; QK], unsigned: &mut [u8; QK]) -> (f32, f32, i32) {
     use std::arch::x86_64::*;
     // SAFETY: four loads of 8 values inside the block's 32.
     let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..].as_ptr()) });
@@ -371,6 +376,8 @@ unsafe fn quantize_block_q8_avx2(x: &[f32; QK], out: &mut [i8; QK]) -> (f32, f32
     let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     // SAFETY: 32 bytes into 32.
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), b) };
+    // SAFETY: 32 bytes into 32.
+    unsafe { _mm256_storeu_si256(unsigned.as_mut_ptr().cast(), _mm256_xor_si256(b, _mm256_set1_epi8(i8::MIN))) };
     // The scale and the scaled sum rounded through f16 side by side (a call into `half` each
     // was a fifth of the block's time).
     let h = _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_setr_ps(d, d * sum as f32, 0.0, 0.0)));
@@ -381,9 +388,12 @@ unsafe fn quantize_block_q8_avx2(x: &[f32; QK], out: &mut [i8; QK]) -> (f32, f32
 }
 
 #[inline(always)]
-fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
-    for ((((xb, q), d), s), i) in x.chunks_exact(QK).zip(qs.iter_mut()).zip(d.iter_mut()).zip(s.iter_mut()).zip(isum.iter_mut()) {
+fn quantize_blocks_body(x: &[f32], qs: &mut [[i8; QK]], qu: &mut [[u8; QK]], d: &mut [f32], s: &mut [f32], isum: &mut [i32]) {
+    for (((((xb, q), u), d), s), i) in
+        x.chunks_exact(QK).zip(qs.iter_mut()).zip(qu.iter_mut()).zip(d.iter_mut()).zip(s.iter_mut()).zip(isum.iter_mut())
+    {
         (*d, *s, *i) = quantize_block_q8(xb, q);
+        *u = q.map(|c| c.cast_unsigned() ^ 0x80);
     }
 }
 
@@ -857,9 +867,10 @@ mod tests {
             assert_eq!(got.1.to_bits(), want.1.to_bits(), "scaled sum of {x:?}");
             assert_eq!(got.2, want.2, "sum of {x:?}");
             // The blocks' quantizer (AVX2 where present) as well.
-            let (mut q, mut d, mut s, mut i) = ([[0i8; QK]; 1], [0.0f32; 1], [0.0f32; 1], [0i32; 1]);
-            quantize_blocks_q8(&x, &mut q, &mut d, &mut s, &mut i);
+            let (mut q, mut u, mut d, mut s, mut i) = ([[0i8; QK]; 1], [[0u8; QK]; 1], [0.0f32; 1], [0.0f32; 1], [0i32; 1]);
+            quantize_blocks_q8(&x, &mut q, &mut u, &mut d, &mut s, &mut i);
             assert_eq!(q[0], b, "codes of {x:?} (blocks)");
+            assert_eq!(u[0].map(|c| i32::from(c) - 128), b.map(i32::from), "unsigned codes of {x:?} (blocks)");
             assert_eq!(
                 (d[0].to_bits(), s[0].to_bits(), i[0]),
                 (want.0.to_bits(), want.1.to_bits(), want.2),

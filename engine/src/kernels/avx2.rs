@@ -334,6 +334,7 @@ fn token_rows<E, const T: usize>(v: &[E], t0: usize, nb: usize) -> [*const E; T]
 /// fifth of a 4-token tile's instructions).
 struct TokenBlocks<const T: usize> {
     qs: [*const [i8; 32]; T],
+    qu: [*const [u8; 32]; T],
     d: [*const f32; T],
     s: [*const f32; T],
     isum: [*const i32; T],
@@ -344,6 +345,7 @@ impl<const T: usize> TokenBlocks<T> {
     fn new(a: &Q8Acts, t0: usize) -> Self {
         Self {
             qs: token_rows(&a.qs, t0, a.nb),
+            qu: token_rows(&a.qu, t0, a.nb),
             d: token_rows(&a.d, t0, a.nb),
             s: token_rows(&a.s, t0, a.nb),
             isum: token_rows(&a.isum, t0, a.nb),
@@ -353,6 +355,11 @@ impl<const T: usize> TokenBlocks<T> {
     #[inline(always)]
     unsafe fn qs(&self, t: usize, b: usize) -> *const i8 {
         self.qs[t].add(b).cast()
+    }
+    /// Token `t`'s block `b`'s codes plus 128 ([`Q8Acts::qu`]). Safety: as [`Self::qs`].
+    #[inline(always)]
+    unsafe fn qu(&self, t: usize, b: usize) -> *const u8 {
+        self.qu[t].add(b).cast()
     }
     #[inline(always)]
     unsafe fn d(&self, t: usize, b: usize) -> f32 {
@@ -459,22 +466,24 @@ unsafe fn pair_tile<const T: usize>(w: &PackedWeight, a: &Q8Acts, g: usize, t0: 
                 let (x0, x1) = (&v0[b], &v1[b]);
                 prefetch_ahead(x0);
                 prefetch_ahead(x1);
+                // The products of the activations plus 128 (unsigned, `Q8Acts::qu`) and the
+                // signed weights, less 128 times each row's weight sum (`dpbusd` of 0x80 bytes
+                // and the weights, once a block for every token): sum((x + 128) w) - 128 sum(w)
+                // = sum(x w), the same integer as the 256-bit tile's |w| * sign(x, w), with
+                // no sign flip a token (a mask and a masked subtract each, per 4 columns).
                 let mut p = [_mm512_setzero_si512(); T];
+                let mut bias = _mm512_setzero_si512();
                 for k in 0..8 {
                     let wv =
                         pair(_mm256_loadu_si256(x0.qs.as_ptr().add(32 * k).cast()), _mm256_loadu_si256(x1.qs.as_ptr().add(32 * k).cast()));
-                    // |w| as the 256-bit tile's `sign(w, w)` (-128 stays 0x80 both ways), and x
-                    // negated where w < 0 (`sign(x, w)`; where w = 0, |w| = 0 zeroes the product).
-                    let aw = _mm512_abs_epi8(wv);
-                    let neg = _mm512_movepi8_mask(wv);
+                    bias = _mm512_dpbusd_epi32(bias, _mm512_set1_epi8(i8::MIN), wv);
                     for t in 0..T {
-                        let xv = x4(x.qs(t, b).add(4 * k));
-                        p[t] = _mm512_dpbusd_epi32(p[t], aw, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+                        p[t] = _mm512_dpbusd_epi32(p[t], x4(x.qu(t, b).add(4 * k).cast()), wv);
                     }
                 }
                 let dv = f16x16(&x0.d, &x1.d);
                 for t in 0..T {
-                    let pf = _mm512_cvtepi32_ps(p[t]);
+                    let pf = _mm512_cvtepi32_ps(_mm512_sub_epi32(p[t], bias));
                     acc[t] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, _mm512_set1_ps(x.d(t, b))), acc[t]);
                 }
             }

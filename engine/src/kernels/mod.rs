@@ -1069,6 +1069,41 @@ mod tests {
         }
     }
 
+    /// Q8_0 at the integer extremes, where the pair tile's unsigned activations (codes plus 128)
+    /// and its weight-sum correction are furthest from zero: weight codes of -128, 127 and 0,
+    /// activations quantized to +-127, in 8-token tiles and fewer. The kernel in use gives the
+    /// packed reference's bits.
+    #[test]
+    fn q8_0_products_at_the_extremes_equal_the_reference() {
+        let (rows, cols) = (32, 256);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        let mut data = random_weights(GgmlType::Q8_0, rows, cols, &mut rng);
+        for (i, blk) in data.chunks_exact_mut(GgmlType::Q8_0.type_size()).enumerate() {
+            for (j, c) in blk[2..].iter_mut().enumerate() {
+                *c = match (i + j / 8) % 4 {
+                    0 | 1 => 0x80,
+                    2 => 0x7F,
+                    _ => [0x80, 0x7F, 0][j % 3],
+                };
+            }
+        }
+        let p = PackedWeight::pack(GgmlType::Q8_0, rows, cols, &data).expect("packable type");
+        for toks in [1, 5, 8, 13] {
+            let x: Vec<f32> = (0..toks * cols).map(|i| if (i / 3 + i / 32) % 2 == 0 { 2.0 } else { -2.0 }).collect();
+            let mut a = Acts::default();
+            a.prepare(&x, toks, cols, &[ActKind::Q8], &ThreadPool::new(2));
+            assert!(a.q8.qs.iter().flatten().all(|&c| c.abs() == 127));
+            let (mut fast, mut slow) = (vec![f32::NAN; toks * rows], vec![f32::NAN; toks * rows]);
+            matmul_packed(&p, &a, OutPtr::new(&mut fast), rows, 0, p.groups());
+            matmul_packed_ref(&p, &a.q8, OutPtr::new(&mut slow), rows, 0, p.groups());
+            assert!(
+                fast.iter().zip(&slow).all(|(f, s)| f.to_bits() == s.to_bits()),
+                "{toks} tokens ({}): {fast:?} vs {slow:?}",
+                simd_name()
+            );
+        }
+    }
+
     /// The K-quants packed in groups of 8 rows give the row-major scalar references' results
     /// (llama.cpp's arithmetic, `quant::dot_k4_ref` / `dot_q6k_ref`) bit for bit: from the kernel
     /// in use, the packed layout's own reference, and (where both run) VNNI and AVX2 alike; over
