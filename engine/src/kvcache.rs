@@ -293,6 +293,31 @@ impl ChunkedKv {
         }
     }
 
+    /// The bytes [`Self::write`] will write for position `pos` of `layer`, each range to `f`
+    /// (a K or V row, and an int8 row's scale), for a prefetch hint ahead of the write; nothing
+    /// for a position whose chunk is not there yet or not in a base format. Only addresses:
+    /// nothing is read.
+    pub fn row_ranges(&self, layer: usize, pos: usize, mut f: impl FnMut(&[u8])) {
+        let g = self.geom;
+        let (ci, t) = (pos / g.chunk_tokens, pos % g.chunk_tokens);
+        let Some(c) = self.chunks.get(ci).filter(|c| ci >= self.dead && c.format.is_base()) else {
+            return;
+        };
+        let (fmt, hd, slot) = (c.format, g.head_dim, self.slot[layer]);
+        let bytes = c.bytes();
+        for kvsel in [0, 1] {
+            for h in 0..g.n_kv_heads {
+                let blk = &bytes[g.block_offset(fmt, slot, kvsel, h)..][..g.head_block_bytes(fmt, kvsel)];
+                if fmt == KvFormat::F16 {
+                    f(&blk[2 * t * hd..2 * (t + 1) * hd]);
+                } else {
+                    f(&blk[2 * t..2 * t + 2]);
+                    f(&blk[2 * g.chunk_tokens + t * hd..][..hd]);
+                }
+            }
+        }
+    }
+
     /// Converts chunk `i` to format `to` (its valid tokens), in place for owned memory.
     /// External memory must be large enough for the new format.
     pub fn set_format(&mut self, i: usize, to: KvFormat) -> Result<(), KvError> {
@@ -433,5 +458,43 @@ impl ChunkedKv {
         }
         self.chunks[i] = Chunk { mem: Mem::Moving { at, len }, format };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `row_ranges` names exactly the bytes a write changes, no more and no fewer, in both
+    /// base formats, under a layer order of the cache's own, for positions across chunks; and
+    /// nothing for a position whose chunk is not there.
+    #[test]
+    fn row_ranges_are_the_bytes_a_write_changes() {
+        let geom = KvGeometry { n_layers: 3, n_kv_heads: 2, head_dim: 64, chunk_tokens: 16 };
+        for base in [KvFormat::F16, KvFormat::Int8] {
+            let mut kv = ChunkedKv::new(geom, 64, base);
+            kv.set_layer_order(vec![2, 0, 1], 3).unwrap();
+            kv.ensure(40).unwrap();
+            for (layer, pos) in [(0, 0), (1, 17), (2, 31), (0, 39)] {
+                let ci = pos / 16;
+                let before = kv.chunk(ci).to_vec();
+                let start = kv.chunk(ci).as_ptr() as usize;
+                let mut named = vec![false; before.len()];
+                kv.row_ranges(layer, pos, |r| {
+                    let at = r.as_ptr() as usize - start;
+                    named[at..at + r.len()].iter_mut().for_each(|b| *b = true);
+                });
+                // Values that leave no byte as it was (zero): f16s 1 + m/1024 with m % 256 != 0
+                // (both bytes nonzero), int8 codes far from 0.
+                let k: Vec<f32> = (0..128).map(|i| 1.0 + (1 + i % 200) as f32 / 1024.0).collect();
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                kv.write(layer, pos, &k, &v);
+                let changed: Vec<bool> = kv.chunk(ci).iter().zip(&before).map(|(a, b)| a != b).collect();
+                assert_eq!(changed, named, "{base:?}: layer {layer}, position {pos}");
+            }
+            let mut calls = 0;
+            kv.row_ranges(0, 48, |_| calls += 1);
+            assert_eq!(calls, 0, "{base:?}: a position past the chunks names nothing");
+        }
     }
 }

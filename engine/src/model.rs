@@ -776,6 +776,10 @@ impl Session {
 /// one of its positions), or several sessions' (row `t` is session `t`'s next position).
 trait Caches {
     fn write(&mut self, layer: usize, row: usize, pos: usize, k: &[f32], v: &[f32]);
+    /// Asks for the cache lines that [`Self::write`] will write for the rows of decoding
+    /// contexts (at most [`TILE`] rows of one cache), so they arrive while the layer's
+    /// products run (see `prefetch_writes`).
+    fn prefetch_writes(&self, layer: usize, positions: &[usize]);
     /// Whether an observer records the attention of these rows (then every row attends).
     fn observed(&self) -> bool;
     /// From now on the pass holds only rows `rows` (ascending) of those it had, in that order.
@@ -792,6 +796,13 @@ struct OneCache<'a> {
 impl Caches for OneCache<'_> {
     fn write(&mut self, layer: usize, _row: usize, pos: usize, k: &[f32], v: &[f32]) {
         self.kv.write_with(layer, pos, k, v, kernels::int8_codes);
+    }
+    fn prefetch_writes(&self, layer: usize, positions: &[usize]) {
+        if positions.len() <= TILE {
+            for &pos in positions {
+                self.kv.row_ranges(layer, pos, kernels::prefetch);
+            }
+        }
     }
     fn observed(&self) -> bool {
         self.observer.is_some()
@@ -814,6 +825,13 @@ impl Caches for ManyCaches<'_, '_> {
         // The spans are in row order: a binary search finds the row's session.
         let i = self.spans.partition_point(|r| r.end <= row);
         self.sessions[i].kv.write_with(layer, pos, k, v, kernels::int8_codes);
+    }
+    fn prefetch_writes(&self, layer: usize, positions: &[usize]) {
+        for (s, r) in self.sessions.iter().zip(&self.spans).filter(|(_, r)| r.len() <= TILE) {
+            for &pos in &positions[r.clone()] {
+                s.kv.row_ranges(layer, pos, kernels::prefetch);
+            }
+        }
     }
     fn observed(&self) -> bool {
         self.sessions.iter().any(|s| s.attention.is_some())
@@ -930,6 +948,13 @@ fn forward_rows(
 
     for (li, l) in model.layers.iter().enumerate() {
         before_layer(li);
+        // The lines this layer's K/V rows go to, asked for before its products: a decoding
+        // context's row lands in its chunk's blocks, which the rest of the step has evicted,
+        // and written on this thread after the products each write waited a miss (12 lines a
+        // context and layer on the default model; 8 contexts 64 deep spent ~0.25 ms of a step
+        // in the writes, section timer). Steps alternating with and without it in one process
+        // (200 steps, 3 runs): 0.987-0.989x the time at 8 contexts, 0.983-0.992x at 1.
+        caches.prefetch_writes(li, positions);
         // Attention block.
         rmsnorm_rows(pool, &s.x[..n * dim], &l.attn_norm, c.norm_eps, &mut s.xb, dim);
         sparsify(sp.sparsity, sp.calibrator.as_deref_mut(), sp.channel_use.as_deref_mut(), li, 0, &mut s.xb[..n * dim]);

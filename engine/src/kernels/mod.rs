@@ -608,9 +608,13 @@ pub fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for off in (0..bytes.len()).step_by(64) {
-            // SAFETY: a prefetch reads nothing; the address is inside `bytes`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off).cast()) };
+        // Every line the bytes touch: from the line of the first (a range that starts inside
+        // a line and runs into the next, as an int8 K/V row does, needs both).
+        let skip = bytes.as_ptr() as usize % 64;
+        for off in (0..bytes.len() + skip).step_by(64) {
+            // SAFETY: a prefetch reads nothing and never faults; the address is within the
+            // line of `bytes`' first byte or inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_sub(skip).wrapping_add(off).cast()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
