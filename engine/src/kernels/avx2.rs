@@ -2110,9 +2110,38 @@ pub(super) unsafe fn row_max_zmm(row: &[f32]) -> f32 {
         m = _mm512_max_ps(_mm512_loadu_ps(p.add(i)), m);
         i += 16;
     }
-    let mut lanes = [0.0f32; 16];
-    _mm512_storeu_ps(lanes.as_mut_ptr(), m);
-    lanes.iter().chain(&row[i..]).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+    if i < n {
+        // The rest as one masked vector, the lanes past the row -inf (a row of attention is
+        // a few dozen to a few hundred scores: a scalar tail and fold were a chain of ~30
+        // dependent maxes a row).
+        let k = tail_mask(n - i);
+        m = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), k, p.add(i)), m);
+    }
+    // No lane of `m` is NaN (`max_ps` gives its second operand, `m`, for a NaN value), and
+    // max is exact, so the reduction's order gives the fold's value.
+    _mm512_reduce_max_ps(m)
+}
+
+/// Each half of `e` summed in f64 in [`super::sum8`]'s order: (low eight, high eight).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn sum8_halves(e: __m512) -> (f64, f64) {
+    let (a, b) = (
+        _mm512_cvtps_pd(_mm512_castps512_ps256(e)),
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))),
+    );
+    // [a0..a3 | b0..b3] + [a4..a7 | b4..b7], then pairs (0, 2) and (1, 3), then the two.
+    let s2 = _mm512_add_pd(_mm512_shuffle_f64x2::<0b01_00_01_00>(a, b), _mm512_shuffle_f64x2::<0b11_10_11_10>(a, b));
+    let s1 = _mm512_add_pd(s2, _mm512_permutex_pd::<0b01_00_11_10>(s2));
+    let s0 = _mm512_add_pd(s1, _mm512_permutex_pd::<0b10_11_00_01>(s1));
+    (_mm512_cvtsd_f64(s0), _mm256_cvtsd_f64(_mm512_extractf64x4_pd::<1>(s0)))
+}
+
+/// The low `k` lanes of 16 (`k` < 16).
+#[inline(always)]
+fn tail_mask(k: usize) -> __mmask16 {
+    debug_assert!(k < 16);
+    ((1u32 << k) - 1) as __mmask16
 }
 
 /// [`softmax_f16`] sixteen lanes at a time: each half's eight exponentials summed in f64 in
@@ -2132,21 +2161,21 @@ pub(super) unsafe fn softmax_f16_zmm(row: &mut [f32], max: f32) {
         // SAFETY: i + 16 <= n.
         let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(ptr.add(i)), m));
         _mm512_storeu_ps(ptr.add(i), e);
-        let (a, b) = (
-            _mm512_cvtps_pd(_mm512_castps512_ps256(e)),
-            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))),
-        );
-        // [a0..a3 | b0..b3] + [a4..a7 | b4..b7], then pairs (0, 2) and (1, 3), then the two.
-        let s2 = _mm512_add_pd(_mm512_shuffle_f64x2::<0b01_00_01_00>(a, b), _mm512_shuffle_f64x2::<0b11_10_11_10>(a, b));
-        let s1 = _mm512_add_pd(s2, _mm512_permutex_pd::<0b01_00_11_10>(s2));
-        let s0 = _mm512_add_pd(s1, _mm512_permutex_pd::<0b10_11_00_01>(s1));
-        sum += _mm512_cvtsd_f64(s0);
-        sum += _mm256_cvtsd_f64(_mm512_extractf64x4_pd::<1>(s0));
+        let (lo, hi) = sum8_halves(e);
+        sum += lo;
+        sum += hi;
         i += 16;
     }
     if i < n {
-        // The rest as the 8-lane kernel takes it, continuing the sum.
-        sum = softmax_exp_rest(&mut row[i..], max, sum);
+        // The rest as one masked vector, the lanes past the row -inf (exp 0): its halves'
+        // sums added as the 8-lane kernel adds the rest's eights, and an empty high half adds
+        // +0.0 to a sum that is not -0.0: the same bits.
+        let k = tail_mask(n - i);
+        let e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), k, ptr.add(i)), m));
+        _mm512_mask_storeu_ps(ptr.add(i), k, e);
+        let (lo, hi) = sum8_halves(e);
+        sum += lo;
+        sum += hi;
     }
     #[allow(clippy::cast_possible_truncation)]
     let inv = (1.0 / sum) as f32;
@@ -2158,7 +2187,11 @@ pub(super) unsafe fn softmax_f16_zmm(row: &mut [f32], max: f32) {
         _mm512_storeu_ps(ptr.add(i), _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y)));
         i += 16;
     }
-    softmax_scale_rest(&mut row[i..], inv);
+    if i < n {
+        let k = tail_mask(n - i);
+        let y = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, ptr.add(i)), v);
+        _mm512_mask_storeu_ps(ptr.add(i), k, _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(y)));
+    }
 }
 
 /// # Safety
