@@ -2126,10 +2126,8 @@ pub(super) unsafe fn row_max_zmm(row: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
 unsafe fn sum8_halves(e: __m512) -> (f64, f64) {
-    let (a, b) = (
-        _mm512_cvtps_pd(_mm512_castps512_ps256(e)),
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))),
-    );
+    let (a, b) =
+        (_mm512_cvtps_pd(_mm512_castps512_ps256(e)), _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))));
     // [a0..a3 | b0..b3] + [a4..a7 | b4..b7], then pairs (0, 2) and (1, 3), then the two.
     let s2 = _mm512_add_pd(_mm512_shuffle_f64x2::<0b01_00_01_00>(a, b), _mm512_shuffle_f64x2::<0b11_10_11_10>(a, b));
     let s1 = _mm512_add_pd(s2, _mm512_permutex_pd::<0b01_00_11_10>(s2));
