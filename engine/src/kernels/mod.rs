@@ -601,20 +601,28 @@ pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scal
     }
 }
 
-/// Asks the CPU to bring `bytes`' cache lines into L1 (a hint: nothing is read, and an
-/// address that is not mapped or not resident is dropped, never faulted in).
+/// Asks the CPU to bring `bytes`' cache lines into L2 (a hint: nothing is read, and an
+/// address that is not mapped or not resident is dropped, never faulted in). Its callers ask
+/// for K/V blocks a few KiB at a time, 2 chunks ahead of the attention kernels and a layer's
+/// K/V rows before its products: into L1 (`_MM_HINT_T0`) each line held one of the core's few
+/// L1 fill buffers until it arrived, and a block's 32 asks stalled on them (`perf`: the
+/// `prefetcht0`s 13.8% of an 8-context step's samples, more than the attention kernels).
+/// Into L2 the step took 0.971-0.973x the time at 8 contexts 200 deep, 0.977-0.980x at 4,
+/// 0.976-0.982x at 8 contexts 64 deep and 0.990-0.994x at one (Intel Xeon guest, steps
+/// alternating with and without it in one process, 200 steps, medians of paired ratios; hand
+/// runs, docs/notes/engine.md). The kernels' first touch of a line then hits L2.
 #[inline]
 pub fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         // Every line the bytes touch: from the line of the first (a range that starts inside
         // a line and runs into the next, as an int8 K/V row does, needs both).
         let skip = bytes.as_ptr() as usize % 64;
         for off in (0..bytes.len() + skip).step_by(64) {
             // SAFETY: a prefetch reads nothing and never faults; the address is within the
             // line of `bytes`' first byte or inside `bytes`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().wrapping_sub(skip).wrapping_add(off).cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().wrapping_sub(skip).wrapping_add(off).cast()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
