@@ -607,10 +607,11 @@ pub fn chunk_scores_ref(q: &[f32], hd: usize, k: KvRows, visible: &[usize], scal
 /// K/V rows before its products: into L1 (`_MM_HINT_T0`) each line held one of the core's few
 /// L1 fill buffers until it arrived, and a block's 32 asks stalled on them (`perf`: the
 /// `prefetcht0`s 13.8% of an 8-context step's samples, more than the attention kernels).
-/// Into L2 the step took 0.971-0.973x the time at 8 contexts 200 deep, 0.977-0.980x at 4,
-/// 0.976-0.982x at 8 contexts 64 deep and 0.990-0.994x at one (Intel Xeon guest, steps
-/// alternating with and without it in one process, 200 steps, medians of paired ratios; hand
-/// runs, docs/notes/engine.md). The kernels' first touch of a line then hits L2.
+/// Into L2 a step of 8 contexts 200 deep is ~1.5% shorter and one context's unchanged: with
+/// steps in ABBA order in one process (200 steps, medians of paired ratios, 3 runs), L1 took
+/// 1.011-1.016x and 0.994-1.000x the time, where the same patch with both settings equal gave
+/// 0.993-1.000x (Intel Xeon guest; hand runs, docs/notes/engine.md, which also has the first,
+/// off-on measurement and its bias). The kernels' first touch of a line then hits L2.
 #[inline]
 pub fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
