@@ -65,6 +65,9 @@ pub struct WorkerTime {
     pub steps: usize,
     pub admit_ms: f64,
     pub pass_ms: f64,
+    /// Around the passes: before (tokens into contexts, pieces cut) and after (sampling).
+    pub prep_ms: f64,
+    pub sample_ms: f64,
     pub finish_ms: f64,
     pub step_ms_p50: f64,
     pub step_ms_p99: f64,
@@ -75,7 +78,7 @@ impl WorkerTime {
     fn of(steps: &[llmsd::service::StepTrace]) -> Self {
         let decoding: Vec<_> = steps.iter().filter(|s| s.decode_rows > 0).copied().collect();
         let total = |f: fn(&llmsd::service::StepTrace) -> f64| decoding.iter().map(f).sum();
-        let len = |s: &llmsd::service::StepTrace| s.admit_ms + s.pass_ms + s.finish_ms;
+        let len = |s: &llmsd::service::StepTrace| s.admit_ms + s.prep_ms + s.pass_ms + s.sample_ms + s.finish_ms;
         let mut lens: Vec<f64> = decoding.iter().map(len).collect();
         let mut slowest = decoding.clone();
         slowest.sort_by(|a, b| len(b).total_cmp(&len(a)));
@@ -84,6 +87,8 @@ impl WorkerTime {
             steps: decoding.len(),
             admit_ms: total(|s| s.admit_ms),
             pass_ms: total(|s| s.pass_ms),
+            prep_ms: total(|s| s.prep_ms),
+            sample_ms: total(|s| s.sample_ms),
             finish_ms: total(|s| s.finish_ms),
             step_ms_p50: percentile(&mut lens, 0.5),
             step_ms_p99: percentile(&mut lens, 0.99),

@@ -109,6 +109,11 @@ pub struct StepTrace {
     pub admit_ms: f64,
     pub started: u32,
     pub pass_ms: f64,
+    /// Before the pass: the lane's call taken back or handed out, each decoding call's last
+    /// token put in its context (a new chunk from mm every `chunk_tokens`), the pieces cut.
+    pub prep_ms: f64,
+    /// After the pass: the calls' logits taken (sampling, stop strings, the tokens sent).
+    pub sample_ms: f64,
     /// Calls that decoded a token in the pass, and prompt tokens prefilled in it.
     pub decode_rows: u32,
     pub prefill_tokens: u32,
@@ -1196,6 +1201,7 @@ impl Service {
     /// the next passes, which then decode on the other share; the other prompts wait for the
     /// lane. A call back from the lane rejoins the batch here.
     fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost, mut lane: Option<&mut Lane>) -> StepTrace {
+        let t_prep = Instant::now();
         let mut trace = StepTrace::default();
         if let Some(l) = lane.as_deref_mut() {
             self.lane_back(active, l, &mut trace);
@@ -1254,6 +1260,7 @@ impl Service {
         trace.prefill_tokens =
             u32::try_from(pieces.iter().zip(&rows).filter(|(_, &i)| active[i].next.is_none()).map(|(p, _)| p.len()).sum::<usize>())
                 .unwrap_or(u32::MAX);
+        trace.prep_ms = ms(t_prep.elapsed());
         if !rows.is_empty() {
             let t0 = Instant::now();
             let n = rows.len();
@@ -1303,7 +1310,9 @@ impl Service {
             if decoding > 0 && matches!(run, Ok(Ok(_))) {
                 self.prom.step(n, pass_ms);
             }
+            let t_after = Instant::now();
             self.after_pass(active, &rows, &pieces, &from, run, scratch, n, &mut ended);
+            trace.sample_ms = ms(t_after.elapsed());
         }
         ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         ended.dedup_by_key(|e| e.0);

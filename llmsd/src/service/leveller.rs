@@ -23,11 +23,17 @@ const NICE: libc::c_int = 19;
 /// priority alone did not keep it off the passes. A nice-19 thread's turn on a core is as long
 /// in time as any other's, and a pass waits for its slowest thread, so each turn the leveller
 /// took beside a pass stalled it: 11-25 ms passes where a 4-client step takes ~5 ms, none with
-/// `--levels int8` (no lowering), and SCHED_IDLE did no better (#56). Waiting for the gap each
-/// layer, it holds a core for a layer's encoding (~0.5 ms on the default model) at most when
-/// a pass begins. Passes end every few ms under load, so the hold bounds only a pass stream
-/// with no gap at all.
+/// `--levels int8` (no lowering), and SCHED_IDLE did no better (#56). It encodes one layer a gap
+/// (`PassGate::wait_turn`), so it holds a core for a layer's encoding (~0.5 ms on the default
+/// model) at most when a pass begins. Passes end every few ms under load, so the hold bounds
+/// only a pass stream with no gap at all.
 const GAP_HOLD: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How long after the last pass's end the foreground counts as quiet, so the leveller encodes
+/// layer after layer without waiting for another gap: longer than the worker's work between
+/// two passes (sampling and cutting the next pass: 0.1-0.5 ms under load), short beside a
+/// layer's encoding, so an idle service levels at full speed.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(2);
 
 impl Service {
     /// Tells the leveller `end` may have queued lowerings.
@@ -57,6 +63,8 @@ impl Service {
             if self.stopping.load(Ordering::SeqCst) {
                 return;
             }
+            // The passes whose gaps this thread has had a turn in (`PassGate::wait_turn`).
+            let mut seen = 0;
             loop {
                 let Some(work) = lock(&self.mm).take_level_work() else { break };
                 // A panic in an encoder (a bug) fails this chunk, not the leveller: the chunk
@@ -65,7 +73,7 @@ impl Service {
                 // wait for one (`LevelWork::encode_layers`).
                 let before = || {
                     if let Some(g) = &self.passes {
-                        g.wait_gap(GAP_HOLD);
+                        g.wait_turn(&mut seen, QUIET, GAP_HOLD);
                     }
                 };
                 let lowered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work.encode_layers(&*codec, before)))

@@ -609,19 +609,21 @@ impl BenchServeArgs {
         }
         if let Some(w) = &r.worker {
             println!(
-                "  worker over {} decoding steps: passes {:.0} ms, starting calls {:.0} ms, ending calls {:.0} ms; a step p50 {:.2} p99 {:.2} ms",
-                w.steps, w.pass_ms, w.admit_ms, w.finish_ms, w.step_ms_p50, w.step_ms_p99
+                "  worker over {} decoding steps: passes {:.0} ms, starting calls {:.0} ms, around the passes {:.0} + {:.0} ms, ending calls {:.0} ms; a step p50 {:.2} p99 {:.2} ms",
+                w.steps, w.pass_ms, w.admit_ms, w.prep_ms, w.sample_ms, w.finish_ms, w.step_ms_p50, w.step_ms_p99
             );
             for s in &w.slowest {
                 println!(
-                    "    at {:>8.1} ms: start {} call(s) {:>6.1} ms, pass of {} decoding + {} prompt tokens {:>6.1} ms{}, end {} call(s) {:>6.1} ms",
+                    "    at {:>8.1} ms: start {} call(s) {:>6.1} ms, before {:.1} ms, pass of {} decoding + {} prompt tokens {:>6.1} ms{}, after {:.1} ms, end {} call(s) {:>6.1} ms",
                     s.at_ms,
                     s.started,
                     s.admit_ms,
+                    s.prep_ms,
                     s.decode_rows,
                     s.prefill_tokens,
                     s.pass_ms,
                     if s.lane_ms > 0.0 { format!(" (the prompts' lane {:.1} ms)", s.lane_ms) } else { String::new() },
+                    s.sample_ms,
                     s.ended,
                     s.finish_ms
                 );
