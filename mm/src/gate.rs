@@ -101,7 +101,8 @@ impl PassGate {
         *seen = g.ends;
     }
 
-    /// While the returned guard lives, [`PassGate::wait_gap`] does not block.
+    /// While the returned guard lives, [`PassGate::wait_gap`] and [`PassGate::wait_turn`] do not
+    /// block.
     pub fn urgent(&self) -> Urgent<'_> {
         let mut g = self.lock();
         g.urgent += 1;
