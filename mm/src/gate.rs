@@ -82,18 +82,15 @@ impl PassGate {
                 break;
             }
             let now = Instant::now();
-            if g.running == 0 {
-                let quiet_until = g.last_end.map_or(now, |t| t + idle);
-                if g.ends > *seen || now >= quiet_until {
-                    break;
-                }
-            }
-            if now >= until {
+            // With no pass running: when the foreground counts as quiet (at once if no pass
+            // has ever run).
+            let quiet = (g.running == 0).then(|| g.last_end.map_or(now, |t| t + idle));
+            if quiet.is_some_and(|q| g.ends > *seen || now >= q) || now >= until {
                 break;
             }
             // Until the next pass ends (it notifies), or the foreground has been quiet for
             // `idle`, or the hold is over.
-            let wake = if g.running == 0 { g.last_end.map_or(until, |t| (t + idle).min(until)) } else { until };
+            let wake = quiet.map_or(until, |q| q.min(until));
             g.sleepers += 1;
             g = self.gap.wait_timeout(g, wake.saturating_duration_since(now)).unwrap_or_else(|e| e.into_inner()).0;
             g.sleepers -= 1;
@@ -215,7 +212,22 @@ mod tests {
         // With no quiet time asked for, the same gap's second turn does not wait.
         gate.wait_turn(&mut seen, Duration::ZERO, HOUR);
         gate.wait_turn(&mut seen, Duration::ZERO, HOUR);
-        // Nor while someone is urgent.
+        // A turn held back in a gap it has had comes out when someone turns urgent.
+        let (g, out) = (Arc::clone(&gate), Arc::new(AtomicBool::new(false)));
+        let o = Arc::clone(&out);
+        let t = std::thread::spawn(move || {
+            let mut s = seen;
+            g.wait_turn(&mut s, HOUR, HOUR);
+            o.store(true, Ordering::SeqCst);
+        });
+        while gate.lock().sleepers == 0 && !out.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        assert!(!out.load(Ordering::SeqCst), "a second turn in one gap did not wait");
+        let urgent = gate.urgent();
+        t.join().unwrap();
+        drop(urgent);
+        // And while someone is urgent, a turn does not wait at all.
         let urgent = gate.urgent();
         gate.wait_turn(&mut seen, HOUR, HOUR);
         drop(urgent);

@@ -51,6 +51,9 @@ impl Service {
             warn!("the leveller keeps the worker's priority: {}", std::io::Error::last_os_error());
         }
         let codec = Arc::clone(lock(&self.mm).codec());
+        // The passes whose gaps this thread has had its turn in (`PassGate::wait_turn`), kept
+        // across wake-ups: a wake-up in a gap already used waits for the next one too.
+        let mut seen = 0;
         loop {
             {
                 let (m, cv) = &self.leveller;
@@ -63,8 +66,6 @@ impl Service {
             if self.stopping.load(Ordering::SeqCst) {
                 return;
             }
-            // The passes whose gaps this thread has had a turn in (`PassGate::wait_turn`).
-            let mut seen = 0;
             loop {
                 let Some(work) = lock(&self.mm).take_level_work() else { break };
                 // A panic in an encoder (a bug) fails this chunk, not the leveller: the chunk
