@@ -32,6 +32,17 @@ use std::time::Instant;
 /// every type streamed best at 4-24 KiB alike and 3-10% slower at 0 (`matvec_rate distances`).
 pub const CANDIDATES: [usize; 7] = [0, 1024, 2048, 3072, 4096, 6144, 8192];
 
+/// How much further than the distance the block-at-once tiles ask for the same lines again,
+/// into L2 (`kernels/avx2.rs`, `prefetch_ahead`). A core keeps only so many misses to L1 in
+/// flight; lines already on their way to L2 come back from it sooner, so the L1 asks free
+/// their slots sooner and more of the stream is in flight. On the Intel Xeon guest (5 Dec
+/// 2026, `matvec_rate distances`, medians of 21 rounds) Q4_0 products at 2 KiB streamed at
+/// 0.95-0.97 of the read alone and 0.99-1.04 with the second ask 2 KiB further (3-4 KiB
+/// further alike; 1 KiB, or 6-8 KiB from 2 KiB, worse); the 1.7B shape's decode 1.04-1.08x
+/// (docs/notes/engine.md). The K-quant tiles that spread their asks over a block
+/// (`prefetch_ahead_part`) gained nothing from it and do not ask twice.
+pub const BEYOND: usize = 2048;
+
 /// Products each candidate runs in a round.
 const SAMPLES: usize = 24;
 
@@ -176,7 +187,8 @@ fn median(v: &mut [f64]) -> f64 {
 /// `LLMS_PREFETCH_AHEAD`, if it names a distance (bytes, a multiple of 64 up to 1 MiB); another
 /// value is refused with a message and the tuner runs.
 fn fixed_from_env() -> Option<usize> {
-    let v = std::env::var("LLMS_PREFETCH_AHEAD").ok()?;
+    // Set but empty (`LLMS_PREFETCH_AHEAD= llms ...`, a script's unset variable): as if unset.
+    let v = std::env::var("LLMS_PREFETCH_AHEAD").ok().filter(|v| !v.trim().is_empty())?;
     match v.trim().parse::<usize>() {
         Ok(d) if d.is_multiple_of(64) && d <= 1 << 20 => Some(d),
         _ => {

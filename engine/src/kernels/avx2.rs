@@ -31,22 +31,25 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>()))
 }
 
-/// Asks for every cache line of the block [`super::ahead::distance`] bytes past `blk`, or for
-/// nothing at distance 0 (the hardware prefetchers alone). No fault: a prefetch past the
-/// matrix's end is dropped by the CPU, and the address is only computed, never read. Decode's
-/// products stream the weights and want the lines early; prefill's 4-token tiles reuse each
-/// block and are bound by arithmetic: the prefetch neither helps nor costs them
-/// (tools/bench/ab, pp512 0.99x), so every tile asks.
+/// Asks for every cache line of the block [`super::ahead::distance`] bytes past `blk` into L1,
+/// and for the same lines [`super::ahead::BEYOND`] bytes further into L2; nothing at distance
+/// 0 (the hardware prefetchers alone). No fault: a prefetch past the matrix's end is dropped
+/// by the CPU, and the address is only computed, never read. Decode's products stream the
+/// weights and want the lines early; prefill's 4-token tiles reuse each block and are bound by
+/// arithmetic: the prefetch neither helps nor costs them (tools/bench/ab, pp512 0.99x), so
+/// every tile asks.
 #[inline(always)]
 unsafe fn prefetch_ahead<B>(blk: *const B) {
     let d = super::ahead::distance();
     if d == 0 {
         return;
     }
-    let p = blk.cast::<i8>().wrapping_add(d);
+    let near = blk.cast::<i8>().wrapping_add(d);
+    let far = near.wrapping_add(super::ahead::BEYOND);
     let mut off = 0;
     while off < std::mem::size_of::<B>() {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+        _mm_prefetch::<_MM_HINT_T0>(near.wrapping_add(off));
+        _mm_prefetch::<_MM_HINT_T1>(far.wrapping_add(off));
         off += 64;
     }
 }
