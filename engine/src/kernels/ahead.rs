@@ -40,7 +40,8 @@ pub const CANDIDATES: [usize; 7] = [0, 1024, 2048, 3072, 4096, 6144, 8192];
 /// 0.95-0.97 of the read alone and 0.99-1.04 with the second ask 2 KiB further (3-4 KiB
 /// further alike; 1 KiB, or 6-8 KiB from 2 KiB, worse); the 1.7B shape's decode 1.04-1.08x
 /// (docs/notes/engine.md). The K-quant tiles that spread their asks over a block
-/// (`prefetch_ahead_part`) gained nothing from it and do not ask twice.
+/// (`prefetch_ahead_part`) gained nothing from it; they ask twice the other way round, the
+/// L2 ask at the distance and the L1 ask this much behind it.
 pub const BEYOND: usize = 2048;
 
 /// Products each candidate runs in a round.
