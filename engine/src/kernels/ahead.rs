@@ -38,8 +38,8 @@ pub const CANDIDATES: [usize; 7] = [0, 1024, 2048, 3072, 4096, 6144, 8192];
 /// their slots sooner and more of the stream is in flight. On the Intel Xeon guest (5 Dec
 /// 2026, `matvec_rate distances`, medians of 21 rounds) Q4_0 products at 2 KiB streamed at
 /// 0.95-0.97 of the read alone and 0.99-1.04 with the second ask 2 KiB further (3-4 KiB
-/// further alike; 1 KiB, or 6-8 KiB from 2 KiB, worse); the 1.7B shape's decode 1.04-1.08x
-/// (docs/notes/engine.md). The K-quant tiles that spread their asks over a block
+/// further alike; 1 KiB, or 6-8 KiB from 2 KiB, worse); the 1.7B shape's tg128 1.10x in
+/// `tools/bench/ab` (docs/results/ab-prefetch-beyond-1.7b-q4_0.json, docs/notes/engine.md). The K-quant tiles that spread their asks over a block
 /// (`prefetch_ahead_part`) gained nothing from it; they ask twice the other way round, the
 /// L2 ask at the distance and the L1 ask this much behind it.
 pub const BEYOND: usize = 2048;

@@ -68,7 +68,7 @@ unsafe fn prefetch_ahead<B>(blk: *const B) {
 /// ask's and the L1 ask is [`super::ahead::BEYOND`] behind it. Asked the other way round (L1
 /// at the distance, L2 further) the 1.7B Q4_K_M decode gained nothing on the Intel Xeon guest
 /// (tg64 22.2-23.2 tok/s either way); this way, with the distance fixed at 4 KiB, 24.6-25.7
-/// against 22.7-23.5 with one ask at 2 KiB, and the tuner chooses 4-6 KiB (docs/notes/engine.md).
+/// against 22.7-23.5 with one ask at 2 KiB; the tuner chose 4-8 KiB (docs/notes/engine.md).
 /// At a distance under `BEYOND` the L1 ask falls on lines already read: the tuner's
 /// candidates there are the L2 ask alone.
 #[inline(always)]
