@@ -80,13 +80,15 @@ unsafe fn prefetch_ahead_part<B>(blk: *const B, i: usize, n: usize) {
     // Step `i`'s own share of the block, asked from its first byte: the same count of asks at
     // every step (a loop the compiler unrolls). The block's lines split as `lines * i / n`
     // made a loop of 2 or 3 turns by step, and cost the tile a quarter of its rate where the
-    // weights sit in L2 (Q4_K, one thread: 26-28 GB/s, 38-39 this way; Q6_K 26-28 and 36-37;
-    // from DRAM, many matrices on 2 threads, Q4_K 0.86 of the read, 0.90-0.96 this way:
-    // `matvec_rate`, Intel Xeon guest); decode, 1.7B Q4_K_M: tools/bench/ab tg128 1.05x
-    // (docs/results/ab-prefetch-share-1.7b-q4_k_m.json). No hardware counters on that guest to
-    // say whether the varying loop's exit was mispredicted. A share's last line, if partly the
-    // next share's, is asked by that share; the next block's first share asks its own.
-    let share = std::mem::size_of::<B>() / n;
+    // weights sit in L2 (Q4_K, one thread: 26-27 GB/s, 38-39 this way; Q6_K 26-29 and 37;
+    // from DRAM, many matrices on 2 threads, Q4_K 0.75-0.86 of the read, 0.90-0.96 this way,
+    // Q6_K 0.79-0.83 and 0.86-0.93: `matvec_rate`, Intel Xeon guest); decode, 1.7B Q4_K_M:
+    // tools/bench/ab tg128 1.05x (docs/results/ab-prefetch-share-1.7b-q4_k_m.json). No
+    // hardware counters on that guest to say whether the varying loop's exit was
+    // mispredicted. A share's last line, if partly the next share's, is asked by that share;
+    // rounded up, the shares reach the block's end whatever its size (Q4_K's 1184 bytes and
+    // Q6_K's 1680 split into 8 evenly: 148 and 210).
+    let share = std::mem::size_of::<B>().div_ceil(n);
     let far = blk.cast::<i8>().wrapping_add(share * i + d);
     let near = far.wrapping_sub(super::ahead::BEYOND);
     for l in 0..share.div_ceil(64) {
