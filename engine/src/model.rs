@@ -1265,9 +1265,14 @@ fn matmul_cols(
     };
     // Decode's products stream the weights from memory: their prefetch distance is tuned on
     // them (`kernels::ahead`). A prompt's tiles are bound by arithmetic and run as they are.
+    // A few tokens' (a batched step's) tile, 256-bit or pairs, is tuned on them as well
+    // (`kernels::pairs`); the matrices of one product are of one family in the models met.
     let packed: Option<usize> = ms.iter().map(|m| m.packed.as_ref().map(PackedWeight::bytes)).sum();
     match packed {
-        Some(bytes) if n <= 8 => kernels::ahead::tuned(bytes, n, product),
+        Some(bytes) if n <= 8 => {
+            let family = ms[0].packed.as_ref().and_then(PackedWeight::pair_family);
+            kernels::ahead::tuned(bytes, n, || kernels::pairs::tuned(family, bytes, n, product))
+        }
         _ => product(),
     }
 }

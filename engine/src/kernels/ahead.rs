@@ -75,9 +75,12 @@ pub struct Sample {
     kind: usize,
 }
 
-/// Rates of one round, and what the tuner does next.
+/// Rates of one round, and what the tuner does next: a choice among a few values that change
+/// a product's speed and never its result (here the distance; [`super::pairs`] the tile).
 #[derive(Debug, Clone)]
 pub struct Tuner {
+    /// The values chosen among.
+    candidates: &'static [usize],
     /// Set by `LLMS_PREFETCH_AHEAD`: never sample.
     fixed: Option<usize>,
     /// The kinds of product met this round, each with the candidate its next product goes to:
@@ -89,25 +92,34 @@ pub struct Tuner {
     /// (kind, candidate, weight bytes per second) of this round's products.
     samples: Vec<(usize, usize, f64)>,
     /// Samples this round per candidate.
-    count: [usize; CANDIDATES.len()],
+    count: Vec<usize>,
     /// Products left to run at the chosen distance before the next round (0: sampling).
     exploit_left: usize,
-    /// Index into [`CANDIDATES`] of the distance chosen by the last round.
+    /// Index into the candidates of the value chosen by the last round.
     chosen: usize,
     /// Rounds completed.
     rounds: u64,
 }
 
 impl Tuner {
-    /// A tuner that starts sampling at its first product; `fixed` pins the distance instead.
+    /// A distance tuner that starts sampling at its first product; `fixed` pins the distance
+    /// instead.
     pub fn new(fixed: Option<usize>) -> Self {
+        Self::over(&CANDIDATES, 6144, fixed)
+    }
+
+    /// A tuner among `candidates` (at least one), starting from `start` (the first candidate
+    /// if it is none of them) until its first round ends; `fixed` pins the value instead.
+    pub fn over(candidates: &'static [usize], start: usize, fixed: Option<usize>) -> Self {
+        assert!(!candidates.is_empty(), "a tuner needs a candidate");
         Self {
+            candidates,
             fixed,
             kinds: Vec::new(),
             samples: Vec::new(),
-            count: [0; CANDIDATES.len()],
+            count: vec![0; candidates.len()],
             exploit_left: 0,
-            chosen: CANDIDATES.iter().position(|&c| c == 6144).unwrap_or(0),
+            chosen: candidates.iter().position(|&c| c == start).unwrap_or(0),
             rounds: 0,
         }
     }
@@ -121,7 +133,7 @@ impl Tuner {
         }
         if self.exploit_left > 0 {
             self.exploit_left -= 1;
-            return (CANDIDATES[self.chosen], None);
+            return (self.candidates[self.chosen], None);
         }
         let k = match self.kinds.iter().position(|&(key, _)| key == kind) {
             Some(k) => k,
@@ -129,11 +141,11 @@ impl Tuner {
                 self.kinds.push((kind, 0));
                 self.kinds.len() - 1
             }
-            None => return (CANDIDATES[self.chosen], None),
+            None => return (self.candidates[self.chosen], None),
         };
         let c = self.kinds[k].1;
-        self.kinds[k].1 = (c + 1) % CANDIDATES.len();
-        (CANDIDATES[c], Some(Sample { candidate: c, kind: k }))
+        self.kinds[k].1 = (c + 1) % self.candidates.len();
+        (self.candidates[c], Some(Sample { candidate: c, kind: k }))
     }
 
     /// A sampled product read `bytes` in `secs`. Once every candidate has `SAMPLES` the round
@@ -153,7 +165,7 @@ impl Tuner {
         }
         let kind_median: Vec<f64> =
             (0..self.kinds.len()).map(|k| median(&mut self.samples.iter().filter(|x| x.0 == k).map(|x| x.2).collect::<Vec<_>>())).collect();
-        let score: Vec<f64> = (0..CANDIDATES.len())
+        let score: Vec<f64> = (0..self.candidates.len())
             .map(|c| median(&mut self.samples.iter().filter(|x| x.1 == c).map(|x| x.2 / kind_median[x.0]).collect::<Vec<_>>()))
             .collect();
         let mut best = self.chosen;
@@ -165,14 +177,24 @@ impl Tuner {
         self.chosen = best;
         self.kinds.clear();
         self.samples.clear();
-        self.count = [0; CANDIDATES.len()];
-        self.exploit_left = SAMPLES * CANDIDATES.len() * EXPLOIT_PER_SAMPLE;
+        self.count.iter_mut().for_each(|n| *n = 0);
+        self.exploit_left = SAMPLES * self.candidates.len() * EXPLOIT_PER_SAMPLE;
         self.rounds += 1;
     }
 
-    /// The distance chosen by the last round (or fixed), and the rounds run so far.
+    /// The value chosen by the last round (or fixed), and the rounds run so far.
     pub fn chosen(&self) -> (usize, u64) {
-        (self.fixed.unwrap_or(CANDIDATES[self.chosen]), self.rounds)
+        (self.fixed.unwrap_or(self.candidates[self.chosen]), self.rounds)
+    }
+
+    /// Whether the value is pinned (never sampled).
+    pub fn is_fixed(&self) -> bool {
+        self.fixed.is_some()
+    }
+
+    /// Whether the last sample ended a round and the chosen value runs unsampled now.
+    pub fn exploiting(&self) -> bool {
+        self.exploit_left > 0
     }
 }
 

@@ -303,19 +303,6 @@ macro_rules! each_pair_tile {
     }};
 }
 
-/// The fewest tokens a product takes two groups at a time for (the pair tiles; fewer go through
-/// the 256-bit tile, one group's stream at a time: the same bits either way). A product of a few
-/// tokens is still bound by memory, and a pair tile reads two groups' streams a thread, which
-/// the weights' stream from DRAM pays for. Decoding contexts together at the 1.7B shape, a step
-/// (ms, two alternating rounds) on pair tiles against the 256-bit one: Q4_K_M 2 contexts 54-61
-/// against 34-39, 4 contexts 69-91 against 37-55 (on pairs, 2 contexts together had cost more
-/// than one after the other); Q4_0 2 contexts 32-38 against 28-30, 4 contexts 46-50 against
-/// 37-41; at 8 pairs were level (Q4_K_M) or faster (Q4_0: 56-57 against 65-66), and faster at
-/// 16 and 32. The default model's 2-context step 0.875x and its 4-context step 1.00x (medians
-/// of 8 pairs), Gemma 3 270M's 0.97x and 0.94x (`llms bench-batch`, hand runs,
-/// docs/notes/engine.md).
-const PAIRS_FROM: usize = 5;
-
 /// A K tile over activations of this many rows or fewer streams its weights (a decode
 /// step's), and asks ahead a sub-block's share at a time ([`prefetch_ahead_part`]); over more
 /// (a prompt's), its blocks come again from the caches for every tile of tokens, and the asks
@@ -324,7 +311,7 @@ const PAIRS_FROM: usize = 5;
 const SPREAD_ROWS: usize = 8;
 
 /// The VNNI kernel set's packed products. Where a CPU with VNNI has 512-bit vectors, Q4_0's,
-/// Q4_1's and Q8_0's groups go two at a time for [`PAIRS_FROM`] tokens or more: group `g`'s 8
+/// Q4_1's and Q8_0's groups go two at a time for [`super::pairs::FROM`] tokens or more: group `g`'s 8
 /// rows in the low half of each vector and `g + 1`'s in the high half, against the same
 /// broadcast activations. Every lane does the 256-bit kernel's integer and float operations in
 /// the same order, so the bits are the same; the instructions per row halve, which prefill
@@ -332,13 +319,16 @@ const SPREAD_ROWS: usize = 8;
 /// width: pp512 1.50x at the 1.7B shape in Q4_0 and 1.36x in Q4_K_M on a Zen 5 host
 /// (`tools/bench/ab`). Fewer tokens (decode, one context or a few together) are bound by
 /// memory, and two streams a thread read it slower than one (tg128 0.79x in Q4_K_M; batched
-/// steps: [`PAIRS_FROM`]): they stay on the 256-bit tile.
+/// steps: [`super::pairs::FROM`]): they stay on the 256-bit tile.
 ///
 /// # Safety
 /// Needs AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW; and AVX512F for the pairs ([`crate::simd`]).
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn matmul_packed_vnni(w: &PackedWeight, a: &Q8Acts, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    if !(matches!(w.data, Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_)) && a.rows >= PAIRS_FROM && crate::simd::has_zmm()) {
+    if !(matches!(w.data, Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_))
+        && super::pairs::pairs(super::pairs::Family::Legacy, a.rows)
+        && crate::simd::has_zmm())
+    {
         return matmul_packed_vnni256(w, a, out, ldo, g0, g1);
     }
     each_pair_tile!(pair_tile, matmul_packed_vnni256, w, a, out, ldo, g0, g1);
@@ -833,13 +823,16 @@ packed_k_kernels!(
 );
 
 /// The VNNI set's K-quant products: Q4_K's and Q6_K's groups in pairs on 512-bit vectors for
-/// [`PAIRS_FROM`] tokens or more, as Q4_0's ([`matmul_packed_vnni`]); Q5_K as it was.
+/// [`super::pairs::FROM`] tokens or more, as Q4_0's ([`matmul_packed_vnni`]); Q5_K as it was.
 ///
 /// # Safety
 /// As [`matmul_packed_vnni`].
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn matmul_packed_k_vnni(w: &PackedWeight, a: &Q8KActs, out: OutPtr, ldo: usize, g0: usize, g1: usize) {
-    if !(matches!(w.data, Packed::Q4K(_) | Packed::Q6K(_)) && a.rows >= PAIRS_FROM && crate::simd::has_zmm()) {
+    if !(matches!(w.data, Packed::Q4K(_) | Packed::Q6K(_))
+        && super::pairs::pairs(super::pairs::Family::K, a.rows)
+        && crate::simd::has_zmm())
+    {
         return matmul_packed_k_vnni256(w, a, out, ldo, g0, g1);
     }
     each_pair_tile!(k_pair_tile, matmul_packed_k_vnni256, w, a, out, ldo, g0, g1);

@@ -961,6 +961,7 @@ pub fn split_k_params<'a>(blk: &'a [u8], t_cap: usize, hd: usize, zero: &mut [f3
 
 pub mod ahead;
 pub mod colmajor;
+pub mod pairs;
 
 /// A Q4/Q2 head block decoded into an int8 one, as [`crate::kv::decode_block_to_int8`] does it
 /// (the same bytes), 32 channels at a time where the CPU has AVX2.

@@ -350,6 +350,17 @@ impl BenchBatchArgs {
             let (r1, s1) = base.unwrap_or((rate, step));
             println!("{b:>5} {rate:>12.1} {step:>10.2} {:>8.2} {:>10.2}", rate / r1, step / s1);
         }
+        let (legacy, k, fixed) = ::engine::kernels::pairs::report();
+        if ::engine::simd::has_zmm() {
+            let list = |v: &[usize]| if v.is_empty() { "none".to_string() } else { format!("{v:?}") };
+            let how = if fixed { "fixed by LLMS_PAIRS_FROM" } else { "tuned" };
+            println!(
+                "pair tiles below {} contexts ({how}): Q4_0/Q4_1/Q8_0 at {}, Q4_K/Q6_K at {}",
+                ::engine::kernels::pairs::FROM,
+                list(&legacy),
+                list(&k)
+            );
+        }
         for (text, _) in &reports {
             print!("{text}");
         }
