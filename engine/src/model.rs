@@ -1270,7 +1270,7 @@ fn matmul_cols(
     let packed: Option<usize> = ms.iter().map(|m| m.packed.as_ref().map(PackedWeight::bytes)).sum();
     match packed {
         Some(bytes) if n <= 8 => {
-            let family = ms[0].packed.as_ref().and_then(PackedWeight::pair_family);
+            let family = ms[0].packed.as_ref().and_then(kernels::pairs::Family::of);
             kernels::ahead::tuned(bytes, n, || kernels::pairs::tuned(family, bytes, n, product))
         }
         _ => product(),

@@ -258,15 +258,6 @@ impl PackedWeight {
     pub fn is_k_quant(&self) -> bool {
         matches!(self.data, Packed::Q4K(_) | Packed::Q5K(_) | Packed::Q6K(_))
     }
-    /// The family of pair tiles the type has on 512-bit vectors (`kernels::pairs`), if any.
-    pub fn pair_family(&self) -> Option<crate::kernels::pairs::Family> {
-        use crate::kernels::pairs::Family;
-        match self.data {
-            Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_) => Some(Family::Legacy),
-            Packed::Q4K(_) | Packed::Q6K(_) => Some(Family::K),
-            _ => None,
-        }
-    }
     /// Blocks per row: of 32 columns, or of 256 for the K-quants.
     pub fn blocks_per_row(&self) -> usize {
         self.cols / if self.is_k_quant() { QK_K } else { QK }

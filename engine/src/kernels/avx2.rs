@@ -318,8 +318,9 @@ const SPREAD_ROWS: usize = 8;
 /// (bound by them, not by memory) gains from where the CPU executes 512-bit vectors at full
 /// width: pp512 1.50x at the 1.7B shape in Q4_0 and 1.36x in Q4_K_M on a Zen 5 host
 /// (`tools/bench/ab`). Fewer tokens (decode, one context or a few together) are bound by
-/// memory, and two streams a thread read it slower than one (tg128 0.79x in Q4_K_M; batched
-/// steps: [`super::pairs::FROM`]): they stay on the 256-bit tile.
+/// memory, and two streams a thread read it slower than one on some hosts (tg128 0.79x in
+/// Q4_K_M on the Zen 5 host): one token stays on the 256-bit tile, and 2-4 take the tile the
+/// host's tuner chose ([`super::pairs`]).
 ///
 /// # Safety
 /// Needs AVX2, FMA, F16C, AVX512-VNNI, -VL and -BW; and AVX512F for the pairs ([`crate::simd`]).
@@ -823,7 +824,7 @@ packed_k_kernels!(
 );
 
 /// The VNNI set's K-quant products: Q4_K's and Q6_K's groups in pairs on 512-bit vectors for
-/// [`super::pairs::FROM`] tokens or more, as Q4_0's ([`matmul_packed_vnni`]); Q5_K as it was.
+/// [`super::pairs::FROM`] tokens or more (and 2-4 where the host's tuner chose them), as Q4_0's ([`matmul_packed_vnni`]); Q5_K as it was.
 ///
 /// # Safety
 /// As [`matmul_packed_vnni`].

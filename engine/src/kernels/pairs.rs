@@ -30,6 +30,7 @@ use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::Instant;
 
 use super::ahead::{Tuner, MIN_BYTES};
+use crate::repack::{Packed, PackedWeight};
 
 /// The fewest tokens a product always takes two groups at a time for.
 pub const FROM: usize = 5;
@@ -40,6 +41,17 @@ pub const FROM: usize = 5;
 pub enum Family {
     Legacy = 0,
     K = 1,
+}
+
+impl Family {
+    /// The family of pair tiles `w`'s type has on 512-bit vectors, if any.
+    pub fn of(w: &PackedWeight) -> Option<Self> {
+        match w.data {
+            Packed::Q4S(_) | Packed::Q4(_) | Packed::Q8(_) => Some(Self::Legacy),
+            Packed::Q4K(_) | Packed::Q6K(_) => Some(Self::K),
+            _ => None,
+        }
+    }
 }
 
 /// Token counts below [`FROM`] whose tile is chosen, per family: bit `family * 8 + tokens` set
@@ -149,7 +161,6 @@ mod tests {
     use super::*;
     use crate::kernels::{matmul_packed, Acts, OutPtr};
     use crate::quant::GgmlType;
-    use crate::repack::PackedWeight;
     use crate::ThreadPool;
 
     /// The tests here change the process's choice: one at a time.
