@@ -210,12 +210,18 @@ fn median(v: &mut [f64]) -> f64 {
 /// `LLMS_PREFETCH_AHEAD`, if it names a distance (bytes, a multiple of 64 up to 1 MiB); another
 /// value is refused with a message and the tuner runs.
 fn fixed_from_env() -> Option<usize> {
-    // Set but empty (`LLMS_PREFETCH_AHEAD= llms ...`, a script's unset variable): as if unset.
-    let v = std::env::var("LLMS_PREFETCH_AHEAD").ok().filter(|v| !v.trim().is_empty())?;
+    fixed_setting("LLMS_PREFETCH_AHEAD", |d| d.is_multiple_of(64) && d <= 1 << 20, "a multiple of 64 bytes up to 1048576", "the distance")
+}
+
+/// The value of the environment setting `var` that fixes a tuner's choice, if it is a count
+/// `ok` accepts; another value is refused with a message naming `what` it must be, and `tuned`
+/// is tuned instead. Set but empty (`VAR= llms ...`, a script's unset variable): as if unset.
+pub(super) fn fixed_setting(var: &str, ok: impl Fn(usize) -> bool, what: &str, tuned: &str) -> Option<usize> {
+    let v = std::env::var(var).ok().filter(|v| !v.trim().is_empty())?;
     match v.trim().parse::<usize>() {
-        Ok(d) if d.is_multiple_of(64) && d <= 1 << 20 => Some(d),
+        Ok(n) if ok(n) => Some(n),
         _ => {
-            eprintln!("LLMS_PREFETCH_AHEAD={v:?} is not a multiple of 64 bytes up to 1048576; the distance is tuned instead");
+            eprintln!("{var}={v:?} is not {what}; {tuned} is tuned instead");
             None
         }
     }

@@ -14,9 +14,9 @@
 //! 0.94x (`llms bench-batch`, hand runs, docs/notes/engine.md). On the Intel Xeon guest (5 Dec
 //! 2026, `matvec_rate rows`, a product from DRAM as a multiple of one token's) pairs took
 //! Q4_1's 2, 3 and 4 tokens to 1.08, 1.27-1.30 and 1.51-1.52x from 1.20, 1.53-1.57 and
-//! 1.84-1.87x; Q4_K's 3 and 4 to 1.44 and 1.65x of the 256-bit tile's one token from 1.71 and
-//! 2.05x, where its 2 tokens lost (1.37 against 1.26x); Q6_K was level at 3 and 4 and lost at
-//! 2. So for 2 to 4 tokens the choice is made while decoding, as the prefetch distance is
+//! 1.84-1.87x (one token took the same on both); as multiples of the 256-bit tile's one token,
+//! Q4_K's 3 and 4 to 1.63 and 1.87x from 1.71 and 2.05x, where its 1 and 2 tokens lost (1.13
+//! and 1.37x against 1 and 1.26x); Q6_K was level at 3 and 4 and lost at 1 and 2. So for 2 to 4 tokens the choice is made while decoding, as the prefetch distance is
 //! ([`super::ahead`], the same tuner): for each family of types and count of tokens, rounds of
 //! products dealt alternately to the two tiles, and the faster kept until the next round. From
 //! [`FROM`] tokens the pairs always won; one token never gained on either host and stays on the
@@ -64,10 +64,13 @@ const CHOICES: [usize; 2] = [0, 1];
 /// Whether a product of `family`'s groups against `tokens` tokens takes them in pairs.
 #[inline(always)]
 pub(crate) fn pairs(family: Family, tokens: usize) -> bool {
-    // The tuners set the bits as they are made (`LLMS_PAIRS_FROM` pins them): made by the first
-    // product that asks, tuned or not (an atomic load once made).
-    LazyLock::force(&TUNERS);
-    tokens >= FROM || (PAIRS.load(Ordering::Relaxed) >> bit(family, tokens)) & 1 != 0
+    // A prompt's products (many tokens) look no further. The tuners set the bits as they are
+    // made (`LLMS_PAIRS_FROM` pins them): made by the first product of a few tokens that asks,
+    // tuned or not (an atomic load once made).
+    tokens >= FROM || {
+        LazyLock::force(&TUNERS);
+        (PAIRS.load(Ordering::Relaxed) >> bit(family, tokens)) & 1 != 0
+    }
 }
 
 /// The bit of `tokens` (below [`FROM`]) in [`PAIRS`].
@@ -87,14 +90,7 @@ fn set(family: Family, tokens: usize, on: bool) {
 /// `LLMS_PAIRS_FROM`, if it names a count from 1 to [`FROM`]; another value is refused with a
 /// message and the tuner runs.
 fn fixed_from_env() -> Option<usize> {
-    let v = std::env::var("LLMS_PAIRS_FROM").ok().filter(|v| !v.trim().is_empty())?;
-    match v.trim().parse::<usize>() {
-        Ok(n) if (1..=FROM).contains(&n) => Some(n),
-        _ => {
-            eprintln!("LLMS_PAIRS_FROM={v:?} is not a count of tokens from 1 to {FROM}; the tile is tuned instead");
-            None
-        }
-    }
+    super::ahead::fixed_setting("LLMS_PAIRS_FROM", |n| (1..=FROM).contains(&n), "a count of tokens from 1 to 5", "the tile")
 }
 
 /// One tuner for each family and count of tokens from 2 to [`FROM`] - 1 (index
