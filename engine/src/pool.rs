@@ -16,6 +16,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crossbeam_utils::CachePadded;
+
 type Job<'a> = dyn Fn(usize) + Sync + 'a;
 
 /// Points at a job on the caller's stack; valid while the caller waits in `run`.
@@ -302,11 +304,12 @@ impl ThreadPool {
         } else {
             // What the workers read at every claim (the counters' places, the task, the lent
             // mark) sits on cache lines of its own: on this stack beside the slots the
-            // caller's own claim loop writes, every worker's claim missed. 1.7B Q4_K_M tg
-            // 0.94x when a caller's change moved the frames (`tools/bench/ab`; the kernels'
-            // code the same byte for byte), and 1.00x again with this line.
-            let shared = Line((Runs::new(n, chunk, parts.clamp(1, self.n)), task, &self.shared.lent_from));
-            let (runs, task, lent) = &shared.0;
+            // caller's own claim loop writes, every worker's claim missed. A caller's change
+            // that moved the frames (the kernels' code the same byte for byte) made 1.7B
+            // Q4_K_M decode 0.94x; padded, tg128 1.075x that build's
+            // (docs/results/ab-pool-line-1.7b-q4_k_m.json).
+            let shared = CachePadded::new((Runs::new(n, chunk, parts.clamp(1, self.n)), task, &self.shared.lent_from));
+            let (runs, task, lent) = &*shared;
             self.run(&|idx| {
                 let (own, mut from) = (runs.own(idx), 0);
                 // (The caller, participant 0, is never lent.)
@@ -346,30 +349,25 @@ impl ThreadPool {
     }
 }
 
-/// A claim counter on a cache line of its own: each thread of [`ThreadPool::for_runs`] bumps
-/// its own, and sharing a line would make every claim a transfer between cores. Beside it, where
-/// its run ends (computed once: two divisions a claim were a tenth of a claim's cost, and a
-/// 16-token prompt piece makes thousands of claims a pass).
-#[repr(align(128))]
+/// A claim counter, kept on a cache line of its own ([`CachePadded`] in [`Runs`]): each thread
+/// of [`ThreadPool::for_runs`] bumps its own, and sharing a line would make every claim a
+/// transfer between cores. Beside it, where its run ends (computed once: two divisions a claim
+/// were a tenth of a claim's cost, and a 16-token prompt piece makes thousands of claims a pass).
 struct Cursor {
     next: AtomicUsize,
     end: usize,
 }
 
-/// A value on cache lines of its own (128 bytes: the line and the pair the spatial
-/// prefetcher fetches with it).
-#[repr(align(128))]
-struct Line<T>(T);
-
 /// `0..n` cut into `parts` runs with a claim counter each (see [`ThreadPool::chunks`]).
 struct Runs {
     chunk: usize,
-    cursors: Vec<Cursor>,
+    cursors: Vec<CachePadded<Cursor>>,
 }
 
 impl Runs {
     fn new(n: usize, chunk: usize, parts: usize) -> Self {
-        let cursors = (0..parts).map(|i| Cursor { next: AtomicUsize::new(i * n / parts), end: (i + 1) * n / parts }).collect();
+        let cursors =
+            (0..parts).map(|i| CachePadded::new(Cursor { next: AtomicUsize::new(i * n / parts), end: (i + 1) * n / parts })).collect();
         Self { chunk, cursors }
     }
 
