@@ -304,17 +304,23 @@ enum Outcome {
 
 /// `prefill_lane`: the threads split in two while a prompt joins calls that decode, and
 /// what the worker and the lane's thread share.
+///
+/// The decoding calls' passes beside the lane run on the service's pool with the lane's
+/// share of its workers lent ([`ThreadPool::lend`]), not on a pool of their own: the lane's
+/// thread gives them back as its pass ends, so the worker's pass in flight takes the whole
+/// machine again from its next operation. On a pool of its own (as until 2026-12-06) that
+/// pass ran its rest on one thread beside an idle core, and the call back from the lane
+/// waited for it and then a whole step for its second token: the longest gaps of 4 clients'
+/// streams (docs/notes/llmsd.md, "The lane's call back in the batch").
 pub(super) struct Lanes {
-    /// The decoding calls' share of the threads, for the worker's passes beside the lane.
-    pub(super) decode: Arc<ThreadPool>,
-    /// The prompt's share, the lane's own.
+    /// The prompt's share of the threads, the lane's own.
     pub(super) prompt: Arc<ThreadPool>,
     gate: LaneGate,
 }
 
 impl Lanes {
-    pub(super) fn new(decode: Arc<ThreadPool>, prompt: Arc<ThreadPool>) -> Self {
-        Self { decode, prompt, gate: LaneGate::default() }
+    pub(super) fn new(prompt: Arc<ThreadPool>) -> Self {
+        Self { prompt, gate: LaneGate::default() }
     }
 }
 
@@ -1286,11 +1292,8 @@ impl Service {
                 // Marked for mm's AoT writer while it runs (cleared on unwind too).
                 let _pass = self.passes.as_deref().map(mm::gate::PassGate::pass);
                 catch_unwind(AssertUnwindSafe(|| {
-                    // Beside the lane's pass, on the other share of the threads.
-                    let r = match lane.as_ref().filter(|_| lane_busy) {
-                        Some(l) => Session::step_batch_on(&l.lanes.decode, &mut sessions, &refs, scratch),
-                        None => Session::step_batch(&mut sessions, &refs, scratch),
-                    };
+                    // (Beside the lane's pass the pool has lent it the lane's share: `Lanes`.)
+                    let r = Session::step_batch(&mut sessions, &refs, scratch);
                     injected_fault(&refs);
                     r.map(<[f32]>::len)
                 }))
@@ -1387,8 +1390,8 @@ impl Service {
         };
         let a = active.remove(i);
         lane.busy = Some((a.ctx.clone(), a.reserved));
-        // The pool of all threads parks its idle workers: the two passes take the cores.
-        self.pool.rest();
+        // The lane's share of the cores, until its thread gives them back as its pass ends.
+        self.pool.lend(lane.lanes.prompt.threads());
         lane.lanes.gate.send(LaneJob { a, piece });
     }
 

@@ -249,13 +249,8 @@ impl Service {
         // Its threads and the worker's take long CPU slices: the threads that stream tokens (and
         // the apps waiting for them) preempt the passes when they wake (crate::sched).
         let pool = Arc::new(ThreadPool::with_start(threads, crate::sched::long_slice_or_warn));
-        let lanes = (cfg.prefill_lane && threads >= 2).then(|| {
-            let prompt = threads / 2;
-            call::Lanes::new(
-                Arc::new(ThreadPool::with_start(threads - prompt, crate::sched::long_slice_or_warn)),
-                Arc::new(ThreadPool::with_start(prompt, crate::sched::long_slice_or_warn)),
-            )
-        });
+        let lanes = (cfg.prefill_lane && threads >= 2)
+            .then(|| call::Lanes::new(Arc::new(ThreadPool::with_start(threads / 2, crate::sched::long_slice_or_warn))));
         // A base model (no template, no ChatML tokens) serves raw completions; a template
         // llmsd cannot continue is still an error at start.
         let turns = match Turns::new(&model) {
