@@ -72,10 +72,77 @@ pub struct WorkerTime {
     pub step_ms_p50: f64,
     pub step_ms_p99: f64,
     pub slowest: Vec<llmsd::service::StepTrace>,
+    /// From the end of the pass that made a token to its client's receipt (every token but
+    /// a call's first, which a call on the prefill lane takes there), ms.
+    pub delivery_ms_p50: f64,
+    pub delivery_ms_p99: f64,
+    /// The longest gaps the clients saw, each beside the steps that made it.
+    pub slowest_gaps: Vec<Gap>,
+}
+
+/// A gap in a call's stream as its client saw it, set beside the worker's steps: which
+/// step's pass made the later token, how many passes ended inside the gap, and the token's
+/// way from that pass to the client.
+#[derive(Debug, Clone, Serialize)]
+pub struct Gap {
+    pub ms: f64,
+    pub client: usize,
+    pub call: usize,
+    /// The later token's place in the call's stream (1: the gap after its first token).
+    pub token: usize,
+    /// The call's prompt ran on the prefill lane, where its first token was sampled.
+    pub lane: bool,
+    /// Worker passes that ended inside the gap (1: the gap is one step).
+    pub passes: usize,
+    /// The step whose pass made the later token (the last pass to end before it arrived).
+    pub step: Option<llmsd::service::StepTrace>,
+    /// From that pass's end to the client's receipt, ms.
+    pub delivery_ms: f64,
+}
+
+/// One call's tokens as its client received them, ms from the trace's start (`--trace`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CallTokens {
+    pub client: usize,
+    pub call: usize,
+    pub lane: bool,
+    pub at_ms: Vec<f64>,
+}
+
+/// When a step's pass ended, ms from the trace's start.
+fn pass_end(s: &llmsd::service::StepTrace) -> f64 {
+    s.at_ms + s.admit_ms + s.prep_ms + s.pass_ms
+}
+
+/// Every gap of every call beside the steps (`steps` in the order they ran, so their pass
+/// ends increase), and each token's delivery time.
+fn gaps_beside(steps: &[llmsd::service::StepTrace], calls: &[CallTokens]) -> (Vec<Gap>, Vec<f64>) {
+    let ends: Vec<f64> = steps.iter().map(pass_end).collect();
+    let (mut gaps, mut delivery) = (Vec::new(), Vec::new());
+    for c in calls {
+        for (k, w) in c.at_ms.windows(2).enumerate() {
+            // Passes that ended after the earlier token arrived and before the later one.
+            let (lo, hi) = (ends.partition_point(|&e| e <= w[0]), ends.partition_point(|&e| e <= w[1]));
+            let step = hi.checked_sub(1).map(|i| steps[i]);
+            let delivery_ms = step.map_or(0.0, |s| w[1] - pass_end(&s));
+            delivery.push(delivery_ms);
+            gaps.push(Gap {
+                ms: w[1] - w[0],
+                client: c.client,
+                call: c.call,
+                token: k + 1,
+                lane: c.lane,
+                passes: hi.saturating_sub(lo),
+                step,
+                delivery_ms,
+            });
+        }
+    }
+    (gaps, delivery)
 }
 
 impl WorkerTime {
-    fn of(steps: &[llmsd::service::StepTrace]) -> Self {
+    fn of(steps: &[llmsd::service::StepTrace], calls: &[CallTokens]) -> Self {
         let decoding: Vec<_> = steps.iter().filter(|s| s.decode_rows > 0).copied().collect();
         let total = |f: fn(&llmsd::service::StepTrace) -> f64| decoding.iter().map(f).sum();
         let len = |s: &llmsd::service::StepTrace| s.admit_ms + s.prep_ms + s.pass_ms + s.sample_ms + s.finish_ms;
@@ -83,6 +150,9 @@ impl WorkerTime {
         let mut slowest = decoding.clone();
         slowest.sort_by(|a, b| len(b).total_cmp(&len(a)));
         slowest.truncate(5);
+        let (mut gaps, mut delivery) = gaps_beside(steps, calls);
+        gaps.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        gaps.truncate(5);
         Self {
             steps: decoding.len(),
             admit_ms: total(|s| s.admit_ms),
@@ -93,6 +163,9 @@ impl WorkerTime {
             step_ms_p50: percentile(&mut lens, 0.5),
             step_ms_p99: percentile(&mut lens, 0.99),
             slowest,
+            delivery_ms_p50: percentile(&mut delivery, 0.5),
+            delivery_ms_p99: percentile(&mut delivery, 0.99),
+            slowest_gaps: gaps,
         }
     }
 }
@@ -148,30 +221,32 @@ pub fn run(
             (Some(l), s)
         }
     };
-    if let Some(l) = &local {
-        l.svc.set_trace(trace.is_some());
-    }
-    let r = drive(prompts, long, load, &sock);
+    let since = local.as_ref().and_then(|l| l.svc.set_trace(trace.is_some()));
+    let r = drive(prompts, long, load, &sock, since);
     let steps = local.as_ref().map(|l| l.svc.take_trace()).unwrap_or_default();
     if let Some(l) = local {
         l.stop()?;
     }
-    let mut r = r?;
+    let (mut r, calls) = r?;
     if let Some(path) = trace {
         if socket.is_some() {
             bail!("--trace needs the service in process (not --socket)");
         }
-        std::fs::write(path, serde_json::to_string(&steps)?).with_context(|| format!("writing {}", path.display()))?;
-        r.worker = Some(WorkerTime::of(&steps));
+        let file = serde_json::json!({ "steps": steps, "tokens": calls });
+        std::fs::write(path, serde_json::to_string(&file)?).with_context(|| format!("writing {}", path.display()))?;
+        r.worker = Some(WorkerTime::of(&steps, &calls));
     }
     r.max_batch = if socket.is_some() { 0 } else { base.max_batch };
     Ok(r)
 }
 
-/// Per call: time to first token, the gaps between tokens, tokens, the most calls in a pass.
-type CallFigures = (f64, Vec<f64>, u64, u32);
+/// Per call: time to first token, the gaps between tokens, tokens, the most calls in a pass,
+/// and its tokens against the trace's clock (with `since`).
+type CallFigures = (f64, Vec<f64>, u64, u32, Option<CallTokens>);
 
-fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Result<Report> {
+/// `since`: the instant the worker's trace counts from (`--trace`): the clients then stamp
+/// each token against it too.
+fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path, since: Option<Instant>) -> Result<(Report, Vec<CallTokens>)> {
     let Load { clients, max_tokens, long_prefill, .. } = load;
     let start = Arc::new(Barrier::new(clients + 1 + usize::from(long_prefill > 0)));
     let done = Arc::new(AtomicBool::new(false));
@@ -184,14 +259,20 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
             let ctx = cl.new_ctx(None)?;
             start.wait();
             let mut out = Vec::new();
-            for p in prompts {
+            for (k, p) in prompts.into_iter().enumerate() {
                 let call = call(&ctx, p, max_tokens);
                 let t0 = Instant::now();
-                let mut stamps = Vec::new();
-                let (_, st) = cl.call(&call, &mut |_| stamps.push(t0.elapsed().as_secs_f64() * 1e3))?;
+                let (mut stamps, mut traced) = (Vec::new(), Vec::new());
+                let (_, st) = cl.call(&call, &mut |_| {
+                    stamps.push(t0.elapsed().as_secs_f64() * 1e3);
+                    if let Some(s) = since {
+                        traced.push(s.elapsed().as_secs_f64() * 1e3);
+                    }
+                })?;
                 let Some(&first) = stamps.first() else { continue };
                 let gaps = stamps.windows(2).map(|w| w[1] - w[0]).collect();
-                out.push((first, gaps, u64::from(st.output_tokens), st.batch_max));
+                let tokens = since.map(|_| CallTokens { client: c, call: k, lane: st.lane_tokens > 0, at_ms: traced });
+                out.push((first, gaps, u64::from(st.output_tokens), st.batch_max, tokens));
             }
             let _ = cl.del_ctx(&ctx);
             Ok(out)
@@ -234,8 +315,9 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
     let mut ttft: Vec<f64> = figures.iter().map(|f| f.0).collect();
     let mut itl: Vec<f64> = figures.iter().flat_map(|f| f.1.iter().copied()).collect();
     let output_tokens: u64 = figures.iter().map(|f| f.2).sum();
+    let calls = figures.iter_mut().filter_map(|f| f.4.take()).collect();
     #[allow(clippy::cast_precision_loss)]
-    Ok(Report {
+    let report = Report {
         load,
         max_batch: 0,
         aggregate_tok_s: output_tokens as f64 / seconds,
@@ -248,7 +330,8 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path) -> Re
         long_prefill_calls,
         seconds,
         worker: None,
-    })
+    };
+    Ok((report, calls))
 }
 
 /// The mean depth, over `calls` calls that continue one context, at which a call's prompt is
@@ -456,7 +539,32 @@ pub fn batch_prefill(
 
 #[cfg(test)]
 mod tests {
-    use super::{call_depths, check_tokens, text_of_length};
+    use super::{call_depths, check_tokens, gaps_beside, text_of_length, CallTokens};
+    use llmsd::service::StepTrace;
+
+    #[test]
+    fn each_gap_is_set_beside_the_passes_that_ended_in_it() {
+        // Passes ending at 10, 20 (a call back from the lane) and 30 ms.
+        let step = |at_ms: f64, lane_ms: f64| StepTrace { at_ms, prep_ms: 1.0, pass_ms: 9.0, lane_ms, ..StepTrace::default() };
+        let steps = [step(0.0, 0.0), step(10.0, 40.0), step(20.0, 0.0)];
+        // A lane call's first token at 15 ms (sampled on the lane), the next two after the
+        // passes ending at 20 and 30; a second call's token before any pass ended.
+        let calls = [
+            CallTokens { client: 1, call: 2, lane: true, at_ms: vec![15.0, 20.5, 30.25] },
+            CallTokens { client: 0, call: 0, lane: false, at_ms: vec![1.0, 2.0] },
+        ];
+        let (gaps, delivery) = gaps_beside(&steps, &calls);
+        assert_eq!(gaps.len(), 3);
+        let g = &gaps[0];
+        assert_eq!((g.client, g.call, g.token, g.lane, g.passes), (1, 2, 1, true, 1));
+        assert!((g.ms - 5.5).abs() < 1e-9 && (g.delivery_ms - 0.5).abs() < 1e-9, "{g:?}");
+        assert_eq!(g.step.map(|s| s.lane_ms), Some(40.0), "made by the pass ending at 20 ms");
+        assert_eq!((gaps[1].token, gaps[1].passes), (2, 1));
+        assert!((gaps[1].delivery_ms - 0.25).abs() < 1e-9);
+        // No pass had ended: no step, and a gap spanning none.
+        assert!(gaps[2].step.is_none() && gaps[2].passes == 0, "{:?}", gaps[2]);
+        assert_eq!(delivery.len(), 3);
+    }
 
     #[test]
     fn call_depths_follow_a_context_through_its_calls() {

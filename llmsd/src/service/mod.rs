@@ -329,9 +329,12 @@ impl Service {
     }
 
     /// Starts (or stops) recording what the worker does in each step (`llms bench-serve
-    /// --trace`): what held the running calls' tokens.
-    pub fn set_trace(&self, on: bool) {
-        *lock(&self.trace) = on.then(|| call::Trace { since: std::time::Instant::now(), steps: Vec::new() });
+    /// --trace`): what held the running calls' tokens. Returns the instant the steps' `at_ms`
+    /// count from, for setting what clients saw beside them.
+    pub fn set_trace(&self, on: bool) -> Option<std::time::Instant> {
+        let since = std::time::Instant::now();
+        *lock(&self.trace) = on.then(|| call::Trace { since, steps: Vec::new() });
+        on.then_some(since)
     }
 
     /// The steps recorded since tracing was switched on (tracing goes on).

@@ -420,8 +420,10 @@ pub struct BenchServeArgs {
     /// An llmsd to run against instead of one started in process.
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Record the worker's steps (starting calls, the pass, ending calls) and write them to
-    /// this JSON file; the report adds where the worker's time went and its slowest steps.
+    /// Record the worker's steps (starting calls, the pass, ending calls) and the tokens as the
+    /// clients received them, and write both to this JSON file; the report adds where the
+    /// worker's time went, its slowest steps, and the clients' longest gaps beside the steps
+    /// that made them.
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// With --json: run the whole measurement this many times (a fresh service each) and
@@ -637,6 +639,33 @@ impl BenchServeArgs {
                     s.sample_ms,
                     s.ended,
                     s.finish_ms
+                );
+            }
+            println!(
+                "  the clients' longest gaps (a token's way from its pass to its client: p50 {:.2} p99 {:.2} ms):",
+                w.delivery_ms_p50, w.delivery_ms_p99
+            );
+            for g in &w.slowest_gaps {
+                let made = g.step.map_or_else(String::new, |s| {
+                    format!(
+                        ", made by a pass of {} decoding + {} prompt tokens {:.1} ms at {:.1} ms{}{}",
+                        s.decode_rows,
+                        s.prefill_tokens,
+                        s.pass_ms,
+                        s.at_ms,
+                        if s.lane_ms > 0.0 { ", a call back from the lane" } else { "" },
+                        if s.lane_took > 0 { ", the lane taking a call" } else { "" }
+                    )
+                });
+                println!(
+                    "    {:>6.1} ms: client {} call {} token {}{}, {} pass(es) ended in it{made}, delivered {:.2} ms after",
+                    g.ms,
+                    g.client,
+                    g.call,
+                    g.token,
+                    if g.lane && g.token == 1 { " (the first gap after the prefill lane)" } else { "" },
+                    g.passes,
+                    g.delivery_ms
                 );
             }
         }
