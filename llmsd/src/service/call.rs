@@ -1204,8 +1204,9 @@ impl Service {
     ///
     /// With `prefill_lane`, while calls decode the shortest prompt goes to the lane whole (up
     /// to [`LANE_PASS`] tokens a pass), where it runs on its own share of the threads beside this and
-    /// the next passes, which then decode on the other share; the other prompts wait for the
-    /// lane. A call back from the lane rejoins the batch here.
+    /// the next passes, which then decode on the rest (the pool lends the lane its share until
+    /// the lane's pass ends: `Lanes`); the other prompts wait for the lane. A call back from
+    /// the lane rejoins the batch here.
     fn step(&self, active: &mut Vec<Active>, scratch: &mut Scratch, cost: &mut PassCost, mut lane: Option<&mut Lane>) -> StepTrace {
         let t_prep = Instant::now();
         let mut trace = StepTrace::default();
