@@ -630,6 +630,39 @@ pub fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// The wrapping sum of `words`, read front to back asking for each cache line `ahead` bytes
+/// before it is read (into L1) and again [`ahead::BEYOND`] further (into L2), as the packed
+/// tiles of the legacy types ask for their weights (`prefetch_ahead`), or with `l2_first`
+/// into L2 at `ahead` and into L1 [`ahead::BEYOND`] behind it, as the K-quant tiles do
+/// (`prefetch_ahead_part`); `ahead` 0 asks for nothing. For the memory
+/// floor of `llms bench --floor`: the floor's read takes the best of these and of a plain
+/// read, since at a slow hour of this shared host's memory the tiles' own asks outran a plain
+/// streaming read (a 1.7B Q4_K_M decode at 1.09-1.14 of a "floor" of 18.9 GB/s, 6 Dec 2026):
+/// a floor the kernels beat is not one.
+pub fn stream_sum(words: &[u64], ahead: usize, l2_first: bool) -> u64 {
+    let mut acc = [0u64; 4];
+    for line in words.chunks(8) {
+        #[cfg(target_arch = "x86_64")]
+        if ahead > 0 {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+            let at = line.as_ptr().cast::<i8>().wrapping_add(ahead);
+            let (l1, l2) = if l2_first { (at.wrapping_sub(ahead::BEYOND), at) } else { (at, at.wrapping_add(ahead::BEYOND)) };
+            // SAFETY: a prefetch reads nothing and never faults, wherever it points.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(l1);
+                _mm_prefetch::<_MM_HINT_T1>(l2);
+            }
+        }
+        // Four sums, so the loads do not wait behind one chain of additions.
+        for (i, &w) in line.iter().enumerate() {
+            acc[i % 4] = acc[i % 4].wrapping_add(w);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ahead, l2_first);
+    acc.iter().fold(0, |a, &b| a.wrapping_add(b))
+}
+
 /// A dot product as the vector kernels take it: element `j` fused into lane `j % 8`, then the
 /// lanes added as a tree (`(l0 + l4) + (l2 + l6)` plus `(l1 + l5) + (l3 + l7)`), so the
 /// scalar path gives the AVX2 and NEON kernels' bits.
@@ -991,6 +1024,21 @@ mod tests {
     use super::*;
     use crate::repack::PackedWeight;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn stream_sum_is_the_wrapping_sum_whatever_it_asks_for() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        // Lengths that end inside a line, and words near the top so the sums wrap.
+        for n in [0, 1, 7, 8, 9, 1000, 4099] {
+            let words: Vec<u64> = (0..n).map(|_| rng.gen::<u64>() | (1 << 63)).collect();
+            let want = words.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+            for ahead in [0, 64, 2048, 16384] {
+                for l2_first in [false, true] {
+                    assert_eq!(stream_sum(&words, ahead, l2_first), want, "n {n}, ahead {ahead}, l2_first {l2_first}");
+                }
+            }
+        }
+    }
 
     fn random_weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut impl Rng) -> Vec<u8> {
         let n = rows * ty.row_bytes(cols);
