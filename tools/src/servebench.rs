@@ -96,8 +96,8 @@ pub struct Gap {
     pub passes: usize,
     /// The step whose pass made the later token (the last pass to end before it arrived).
     pub step: Option<llmsd::service::StepTrace>,
-    /// From that pass's end to the client's receipt, ms.
-    pub delivery_ms: f64,
+    /// From that pass's end to the client's receipt, ms (none: no pass had ended).
+    pub delivery_ms: Option<f64>,
 }
 
 /// One call's tokens as its client received them, ms from the trace's start (`--trace`).
@@ -115,17 +115,15 @@ fn pass_end(s: &llmsd::service::StepTrace) -> f64 {
 }
 
 /// Every gap of every call beside the steps (`steps` in the order they ran, so their pass
-/// ends increase), and each token's delivery time.
-fn gaps_beside(steps: &[llmsd::service::StepTrace], calls: &[CallTokens]) -> (Vec<Gap>, Vec<f64>) {
+/// ends increase).
+fn gaps_beside(steps: &[llmsd::service::StepTrace], calls: &[CallTokens]) -> Vec<Gap> {
     let ends: Vec<f64> = steps.iter().map(pass_end).collect();
-    let (mut gaps, mut delivery) = (Vec::new(), Vec::new());
+    let mut gaps = Vec::new();
     for c in calls {
         for (k, w) in c.at_ms.windows(2).enumerate() {
             // Passes that ended after the earlier token arrived and before the later one.
             let (lo, hi) = (ends.partition_point(|&e| e <= w[0]), ends.partition_point(|&e| e <= w[1]));
             let step = hi.checked_sub(1).map(|i| steps[i]);
-            let delivery_ms = step.map_or(0.0, |s| w[1] - pass_end(&s));
-            delivery.push(delivery_ms);
             gaps.push(Gap {
                 ms: w[1] - w[0],
                 client: c.client,
@@ -133,12 +131,12 @@ fn gaps_beside(steps: &[llmsd::service::StepTrace], calls: &[CallTokens]) -> (Ve
                 token: k + 1,
                 lane: c.lane,
                 passes: hi.saturating_sub(lo),
+                delivery_ms: step.map(|s| w[1] - pass_end(&s)),
                 step,
-                delivery_ms,
             });
         }
     }
-    (gaps, delivery)
+    gaps
 }
 
 impl WorkerTime {
@@ -150,7 +148,8 @@ impl WorkerTime {
         let mut slowest = decoding.clone();
         slowest.sort_by(|a, b| len(b).total_cmp(&len(a)));
         slowest.truncate(5);
-        let (mut gaps, mut delivery) = gaps_beside(steps, calls);
+        let mut gaps = gaps_beside(steps, calls);
+        let mut delivery: Vec<f64> = gaps.iter().filter_map(|g| g.delivery_ms).collect();
         gaps.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         gaps.truncate(5);
         Self {
@@ -262,16 +261,15 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path, since
             for (k, p) in prompts.into_iter().enumerate() {
                 let call = call(&ctx, p, max_tokens);
                 let t0 = Instant::now();
-                let (mut stamps, mut traced) = (Vec::new(), Vec::new());
-                let (_, st) = cl.call(&call, &mut |_| {
-                    stamps.push(t0.elapsed().as_secs_f64() * 1e3);
-                    if let Some(s) = since {
-                        traced.push(s.elapsed().as_secs_f64() * 1e3);
-                    }
-                })?;
+                let mut stamps = Vec::new();
+                let (_, st) = cl.call(&call, &mut |_| stamps.push(t0.elapsed().as_secs_f64() * 1e3))?;
                 let Some(&first) = stamps.first() else { continue };
                 let gaps = stamps.windows(2).map(|w| w[1] - w[0]).collect();
-                let tokens = since.map(|_| CallTokens { client: c, call: k, lane: st.lane_tokens > 0, at_ms: traced });
+                // The same stamps on the trace's clock: shifted by where the call began on it.
+                let tokens = since.map(|s| {
+                    let off = t0.saturating_duration_since(s).as_secs_f64() * 1e3;
+                    CallTokens { client: c, call: k, lane: st.lane_tokens > 0, at_ms: stamps.iter().map(|t| t + off).collect() }
+                });
                 out.push((first, gaps, u64::from(st.output_tokens), st.batch_max, tokens));
             }
             let _ = cl.del_ctx(&ctx);
@@ -553,17 +551,16 @@ mod tests {
             CallTokens { client: 1, call: 2, lane: true, at_ms: vec![15.0, 20.5, 30.25] },
             CallTokens { client: 0, call: 0, lane: false, at_ms: vec![1.0, 2.0] },
         ];
-        let (gaps, delivery) = gaps_beside(&steps, &calls);
+        let gaps = gaps_beside(&steps, &calls);
         assert_eq!(gaps.len(), 3);
         let g = &gaps[0];
         assert_eq!((g.client, g.call, g.token, g.lane, g.passes), (1, 2, 1, true, 1));
-        assert!((g.ms - 5.5).abs() < 1e-9 && (g.delivery_ms - 0.5).abs() < 1e-9, "{g:?}");
+        assert!((g.ms - 5.5).abs() < 1e-9 && g.delivery_ms.is_some_and(|d| (d - 0.5).abs() < 1e-9), "{g:?}");
         assert_eq!(g.step.map(|s| s.lane_ms), Some(40.0), "made by the pass ending at 20 ms");
         assert_eq!((gaps[1].token, gaps[1].passes), (2, 1));
-        assert!((gaps[1].delivery_ms - 0.25).abs() < 1e-9);
-        // No pass had ended: no step, and a gap spanning none.
-        assert!(gaps[2].step.is_none() && gaps[2].passes == 0, "{:?}", gaps[2]);
-        assert_eq!(delivery.len(), 3);
+        assert!(gaps[1].delivery_ms.is_some_and(|d| (d - 0.25).abs() < 1e-9), "{:?}", gaps[1]);
+        // No pass had ended: no step, no delivery time, and a gap spanning none.
+        assert!(gaps[2].step.is_none() && gaps[2].delivery_ms.is_none() && gaps[2].passes == 0, "{:?}", gaps[2]);
     }
 
     #[test]

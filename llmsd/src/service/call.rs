@@ -635,7 +635,9 @@ impl Service {
                                 None => continue,
                             },
                         };
-                        // The cores lent for a call the lane started go back with its pass.
+                        // The cores lent for the lane (by `lane_out`, or for a call it started)
+                        // go back with its pass: the worker's pass in flight takes them at its
+                        // next operation (`Lanes`).
                         self.pool.lend(0);
                         if done_tx.send(d).is_err() {
                             break;

@@ -658,14 +658,14 @@ impl BenchServeArgs {
                     )
                 });
                 println!(
-                    "    {:>6.1} ms: client {} call {} token {}{}, {} pass(es) ended in it{made}, delivered {:.2} ms after",
+                    "    {:>6.1} ms: client {} call {} token {}{}, {} pass(es) ended in it{made}{}",
                     g.ms,
                     g.client,
                     g.call,
                     g.token,
                     if g.lane && g.token == 1 { " (the first gap after the prefill lane)" } else { "" },
                     g.passes,
-                    g.delivery_ms
+                    g.delivery_ms.map_or_else(String::new, |d| format!(", delivered {d:.2} ms after"))
                 );
             }
         }

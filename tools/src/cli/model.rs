@@ -363,7 +363,7 @@ impl BenchArgs {
 /// several distances or at none (`engine::kernels::stream_sum`). At a slow hour of this
 /// shared host (6 Dec 2026, 1.7B Q4_K_M, each way's best of 12 reads) the plain read gave 9.9
 /// GB/s, the runs without asks 9.9, and with asks at 2-16 KiB 18.5-20.1, while the decode
-/// itself read ~18: against the plain read alone it ran at "1.7x the floor".
+/// itself read ~18: against the plain read alone it ran at "1.8x the floor".
 fn read_bandwidth(pool: &::engine::ThreadPool, buf: &[u64], passes: usize) -> f64 {
     const PIECE: usize = (1 << 20) / 8;
     // None: the plain read of dealt pieces; Some((d, l2_first)): runs, asking d bytes ahead
