@@ -1,8 +1,10 @@
 //! Decode's matrix-vector product on one thread and on all of them, by where the weights sit:
 //! a matrix that fits in L2, one that fits in L3, one far larger than any cache, and many
 //! distinct matrices of a 1.7B model's sizes each in its own dispatch (as decode meets them),
-//! in Q4_0, Q4_K and Q6_K; beside a streaming read of the large one by the same threads (as
-//! `llms bench --floor`). The large matrix and the many are placed in arenas as the model places
+//! in Q4_0, Q4_K and Q6_K; beside a streaming read of the large one by the same threads (the
+//! floor of `llms bench --floor`, `engine::kernels::floor_read`: since 6 Dec 2026 the best of a
+//! plain read and reads asking ahead as the tiles do; before, a plain read, which the kernels
+//! could beat at a slow hour of the host's memory). The large matrix and the many are placed in arenas as the model places
 //! its resident matrices (engine::arena: on huge pages where the kernel gives them), and the
 //! read reads the large one where it sits. Weight bytes per second, the best of 5 passes. The cache-resident
 //! rates say what the kernel's arithmetic allows; the DRAM ones against the read say how near
@@ -26,7 +28,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use engine::arena::{Arena, ArenaBuilder};
-use engine::kernels::{act_kind, ahead, matmul_packed, Acts, OutPtr};
+use engine::kernels::{act_kind, ahead, floor_read, matmul_packed, Acts, OutPtr};
 use engine::quant::GgmlType;
 use engine::repack::PackedWeight;
 use engine::ThreadPool;
@@ -76,31 +78,11 @@ fn rate(pool: &ThreadPool, mats: &[PackedWeight], acts: &Acts, rounds: usize) ->
     best
 }
 
-/// A streaming read of `buf` by `pool`'s threads in 1 MiB pieces (as `llms bench --floor`),
-/// bytes per second (four sums so the loads are not serialized behind one addition chain), the
-/// best of `rounds`.
-fn read_rate(pool: &ThreadPool, buf: &[u8], rounds: usize) -> f64 {
-    let mut best = 0.0f64;
-    for _ in 0..rounds {
-        let t = Instant::now();
-        read_pass(pool, buf);
-        best = best.max(buf.len() as f64 / t.elapsed().as_secs_f64());
-    }
-    best
-}
-
-/// One streaming read of `buf` by `pool`'s threads in 1 MiB pieces.
-fn read_pass(pool: &ThreadPool, buf: &[u8]) {
-    let words: &[u64] = bytemuck::cast_slice(&buf[..buf.len() / 8 * 8]);
-    pool.for_chunks("read", words.len(), (1 << 20) / 8, &|a, b| {
-        let mut acc = [0u64; 4];
-        for w in words[a..b].chunks_exact(4) {
-            for (s, &x) in acc.iter_mut().zip(w) {
-                *s = s.wrapping_add(x);
-            }
-        }
-        black_box(acc);
-    });
+/// The memory floor's read of `buf` by `pool`'s threads (`engine::kernels::floor_read`, as
+/// `llms bench --floor` reads it: the best of a plain read and runs asking ahead as the tiles
+/// do), bytes per second, the best of `passes` rounds of its ways.
+fn read_rate(pool: &ThreadPool, buf: &[u8], passes: usize) -> f64 {
+    floor_read(pool, bytemuck::cast_slice(&buf[..buf.len() / 8 * 8]), passes)
 }
 
 /// `mats` moved into one arena, as the model places its resident matrices (on huge pages where
@@ -192,11 +174,8 @@ fn distances_table(rounds: usize, ds: &[usize]) {
         let mut ratios = vec![Vec::new(); ds.len()];
         for r in 0..rounds {
             // The read of all the matrices' bytes, as the floor reads a model's.
-            let t = Instant::now();
-            for w in &mats {
-                read_pass(&pool, w.as_bytes());
-            }
-            let read = mats.iter().map(PackedWeight::bytes).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
+            let secs: f64 = mats.iter().map(|w| w.bytes() as f64 / read_rate(&pool, w.as_bytes(), 1)).sum();
+            let read = mats.iter().map(PackedWeight::bytes).sum::<usize>() as f64 / secs;
             // Rotated each round, so no distance always follows the read.
             for i in 0..ds.len() {
                 let c = (i + r) % ds.len();
@@ -272,7 +251,7 @@ fn main() {
             let big = packed(rows_of(big_mib << 20));
             let (big, big_arena) = in_arena(vec![big]);
             let dram = rate(&pool, &big, &acts, 5);
-            let read = read_rate(&pool, big[0].as_bytes(), 5);
+            let read = read_rate(&pool, big[0].as_bytes(), 2);
             drop((big, big_arena));
             // As decode meets them: many distinct matrices of a 1.7B model's sizes (2048 and
             // 8192 rows), 256 MiB in all, each its own dispatch.

@@ -663,6 +663,54 @@ pub fn stream_sum(words: &[u64], ahead: usize, l2_first: bool) -> u64 {
     acc.iter().fold(0, |a, &b| a.wrapping_add(b))
 }
 
+/// Streaming-read bandwidth of `words` by `pool`'s threads, bytes/s: the best of `passes`
+/// whole reads in each of several ways, so that the memory floor (`llms bench --floor`, the
+/// `matvec_rate` example's "read") is the best read this machine gives at the hour and not
+/// one decode's own kernels can beat: 1 MiB pieces dealt to the threads as they come, read
+/// plainly (until 6 Dec 2026 the only way); and each thread reading its own run front to back
+/// as decode's products do (`for_runs`), asking for the lines ahead at several distances or at
+/// none ([`stream_sum`]). At a slow hour of this shared host (6 Dec 2026, 1.7B Q4_K_M, each
+/// way's best of 12 reads) the plain read gave 9.9 GB/s, the runs without asks 9.9, and with
+/// asks at 2-16 KiB 18.5-20.1, while the decode itself read ~18: against the plain read alone
+/// it ran at "1.8x the floor".
+pub fn floor_read(pool: &ThreadPool, words: &[u64], passes: usize) -> f64 {
+    const PIECE: usize = (1 << 20) / 8;
+    // None: the plain read of dealt pieces; Some((d, l2_first)): runs, asking d bytes ahead
+    // (0: no asks) in either order of `stream_sum`.
+    const WAYS: [Option<(usize, bool)>; 8] = [
+        None,
+        Some((0, false)),
+        Some((2048, false)),
+        Some((4096, false)),
+        Some((8192, false)),
+        Some((4096, true)),
+        Some((8192, true)),
+        Some((16384, true)),
+    ];
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        for way in WAYS {
+            let read = |a: usize, b: usize| {
+                sink.fetch_add(
+                    stream_sum(&words[a..b], way.map_or(0, |w| w.0), way.is_some_and(|w| w.1)),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            };
+            let t = std::time::Instant::now();
+            match way {
+                None => pool.for_chunks("read-floor", words.len(), PIECE, &read),
+                Some(_) => pool.for_runs("read-floor", words.len(), PIECE, &read),
+            }
+            #[allow(clippy::cast_precision_loss)]
+            let bw = (words.len() * 8) as f64 / t.elapsed().as_secs_f64();
+            best = best.max(bw);
+        }
+    }
+    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
+    best
+}
+
 /// A dot product as the vector kernels take it: element `j` fused into lane `j % 8`, then the
 /// lanes added as a tree (`(l0 + l4) + (l2 + l6)` plus `(l1 + l5) + (l3 + l7)`), so the
 /// scalar path gives the AVX2 and NEON kernels' bits.

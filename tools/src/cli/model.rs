@@ -355,53 +355,6 @@ impl BenchArgs {
     }
 }
 
-/// Streaming-read bandwidth of `buf` by `pool`'s threads, bytes/s: the best of `passes` whole
-/// reads in each of several ways, so that the floor is the best read this machine gives at
-/// the hour and not one decode's own kernels can beat: 1 MiB pieces dealt to the threads as
-/// they come, read plainly (until 6 Dec 2026 the only way); and each thread reading its own
-/// run front to back as decode's products do (`for_runs`), asking for the lines ahead at
-/// several distances or at none (`engine::kernels::stream_sum`). At a slow hour of this
-/// shared host (6 Dec 2026, 1.7B Q4_K_M, each way's best of 12 reads) the plain read gave 9.9
-/// GB/s, the runs without asks 9.9, and with asks at 2-16 KiB 18.5-20.1, while the decode
-/// itself read ~18: against the plain read alone it ran at "1.8x the floor".
-fn read_bandwidth(pool: &::engine::ThreadPool, buf: &[u64], passes: usize) -> f64 {
-    const PIECE: usize = (1 << 20) / 8;
-    // None: the plain read of dealt pieces; Some((d, l2_first)): runs, asking d bytes ahead
-    // (0: no asks) in either order of `stream_sum`.
-    const WAYS: [Option<(usize, bool)>; 8] = [
-        None,
-        Some((0, false)),
-        Some((2048, false)),
-        Some((4096, false)),
-        Some((8192, false)),
-        Some((4096, true)),
-        Some((8192, true)),
-        Some((16384, true)),
-    ];
-    let sink = std::sync::atomic::AtomicU64::new(0);
-    let mut best = 0.0f64;
-    for _ in 0..passes {
-        for way in WAYS {
-            let read = |a: usize, b: usize| {
-                sink.fetch_add(
-                    ::engine::kernels::stream_sum(&buf[a..b], way.map_or(0, |w| w.0), way.is_some_and(|w| w.1)),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-            };
-            let t = Instant::now();
-            match way {
-                None => pool.for_chunks("read-floor", buf.len(), PIECE, &read),
-                Some(_) => pool.for_runs("read-floor", buf.len(), PIECE, &read),
-            }
-            #[allow(clippy::cast_precision_loss)]
-            let bw = (buf.len() * 8) as f64 / t.elapsed().as_secs_f64();
-            best = best.max(bw);
-        }
-    }
-    std::hint::black_box(sink.load(std::sync::atomic::Ordering::Relaxed));
-    best
-}
-
 /// The pool's statistics for one run of `tokens` tokens, as a table and as JSON.
 #[allow(clippy::cast_precision_loss)]
 pub(crate) fn pool_report(what: &str, tokens: usize, ops: &[::engine::pool::OpProfile], wall_s: f64) -> (String, serde_json::Value) {
@@ -672,7 +625,7 @@ fn bench(
             pp_s[i] = profiled(false, &mut || sessions[i].eval(&prompt[depth..depth + pp], Logits::Last).map(|_| ()).map_err(Into::into))?;
             sessions[i].truncate(depth);
         }
-        let before = if floor && rep > 0 { read_bandwidth(&pool, floor_buf, 3) } else { 0.0 };
+        let before = if floor && rep > 0 { ::engine::kernels::floor_read(&pool, floor_buf, 3) } else { 0.0 };
         let (mut tok, mut tg_s) = (vec![prompt[depth]; k], vec![0.0; k]);
         for step in 0..tg {
             for j in 0..k {
@@ -689,7 +642,7 @@ fn bench(
                 tg_rates[i].push(tg as f64 / tg_s[i]);
             }
             if floor {
-                floor_reads.push(before.max(read_bandwidth(&pool, floor_buf, 3)));
+                floor_reads.push(before.max(::engine::kernels::floor_read(&pool, floor_buf, 3)));
             }
         }
     }
