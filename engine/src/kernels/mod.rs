@@ -665,8 +665,9 @@ pub fn stream_sum(words: &[u64], ahead: usize, l2_first: bool) -> u64 {
 
 /// Streaming-read bandwidth of `words` by `pool`'s threads, bytes/s: the best of `passes`
 /// whole reads in each of several ways, so that the memory floor (`llms bench --floor`, the
-/// `matvec_rate` example's "read") is the best read this machine gives at the hour and not
-/// one decode's own kernels can beat: 1 MiB pieces dealt to the threads as they come, read
+/// `matvec_rate` example's "read") comes as near as we know how to the best read this machine
+/// gives at the hour (decode still reads faster at some slow hours: docs/notes/engine.md, "A
+/// floor the kernels beat"): 1 MiB pieces dealt to the threads as they come, read
 /// plainly (until 6 Dec 2026 the only way); and each thread reading its own run front to back
 /// as decode's products do (`for_runs`), asking for the lines ahead at several distances or at
 /// none ([`stream_sum`]). At a slow hour of this shared host (6 Dec 2026, 1.7B Q4_K_M, each
