@@ -1224,6 +1224,12 @@ pub(super) unsafe fn chunk_scores(
         return;
     }
     match k {
+        KvRows::Int8 { blk, t_cap } if visible.len() <= 3 && crate::simd::has_zmm() => {
+            scores_pairs(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0)
+        }
+        KvRows::F16(b) if visible.len() <= 3 && crate::simd::has_zmm() => {
+            scores_pairs(&F16Rows(b.as_ptr()), q, hd, visible, scale, scores, ld, col0)
+        }
         KvRows::Int8 { blk, t_cap } if visible.len() <= 3 => {
             scores_inline(&I8Rows(blk.as_ptr(), t_cap), q, hd, visible, scale, scores, ld, col0)
         }
@@ -1317,6 +1323,143 @@ unsafe fn scores_inline<L: RowLanes>(
         let m = (n - t0).min(8);
         let query = |i: usize, c: usize| _mm256_loadu_ps(q.as_ptr().add(i * hd + 8 * c));
         score_block(k, t0, m, hd, visible, t0, scores.as_mut_ptr(), ld, col0, query, |_, sum| _mm256_mul_ps(sum, sc));
+    }
+}
+
+/// Two rows' lanes side by side in one 512-bit vector: lane `c` of row `a` in the low half,
+/// of row `b` in the high half, each decoded as [`RowLanes::lane`] decodes it.
+trait PairLanes: RowLanes {
+    type Pair: Copy;
+    /// # Safety
+    /// Needs AVX-512F.
+    unsafe fn pair(a: Self::Row, b: Self::Row) -> Self::Pair;
+    /// # Safety
+    /// Lane `c` inside both rows.
+    unsafe fn pair_lane(p: Self::Pair, c: usize) -> __m512;
+}
+impl PairLanes for I8Rows {
+    type Pair = (*const u8, *const u8, __m512);
+    #[inline(always)]
+    unsafe fn pair((a, sa): Self::Row, (b, sb): Self::Row) -> Self::Pair {
+        (a, b, pair_ps(sa, sb))
+    }
+    #[inline(always)]
+    unsafe fn pair_lane((a, b, s): Self::Pair, c: usize) -> __m512 {
+        let lo = _mm_loadl_epi64(a.add(8 * c).cast());
+        let codes = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(lo), b.add(8 * c).cast()));
+        _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)))
+    }
+}
+impl PairLanes for F16Rows {
+    type Pair = (*const u8, *const u8);
+    #[inline(always)]
+    unsafe fn pair(a: Self::Row, b: Self::Row) -> Self::Pair {
+        (a, b)
+    }
+    #[inline(always)]
+    unsafe fn pair_lane((a, b): Self::Pair, c: usize) -> __m512 {
+        let lo = _mm256_castsi128_si256(_mm_loadu_si128(a.add(16 * c).cast()));
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(lo, _mm_loadu_si128(b.add(16 * c).cast())))
+    }
+}
+
+/// [`scores_inline`] on 512-bit vectors: a block's rows two to a vector, decoded in registers
+/// ([`PairLanes`]), against each query's lane broadcast to both halves. Each half runs the
+/// 256-bit tile's chain for its row (one chain a dot, in channel order) and its lane sums go
+/// through the same [`store_scores`], so the bits are the same, with half the conversions and
+/// multiply-adds (docs/notes/engine.md, "Decode's values on 512-bit vectors").
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn scores_pairs<L: PairLanes>(
+    k: &L,
+    q: &[f32],
+    hd: usize,
+    visible: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    ld: usize,
+    col0: usize,
+) {
+    let n = visible.iter().copied().max().unwrap_or(0);
+    let sc = _mm256_set1_ps(scale);
+    let mut part = std::mem::MaybeUninit::<[__m256; 8 * 3]>::uninit();
+    let pp = part.as_mut_ptr().cast::<__m256>();
+    for t0 in (0..n).step_by(8) {
+        let m = (n - t0).min(8);
+        for g0 in (0..visible.len()).step_by(3) {
+            let group = &visible[g0..(g0 + 3).min(visible.len())];
+            if group.iter().all(|&v| v <= t0) {
+                continue;
+            }
+            let qp = q.as_ptr().add(g0 * hd);
+            match (group.len(), m.div_ceil(2)) {
+                (3, 4) => pair_dots_inline::<L, 3, 4>(k, t0, m, hd, qp, pp),
+                (3, p) => pair_dots_few::<L, 3>(k, t0, m, hd, qp, pp, p),
+                (2, 4) => pair_dots_inline::<L, 2, 4>(k, t0, m, hd, qp, pp),
+                (2, p) => pair_dots_few::<L, 2>(k, t0, m, hd, qp, pp, p),
+                (_, 4) => pair_dots_inline::<L, 1, 4>(k, t0, m, hd, qp, pp),
+                (_, p) => pair_dots_few::<L, 1>(k, t0, m, hd, qp, pp, p),
+            }
+            store_scores(pp, group, t0, scores.as_mut_ptr().add(g0 * ld), ld, col0, |_, sum| _mm256_mul_ps(sum, sc));
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn pair_dots_few<L: PairLanes, const Q: usize>(
+    k: &L,
+    t0: usize,
+    m: usize,
+    hd: usize,
+    q: *const f32,
+    part: *mut __m256,
+    pairs: usize,
+) {
+    match pairs {
+        3 => pair_dots_inline::<L, Q, 3>(k, t0, m, hd, q, part),
+        2 => pair_dots_inline::<L, Q, 2>(k, t0, m, hd, q, part),
+        _ => pair_dots_inline::<L, Q, 1>(k, t0, m, hd, q, part),
+    }
+}
+
+/// The dot products of `Q` queries with rows `t0..t0 + m` (`P` pairs; an odd last row paired
+/// with itself, its copy's sums never stored) into `part[8 * i + j]` as 8 lane sums, as
+/// [`dots`] writes them.
+#[inline(always)]
+unsafe fn pair_dots_inline<L: PairLanes, const Q: usize, const P: usize>(
+    k: &L,
+    t0: usize,
+    m: usize,
+    hd: usize,
+    q: *const f32,
+    part: *mut __m256,
+) {
+    // (Loops, not `array::from_fn`: a closure does not take the function's target features.)
+    let first = k.row(t0, hd);
+    let mut rows = [L::pair(first, first); P];
+    for (p, r) in rows.iter_mut().enumerate() {
+        let a = t0 + 2 * p;
+        *r = L::pair(k.row(a, hd), k.row((a + 1).min(t0 + m - 1), hd));
+    }
+    let mut acc = [[_mm512_setzero_ps(); P]; Q];
+    for c in 0..hd / 8 {
+        let mut x = [_mm512_setzero_ps(); P];
+        for (xp, &r) in x.iter_mut().zip(&rows) {
+            *xp = L::pair_lane(r, c);
+        }
+        for (i, a) in acc.iter_mut().enumerate() {
+            let qc = both_halves(q.add(i * hd + 8 * c));
+            for (slot, xp) in a.iter_mut().zip(&x) {
+                *slot = _mm512_fmadd_ps(*xp, qc, *slot);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (p, v) in a.iter().enumerate() {
+            part.add(8 * i + 2 * p).write(_mm512_castps512_ps256(*v));
+            part.add(8 * i + 2 * p + 1).write(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*v))));
+        }
     }
 }
 
@@ -1821,6 +1964,13 @@ pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRo
         return;
     }
     if visible.len() <= 3 || matches!(v, KvRows::F32(_)) {
+        if hd.is_multiple_of(16) && crate::simd::has_zmm() {
+            match v {
+                KvRows::Int8 { blk, t_cap } => return values_zmm_rows(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
+                KvRows::F16(b) => return values_zmm_rows(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
+                _ => {}
+            }
+        }
         with_rows!(v, rows => values_inline(rows, probs, ld, col0, visible, hd, out));
         return;
     }
@@ -2006,6 +2156,121 @@ unsafe fn values_zmm_tile<const Q: usize, const N: usize>((rows, probs, ld, col,
             let w = _mm512_set1_ps(*probs.get_unchecked(col + i * ld + t));
             for (slot, r) in a.iter_mut().zip(&row) {
                 *slot = _mm512_fmadd_ps(w, *r, *slot);
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        for (c, slot) in a.iter().enumerate() {
+            _mm512_storeu_ps(o.add(i * hd + 16 * (v0 + c)), *slot);
+        }
+    }
+}
+
+/// 16 channels of a row as one 512-bit vector: the 256-bit [`RowLanes`] decode of two lanes
+/// side by side (the same conversion and, for int8, the same multiplication by the row's
+/// scale, lane for lane: the same floats).
+trait ZmmRowLanes {
+    type Row: Copy;
+    /// # Safety
+    /// As [`RowLanes::row`].
+    unsafe fn zrow(&self, t: usize, hd: usize) -> Self::Row;
+    /// Channels `16v..16v + 16` of the row.
+    ///
+    /// # Safety
+    /// Inside the row.
+    unsafe fn zvec(row: Self::Row, v: usize) -> __m512;
+}
+impl ZmmRowLanes for I8Rows {
+    type Row = (*const u8, __m512);
+    #[inline(always)]
+    unsafe fn zrow(&self, t: usize, hd: usize) -> Self::Row {
+        let bits = self.0.add(2 * t).cast::<i16>().read_unaligned();
+        (self.0.add(self.1 * 2 + t * hd), _mm512_cvtph_ps(_mm256_set1_epi16(bits)))
+    }
+    #[inline(always)]
+    unsafe fn zvec((p, s): Self::Row, v: usize) -> __m512 {
+        _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16 * v).cast()))))
+    }
+}
+impl ZmmRowLanes for F16Rows {
+    type Row = *const u8;
+    #[inline(always)]
+    unsafe fn zrow(&self, t: usize, hd: usize) -> Self::Row {
+        self.0.add(2 * t * hd)
+    }
+    #[inline(always)]
+    unsafe fn zvec(p: Self::Row, v: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32 * v).cast()))
+    }
+}
+
+/// [`values_inline`] on 512-bit vectors for a decoding step's group (up to 3 queries) over
+/// int8 or f16 rows, each row's 16-channel vectors decoded in registers where the group's
+/// multiply-adds use them: tiles of the group by 4 vectors (12 accumulators). Each output
+/// channel adds its rows in token order, one multiply-add each, as the 256-bit tiles do: the
+/// same bits, with half the conversions and multiply-adds, which on the 256-bit tiles all
+/// wait for the two ports that multiply (a 16-token int8 chunk of 3 queries: see
+/// docs/notes/engine.md, "Decode's values on 512-bit vectors").
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm_rows<L: ZmmRowLanes>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+    let vecs = hd / 16;
+    for q0 in (0..visible.len()).step_by(3) {
+        let vis = &visible[q0..(q0 + 3).min(visible.len())];
+        let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
+        for v0 in (0..vecs).step_by(4) {
+            let tile = (v, probs, ld, col, vis, hd, o, v0);
+            match (vis.len(), vecs - v0) {
+                (3, 4..) => values_zmm_rows_tile::<L, 3, 4>(tile),
+                (2, 4..) => values_zmm_rows_tile::<L, 2, 4>(tile),
+                (_, 4..) => values_zmm_rows_tile::<L, 1, 4>(tile),
+                (3, w) => values_zmm_rows_narrow::<L, 3>(tile, w),
+                (2, w) => values_zmm_rows_narrow::<L, 2>(tile, w),
+                (_, w) => values_zmm_rows_narrow::<L, 1>(tile, w),
+            }
+        }
+    }
+}
+
+/// A [`values_zmm_rows`] tile: as [`ValuesTile`], its last field the first 16-channel vector.
+type ZmmRowsTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm_rows_narrow<L: ZmmRowLanes, const Q: usize>(tile: ZmmRowsTile<L>, width: usize) {
+    match width {
+        3 => values_zmm_rows_tile::<L, Q, 3>(tile),
+        2 => values_zmm_rows_tile::<L, Q, 2>(tile),
+        _ => values_zmm_rows_tile::<L, Q, 1>(tile),
+    }
+}
+
+/// `Q` queries by `N` 16-channel vectors of [`values_zmm_rows`], accumulated in registers in
+/// token order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn values_zmm_rows_tile<L: ZmmRowLanes, const Q: usize, const N: usize>((v, probs, ld, col, vis, hd, o, v0): ZmmRowsTile<L>) {
+    let mut acc = [[_mm512_setzero_ps(); N]; Q];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (c, slot) in a.iter_mut().enumerate() {
+            *slot = _mm512_loadu_ps(o.add(i * hd + 16 * (v0 + c)));
+        }
+    }
+    let n = vis.iter().copied().max().unwrap_or(0);
+    let mut row = [_mm512_setzero_ps(); N];
+    for t in 0..n {
+        let r = v.zrow(t, hd);
+        for (c, x) in row.iter_mut().enumerate() {
+            *x = L::zvec(r, v0 + c);
+        }
+        for (i, a) in acc.iter_mut().enumerate() {
+            if t >= *vis.get_unchecked(i) {
+                continue;
+            }
+            let w = _mm512_set1_ps(*probs.get_unchecked(col + i * ld + t));
+            for (slot, x) in a.iter_mut().zip(&row) {
+                *slot = _mm512_fmadd_ps(w, *x, *slot);
             }
         }
     }

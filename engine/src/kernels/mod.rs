@@ -1454,11 +1454,21 @@ mod tests {
                 assert!(ox.iter().zip(&oy).all(|(a, b)| a.to_bits() == b.to_bits()), "hd {hd} {bits} bits, 11 queries' values");
             }
             // A decoding step's group, four queries, and a prefill job's many (512-bit tiles
-            // of 4, 4 and 3 queries where the CPU has them), each seeing a different count.
+            // of 4, 4 and 3 queries where the CPU has them), each seeing a different count;
+            // and groups of 1 to 3 queries whose rows end inside a block of 8 at odd and even
+            // counts (the 512-bit decode tiles pair rows: an odd last row goes alone).
             let many: Vec<usize> = (0..11).map(|i| (i * 7 + 2) % 17).collect();
             let q11: Vec<f32> = (0..11 * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (one, two, three) = ([7usize], [10usize, 2], [13usize, 5, 1]);
             for k in rows {
-                for (q, visible) in [(&q[..3 * hd], &visible[..3]), (&q[..], &visible[..]), (&q11[..], &many[..])] {
+                for (q, visible) in [
+                    (&q[..3 * hd], &visible[..3]),
+                    (&q[..], &visible[..]),
+                    (&q11[..], &many[..]),
+                    (&q[..hd], &one[..]),
+                    (&q[..2 * hd], &two[..]),
+                    (&q[..3 * hd], &three[..]),
+                ] {
                     let nq = visible.len();
                     let (mut x, mut y) = (vec![-9.0; nq * 20], vec![-9.0; nq * 20]);
                     chunk_scores(q, hd, k, visible, 0.125, &mut x, 20, 3);
