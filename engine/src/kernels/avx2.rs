@@ -1960,14 +1960,14 @@ unsafe fn pair_dots<const Q: usize>(pairs: *const __m512, lanes: usize, q: *cons
 pub(super) unsafe fn chunk_values(probs: &[f32], ld: usize, col0: usize, v: KvRows, visible: &[usize], hd: usize, out: &mut [f32]) {
     let zmm = visible.len() > 3 && hd.is_multiple_of(16) && crate::simd::has_zmm();
     if let (true, KvRows::F32(rows)) = (zmm, v) {
-        values_zmm(rows.as_ptr(), probs, ld, col0, visible, hd, out);
+        values_zmm::<_, 4>(&F32Rows(rows.as_ptr()), probs, ld, col0, visible, hd, out);
         return;
     }
     if visible.len() <= 3 || matches!(v, KvRows::F32(_)) {
         if hd.is_multiple_of(16) && crate::simd::has_zmm() {
             match v {
-                KvRows::Int8 { blk, t_cap } => return values_zmm_rows(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
-                KvRows::F16(b) => return values_zmm_rows(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
+                KvRows::Int8 { blk, t_cap } => return values_zmm::<_, 3>(&I8Rows(blk.as_ptr(), t_cap), probs, ld, col0, visible, hd, out),
+                KvRows::F16(b) => return values_zmm::<_, 3>(&F16Rows(b.as_ptr()), probs, ld, col0, visible, hd, out),
                 _ => {}
             }
         }
@@ -2016,7 +2016,7 @@ unsafe fn values_buffered<L: RowLoad>(
             // The block's rows at stride `hd`: only rows below `m` are read.
             let (probs, vis, out) = (&probs[q0 * ld..], &vis[..part.len()], &mut out[q0 * hd..]);
             if zmm {
-                values_zmm(rp.cast::<f32>(), probs, ld, col0 + t0, vis, hd, out);
+                values_zmm::<_, 4>(&F32Rows(rp.cast::<f32>()), probs, ld, col0 + t0, vis, hd, out);
             } else {
                 values_inline(&F32Rows(rp.cast::<f32>()), probs, ld, col0 + t0, vis, hd, out);
             }
@@ -2099,73 +2099,6 @@ unsafe fn values_tile<L: RowLoad, const Q: usize, const N: usize>((v, probs, ld,
     }
 }
 
-/// [`values_inline`] on 512-bit vectors, for f32 rows at stride `hd` (a multiple of 16):
-/// tiles of up to 4 queries by 64 channels, 16 accumulators. Each output channel adds its
-/// rows in token order, one multiply-add each, as the 256-bit tiles do: the same bits.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm(rows: *const f32, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
-    let vecs = hd / 16;
-    for q0 in (0..visible.len()).step_by(4) {
-        let vis = &visible[q0..(q0 + 4).min(visible.len())];
-        let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
-        for v0 in (0..vecs).step_by(4) {
-            let tile = (rows, probs, ld, col, vis, hd, o, v0);
-            match vis.len() {
-                4 => values_zmm_q::<4>(tile, vecs - v0),
-                3 => values_zmm_q::<3>(tile, vecs - v0),
-                2 => values_zmm_q::<2>(tile, vecs - v0),
-                _ => values_zmm_q::<1>(tile, vecs - v0),
-            }
-        }
-    }
-}
-
-/// A [`values_zmm`] tile: f32 rows, probabilities, their stride, the tile's first probability
-/// column, its queries' visible counts, `hd`, its first output, its first 16-channel vector.
-type ZmmTile<'a> = (*const f32, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm_q<const Q: usize>(tile: ZmmTile, width: usize) {
-    match width {
-        4.. => values_zmm_tile::<Q, 4>(tile),
-        3 => values_zmm_tile::<Q, 3>(tile),
-        2 => values_zmm_tile::<Q, 2>(tile),
-        _ => values_zmm_tile::<Q, 1>(tile),
-    }
-}
-
-/// `Q` queries by `N` 16-channel vectors of [`values_zmm`].
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm_tile<const Q: usize, const N: usize>((rows, probs, ld, col, vis, hd, o, v0): ZmmTile) {
-    let mut acc = [[_mm512_setzero_ps(); N]; Q];
-    for (i, a) in acc.iter_mut().enumerate() {
-        for (c, slot) in a.iter_mut().enumerate() {
-            *slot = _mm512_loadu_ps(o.add(i * hd + 16 * (v0 + c)));
-        }
-    }
-    let n = vis.iter().copied().max().unwrap_or(0);
-    for t in 0..n {
-        let row: [__m512; N] = std::array::from_fn(|c| _mm512_loadu_ps(rows.add(t * hd + 16 * (v0 + c))));
-        for (i, a) in acc.iter_mut().enumerate() {
-            if t >= *vis.get_unchecked(i) {
-                continue;
-            }
-            let w = _mm512_set1_ps(*probs.get_unchecked(col + i * ld + t));
-            for (slot, r) in a.iter_mut().zip(&row) {
-                *slot = _mm512_fmadd_ps(w, *r, *slot);
-            }
-        }
-    }
-    for (i, a) in acc.iter().enumerate() {
-        for (c, slot) in a.iter().enumerate() {
-            _mm512_storeu_ps(o.add(i * hd + 16 * (v0 + c)), *slot);
-        }
-    }
-}
-
 /// 16 channels of a row as one 512-bit vector: the 256-bit [`RowLanes`] decode of two lanes
 /// side by side (the same conversion and, for int8, the same multiplication by the row's
 /// scale, lane for lane: the same floats).
@@ -2192,6 +2125,17 @@ impl ZmmRowLanes for I8Rows {
         _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16 * v).cast()))))
     }
 }
+impl ZmmRowLanes for F32Rows {
+    type Row = *const f32;
+    #[inline(always)]
+    unsafe fn zrow(&self, t: usize, hd: usize) -> Self::Row {
+        self.0.add(t * hd)
+    }
+    #[inline(always)]
+    unsafe fn zvec(p: Self::Row, v: usize) -> __m512 {
+        _mm512_loadu_ps(p.add(16 * v))
+    }
+}
 impl ZmmRowLanes for F16Rows {
     type Row = *const u8;
     #[inline(always)]
@@ -2204,53 +2148,61 @@ impl ZmmRowLanes for F16Rows {
     }
 }
 
-/// [`values_inline`] on 512-bit vectors for a decoding step's group (up to 3 queries) over
-/// int8 or f16 rows, each row's 16-channel vectors decoded in registers where the group's
-/// multiply-adds use them: tiles of the group by 4 vectors (12 accumulators). Each output
-/// channel adds its rows in token order, one multiply-add each, as the 256-bit tiles do: the
-/// same bits, with half the conversions and multiply-adds, which on the 256-bit tiles all
-/// wait for the two ports that multiply (a 16-token int8 chunk of 3 queries: see
-/// docs/notes/engine.md, "Decode's values on 512-bit vectors").
+/// [`values_inline`] on 512-bit vectors: tiles of up to `G` queries by 64 channels, each
+/// row's 16-channel vectors decoded in registers where the tile's multiply-adds use them.
+/// Each output channel adds its rows in token order, one multiply-add each, as the 256-bit
+/// tiles do: the same bits. A decoding step's group (`G` = 3) over int8 or f16 rows does half
+/// the conversions and multiply-adds of the 256-bit tiles, which all wait there for the two
+/// ports that multiply (docs/notes/engine.md, "Decode's values on 512-bit vectors"); f32 rows
+/// (decoded before, `G` = 4) only load.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm_rows<L: ZmmRowLanes>(v: &L, probs: &[f32], ld: usize, col0: usize, visible: &[usize], hd: usize, out: &mut [f32]) {
+unsafe fn values_zmm<L: ZmmRowLanes, const G: usize>(
+    v: &L,
+    probs: &[f32],
+    ld: usize,
+    col0: usize,
+    visible: &[usize],
+    hd: usize,
+    out: &mut [f32],
+) {
     let vecs = hd / 16;
-    for q0 in (0..visible.len()).step_by(3) {
-        let vis = &visible[q0..(q0 + 3).min(visible.len())];
+    for q0 in (0..visible.len()).step_by(G) {
+        let vis = &visible[q0..(q0 + G).min(visible.len())];
         let (o, col) = (out.as_mut_ptr().add(q0 * hd), q0 * ld + col0);
         for v0 in (0..vecs).step_by(4) {
             let tile = (v, probs, ld, col, vis, hd, o, v0);
-            match (vis.len(), vecs - v0) {
-                (3, 4..) => values_zmm_rows_tile::<L, 3, 4>(tile),
-                (2, 4..) => values_zmm_rows_tile::<L, 2, 4>(tile),
-                (_, 4..) => values_zmm_rows_tile::<L, 1, 4>(tile),
-                (3, w) => values_zmm_rows_narrow::<L, 3>(tile, w),
-                (2, w) => values_zmm_rows_narrow::<L, 2>(tile, w),
-                (_, w) => values_zmm_rows_narrow::<L, 1>(tile, w),
+            match vis.len() {
+                4 => values_zmm_q::<L, 4>(tile, vecs - v0),
+                3 => values_zmm_q::<L, 3>(tile, vecs - v0),
+                2 => values_zmm_q::<L, 2>(tile, vecs - v0),
+                _ => values_zmm_q::<L, 1>(tile, vecs - v0),
             }
         }
     }
 }
 
-/// A [`values_zmm_rows`] tile: as [`ValuesTile`], its last field the first 16-channel vector.
-type ZmmRowsTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
+/// A [`values_zmm`] tile: rows, probabilities, their stride, the tile's first probability
+/// column, its queries' visible counts, `hd`, its first output, its first 16-channel vector.
+type ZmmTile<'a, L> = (&'a L, &'a [f32], usize, usize, &'a [usize], usize, *mut f32, usize);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm_rows_narrow<L: ZmmRowLanes, const Q: usize>(tile: ZmmRowsTile<L>, width: usize) {
+unsafe fn values_zmm_q<L: ZmmRowLanes, const Q: usize>(tile: ZmmTile<L>, width: usize) {
     match width {
-        3 => values_zmm_rows_tile::<L, Q, 3>(tile),
-        2 => values_zmm_rows_tile::<L, Q, 2>(tile),
-        _ => values_zmm_rows_tile::<L, Q, 1>(tile),
+        4.. => values_zmm_tile::<L, Q, 4>(tile),
+        3 => values_zmm_tile::<L, Q, 3>(tile),
+        2 => values_zmm_tile::<L, Q, 2>(tile),
+        _ => values_zmm_tile::<L, Q, 1>(tile),
     }
 }
 
-/// `Q` queries by `N` 16-channel vectors of [`values_zmm_rows`], accumulated in registers in
-/// token order.
+/// `Q` queries by `N` 16-channel vectors of [`values_zmm`], accumulated in registers in token
+/// order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn values_zmm_rows_tile<L: ZmmRowLanes, const Q: usize, const N: usize>((v, probs, ld, col, vis, hd, o, v0): ZmmRowsTile<L>) {
+unsafe fn values_zmm_tile<L: ZmmRowLanes, const Q: usize, const N: usize>((v, probs, ld, col, vis, hd, o, v0): ZmmTile<L>) {
     let mut acc = [[_mm512_setzero_ps(); N]; Q];
     for (i, a) in acc.iter_mut().enumerate() {
         for (c, slot) in a.iter_mut().enumerate() {
