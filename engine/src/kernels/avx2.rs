@@ -2733,3 +2733,38 @@ pub(super) unsafe fn int8_codes(x: &[f32], inv: f32, out: &mut [u8]) {
     }
     crate::kv::int8_codes_ref(&x[i..n], inv, &mut out[i..n]);
 }
+
+/// The wrapping sum of `lines` whole lines at `p`, a 512-bit load each, in four sums.
+///
+/// # Safety
+/// AVX-512F; `p` valid for `lines * 8` words.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn wide_zmm(p: *const u64, lines: usize, ask: &dyn Fn(*const u64)) -> u64 {
+    let mut acc = [_mm512_setzero_si512(); 4];
+    for l in 0..lines {
+        let at = p.add(8 * l);
+        ask(at);
+        acc[l % 4] = _mm512_add_epi64(acc[l % 4], _mm512_loadu_si512(at.cast()));
+    }
+    let s = _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3]));
+    _mm512_reduce_add_epi64(s).cast_unsigned()
+}
+
+/// [`wide_zmm`] with two 256-bit loads a line.
+///
+/// # Safety
+/// AVX2; `p` valid for `lines * 8` words.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn wide_ymm(p: *const u64, lines: usize, ask: &dyn Fn(*const u64)) -> u64 {
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for l in 0..lines {
+        let at = p.add(8 * l);
+        ask(at);
+        acc[2 * (l % 2)] = _mm256_add_epi64(acc[2 * (l % 2)], _mm256_loadu_si256(at.cast()));
+        acc[2 * (l % 2) + 1] = _mm256_add_epi64(acc[2 * (l % 2) + 1], _mm256_loadu_si256(at.add(4).cast()));
+    }
+    let s = _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3]));
+    let mut out = [0u64; 4];
+    _mm256_storeu_si256(out.as_mut_ptr().cast(), s);
+    out.iter().fold(0, |a, &b| a.wrapping_add(b))
+}

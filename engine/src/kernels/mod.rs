@@ -663,45 +663,94 @@ pub fn stream_sum(words: &[u64], ahead: usize, l2_first: bool) -> u64 {
     acc.iter().fold(0, |a, &b| a.wrapping_add(b))
 }
 
+/// [`stream_sum`] with one 64-byte vector load a cache line (two 32-byte ones without 512-bit
+/// vectors), as the kernels read their weights. Eight word loads a line hold eight of the
+/// core's load-queue entries where a vector load holds one, so fewer lines are in flight: on
+/// the AMD EPYC (Zen 5) guest of 6 Dec 2026 the word reads' best was ~35 GB/s while decode
+/// read 56-61 GB/s of its weights (`tools/bench/sizes`, 1.7B and 7B: "1.6-1.8x the floor",
+/// llama.cpp's decode too above it).
+#[cfg(target_arch = "x86_64")]
+fn stream_sum_wide(words: &[u64], ahead: usize) -> u64 {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    let lines = words.len() / 8;
+    let ask = |p: *const u64| {
+        if ahead > 0 {
+            let at = p.cast::<i8>().wrapping_add(ahead);
+            // SAFETY: a prefetch reads nothing and never faults, wherever it points.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(at);
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(ahead::BEYOND));
+            }
+        }
+    };
+    let sum = if crate::simd::has_zmm() {
+        // SAFETY: AVX-512F checked; every line read lies in `words`.
+        unsafe { avx2::wide_zmm(words.as_ptr(), lines, &ask) }
+    } else if has_avx2() {
+        // SAFETY: AVX2 checked; as above.
+        unsafe { avx2::wide_ymm(words.as_ptr(), lines, &ask) }
+    } else {
+        return stream_sum(words, ahead, false);
+    };
+    words[lines * 8..].iter().fold(sum, |a, &w| a.wrapping_add(w))
+}
+
 /// Streaming-read bandwidth of `words` by `pool`'s threads, bytes/s: the best of `passes`
 /// whole reads in each of several ways, so that the memory floor (`llms bench --floor`, the
 /// `matvec_rate` example's "read") comes as near as we know how to the best read this machine
 /// gives at the hour (decode still reads faster at some slow hours: docs/notes/engine.md, "A
 /// floor the kernels beat"): 1 MiB pieces dealt to the threads as they come, read
 /// plainly (until 6 Dec 2026 the only way); and each thread reading its own run front to back
-/// as decode's products do (`for_runs`), asking for the lines ahead at several distances or at
-/// none ([`stream_sum`]). At a slow hour of this shared host (6 Dec 2026, 1.7B Q4_K_M, each
+/// as decode's products do (`for_runs`), a word at a time asking for the lines ahead at several
+/// distances or at none ([`stream_sum`]), or a vector load a line ([`stream_sum_wide`], since
+/// the evening of 6 Dec 2026). At a slow hour of this shared host (6 Dec 2026, 1.7B Q4_K_M, each
 /// way's best of 12 reads) the plain read gave 9.9 GB/s, the runs without asks 9.9, and with
 /// asks at 2-16 KiB 18.5-20.1, while the decode itself read ~18: against the plain read alone
 /// it ran at "1.8x the floor".
 pub fn floor_read(pool: &ThreadPool, words: &[u64], passes: usize) -> f64 {
     const PIECE: usize = (1 << 20) / 8;
-    // None: the plain read of dealt pieces; Some((d, l2_first)): runs, asking d bytes ahead
-    // (0: no asks) in either order of `stream_sum`.
-    const WAYS: [Option<(usize, bool)>; 8] = [
-        None,
-        Some((0, false)),
-        Some((2048, false)),
-        Some((4096, false)),
-        Some((8192, false)),
-        Some((4096, true)),
-        Some((8192, true)),
-        Some((16384, true)),
+    /// How a thread reads: 1 MiB pieces dealt as they come, read plainly; its own run front
+    /// to back a word at a time, asking `ahead` bytes on (0: no asks) in either order of
+    /// [`stream_sum`]; or its run a vector a line ([`stream_sum_wide`]).
+    #[derive(Clone, Copy)]
+    enum Way {
+        Dealt,
+        Words { ahead: usize, l2_first: bool },
+        Wide { ahead: usize },
+    }
+    const WAYS: [Way; 11] = [
+        Way::Dealt,
+        Way::Words { ahead: 0, l2_first: false },
+        Way::Words { ahead: 2048, l2_first: false },
+        Way::Words { ahead: 4096, l2_first: false },
+        Way::Words { ahead: 8192, l2_first: false },
+        Way::Words { ahead: 4096, l2_first: true },
+        Way::Words { ahead: 8192, l2_first: true },
+        Way::Words { ahead: 16384, l2_first: true },
+        Way::Wide { ahead: 0 },
+        Way::Wide { ahead: 2048 },
+        Way::Wide { ahead: 8192 },
     ];
     let sink = std::sync::atomic::AtomicU64::new(0);
     let mut best = 0.0f64;
     for _ in 0..passes {
         for way in WAYS {
             let read = |a: usize, b: usize| {
-                sink.fetch_add(
-                    stream_sum(&words[a..b], way.map_or(0, |w| w.0), way.is_some_and(|w| w.1)),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
+                let w = &words[a..b];
+                let sum = match way {
+                    Way::Dealt => stream_sum(w, 0, false),
+                    Way::Words { ahead, l2_first } => stream_sum(w, ahead, l2_first),
+                    #[cfg(target_arch = "x86_64")]
+                    Way::Wide { ahead } => stream_sum_wide(w, ahead),
+                    #[cfg(not(target_arch = "x86_64"))]
+                    Way::Wide { ahead } => stream_sum(w, ahead, false),
+                };
+                sink.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
             };
             let t = std::time::Instant::now();
             match way {
-                None => pool.for_chunks("read-floor", words.len(), PIECE, &read),
-                Some(_) => pool.for_runs("read-floor", words.len(), PIECE, &read),
+                Way::Dealt => pool.for_chunks("read-floor", words.len(), PIECE, &read),
+                _ => pool.for_runs("read-floor", words.len(), PIECE, &read),
             }
             #[allow(clippy::cast_precision_loss)]
             let bw = (words.len() * 8) as f64 / t.elapsed().as_secs_f64();
@@ -1075,7 +1124,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
-    fn stream_sum_is_the_wrapping_sum_whatever_it_asks_for() {
+    fn stream_sums_are_the_wrapping_sum_however_they_read() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         // Lengths that end inside a line, and words near the top so the sums wrap.
         for n in [0, 1, 7, 8, 9, 1000, 4099] {
@@ -1084,6 +1133,18 @@ mod tests {
             for ahead in [0, 64, 2048, 16384] {
                 for l2_first in [false, true] {
                     assert_eq!(stream_sum(&words, ahead, l2_first), want, "n {n}, ahead {ahead}, l2_first {l2_first}");
+                }
+                // The vector reads: the CPU's widest, and the 256-bit one wherever it runs.
+                #[cfg(target_arch = "x86_64")]
+                {
+                    assert_eq!(stream_sum_wide(&words, ahead), want, "wide, n {n}, ahead {ahead}");
+                    if has_avx2() {
+                        let lines = n / 8;
+                        let tail = words[lines * 8..].iter().fold(0u64, |a, &b| a.wrapping_add(b));
+                        // SAFETY: AVX2 checked; `lines` whole lines lie in `words`.
+                        let ymm = unsafe { avx2::wide_ymm(words.as_ptr(), lines, &|_| {}) };
+                        assert_eq!(ymm.wrapping_add(tail), want, "256-bit, n {n}");
+                    }
                 }
             }
         }
