@@ -471,3 +471,50 @@ fn http_conversations_and_branches_survive_kills() {
     }
     p.stop();
 }
+
+/// The CPU slice of each of process `pid`'s threads named `name`, as the kernel reports it
+/// (`sched_runtime`, ns: 0 before Linux 6.12).
+fn slices(pid: u32, name: &str) -> Vec<u64> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        if std::fs::read_to_string(e.path().join("comm")).unwrap_or_default().trim() != name {
+            continue;
+        }
+        let tid: libc::pid_t = e.file_name().to_string_lossy().parse().unwrap();
+        // SAFETY: an all-zero sched_attr is a valid value.
+        let mut a: libc::sched_attr = unsafe { std::mem::zeroed() };
+        let size = u32::try_from(std::mem::size_of::<libc::sched_attr>()).unwrap();
+        // SAFETY: sched_getattr(2) on another thread writes at most `size` bytes into `a`.
+        if unsafe { libc::syscall(libc::SYS_sched_getattr, tid, &raw mut a, size, 0u32) } == 0 {
+            out.push(a.sched_runtime);
+        }
+    }
+    out
+}
+
+/// The threads that carry tokens to apps (a native connection's, the HTTP front's runtime)
+/// ask for the kernel's shortest CPU slice, the model's threads for a long one (llmsd's
+/// sched.rs): a token does not wait for a pass's slice to end.
+#[test]
+fn the_threads_that_carry_tokens_ask_for_short_slices() {
+    if !kernel_ok() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = tokens_file(dir.path(), 0o600);
+    let d = Daemon::start(dir.path(), "slices", &dir.path().join("slices"), &settings(free_port(), &tokens));
+    // A connection thread serves this client.
+    let mut c = d.client("app");
+    c.stats().unwrap();
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let k = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    let probe = if k >= (6, 12) { Ok(()) } else { Err(format!("kernel {k:?} has none (Linux 6.12)")) };
+    if llms_tests::require_kernel("a per-thread CPU slice", probe).is_some() {
+        for (name, want) in [("llmsd-conn", 100_000), ("llmsd-http", 100_000), ("llmsd-worker", 10_000_000)] {
+            let got = slices(d.child.id(), name);
+            assert!(!got.is_empty() && got.iter().all(|&s| s == want), "{name}: {got:?}, want {want}");
+        }
+    }
+    d.stop();
+}

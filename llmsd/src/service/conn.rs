@@ -53,6 +53,7 @@ impl Service {
             // (a panic included); if the thread cannot start, the closure is dropped with it.
             let spawned = std::thread::Builder::new().name("llmsd-conn".into()).spawn(move || {
                 let _slot = slot;
+                crate::sched::short_slice_or_warn();
                 let mut stream = stream;
                 if let Err(p) = catch_unwind(AssertUnwindSafe(|| svc.connection(&mut stream, uid))) {
                     error!(

@@ -257,7 +257,12 @@ impl Service {
         if l.unix.is_none() && l.tcp.is_none() {
             return Ok(None);
         }
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("llmsd-http").enable_all().build()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("llmsd-http")
+            .on_thread_start(crate::sched::short_slice_or_warn)
+            .enable_all()
+            .build()?;
         let model_id = self.cfg.model.file_stem().map_or_else(|| "llms".into(), |s| s.to_string_lossy().into_owned());
         let (stop, stopped) = watch::channel(false);
         let front = Arc::new(Front {
