@@ -55,21 +55,24 @@ fn set_slice(ns: u64) -> std::io::Result<()> {
 /// (docs/notes/llmsd.md, "Tokens waiting for a core").
 pub const DELIVERY_SLICE_NS: u64 = 100_000;
 
-/// [`POOL_SLICE_NS`] for the calling thread; a refusal is logged once (the service works on
-/// without it).
-pub fn long_slice_or_warn() {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    if let Err(e) = set_slice(POOL_SLICE_NS) {
-        WARNED.call_once(|| tracing::warn!("the model's threads keep the default CPU slice: {e}"));
+/// Asks `ns` of slice for the calling thread; a refusal is logged once per `warned` (the
+/// service works on without it).
+fn slice_or_warn(ns: u64, warned: &std::sync::Once, who: &str) {
+    if let Err(e) = set_slice(ns) {
+        warned.call_once(|| tracing::warn!("{who} keep the default CPU slice: {e}"));
     }
 }
 
-/// [`DELIVERY_SLICE_NS`] for the calling thread; a refusal is logged once.
+/// [`POOL_SLICE_NS`] for the calling thread.
+pub fn long_slice_or_warn() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    slice_or_warn(POOL_SLICE_NS, &WARNED, "the model's threads");
+}
+
+/// [`DELIVERY_SLICE_NS`] for the calling thread.
 pub fn short_slice_or_warn() {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    if let Err(e) = set_slice(DELIVERY_SLICE_NS) {
-        WARNED.call_once(|| tracing::warn!("the threads that carry tokens keep the default CPU slice: {e}"));
-    }
+    slice_or_warn(DELIVERY_SLICE_NS, &WARNED, "the threads that carry tokens");
 }
 
 #[cfg(test)]

@@ -702,7 +702,7 @@ fn stream_sum_wide(words: &[u64], ahead: usize) -> u64 {
 /// floor the kernels beat"): 1 MiB pieces dealt to the threads as they come, read
 /// plainly (until 6 Dec 2026 the only way); and each thread reading its own run front to back
 /// as decode's products do (`for_runs`), a word at a time asking for the lines ahead at several
-/// distances or at none ([`stream_sum`]), or a vector load a line ([`stream_sum_wide`], since
+/// distances or at none ([`stream_sum`]), or a vector load a line (`stream_sum_wide`, since
 /// the evening of 6 Dec 2026). At a slow hour of this shared host (6 Dec 2026, 1.7B Q4_K_M, each
 /// way's best of 12 reads) the plain read gave 9.9 GB/s, the runs without asks 9.9, and with
 /// asks at 2-16 KiB 18.5-20.1, while the decode itself read ~18: against the plain read alone
