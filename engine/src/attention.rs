@@ -188,13 +188,21 @@ const SPAN_TOKENS: usize = 128;
 /// decoded up front to f32 (`slot_of` indexes `dec8` / `dec32` in blocks of [kvsel][kv head]).
 struct LayerBlocks<'a> {
     kv: &'a ChunkedKv,
-    layer: usize,
     hd: usize,
     n_kv_heads: usize,
     in_job: bool,
     slot_of: &'a [usize],
     dec8: &'a [u8],
     dec32: &'a [f32],
+    /// Per format (`KvFormat::ALL`'s order): where this layer starts in a chunk, and a K and a
+    /// V head block's bytes. Worked out once here: from the format at every block's ask and
+    /// read, they were 1.6% of a 7-context step on one thread (`perf`, docs/notes/engine.md).
+    geo: [[usize; 3]; KvFormat::ALL.len()],
+}
+
+/// [`LayerBlocks::geo`] of `layer` in `kv`'s chunks.
+fn layer_geometry(kv: &ChunkedKv, layer: usize) -> [[usize; 3]; KvFormat::ALL.len()] {
+    KvFormat::ALL.map(|f| [kv.block_offset(f, layer, 0, 0), kv.geom.head_block_bytes(f, 0), kv.geom.head_block_bytes(f, 1)])
 }
 
 /// A job's buffers for [`LayerBlocks::rows`]: a Q4/Q2 block decoded to int8, a split K
@@ -289,9 +297,11 @@ impl<'a> LayerBlocks<'a> {
 
     /// Chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh` as stored in format `f`.
     fn stored(&self, ch: usize, f: KvFormat, kvsel: usize, kvh: usize) -> &'a [u8] {
-        let kv = self.kv;
-        let off = kv.block_offset(f, self.layer, kvsel, kvh);
-        &kv.chunk(ch)[off..off + kv.geom.head_block_bytes(f, kvsel)]
+        // `KvFormat::ALL` lists the formats in their declared order.
+        let [layer0, k_bytes, v_bytes] = self.geo[f as usize];
+        let bytes = if kvsel == 0 { k_bytes } else { v_bytes };
+        let off = layer0 + kvsel * self.n_kv_heads * k_bytes + kvh * bytes;
+        &self.kv.chunk(ch)[off..off + bytes]
     }
 
     /// The rows of chunk `ch`'s K (`kvsel` 0) or V (1) block of KV head `kvh`, of which the
@@ -379,7 +389,8 @@ pub(crate) fn attention(
     }
     let (mut dec8, mut dec32) = DECODED.with(|d| std::mem::take(&mut *d.borrow_mut()));
     let slot_of = decode_up_front(pool, c, kv, layer, positions, false, &mut dec8, &mut dec32);
-    let lb = LayerBlocks { kv, layer, hd, n_kv_heads: c.n_kv_heads, in_job: false, slot_of: &slot_of, dec8: &dec8, dec32: &dec32 };
+    let geo = layer_geometry(kv, layer);
+    let lb = LayerBlocks { kv, hd, n_kv_heads: c.n_kv_heads, in_job: false, slot_of: &slot_of, dec8: &dec8, dec32: &dec32, geo };
     let outp = OutPtr::new(out);
     pool.for_chunks("attention tiles", sets * tiles, 1, &|a, b| {
         TILE_JOB.with(|cell| {
@@ -581,7 +592,16 @@ pub(crate) fn attend_spans(pool: &ThreadPool, c: &Config, layer: usize, ld: usiz
     let lbs: Vec<LayerBlocks> = ctxs
         .iter()
         .zip(&decoded)
-        .map(|(d, (slot_of, d8, d32))| LayerBlocks { kv: d.kv, layer, hd, n_kv_heads: nkv, in_job: true, slot_of, dec8: d8, dec32: d32 })
+        .map(|(d, (slot_of, d8, d32))| LayerBlocks {
+            kv: d.kv,
+            hd,
+            n_kv_heads: nkv,
+            in_job: true,
+            slot_of,
+            dec8: d8,
+            dec32: d32,
+            geo: layer_geometry(d.kv, layer),
+        })
         .collect();
     let (mut nq_all, mut sc_all, mut pa_all) = (0, 0, 0);
     let plans: Vec<SpanPlan> = ctxs

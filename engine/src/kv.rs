@@ -1400,6 +1400,13 @@ mod tests {
     /// The int8 writer's rounding is libm's `round` then the clamp, for every input: halves of
     /// either sign (away from zero), the clamp's edges, values far past it, infinities, NaN,
     /// -0 and random bit patterns.
+    /// `KvFormat::ALL` is in declared order: `f as usize` indexes tables built from it
+    /// (attention's per-format block offsets).
+    #[test]
+    fn every_format_is_listed_in_declared_order() {
+        assert!(KvFormat::ALL.iter().enumerate().all(|(i, &f)| f as usize == i));
+    }
+
     #[test]
     fn int8_codes_round_as_libm_does() {
         let libm = |y: f32| y.round().clamp(-127.0, 127.0) as i8;
