@@ -13,8 +13,8 @@
 //!
 //! `cargo run --release -p engine --example matvec_rate [-- MiB_of_the_large_matrix]`
 //!
-//! `... --example matvec_rate -- rows [q4_0|q4_1|q8_0|q4_k|q6_k]`: instead, the time of one product
-//! against 1, 2, 3, 4 and 8 token rows at once (a batched decode step's rows, the 512-bit pair
+//! `... --example matvec_rate -- rows [q4_0|q4_1|q8_0|q4_k|q6_k] [threads]`: instead, the time of one product
+//! against 1 to 8 token rows at once (a batched decode step's rows, the 512-bit pair
 //! tiles where the CPU has them) over the default model's width (576 columns; 2048 for the
 //! K-quants, whose blocks are 256 wide), from L2 and
 //! from DRAM, as a multiple of one row's: what a row more costs once the weights are read.
@@ -117,9 +117,10 @@ fn warm_tuner(pool: &ThreadPool) {
     drop((mats, arena));
 }
 
-/// The `rows` mode (see the top): seconds per product against `n` rows, the best of 7 rounds.
-fn rows_table(ty: GgmlType) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+/// The `rows` mode (see the top): seconds per product against `n` rows, the best of 7 rounds,
+/// on `threads` (default: every core; one is the service's steps beside its prompt lane).
+fn rows_table(ty: GgmlType, threads: Option<usize>) {
+    let threads = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
     let pool = ThreadPool::new(threads);
     // The default model's width; K-quants' blocks are 256 wide, so theirs is a 1.7B model's.
     let cols = if ty.block_size() == 256 { 2048 } else { 576 };
@@ -127,7 +128,7 @@ fn rows_table(ty: GgmlType) {
     for (label, rows) in [("L2", 512usize), ("DRAM", 131_072 * 576 / cols)] {
         let w = PackedWeight::pack(ty, rows, cols, &matrix(ty, rows, cols)).expect("a packed type");
         let mut one = 0.0;
-        for n in [1usize, 2, 3, 4, 8] {
+        for n in 1usize..=8 {
             let x: Vec<f32> = (0..n * cols).map(|i| ((i as f32) * 0.37).sin()).collect();
             let mut acts = Acts::default();
             acts.prepare(&x, n, cols, &[act_kind(ty)], &pool);
@@ -217,7 +218,8 @@ fn main() {
             Some("q6_k") => GgmlType::Q6K,
             _ => GgmlType::Q4_1,
         };
-        return rows_table(ty);
+        let threads = std::env::args().nth(3).and_then(|t| t.parse().ok());
+        return rows_table(ty, threads);
     }
     let big_mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
     // The products run through decode's tuner (`ahead::tuned`): at `LLMS_PREFETCH_AHEAD`'s

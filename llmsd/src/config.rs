@@ -304,6 +304,14 @@ impl Config {
     }
 
     /// The ablations asked for, checked.
+    /// Whether contexts accumulate the attention each token receives: only the llms policy
+    /// with more than one level picks levels by it, and not with compression ablated.
+    pub fn observes_attention(&self) -> bool {
+        self.policy().is_ok_and(|p| p == Policy::Llms)
+            && self.level_formats().is_ok_and(|l| l.len() > 1)
+            && !self.ablations().is_ok_and(|a| a.compression)
+    }
+
     pub fn ablations(&self) -> Result<Ablations> {
         let mut a = Ablations::default();
         for x in &self.ablate {

@@ -47,6 +47,9 @@ pub struct Report {
     pub ttft_ms_p99: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
+    /// The gaps' mean: with every client waiting for its tokens, about the clients over the
+    /// aggregate rate (what the cores' share a client gets allows, whatever the schedule).
+    pub itl_ms_mean: f64,
     pub output_tokens: u64,
     /// Calls whose answers came with more than one call in a pass at some step.
     pub batched_calls: u64,
@@ -323,6 +326,7 @@ fn drive(prompts: Vec<Vec<String>>, long: String, load: Load, sock: &Path, since
         ttft_ms_p99: percentile(&mut ttft, 0.99),
         itl_ms_p50: percentile(&mut itl, 0.5),
         itl_ms_p99: percentile(&mut itl, 0.99),
+        itl_ms_mean: itl.iter().sum::<f64>() / itl.len().max(1) as f64,
         output_tokens,
         batched_calls: figures.iter().filter(|f| f.3 > 1).count() as u64,
         long_prefill_calls,
@@ -365,7 +369,8 @@ fn check_tokens(ids: &[u32], b: usize, depth: usize, extra: usize) -> Result<()>
 /// B contexts of `depth` tokens of `ids` (each from its own offset), then `tokens` decode steps
 /// with `Session::decode_batch` (one forward pass per step for all B), timed: the median over
 /// `reps` of the aggregate tokens/s and of the step time (ms). `ids` holds at least
-/// `depth + 7 b` tokens.
+/// `depth + 7 b` tokens. The sessions keep their K/V in `base` and, with `observe`, accumulate
+/// the attention each token receives (llmsd's: its base level, observed when it picks levels).
 #[allow(clippy::too_many_arguments)]
 pub fn batch_decode(
     model: &Arc<::engine::Model>,
@@ -376,11 +381,13 @@ pub fn batch_decode(
     tokens: usize,
     reps: usize,
     profile: bool,
+    base: ::engine::kv::KvFormat,
+    observe: bool,
 ) -> Result<(f64, f64)> {
     use ::engine::model::{Scratch, SessionOptions};
     use ::engine::{Logits, Session};
     check_tokens(ids, b, depth, 0)?;
-    let opts = SessionOptions { capacity: depth + tokens + 1, ..SessionOptions::new(depth + tokens + 1) };
+    let opts = SessionOptions { base, observe_attention: observe, ..SessionOptions::new(depth + tokens + 1) };
     let (mut rates, mut steps) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         let mut sessions: Vec<Session> = (0..b).map(|_| Session::with_options(Arc::clone(model), Arc::clone(pool), opts)).collect();

@@ -36,10 +36,10 @@ fn every_bench_command_runs_at_its_smallest() {
         ("bench-load", &["--tokens", "64", "--reps", "1", "--state-dir", s]),
         ("bench-switch", &["--tokens", "160", "--reps", "1", "--state-dir", s]),
         ("bench-http", &["--turns", "2", "--user-tokens", "8", "--reply-tokens", "4", "--reps", "1", "--state-dir", s]),
-        ("bench-batch", &["--sizes", "1", "2", "--depth", "16", "--tokens", "4", "--reps", "1", "--piece", "4"]),
+        ("bench-batch", &["--sizes", "1", "2", "--depth", "16", "--tokens", "4", "--reps", "1", "--piece", "4", "--sessions", "service"]),
         ("bench-tokenize", &["--bytes", "4096", "--reps", "1"]),
         ("bench-doors", &["--chars", "2000", "--reps", "1", "--state-dir", s]),
-        ("bench-serve", &["--clients", "2", "--calls", "1", "--prompt-tokens", "8", "--max-tokens", "4", "--state-dir", s]),
+        ("bench-serve", &["--clients", "2", "--calls", "1", "--prompt-tokens", "8", "--max-tokens", "4", "--vs-solo", "--state-dir", s]),
         ("bench-weights", &["--budgets", "50", "--tg", "4", "--reps", "1"]),
         ("bench-uffd", &["--reps", "3"]),
     ];
@@ -54,6 +54,17 @@ fn every_bench_command_runs_at_its_smallest() {
                 for k in ["step_ms", "mixed_ms", "alone_ms"] {
                     assert!(t[k].as_f64().is_some_and(|ms| ms > 0.0), "bench-batch --piece: {k} in {row}");
                 }
+            }
+        }
+        if cmd == "bench-batch" {
+            // --sessions service: the rows say which sessions they timed.
+            assert!(v.as_array().unwrap().iter().all(|r| r["sessions"] == "service"), "bench-batch --sessions service: {v}");
+        }
+        if cmd == "bench-serve" {
+            // --vs-solo: the engine's own step for the clients' contexts and the gaps' mean,
+            // each against the lone client's p99 (the floors docs/llmsd.md reads the bound by).
+            for k in ["engine_batch_gain", "engine_batch_step_ms", "engine_step_vs_solo_itl_p99", "itl_mean_vs_solo_p99", "itl_ms_mean"] {
+                assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "bench-serve --vs-solo: {k} in {v}");
             }
         }
         eprintln!("{cmd}: {}", v.to_string().chars().take(200).collect::<String>());

@@ -351,14 +351,13 @@ impl Service {
     }
 
     fn session(&self) -> Session {
-        let policy = self.cfg.policy().unwrap_or(Policy::Llms);
         let levels = self.cfg.level_formats().unwrap_or_else(|_| vec![KvFormat::Int8]);
         let opts = SessionOptions {
             capacity: self.cfg.max_context_tokens,
             chunk_tokens: self.cfg.chunk_tokens,
             base: levels[0],
             // Densities are only needed to pick compression levels.
-            observe_attention: policy == Policy::Llms && levels.len() > 1 && !self.cfg.ablations().is_ok_and(|a| a.compression),
+            observe_attention: self.cfg.observes_attention(),
             sliding_window: None,
         };
         let mut s = Session::with_options(Arc::clone(&self.model), Arc::clone(&self.pool), opts);

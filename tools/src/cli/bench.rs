@@ -281,10 +281,22 @@ pub struct BenchBatchArgs {
     /// of B contexts spends its time, operation by operation.
     #[arg(long)]
     pub pool_report: bool,
+    /// The decoding contexts' sessions: `engine` (the engine's defaults: f16 cache, no
+    /// attention observed) or `service` (llmsd's: int8 cache, the attention each token
+    /// receives observed for the compression levels), so a step is timed as the service runs it.
+    #[arg(long, value_enum, default_value_t = Sessions::Engine)]
+    pub sessions: Sessions,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub m: ModelArgs,
+}
+
+/// Which sessions `llms bench-batch` decodes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sessions {
+    Engine,
+    Service,
 }
 
 impl BenchBatchArgs {
@@ -293,7 +305,10 @@ impl BenchBatchArgs {
     /// median over `reps` of aggregate tokens/s and of the step time (each context's
     /// inter-token latency), and both as ratios to B = 1 measured in the same run.
     pub fn run(self) -> Result<()> {
-        let Self { sizes, depth, tokens, reps, piece, pool_report, json, m } = self;
+        let Self { sizes, depth, tokens, reps, piece, pool_report, sessions, json, m } = self;
+        let service = sessions == Sessions::Service;
+        // llmsd's sessions at its defaults: its base level, observed for its levels.
+        let (kv, observe) = if service { (::engine::kv::KvFormat::Int8, true) } else { (::engine::kv::KvFormat::F16, false) };
         if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
             bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
         }
@@ -311,10 +326,10 @@ impl BenchBatchArgs {
         let mut pieces = Vec::new();
         let mut reports = Vec::new();
         for &b in &sizes {
-            let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps, false)?;
+            let (rate, step) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, reps, false, kv, observe)?;
             rows.push((b, rate, step));
             if pool_report {
-                let (_, ms) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, 1, true)?;
+                let (_, ms) = crate::servebench::batch_decode(&model, &pool, &ids, b, depth, tokens, 1, true, kv, observe)?;
                 #[allow(clippy::cast_precision_loss)]
                 let secs = ms * tokens as f64 / 1000.0;
                 let (text, v) = super::model::pool_report(&format!("{b} context(s), {tokens} steps"), tokens, &pool.take_profile(), secs);
@@ -330,7 +345,7 @@ impl BenchBatchArgs {
                 .iter()
                 .enumerate()
                 .map(|(i, &(b, rate, step))| {
-                    let mut v = json!({"batch": b, "aggregate_tok_s": rate, "step_ms": step,
+                    let mut v = json!({"batch": b, "sessions": if service { "service" } else { "engine" }, "aggregate_tok_s": rate, "step_ms": step,
                            "vs_one": base.map(|(r, _)| rate / r), "step_vs_one": base.map(|(_, s)| step / s)});
                     if let (Some(p), Some(t)) = (piece, pieces.get(i)) {
                         v["piece"] = json!({"tokens": p, "kv": "int8", "times": t});
@@ -344,7 +359,11 @@ impl BenchBatchArgs {
             println!("{}", serde_json::to_string(&v)?);
             return Ok(());
         }
-        println!("decode of B contexts of {depth} tokens together, {tokens} steps, medians of {reps} ({} threads)", pool.threads());
+        let kind = if service { "the service's sessions: int8, attention observed" } else { "f16 cache" };
+        println!(
+            "decode of B contexts of {depth} tokens together ({kind}), {tokens} steps, medians of {reps} ({} threads)",
+            pool.threads()
+        );
         println!("{:>5} {:>12} {:>10} {:>8} {:>10}", "B", "agg tok/s", "step ms", "vs B=1", "step/B=1");
         for &(b, rate, step) in &rows {
             let (r1, s1) = base.unwrap_or((rate, step));
@@ -549,13 +568,17 @@ impl BenchServeArgs {
                     crate::servebench::call_depths(calls, prompt_tokens, max_tokens, base.max_context_tokens);
                 let need = 7 * clients + decode_depth.max(prompt_depth + prompt_tokens);
                 let ids = crate::servebench::text_of_length(&model.tokenizer.encode(&text, false, false)?, need)?;
-                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3, false)?;
-                let (many, _) = crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3, false)?;
+                // The service's own sessions (its base level, observed when it picks levels):
+                // the gain of the contexts it runs, not of the engine's f16 defaults.
+                let observe = base.observes_attention();
+                let (one, _) = crate::servebench::batch_decode(&model, &pool, &ids, 1, decode_depth, max_tokens, 3, false, kv, observe)?;
+                let (many, sn) =
+                    crate::servebench::batch_decode(&model, &pool, &ids, clients, decode_depth, max_tokens, 3, false, kv, observe)?;
                 // Calls that start together wait for all their prompts: the pass that prefills
                 // them all against one prompt's pass is what the TTFT ratio can reach then.
                 let p1 = crate::servebench::batch_prefill(&model, &pool, &ids, 1, prompt_depth, prompt_tokens, 3, kv)?;
                 let pn = crate::servebench::batch_prefill(&model, &pool, &ids, clients, prompt_depth, prompt_tokens, 3, kv)?;
-                Some((many / one, pn / p1, decode_depth))
+                Some((many / one, pn / p1, decode_depth, sn))
             } else {
                 None
             };
@@ -569,11 +592,14 @@ impl BenchServeArgs {
                 v["solo"] = serde_json::to_value(s)?;
                 v["aggregate_vs_solo"] = json!(r.aggregate_tok_s / s.aggregate_tok_s);
                 v["itl_p99_vs_solo"] = json!(r.itl_ms_p99 / s.itl_ms_p99);
+                v["itl_mean_vs_solo_p99"] = json!(r.itl_ms_mean / s.itl_ms_p99);
                 v["ttft_p50_vs_solo"] = json!(r.ttft_ms_p50 / s.ttft_ms_p50);
             }
-            if let (Some((g, p, depth)), Some(s)) = (gain, &solo) {
+            if let (Some((g, p, depth, step)), Some(s)) = (gain, &solo) {
                 v["engine_batch_gain"] = json!(g);
                 v["engine_batch_depth"] = json!(depth);
+                v["engine_batch_step_ms"] = json!(step);
+                v["engine_step_vs_solo_itl_p99"] = json!(step / s.itl_ms_p99);
                 v["aggregate_vs_engine_gain"] = json!(r.aggregate_tok_s / s.aggregate_tok_s / g);
                 v["engine_prefill_together"] = json!(p);
             }
@@ -610,10 +636,19 @@ impl BenchServeArgs {
                 r.itl_ms_p99 / s.itl_ms_p99,
                 r.ttft_ms_p50 / s.ttft_ms_p50
             );
-            if let Some((g, p, depth)) = gain {
+            println!(
+                "  the {clients} clients' mean gap, {:.2} ms, is {:.2}x the lone client's ITL p99: an ITL p99 ratio below it needs gaps whose tail is shorter, against their mean, than the lone client's",
+                r.itl_ms_mean,
+                r.itl_ms_mean / s.itl_ms_p99
+            );
+            if let Some((g, p, depth, step)) = gain {
                 println!(
-                    "  the engine decodes {clients} contexts {depth} tokens deep together at {g:.2}x one's (llms bench-batch): the service keeps {:.2} of that gain",
+                    "  the engine decodes {clients} contexts {depth} tokens deep together at {g:.2}x one's (llms bench-batch --sessions service): the service keeps {:.2} of that gain",
                     agg / g
+                );
+                println!(
+                    "  the engine's {clients}-context step alone, {step:.2} ms, is {:.2}x the lone client's ITL p99: while all {clients} calls decode, every gap holds one",
+                    step / s.itl_ms_p99
                 );
                 println!(
                     "  the engine prefills {clients} prompts together in {p:.2}x one prompt's pass (the TTFT of calls that start together)"
