@@ -612,9 +612,10 @@ impl Service {
         let mut active: Vec<Active> = Vec::new();
         let mut cost = PassCost::default();
         std::thread::scope(|sc| {
-            let mut lane = self.lanes.as_ref().map(|lanes| {
+            let mut lane = self.lanes.as_ref().and_then(|lanes| {
                 let (done_tx, done) = mpsc::channel::<LaneDone>();
-                sc.spawn(move || {
+                // Named, so `ps -L`, `perf` and /proc tell it from the worker that spawned it.
+                let spawned = std::thread::Builder::new().name("llmsd-lane".into()).spawn_scoped(sc, move || {
                     crate::sched::long_slice_or_warn();
                     // However the thread ends, the gate is shut and the lent cores given back.
                     struct Exit<'a>(&'a Lanes, &'a ThreadPool);
@@ -644,7 +645,15 @@ impl Service {
                         }
                     }
                 });
-                Lane { lanes, done, busy: None, gone: false }
+                match spawned {
+                    Ok(_) => Some(Lane { lanes, done, busy: None, gone: false }),
+                    Err(e) => {
+                        // Without its thread the gate never opens: prompts go in pieces.
+                        error!("the prefill lane's thread did not start ({e}); prompts go in pieces beside decoding calls");
+                        lanes.gate.shut();
+                        None
+                    }
+                }
             });
             loop {
                 let t0 = Instant::now();
