@@ -411,10 +411,14 @@ fn a_call_the_lane_cannot_start_is_answered_and_the_lane_goes_on() {
     let settings = format!("{EXACT}max_batch = 4\nprefill_lane = true\n");
     let d = Daemon::start_env(dir.path(), "lane-start", &dir.path().join("state"), &settings, &env);
     let (go, started) = std::sync::mpsc::channel::<()>();
-    // The steady call's tokens so far: the later call waits for a few more after the failed
-    // one's answer, so that it is put in line during a later pass (one put in line during the
-    // same pass waits for the worker, as the lane is then still held by the failed call).
-    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // When each of the steady call's tokens came: the later call waits for a few more after
+    // the failed one's answer, so that it is put in line during a later pass (one put in line
+    // during the same pass waits for the worker, as the lane is then still held by the failed
+    // call), and then for half a step, so that it lands inside a pass. Sent the moment a token
+    // arrived, it came as the pass that made the token ended, often in the worker's gap
+    // between passes, where the worker starts it: one `make test` run had none of the 3 tries
+    // started by the lane.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<std::time::Instant>::new()));
     let others = std::thread::spawn({
         let (socket, seen) = (d.socket.clone(), Arc::clone(&seen));
         move || {
@@ -430,12 +434,17 @@ fn a_call_the_lane_cannot_start_is_answered_and_the_lane_goes_on() {
             // never given back starts none of them.
             let mut later = None;
             for _ in 0..3 {
-                let at = seen.load(std::sync::atomic::Ordering::SeqCst);
+                let at = seen.lock().unwrap().len();
                 // (A hang guard, not a timing assertion: the steady call has tokens to spare.)
                 let t0 = std::time::Instant::now();
-                while seen.load(std::sync::atomic::Ordering::SeqCst) < at + 3 && t0.elapsed() < Duration::from_secs(300) {
+                while seen.lock().unwrap().len() < at + 3 && t0.elapsed() < Duration::from_secs(300) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
+                let step = {
+                    let s = seen.lock().unwrap();
+                    s[s.len() - 1].duration_since(s[s.len() - 2])
+                };
+                std::thread::sleep(step / 2);
                 later = Some(good.call(&raw(&good_ctx, TEXTS[2], 8), &mut |_| {}).unwrap());
                 if good.stats().unwrap().lane_starts > 0 {
                     break;
@@ -448,7 +457,9 @@ fn a_call_the_lane_cannot_start_is_answered_and_the_lane_goes_on() {
     let ctx = c.new_ctx(None).unwrap();
     let (out, _) = c
         .call(&raw(&ctx, TEXTS[0], 96), &mut |_| {
-            if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let mut s = seen.lock().unwrap();
+            s.push(std::time::Instant::now());
+            if s.len() == 1 {
                 let _ = go.send(());
             }
         })
