@@ -23,6 +23,28 @@ impl AttentionStats {
     /// Adds attention rows (`probs[i * ld ..][..limits[i]]`, one row per query of one head
     /// of one layer): every position a row can see gets its probability and one count.
     pub fn add_rows(&mut self, probs: &[f32], ld: usize, limits: &[usize]) {
+        // The crate builds for baseline x86-64, where these loops took 2 lanes at a time
+        // (SSE2); each position's sums are the same operations in the same order at any width.
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx2() {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { self.add_rows_avx2(probs, ld, limits) };
+        }
+        self.add_rows_body(probs, ld, limits);
+    }
+
+    /// [`Self::add_rows`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn add_rows_avx2(&mut self, probs: &[f32], ld: usize, limits: &[usize]) {
+        self.add_rows_body(probs, ld, limits);
+    }
+
+    #[inline(always)]
+    fn add_rows_body(&mut self, probs: &[f32], ld: usize, limits: &[usize]) {
         for (i, &lim) in limits.iter().enumerate() {
             if self.sum.len() < lim {
                 self.sum.resize(lim, 0.0);
@@ -45,6 +67,27 @@ impl AttentionStats {
     /// the longest row): per position, the probabilities the rows give it and how many rows
     /// see it.
     pub fn totals(probs: &[f32], ld: usize, limits: &[usize], sum: &mut Vec<f64>, count: &mut Vec<u64>) {
+        // As `add_rows`: the same sums at any width, on AVX2 where the CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx2() {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { Self::totals_avx2(probs, ld, limits, sum, count) };
+        }
+        Self::totals_body(probs, ld, limits, sum, count);
+    }
+
+    /// [`Self::totals`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn totals_avx2(probs: &[f32], ld: usize, limits: &[usize], sum: &mut Vec<f64>, count: &mut Vec<u64>) {
+        Self::totals_body(probs, ld, limits, sum, count);
+    }
+
+    #[inline(always)]
+    fn totals_body(probs: &[f32], ld: usize, limits: &[usize], sum: &mut Vec<f64>, count: &mut Vec<u64>) {
         let n = limits.iter().copied().max().unwrap_or(0);
         sum.clear();
         sum.resize(n, 0.0);
@@ -948,6 +991,16 @@ mod tests {
         assert_eq!(rows.count, totals.count);
         assert!(rows.sum == totals.sum, "the same sums");
         assert_eq!(totals.count[..3], [7, 6, 6]);
+        // The vector builds (AVX2 where the CPU has it) against the plain loops, any values.
+        let probs: Vec<f32> = (0..limits.len() * ld).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let (mut wide, mut plain) = (AttentionStats::default(), AttentionStats::default());
+        wide.add_rows(&probs, ld, &limits);
+        plain.add_rows_body(&probs, ld, &limits);
+        assert!(wide.sum == plain.sum && wide.count == plain.count, "add_rows");
+        let (mut s2, mut c2) = (Vec::new(), Vec::new());
+        AttentionStats::totals(&probs, ld, &limits, &mut sum, &mut count);
+        AttentionStats::totals_body(&probs, ld, &limits, &mut s2, &mut c2);
+        assert!(sum == s2 && count == c2, "totals");
     }
 
     /// Attention over chunks in every format equals a plain f32 attention over their
