@@ -303,7 +303,6 @@ impl Config {
         Ok(v)
     }
 
-    /// The ablations asked for, checked.
     /// Whether contexts accumulate the attention each token receives: only the llms policy
     /// with more than one level picks levels by it, and not with compression ablated.
     pub fn observes_attention(&self) -> bool {
@@ -312,6 +311,7 @@ impl Config {
             && !self.ablations().is_ok_and(|a| a.compression)
     }
 
+    /// The ablations asked for, checked.
     pub fn ablations(&self) -> Result<Ablations> {
         let mut a = Ablations::default();
         for x in &self.ablate {

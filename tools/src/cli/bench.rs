@@ -307,8 +307,13 @@ impl BenchBatchArgs {
     pub fn run(self) -> Result<()> {
         let Self { sizes, depth, tokens, reps, piece, pool_report, sessions, json, m } = self;
         let service = sessions == Sessions::Service;
-        // llmsd's sessions at its defaults: its base level, observed for its levels.
-        let (kv, observe) = if service { (::engine::kv::KvFormat::Int8, true) } else { (::engine::kv::KvFormat::F16, false) };
+        // llmsd's sessions at its default settings: its base level, observed for its levels.
+        let (kv, observe) = if service {
+            let cfg = llmsd::config::Config::default();
+            (cfg.level_formats()?.first().copied().unwrap_or(::engine::kv::KvFormat::Int8), cfg.observes_attention())
+        } else {
+            (::engine::kv::KvFormat::F16, false)
+        };
         if sizes.is_empty() || sizes.iter().any(|&b| !(1..=64).contains(&b)) || reps == 0 || tokens == 0 || !(1..=4000).contains(&depth) {
             bail!("--sizes in 1..=64, --depth in 1..=4000, --tokens and --reps at least 1");
         }
@@ -359,7 +364,11 @@ impl BenchBatchArgs {
             println!("{}", serde_json::to_string(&v)?);
             return Ok(());
         }
-        let kind = if service { "the service's sessions: int8, attention observed" } else { "f16 cache" };
+        let kind = if service {
+            format!("the service's sessions: {}, attention {}", kv.name(), if observe { "observed" } else { "not observed" })
+        } else {
+            "f16 cache".to_string()
+        };
         println!(
             "decode of B contexts of {depth} tokens together ({kind}), {tokens} steps, medians of {reps} ({} threads)",
             pool.threads()
