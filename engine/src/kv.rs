@@ -1397,9 +1397,6 @@ mod tests {
 
     const G: KvGeometry = KvGeometry { n_layers: 2, n_kv_heads: 3, head_dim: 64, chunk_tokens: 16 };
 
-    /// The int8 writer's rounding is libm's `round` then the clamp, for every input: halves of
-    /// either sign (away from zero), the clamp's edges, values far past it, infinities, NaN,
-    /// -0 and random bit patterns.
     /// `KvFormat::ALL` is in declared order: `f as usize` indexes tables built from it
     /// (attention's per-format block offsets).
     #[test]
@@ -1407,6 +1404,9 @@ mod tests {
         assert!(KvFormat::ALL.iter().enumerate().all(|(i, &f)| f as usize == i));
     }
 
+    /// The int8 writer's rounding is libm's `round` then the clamp, for every input: halves of
+    /// either sign (away from zero), the clamp's edges, values far past it, infinities, NaN,
+    /// -0 and random bit patterns.
     #[test]
     fn int8_codes_round_as_libm_does() {
         let libm = |y: f32| y.round().clamp(-127.0, 127.0) as i8;
